@@ -1,0 +1,148 @@
+"""Functional optimizers over ``dict[str, Tensor]``, optax style.
+
+An optimizer is a pair of pure functions::
+
+    opt = adamw(lr=1e-3)
+    state = opt.init(params)
+    params, state = opt.update(grads, state, params)
+
+Every rule is elementwise: the update of element ``k`` of a parameter reads only element ``k``
+of the parameter, its gradient and its state (plus the step count). Applying an optimizer to any
+slice of a tensor therefore gives exactly the same slice of the result, which is what lets
+ZeRO-1/2/3 update only the shard a rank owns, and what ZenFlow relies on to move columns
+between device and host. Proved by ``property_tests/test_optim.py``.
+
+The arithmetic follows ``torch.optim.SGD`` / ``torch.optim.AdamW`` (foreach=False) operation
+for operation, so results match to float rounding (``test_optimizers_match_torch_optim``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+Params = dict[str, Tensor]
+OptState = dict[str, object]
+
+
+class Optimizer(NamedTuple):
+    """Two pure functions: ``init(params) -> state`` and
+    ``update(grads, state, params) -> (new_params, new_state)``. Inputs are never mutated."""
+
+    init: Callable[[Params], OptState]
+    update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
+
+
+def _check_same_keys(grads: Params, params: Params) -> None:
+    if grads.keys() != params.keys():
+        missing = sorted(set(params) - set(grads))
+        extra = sorted(set(grads) - set(params))
+        raise KeyError(f"gradients and parameters differ: missing {missing}, unexpected {extra}")
+
+
+def sgd_kernel(p: Tensor, g: Tensor, buf: Tensor, *, lr: float, momentum: float) -> tuple[Tensor, Tensor]:
+    """One elementwise SGD step. Returns ``(new_p, new_buf)``.
+
+    With ``momentum == 0`` the buffer is unused and returned unchanged. Torch seeds the
+    momentum buffer with the first gradient; a zero buffer gives the same bits
+    (``momentum * 0 + g == g``)."""
+    if momentum == 0.0:
+        return p - lr * g, buf
+    new_buf = buf * momentum + g
+    return p - lr * new_buf, new_buf
+
+
+def sgd(lr: float, momentum: float = 0.0) -> Optimizer:
+    """Stochastic gradient descent, optionally with heavy-ball momentum (torch's convention).
+
+    Guarantees: elementwise; equals ``torch.optim.SGD(lr, momentum)`` step for step.
+    State: ``{"count": int, "momentum": dict}`` (the dict is empty when ``momentum == 0``)."""
+    if lr < 0 or momentum < 0:
+        raise ValueError(f"sgd needs lr >= 0 and momentum >= 0, got lr={lr}, momentum={momentum}")
+
+    def init(params: Params) -> OptState:
+        bufs = {k: torch.zeros_like(v) for k, v in params.items()} if momentum else {}
+        return {"count": 0, "momentum": bufs}
+
+    def update(grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:
+        _check_same_keys(grads, params)
+        new_params, new_bufs = {}, {}
+        for k, p in params.items():
+            buf = state["momentum"].get(k, p)  # type: ignore[union-attr]
+            new_params[k], b = sgd_kernel(p, grads[k], buf, lr=lr, momentum=momentum)
+            if momentum:
+                new_bufs[k] = b
+        return new_params, {"count": state["count"] + 1, "momentum": new_bufs}  # type: ignore[operator]
+
+    return Optimizer(init, update)
+
+
+def adamw_kernel(
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    count: int | Tensor,
+    *,
+    lr: float,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One elementwise AdamW step, ``count`` = the number of this step (1 on the first update).
+
+    ``count`` may be a tensor broadcastable to ``p``: ZenFlow keeps a per-element count of the
+    updates actually applied. Returns ``(new_p, new_m, new_v)``; same operation order as
+    ``torch.optim.AdamW`` (single-tensor path)."""
+    p = p * (1 - lr * weight_decay)
+    m = m * b1 + g * (1 - b1)
+    v = v * b2 + g * g * (1 - b2)
+    if isinstance(count, Tensor):
+        bc1 = 1 - torch.pow(torch.as_tensor(b1, dtype=p.dtype), count.to(p.dtype))
+        bc2_sqrt = torch.sqrt(1 - torch.pow(torch.as_tensor(b2, dtype=p.dtype), count.to(p.dtype)))
+    else:
+        bc1 = 1 - b1**count
+        bc2_sqrt = math.sqrt(1 - b2**count)
+    step_size = lr / bc1
+    denom = v.sqrt() / bc2_sqrt + eps
+    return p - step_size * (m / denom), m, v
+
+
+def adamw(
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> Optimizer:
+    """Adam with decoupled weight decay (Loshchilov & Hutter), torch's defaults.
+
+    Guarantees: elementwise; equals ``torch.optim.AdamW`` with the same arguments step for step
+    (``property_tests/test_optim.py``). State: ``{"count": int, "mu": dict, "nu": dict}``, the
+    moments shaped like the parameters (so a moment's sharding spec is its parameter's)."""
+    b1, b2 = betas
+    if not (lr >= 0 and 0 <= b1 < 1 and 0 <= b2 < 1 and eps >= 0 and weight_decay >= 0):
+        raise ValueError(f"invalid adamw hyper-parameters lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+
+    def init(params: Params) -> OptState:
+        return {
+            "count": 0,
+            "mu": {k: torch.zeros_like(v) for k, v in params.items()},
+            "nu": {k: torch.zeros_like(v) for k, v in params.items()},
+        }
+
+    def update(grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:
+        _check_same_keys(grads, params)
+        count = state["count"] + 1  # type: ignore[operator]
+        new_p, mu, nu = {}, {}, {}
+        for k, p in params.items():
+            new_p[k], mu[k], nu[k] = adamw_kernel(
+                p, grads[k], state["mu"][k], state["nu"][k], count,  # type: ignore[index]
+                lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+            )
+        return new_p, {"count": count, "mu": mu, "nu": nu}
+
+    return Optimizer(init, update)
