@@ -1,0 +1,147 @@
+"""Per-example norms and clipped gradient sums: the public entry points of DP-SGD's hard part.
+
+``method`` chooses how per-example norms are obtained:
+
+* ``"vmap"``  — instantiate per-example gradients of the whole model (reference, memory heavy);
+* ``"ghost"`` — book-keeping from one forward and one backward; a layer without a ghost rule
+  raises :class:`UnsupportedLayerError` naming it;
+* ``"auto"``  — ghost, with a per-module vmap for the layers that have no rule.
+
+Within ghost, each parameter's norm uses the Gram form or instantiation, whichever the cost rule
+in ``contributions.py`` says is cheaper (the decision depends on shapes only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from privacy import contributions as C
+from privacy.errors import NonFiniteGradientError, PrivacyError
+from privacy.ghost import contributions
+from privacy.per_sample import flat_sq_norms, per_sample_grads
+from privacy.tape import LossFn, Params, record
+
+METHODS = ("auto", "ghost", "vmap")
+CLIPPINGS = ("flat", "automatic")
+AUTOMATIC_STABILITY = 0.01  # gamma of automatic clipping (Bu et al.): factor C / (norm + gamma)
+
+
+def clip_factors(norms: Tensor, clip_norm: float, clipping: str = "flat") -> Tensor:
+    """Per-example scale ``c_i`` so that ``c_i * norm_i <= clip_norm``.
+
+    Guarantees (``property_tests/test_clipping_properties.py::test_every_clipped_contribution_is_within_clip_norm``):
+    ``"flat"``: ``c_i = min(1, clip_norm / norm_i)``; ``"automatic"``: ``c_i = clip_norm /
+    (norm_i + 0.01)``. Both give ``c_i * norm_i <= clip_norm``.
+
+    Edge cases: ``norm_i == 0`` -> ``c_i = 1`` (flat) or ``clip_norm / 0.01`` (automatic; the
+    contribution is 0 anyway); ``clip_norm == inf`` -> ``c_i = 1`` (flat: no clipping; automatic
+    rejects it); ``clip_norm <= 0`` or NaN -> :class:`PrivacyError`."""
+    _check_clip_norm(clip_norm, clipping)
+    if clipping == "automatic":
+        return clip_norm / (norms + AUTOMATIC_STABILITY)
+    return torch.clamp(clip_norm / norms, max=1.0)
+
+
+def _check_clip_norm(clip_norm: float, clipping: str) -> None:
+    if clipping not in CLIPPINGS:
+        raise PrivacyError(f"clipping must be one of {CLIPPINGS}, got {clipping!r}")
+    if not clip_norm > 0:
+        raise PrivacyError(f"clip_norm must be > 0, got {clip_norm}")
+    if clipping == "automatic" and math.isinf(clip_norm):
+        raise PrivacyError("automatic clipping needs a finite clip_norm")
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise PrivacyError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def per_sample_norms(
+    model: nn.Module, params: Params, batch: tuple[Any, Tensor], loss_fn: LossFn, *, method: str = "auto"
+) -> Tensor:
+    """``[B]`` L2 norms of each example's gradient over all trainable ``params``.
+
+    Guarantees: ghost and auto equal vmap norms (float64, rtol 1e-8:
+    ``property_tests/test_ghost_properties.py::test_ghost_norms_equal_vmap_norms``), tied
+    parameters included (cross terms, not a sum of separate norms)."""
+    _check_method(method)
+    if batch[1].shape[0] == 0:
+        return next(iter(params.values())).new_zeros(0)
+    if method == "vmap":
+        return flat_sq_norms(per_sample_grads(model, params, batch, loss_fn)).sqrt()
+    tape = record(model, params, batch, loss_fn)
+    parts = contributions(model, params, tape, method=method)
+    return _sq_norms(parts, params, tape.losses).sqrt()
+
+
+def _sq_norms(parts: dict[str, list[C.Contribution]], params: Params, losses: Tensor) -> Tensor:
+    total = losses.new_zeros(losses.shape[0], dtype=next(iter(params.values())).dtype)
+    for name, plist in parts.items():
+        total = total + C.sq_norms(plist, params[name].shape)
+    return total
+
+
+def clipped_grad(
+    model: nn.Module,
+    params: Params,
+    batch: tuple[Any, Tensor],
+    loss_fn: LossFn,
+    *,
+    clip_norm: float,
+    method: str = "auto",
+    clipping: str = "flat",
+    nonfinite: str = "raise",
+) -> tuple[dict[str, Tensor], Tensor]:
+    """The sum over examples of clipped per-example gradients, and the per-example norms.
+
+    Returns ``(grads, norms)``: ``grads[name] = sum_i c_i g_i[name]`` for every name in
+    ``params`` (zeros for parameters the forward did not use), ``c_i`` from :func:`clip_factors`.
+
+    Guarantees (each proved in ``property_tests/test_clipping_properties.py``):
+      * ``clip_norm = inf`` gives the gradient of the summed loss (the non-private baseline);
+      * ghost/auto equal the sum of clipped vmap per-example gradients;
+      * every example's clipped contribution has norm <= clip_norm, so replacing one example
+        changes the sum by at most ``2 * clip_norm`` (add/remove: ``clip_norm``);
+      * ghost/auto run ONE forward and ONE backward (book-keeping), not two.
+
+    Edge cases: empty batch -> zero gradients and empty norms; ``clip_norm <= 0`` ->
+    :class:`PrivacyError`; a non-finite per-example norm -> :class:`NonFiniteGradientError`
+    listing the examples, or with ``nonfinite="zero"`` those examples contribute nothing."""
+    _check_method(method)
+    _check_clip_norm(clip_norm, clipping)
+    if nonfinite not in ("raise", "zero"):
+        raise PrivacyError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
+    if batch[1].shape[0] == 0:
+        zero = next(iter(params.values())).new_zeros(0)
+        return {k: torch.zeros_like(v) for k, v in params.items()}, zero
+    if method == "vmap":
+        per_sample = per_sample_grads(model, params, batch, loss_fn)
+        parts = {k: [C.Dense(g)] for k, g in per_sample.items()}
+        sq = flat_sq_norms(per_sample)
+    else:
+        tape = record(model, params, batch, loss_fn)
+        parts = contributions(model, params, tape, method=method)
+        sq = _sq_norms(parts, params, tape.losses)
+    norms = sq.sqrt()
+    factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite)
+    grads = {}
+    for name, p in params.items():
+        plist = parts.get(name)
+        grads[name] = C.weighted_sum(plist, factors, p.shape) if plist else torch.zeros_like(p)
+    return grads, norms
+
+
+def _factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str):
+    bad = ~torch.isfinite(norms)
+    if not bad.any():
+        return clip_factors(norms, clip_norm, clipping), parts
+    if nonfinite == "raise":
+        raise NonFiniteGradientError(bad.nonzero().flatten().tolist())
+    keep = ~bad
+    safe = torch.where(keep, norms, torch.zeros_like(norms))
+    factors = torch.where(keep, clip_factors(safe, clip_norm, clipping), torch.zeros_like(norms))
+    return factors, {k: C.mask_examples(v, keep) for k, v in parts.items()}

@@ -1,0 +1,189 @@
+"""Per-example gradient contributions in the forms book-keeping needs.
+
+One call of a layer contributes, for every example ``i``, a gradient ``g_i`` to each of its
+parameters. Two forms cover every supported layer:
+
+* :class:`Factored` — ``g_i = sum_t left[i, t] (outer) right[i, t]``, an ``[m, n]`` matrix
+  (Linear: output grad x input; Embedding: one-hot id x output grad; Conv: output grad x
+  unfolded patch). ``left`` is dense ``[B, T, m]`` or, for one-hot rows, integer ids ``[B, T]``.
+  It may cover a block of rows ``[r0, r1)`` of the parameter viewed as ``[rows, n]`` (grouped
+  convolutions).
+* :class:`Dense` — ``g_i`` instantiated, ``[B, *param.shape]`` (biases, norm weights, and the
+  per-module vmap fallback).
+
+From a list of contributions to one parameter this module computes the per-example squared
+norm of their SUM (cross terms included, so tied weights are exact) and the clipped sum
+``sum_i c_i g_i`` without ever forming ``g_i`` for factored parts. The cost rule that picks
+Gram form vs instantiation is :func:`gram_cost` / :func:`instantiate_cost`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Factored:
+    left: Tensor  # [B, T, m] floating, or [B, T] int64 one-hot ids
+    right: Tensor  # [B, T, n]
+    m: int  # size of the left factor (vocabulary size for ids)
+    rows: tuple[int, int]  # the row block [r0, r1) of the parameter viewed as [rows, n]
+
+    @property
+    def one_hot(self) -> bool:
+        return not self.left.is_floating_point()
+
+    @property
+    def steps(self) -> int:
+        return self.right.shape[1]
+
+
+@dataclass(frozen=True)
+class Dense:
+    grads: Tensor  # [B, *param_shape]
+
+
+Contribution = Union[Factored, Dense]
+
+
+def gram_cost(parts: list[Factored]) -> int:
+    """Multiply-adds per example of the Gram form: ``T_u T_v (m' + n)`` over all pairs, with
+    ``m' = 1`` for one-hot ids (a comparison instead of a dot product)."""
+    cost = 0
+    for u in parts:
+        for v in parts:
+            left = 1 if (u.one_hot and v.one_hot) else u.m
+            cost += u.steps * v.steps * (left + u.right.shape[2])
+    return cost
+
+
+def instantiate_cost(parts: list[Factored]) -> int:
+    """Multiply-adds per example of forming ``g_i`` (``T m n`` per part, ``T n`` for ids, which
+    are scattered) plus the ``m n`` of its norm."""
+    cost = 0
+    for p in parts:
+        n = p.right.shape[2]
+        cost += p.steps * n * (1 if p.one_hot else p.m) + p.m * n
+    return cost
+
+
+def _left_gram(u: Factored, v: Factored) -> Tensor:
+    """``[B, T_u, T_v]`` inner products of left factors (one-hot ids compare or gather)."""
+    if u.one_hot and v.one_hot:
+        return (u.left[:, :, None] == v.left[:, None, :]).to(u.right.dtype)
+    if u.one_hot:
+        return _left_gram(v, u).transpose(1, 2)
+    if v.one_hot:  # <l_t, e_{x_s}> = l_t[x_s]
+        return torch.gather(u.left, 2, v.left[:, None, :].expand(-1, u.steps, -1))
+    return torch.bmm(u.left, v.left.transpose(1, 2))
+
+
+def _pair_inner(u: Factored, v: Factored) -> Tensor:
+    """``<g_u,i, g_v,i>`` for every example via Gram matrices, ``[B]``."""
+    if u.rows != v.rows:
+        return u.right.new_zeros(u.right.shape[0])  # disjoint row blocks never overlap here
+    right = torch.bmm(u.right, v.right.transpose(1, 2))
+    return (_left_gram(u, v) * right).sum((1, 2))
+
+
+def instantiate(part: Factored, num_rows: int) -> Tensor:
+    """The per-example gradient ``[B, num_rows, n]`` of one factored part."""
+    B, T, n = part.right.shape
+    out = part.right.new_zeros(B, num_rows, n)
+    r0, r1 = part.rows
+    if part.one_hot:
+        ids = part.left + r0 + torch.arange(B, device=out.device)[:, None] * num_rows
+        out.view(B * num_rows, n).index_add_(0, ids.reshape(-1), part.right.reshape(B * T, n))
+    else:
+        out[:, r0:r1] = torch.bmm(part.left.transpose(1, 2), part.right)
+    return out
+
+
+def _one_hot_sq_norms(parts: list[Factored]) -> Tensor:
+    """Squared norms for parts that are all one-hot on the same rows, in ``O(B T n)``: rows
+    hit by several steps are summed first, so nothing ``[B, m, n]`` is formed."""
+    B = parts[0].right.shape[0]
+    n = parts[0].right.shape[2]
+    ids = torch.cat([p.left for p in parts], 1)  # [B, T]
+    vals = torch.cat([p.right for p in parts], 1)  # [B, T, n]
+    keys = ids + torch.arange(B, device=ids.device)[:, None] * parts[0].m
+    uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
+    rows = vals.new_zeros(uniq.numel(), n).index_add_(0, inverse, vals.reshape(-1, n))
+    return vals.new_zeros(B).index_add_(0, torch.div(uniq, parts[0].m, rounding_mode="floor"), rows.pow(2).sum(1))
+
+
+def sq_norms(parts: list[Contribution], param_shape: torch.Size, *, force_instantiate: bool = False) -> Tensor:
+    """Per-example ``||sum_u g_u,i||^2`` for all contributions to one parameter, ``[B]``.
+
+    Guarantees: equals the squared norm of the summed per-example gradients (cross terms
+    between contributions included), whichever form is used (``property_tests/
+    test_ghost_properties.py::test_ghost_norms_equal_vmap_norms``)."""
+    dense = [p.grads for p in parts if isinstance(p, Dense)]
+    factored = [p for p in parts if isinstance(p, Factored)]
+    if not factored:
+        total = torch.stack(dense).sum(0) if len(dense) > 1 else dense[0]
+        return total.flatten(1).pow(2).sum(1)
+    num_rows = param_shape[0]
+    if dense or force_instantiate or _rows_overlap(factored) or _prefer_instantiate(factored):
+        g = sum(instantiate(p, num_rows) for p in factored).view(-1, *param_shape)
+        g = g + sum(dense) if dense else g
+        return g.flatten(1).pow(2).sum(1)
+    if all(p.one_hot for p in factored) and len({p.rows for p in factored}) == 1:
+        return _one_hot_sq_norms(factored)
+    return sum(_pair_inner(u, v) for u in factored for v in factored)
+
+
+def _rows_overlap(parts: list[Factored]) -> bool:
+    """True when two parts cover different but overlapping row blocks (Gram pairs assume
+    equal or disjoint blocks)."""
+    blocks = {p.rows for p in parts}
+    return any(a != b and a[0] < b[1] and b[0] < a[1] for a in blocks for b in blocks)
+
+
+def _prefer_instantiate(parts: list[Factored]) -> bool:
+    if all(p.one_hot for p in parts):
+        return False  # the O(T n) one-hot path beats both forms
+    return instantiate_cost(parts) < gram_cost(parts)
+
+
+def weighted_sum(parts: list[Contribution], weights: Tensor, param_shape: torch.Size) -> Tensor:
+    """``sum_i weights[i] * sum_u g_u,i`` shaped like the parameter: ``L^T diag(w) R`` for
+    factored parts (one matmul, no per-example gradient), an einsum for dense ones.
+
+    Guarantees: with ``weights == 1`` this is the ordinary batch gradient
+    (``test_clipped_grad_with_infinite_clip_norm_is_the_batch_gradient``)."""
+    num_rows = param_shape[0] if len(param_shape) else 1
+    total = weights.new_zeros(param_shape)
+    flat = total.view(num_rows, -1)
+    for p in parts:
+        if isinstance(p, Dense):
+            total = total + torch.tensordot(weights, p.grads, dims=1)
+            flat = total.view(num_rows, -1)
+            continue
+        B, T, n = p.right.shape
+        scaled = (p.right * weights[:, None, None]).reshape(B * T, n)
+        r0, r1 = p.rows
+        if p.one_hot:
+            flat.index_add_(0, p.left.reshape(-1) + r0, scaled)
+        else:
+            flat[r0:r1] += p.left.reshape(B * T, -1).transpose(0, 1) @ scaled
+    return total
+
+
+def mask_examples(parts: list[Contribution], keep: Tensor) -> list[Contribution]:
+    """Contributions with the rows of dropped examples set to zero (NaN-safe: ``where``, not a
+    product), so they add nothing to any sum."""
+    out: list[Contribution] = []
+    for p in parts:
+        if isinstance(p, Dense):
+            k = keep.view(-1, *([1] * (p.grads.dim() - 1)))
+            out.append(Dense(torch.where(k, p.grads, torch.zeros_like(p.grads))))
+        else:
+            k = keep[:, None, None]
+            left = p.left if p.one_hot else torch.where(k, p.left, torch.zeros_like(p.left))
+            out.append(Factored(left, torch.where(k, p.right, torch.zeros_like(p.right)), p.m, p.rows))
+    return out

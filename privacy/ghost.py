@@ -1,0 +1,70 @@
+"""Per-parameter contributions from a tape, with a per-module vmap fallback.
+
+For each call on the tape, the module's ghost rule (``layers.py``) turns (inputs, output grad)
+into factored or dense contributions. A module without a rule either raises
+(``method="ghost"``) or, with ``method="auto"``, gets its own per-example gradients by a vmap
+over that module alone: ``grad_p <f(p, x_i), dL/dy_i>`` on the call's recorded input ``x_i``
+and output gradient. That is exact for any batch-first module, and costs one extra forward and
+backward of that module only, never of the whole model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten
+
+from privacy.contributions import Contribution, Dense
+from privacy.errors import UnsupportedLayerError
+from privacy.layers import rule_for
+from privacy.tape import Call, Params, Tape, owners
+
+
+def contributions(model: nn.Module, params: Params, tape: Tape, *, method: str) -> dict[str, list[Contribution]]:
+    """``{canonical param name: [contribution of each call]}`` for every trainable parameter
+    that took part in the forward. Raises :class:`UnsupportedLayerError` naming the module
+    when ``method == "ghost"`` and a module has no ghost rule."""
+    table = owners(model, params)
+    parts: dict[str, list[Contribution]] = defaultdict(list)
+    for call in tape.calls:
+        direct = table[call.module_name]
+        rule = rule_for(call.module)
+        if rule is not None and len(call.grads) == 1 and not call.kwargs:
+            for local, contrib in rule(call.module, call.args, call.grads[0]).items():
+                if local in direct:
+                    parts[direct[local]].extend(contrib if isinstance(contrib, list) else [contrib])
+        elif method == "ghost":
+            raise UnsupportedLayerError(
+                f"module {call.module_name!r} ({type(call.module).__name__}) has no ghost rule; "
+                "use method='auto' to fall back to vmap for it, or method='vmap'"
+            )
+        else:
+            for local, g in module_per_sample_grads(model, params, call, direct).items():
+                parts[direct[local]].append(Dense(g))
+    return parts
+
+
+def module_per_sample_grads(model: nn.Module, params: Params, call: Call, direct: dict[str, str]) -> dict[str, Tensor]:
+    """Per-example gradients ``[B, *shape]`` of the module's own trainable parameters (local
+    names) for one recorded call, by vmap over the module alone."""
+    module = call.module
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    fixed = {}
+    for local, p in module.named_parameters(remove_duplicate=False):
+        name = canonical.get(id(p))
+        fixed[local] = (params[name] if name in params else p).detach()
+    trainable = {local: fixed[local] for local in direct}
+    batched = tuple(isinstance(a, Tensor) for a in call.args)
+    positions = call.positions
+
+    def inner(diff: Params, args: tuple, grads: tuple) -> Tensor:
+        full = tuple(a.unsqueeze(0) if b else a for a, b in zip(args, batched))
+        out = functional_call(module, {**fixed, **diff}, full, call.kwargs)
+        leaves = tree_flatten(out)[0]
+        return sum((leaves[k] * g.unsqueeze(0)).sum() for k, g in zip(positions, grads))
+
+    in_dims = (None, tuple(0 if b else None for b in batched), tuple(0 for _ in call.grads))
+    return vmap(grad(inner), in_dims=in_dims)(trainable, call.args, tuple(call.grads))

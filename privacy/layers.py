@@ -1,0 +1,124 @@
+"""Ghost rules: a layer's per-example gradient contributions from what one call of it saw.
+
+A rule gets the module, the positional inputs of one call (batch first) and the gradient of the
+summed loss with respect to that call's output, and returns, for each of the module's own
+parameters, its per-example contribution in factored or dense form (see ``contributions.py``).
+No rule forms a per-example weight gradient; biases and norm weights (vectors) are dense.
+
+Supported: ``nn.Linear`` (inputs of any rank: every dimension between batch and features is a
+step ``t``), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, the GPT's own ``RMSNorm``,
+``nn.Conv1d`` and ``nn.Conv2d`` (any stride, padding mode, dilation, groups).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fsdpx.models.gpt import RMSNorm as GPTRMSNorm
+from privacy.contributions import Contribution, Dense, Factored
+
+Rule = Callable[[nn.Module, tuple, Tensor], dict[str, Contribution]]
+RULES: dict[type, Rule] = {}
+
+
+def rule(*types: type) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        for t in types:
+            RULES[t] = fn
+        return fn
+
+    return register
+
+
+def rule_for(module: nn.Module) -> Rule | None:
+    """The ghost rule of this module's exact class (subclasses may change ``forward``)."""
+    return RULES.get(type(module))
+
+
+def _steps(x: Tensor, features: int) -> Tensor:
+    """``[B, ..., features] -> [B, T, features]``; ``T = 1`` for 2-D inputs."""
+    return x.reshape(x.shape[0], -1, features)
+
+
+@rule(nn.Linear)
+def linear(module: nn.Linear, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    a = _steps(args[0], module.in_features)  # (B, T, in)
+    b = _steps(grad_out, module.out_features)  # (B, T, out)
+    out: dict[str, Contribution] = {"weight": Factored(b, a, module.out_features, (0, module.out_features))}
+    if module.bias is not None:
+        out["bias"] = Dense(b.sum(1))
+    return out
+
+
+@rule(nn.Embedding)
+def embedding(module: nn.Embedding, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    if module.max_norm is not None or module.scale_grad_by_freq:
+        raise NotImplementedError(
+            "ghost clipping of nn.Embedding with max_norm or scale_grad_by_freq is not per-example separable"
+        )
+    ids = args[0].reshape(args[0].shape[0], -1)  # (B, T); reshape also handles expanded ids
+    b = _steps(grad_out, module.embedding_dim)  # (B, T, d)
+    if module.padding_idx is not None:  # torch gives the padding row no gradient
+        b = torch.where((ids == module.padding_idx)[..., None], torch.zeros_like(b), b)
+    return {"weight": Factored(ids, b, module.num_embeddings, (0, module.num_embeddings))}
+
+
+def _norm_rule(normalize: Callable[[Tensor], Tensor], module: nn.Module, args: tuple, grad_out: Tensor):
+    shape = module.weight.shape if module.weight is not None else grad_out.shape[-1:]
+    dims = tuple(range(1, grad_out.dim() - len(shape)))  # the step dims between batch and features
+    out: dict[str, Contribution] = {}
+    if module.weight is not None:
+        out["weight"] = Dense((grad_out * normalize(args[0])).sum(dims) if dims else grad_out * normalize(args[0]))
+    if getattr(module, "bias", None) is not None:
+        out["bias"] = Dense(grad_out.sum(dims) if dims else grad_out)
+    return out
+
+
+@rule(nn.LayerNorm)
+def layer_norm(module: nn.LayerNorm, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    shape = module.normalized_shape
+    return _norm_rule(lambda x: F.layer_norm(x, shape, None, None, module.eps), module, args, grad_out)
+
+
+@rule(nn.RMSNorm)
+def rms_norm(module: nn.RMSNorm, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    shape = module.normalized_shape
+    return _norm_rule(lambda x: F.rms_norm(x, shape, None, module.eps), module, args, grad_out)
+
+
+@rule(GPTRMSNorm)
+def gpt_rms_norm(module: GPTRMSNorm, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    return _norm_rule(module.normalize, module, args, grad_out)
+
+
+@rule(nn.Conv1d, nn.Conv2d)
+def conv(module: nn.Conv1d | nn.Conv2d, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    patches = _unfold(module, args[0])  # (B, C_in * prod(k), L)
+    B, out_ch, g = grad_out.shape[0], module.out_channels, module.groups
+    b = grad_out.reshape(B, out_ch, -1).transpose(1, 2)  # (B, L, out)
+    rows, cols = out_ch // g, patches.shape[1] // g
+    parts = [
+        Factored(b[:, :, j * rows:(j + 1) * rows], patches[:, j * cols:(j + 1) * cols].transpose(1, 2), rows,
+                 (j * rows, (j + 1) * rows))
+        for j in range(g)
+    ]
+    out: dict[str, Contribution | list[Contribution]] = {"weight": parts if g > 1 else parts[0]}
+    if module.bias is not None:
+        out["bias"] = Dense(b.sum(1))
+    return out  # type: ignore[return-value]
+
+
+def _unfold(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
+    """Input patches in the weight's ``(C_in, k...)`` order, padding applied as the module does."""
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    if isinstance(module, nn.Conv1d):
+        x = x.unsqueeze(2)  # (B, C, 1, L): a 1-D conv is a 2-D conv of height 1
+        kernel, dilation, stride = (1, *module.kernel_size), (1, *module.dilation), (1, *module.stride)
+    else:
+        kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    return F.unfold(x, kernel, dilation=dilation, padding=0, stride=stride)

@@ -1,0 +1,119 @@
+"""The tape: one forward and ONE backward that yield every layer call's inputs and output grads.
+
+While the model runs (through ``torch.func.functional_call``), a forward hook on every module
+that owns a trainable parameter records the call's inputs and output. A single
+``torch.autograd.grad`` of the summed loss with respect to all recorded outputs then gives each
+call's output gradient. Parameters are not asked for, so autograd skips every weight-gradient
+product; the weight gradients are rebuilt from the tape (``A^T diag(c) B``) after clipping.
+This is the book-keeping trick: Opacus's ghost mode needs a second backward instead.
+
+Side effects are confined here: hooks are added for the duration of :func:`record` and removed
+in ``finally``; the model's own parameters are never modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten
+
+Params = dict[str, Tensor]
+LossFn = Callable[[Any, Tensor], Tensor]
+
+
+@dataclass
+class Call:
+    """One call of a parameter-owning module: its inputs, output and (after backward) output grads."""
+
+    module_name: str
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    outputs: list[Tensor]  # the output tensors that require grad, in pytree order
+    positions: list[int]  # their indices among the flattened outputs
+    grads: list[Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Tape:
+    calls: list[Call]
+    losses: Tensor  # (B,) per-example losses, detached
+
+
+def owners(model: nn.Module, params: Params) -> dict[str, dict[str, str]]:
+    """``{module_name: {local_param_name: canonical_name}}`` for every module that directly owns
+    a trainable parameter. A tied tensor owned by two modules maps to one canonical name (the
+    key under which ``model.named_parameters()`` lists it), so its calls add up."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    unknown = sorted(set(params) - set(canonical.values()))
+    if unknown:
+        raise KeyError(f"params not in the model (or not canonical names of tied weights): {unknown}")
+    table: dict[str, dict[str, str]] = {}
+    for mod_name, module in model.named_modules():
+        for local, p in module.named_parameters(recurse=False):
+            name = canonical.get(id(p))
+            if name in params:
+                table.setdefault(mod_name, {})[local] = name
+    return table
+
+
+def _as_args(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def record(model: nn.Module, params: Params, batch: tuple[Any, Tensor], loss_fn: LossFn) -> Tape:
+    """Run the model on ``batch`` with ``params`` and return the tape of every call of a
+    parameter-owning module with its output gradient (of the SUM of per-example losses).
+
+    Raises ``ValueError`` naming the module if a call's inputs or outputs lack the batch
+    dimension (such a layer mixes examples, so it has no per-example gradient)."""
+    inputs, targets = batch
+    args = _as_args(inputs)
+    batch_size = targets.shape[0]
+    table = owners(model, params)
+    calls: list[Call] = []
+    names = {id(m): n for n, m in model.named_modules() if n in table}
+    modules = dict(model.named_modules())
+
+    def hook(module: nn.Module, call_args: tuple, call_kwargs: dict, output: Any) -> None:
+        name = names[id(module)]
+        leaves = tree_flatten(output)[0]
+        positions = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+        outs = [leaves[i] for i in positions]
+        for t in (*(a for a in call_args if isinstance(a, Tensor)), *outs):
+            if t.dim() == 0 or t.shape[0] != batch_size:
+                raise ValueError(
+                    f"module {name!r} sees a tensor of shape {tuple(t.shape)} without the batch "
+                    f"dimension {batch_size} first; per-example gradients need batch-first layers"
+                )
+        calls.append(Call(name, module, call_args, call_kwargs, outs, positions))
+
+    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    handles = [modules[n].register_forward_hook(hook, with_kwargs=True) for n in table]
+    try:
+        with torch.enable_grad():
+            outputs = functional_call(model, live, args)
+            losses = loss_fn(outputs, targets)
+            _check_losses(losses, batch_size)
+            wanted = [t for c in calls for t in c.outputs]
+            grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ()
+    finally:
+        for h in handles:
+            h.remove()
+    it = iter(grads)
+    for c in calls:
+        c.grads = [g if g is not None else torch.zeros_like(o) for o, g in zip(c.outputs, it)]
+        c.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
+        c.outputs = [o.detach() for o in c.outputs]
+    return Tape(calls, losses.detach())
+
+
+def _check_losses(losses: Tensor, batch_size: int) -> None:
+    if losses.shape != (batch_size,):
+        raise ValueError(
+            f"loss_fn must return one loss per example, shape ({batch_size},); got {tuple(losses.shape)}"
+        )
