@@ -14,16 +14,17 @@ in ``contributions.py`` says is cheaper (the decision depends on shapes only).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from privacy import contributions as C
 from privacy.errors import NonFiniteGradientError, PrivacyError
 from privacy.ghost import contributions
 from privacy.per_sample import flat_sq_norms, per_sample_grads
-from privacy.tape import LossFn, Params, record
+from privacy.tape import LossFn, Params, _as_args, record
 
 METHODS = ("auto", "ghost", "vmap")
 CLIPPINGS = ("flat", "automatic")
@@ -43,6 +44,8 @@ def clip_factors(norms: Tensor, clip_norm: float, clipping: str = "flat") -> Ten
     _check_clip_norm(clip_norm, clipping)
     if clipping == "automatic":
         return clip_norm / (norms + AUTOMATIC_STABILITY)
+    if math.isinf(clip_norm):
+        return torch.ones_like(norms)
     return torch.clamp(clip_norm / norms, max=1.0)
 
 
@@ -111,28 +114,54 @@ def clipped_grad(
     Edge cases: empty batch -> zero gradients and empty norms; ``clip_norm <= 0`` ->
     :class:`PrivacyError`; a non-finite per-example norm -> :class:`NonFiniteGradientError`
     listing the examples, or with ``nonfinite="zero"`` those examples contribute nothing."""
+    result = clip_and_sum(model, params, batch, loss_fn, clip_norm=clip_norm, method=method,
+                          clipping=clipping, nonfinite=nonfinite)
+    return result.grads, result.norms
+
+
+class ClipResult(NamedTuple):
+    grads: dict[str, Tensor]  # sum_i c_i g_i
+    norms: Tensor  # (B,) per-example gradient norms before clipping
+    losses: Tensor  # (B,) per-example losses (detached)
+
+
+def clip_and_sum(
+    model: nn.Module,
+    params: Params,
+    batch: tuple[Any, Tensor],
+    loss_fn: LossFn,
+    *,
+    clip_norm: float,
+    method: str = "auto",
+    clipping: str = "flat",
+    nonfinite: str = "raise",
+) -> ClipResult:
+    """:func:`clipped_grad` plus the per-example losses the forward computed anyway."""
     _check_method(method)
     _check_clip_norm(clip_norm, clipping)
     if nonfinite not in ("raise", "zero"):
         raise PrivacyError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
     if batch[1].shape[0] == 0:
         zero = next(iter(params.values())).new_zeros(0)
-        return {k: torch.zeros_like(v) for k, v in params.items()}, zero
+        return ClipResult({k: torch.zeros_like(v) for k, v in params.items()}, zero, zero)
     if method == "vmap":
         per_sample = per_sample_grads(model, params, batch, loss_fn)
         parts = {k: [C.Dense(g)] for k, g in per_sample.items()}
         sq = flat_sq_norms(per_sample)
+        with torch.no_grad():
+            losses = loss_fn(functional_call(model, params, _as_args(batch[0])), batch[1])
     else:
         tape = record(model, params, batch, loss_fn)
         parts = contributions(model, params, tape, method=method)
         sq = _sq_norms(parts, params, tape.losses)
+        losses = tape.losses
     norms = sq.sqrt()
     factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite)
     grads = {}
     for name, p in params.items():
         plist = parts.get(name)
         grads[name] = C.weighted_sum(plist, factors, p.shape) if plist else torch.zeros_like(p)
-    return grads, norms
+    return ClipResult(grads, norms, losses)
 
 
 def _factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str):

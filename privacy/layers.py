@@ -6,7 +6,7 @@ parameters, its per-example contribution in factored or dense form (see ``contri
 No rule forms a per-example weight gradient; biases and norm weights (vectors) are dense.
 
 Supported: ``nn.Linear`` (inputs of any rank: every dimension between batch and features is a
-step ``t``), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, the GPT's own ``RMSNorm``,
+step ``t``), Hugging Face's ``Conv1D`` (GPT-2's transposed linear), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, the GPT's own ``RMSNorm``,
 ``nn.Conv1d`` and ``nn.Conv2d`` (any stride, padding mode, dilation, groups).
 """
 
@@ -36,7 +36,10 @@ def rule(*types: type) -> Callable[[Rule], Rule]:
 
 def rule_for(module: nn.Module) -> Rule | None:
     """The ghost rule of this module's exact class (subclasses may change ``forward``)."""
-    return RULES.get(type(module))
+    cls = type(module)
+    if cls.__module__ == "transformers.pytorch_utils" and cls.__name__ == "Conv1D":
+        return transposed_linear  # matched by name so that transformers stays optional
+    return RULES.get(cls)
 
 
 def _steps(x: Tensor, features: int) -> Tensor:
@@ -49,6 +52,17 @@ def linear(module: nn.Linear, args: tuple, grad_out: Tensor) -> dict[str, Contri
     a = _steps(args[0], module.in_features)  # (B, T, in)
     b = _steps(grad_out, module.out_features)  # (B, T, out)
     out: dict[str, Contribution] = {"weight": Factored(b, a, module.out_features, (0, module.out_features))}
+    if module.bias is not None:
+        out["bias"] = Dense(b.sum(1))
+    return out
+
+
+def transposed_linear(module: nn.Module, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    """Hugging Face's ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` shaped ``[in, out]``."""
+    n_in, n_out = module.weight.shape
+    a = _steps(args[0], n_in)  # (B, T, in)
+    b = _steps(grad_out, n_out)  # (B, T, out)
+    out: dict[str, Contribution] = {"weight": Factored(a, b, n_in, (0, n_in))}
     if module.bias is not None:
         out["bias"] = Dense(b.sum(1))
     return out
