@@ -51,24 +51,24 @@ Contribution = Union[Factored, Dense]
 
 
 def gram_cost(parts: list[Factored]) -> int:
-    """Multiply-adds per example of the Gram form: ``T_u T_v (m' + n)`` over all pairs, with
-    ``m' = 1`` for one-hot ids (a comparison instead of a dot product)."""
+    """Multiply-adds per example of the Gram form: ``T_u T_v (m' + n)`` over unordered pairs,
+    with ``m' = 1`` when either left factor is one-hot (a compare or a gather replaces the dot
+    product)."""
     cost = 0
-    for u in parts:
-        for v in parts:
-            left = 1 if (u.one_hot and v.one_hot) else u.m
+    for i, u in enumerate(parts):
+        for v in parts[i:]:
+            left = 1 if (u.one_hot or v.one_hot) else u.m
             cost += u.steps * v.steps * (left + u.right.shape[2])
     return cost
 
 
 def instantiate_cost(parts: list[Factored]) -> int:
-    """Multiply-adds per example of forming ``g_i`` (``T m n`` per part, ``T n`` for ids, which
-    are scattered) plus the ``m n`` of its norm."""
-    cost = 0
-    for p in parts:
-        n = p.right.shape[2]
-        cost += p.steps * n * (1 if p.one_hot else p.m) + p.m * n
-    return cost
+    """Multiply-adds per example of forming ``g_i``: ``T m n`` per part (``T n`` for one-hot
+    ids, which are scattered) plus about four passes over the ``m n`` result (zero, add,
+    square, sum), since on CPU those passes are bound by memory, not arithmetic."""
+    n = parts[0].right.shape[2]
+    rows = max(p.rows[1] for p in parts)
+    return sum(p.steps * n * (1 if p.one_hot else p.m) for p in parts) + 4 * rows * n
 
 
 def _left_gram(u: Factored, v: Factored) -> Tensor:
@@ -134,7 +134,12 @@ def sq_norms(parts: list[Contribution], param_shape: torch.Size, *, force_instan
         return g.flatten(1).pow(2).sum(1)
     if all(p.one_hot for p in factored) and len({p.rows for p in factored}) == 1:
         return _one_hot_sq_norms(factored)
-    return sum(_pair_inner(u, v) for u in factored for v in factored)
+    # <sum_u g_u, sum_v g_v> = sum_u <g_u, g_u> + 2 sum_{u<v} <g_u, g_v>
+    total = sum(_pair_inner(u, u) for u in factored)
+    for i, u in enumerate(factored):
+        for v in factored[i + 1:]:
+            total = total + 2 * _pair_inner(u, v)
+    return total
 
 
 def _rows_overlap(parts: list[Factored]) -> bool:
