@@ -86,8 +86,10 @@ def _pair_inner(u: Factored, v: Factored) -> Tensor:
     """``<g_u,i, g_v,i>`` for every example via Gram matrices, ``[B]``."""
     if u.rows != v.rows:
         return u.right.new_zeros(u.right.shape[0])  # disjoint row blocks never overlap here
-    right = torch.bmm(u.right, v.right.transpose(1, 2))
-    return (_left_gram(u, v) * right).sum((1, 2))
+    right = torch.bmm(u.right, v.right.transpose(1, 2))  # (B, T_u, T_v)
+    left = _left_gram(u, v)
+    B = right.shape[0]
+    return torch.bmm(left.reshape(B, 1, -1), right.reshape(B, -1, 1)).view(B)  # fused multiply-sum
 
 
 def instantiate(part: Factored, num_rows: int) -> Tensor:
@@ -108,8 +110,8 @@ def _one_hot_sq_norms(parts: list[Factored]) -> Tensor:
     hit by several steps are summed first, so nothing ``[B, m, n]`` is formed."""
     B = parts[0].right.shape[0]
     n = parts[0].right.shape[2]
-    ids = torch.cat([p.left for p in parts], 1)  # [B, T]
-    vals = torch.cat([p.right for p in parts], 1)  # [B, T, n]
+    ids = torch.cat([p.left for p in parts], 1) if len(parts) > 1 else parts[0].left  # [B, T]
+    vals = torch.cat([p.right for p in parts], 1) if len(parts) > 1 else parts[0].right  # [B, T, n]
     keys = ids + torch.arange(B, device=ids.device)[:, None] * parts[0].m
     uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
     rows = vals.new_zeros(uniq.numel(), n).index_add_(0, inverse, vals.reshape(-1, n))
@@ -170,12 +172,14 @@ def weighted_sum(parts: list[Contribution], weights: Tensor, param_shape: torch.
             flat = total.view(num_rows, -1)
             continue
         B, T, n = p.right.shape
-        scaled = (p.right * weights[:, None, None]).reshape(B * T, n)
+        w = weights[:, None, None]
         r0, r1 = p.rows
         if p.one_hot:
-            flat.index_add_(0, p.left.reshape(-1) + r0, scaled)
+            flat.index_add_(0, p.left.reshape(-1) + r0, (p.right * w).reshape(B * T, n))
+        elif p.m < n:  # scale the smaller factor
+            flat[r0:r1] += (p.left * w).reshape(B * T, p.m).transpose(0, 1) @ p.right.reshape(B * T, n)
         else:
-            flat[r0:r1] += p.left.reshape(B * T, -1).transpose(0, 1) @ scaled
+            flat[r0:r1] += p.left.reshape(B * T, p.m).transpose(0, 1) @ (p.right * w).reshape(B * T, n)
     return total
 
 
