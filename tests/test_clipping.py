@@ -128,3 +128,26 @@ def test_ghost_backward_computes_no_weight_gradient(linear_case, monkeypatch):
     clipped_grad(model, params, batch, mse, clip_norm=1.0, method="ghost")
     assert len(calls) == 1
     assert all(shape[0] == 5 for shape in calls[0])  # only layer outputs (batch-first), no weights
+
+
+def test_embedding_on_expanded_non_contiguous_ids_matches_vmap():
+    """Opacus 1.6's ghost mode crashes on non-contiguous ids; ours reshapes."""
+    torch.manual_seed(2)
+    emb = nn.Embedding(6, 3).double()
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, x):
+            B, T = x.shape
+            return self.emb(torch.arange(T).expand(B, T)) * x[..., None]
+
+    model = Positions()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    y = torch.randn(4, 5, 3, dtype=torch.float64)
+    loss = lambda o, t: (o - t).pow(2).sum((1, 2))
+    params = dict(model.named_parameters())
+    ghost = per_sample_norms(model, params, (x, y), loss, method="ghost")
+    torch.testing.assert_close(ghost, per_sample_norms(model, params, (x, y), loss, method="vmap"), rtol=1e-10, atol=0)

@@ -112,7 +112,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device).expand(B, T)  # batch-first, so wpe has per-example grads
+        pos = torch.arange(T, device=idx.device).repeat(B, 1)  # (B, T): batch-first, so wpe has per-example grads
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
