@@ -1,0 +1,26 @@
+"""Optimizer offloading: ZenFlow's selective update and the ZeRO-Offload baseline.
+
+- ``column_scores``, ``select_columns``: which columns of a 2-D weight are updated at once.
+- ``zenflow(inner, ...)``: selected columns on the device every step, the rest on the host every
+  few steps (``offload.zenflow`` documents the exact semantics).
+- ``zero_offload(inner)``: the whole optimizer on the host, synchronously, every step.
+- ``materialize``, ``element_state``, ``master_params``: read a ZenFlow state (waiting for its
+  in-flight host window, if any).
+- ``AutoConfig``: thresholds of the ``"auto"`` intervals (``offload.auto``).
+"""
+
+from offload.auto import AutoConfig
+from offload.columns import column_scores, select_columns
+from offload.zenflow import element_state, master_params, materialize, zenflow
+from offload.zero_offload import zero_offload
+
+__all__ = [
+    "AutoConfig",
+    "column_scores",
+    "element_state",
+    "master_params",
+    "materialize",
+    "select_columns",
+    "zenflow",
+    "zero_offload",
+]

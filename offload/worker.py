@@ -1,0 +1,66 @@
+"""The impure edge of ``offload``: the background thread that runs host work, and the copies that
+move bytes between device and host.
+
+Host work is always a pure function of tensors it owns (copies made when the work is handed
+over), so running it on the background thread or inline gives the same bits; only the clock
+differs. One background thread serves the whole process; a job never waits on another job.
+
+On a CUDA device the per-step gradient copy goes through a pinned host buffer with a
+``non_blocking`` copy; on any other device (and on this project's CPU-only CI) copies are plain
+``.to``. "Device" tensors then live on ``cpu`` too, and the code paths are the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+HOST = torch.device("cpu")
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
+    """Run ``fn(*args)`` on the process's background thread; returns its ``Future``.
+
+    ``args`` must be owned by the job (nobody else writes them afterwards)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpx-offload")
+    return _executor.submit(fn, *args)
+
+
+def resolve(value: Any) -> Any:
+    """``value.result()`` for a ``Future`` (re-raising the job's exception), else ``value``."""
+    return value.result() if isinstance(value, Future) else value
+
+
+def nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def to_host(t: Tensor) -> Tensor:
+    """A host copy of ``t``, ready to read. On ``cpu`` returns ``t`` itself: callers pass a tensor
+    they own (the result of an indexing op)."""
+    if t.device.type == "cpu":
+        return t
+    if t.device.type == "cuda":
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        done.synchronize()  # the host reads it next
+        return buf
+    return t.to(HOST)
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``. The source is never written afterwards (host results are immutable),
+    so an asynchronous copy is safe."""
+    return t.to(device, non_blocking=device.type == "cuda")

@@ -1,0 +1,467 @@
+"""ZenFlow: update the important columns on the device at once, the rest on the host, later.
+
+``zenflow(inner)`` wraps an elementwise optimizer (``fsdpx.optim.adamw`` or ``sgd``). Each 2-D
+weight ``[out, in]`` has a set of *selected* columns (``offload.columns``): every step the device
+applies ``inner`` to them with that step's gradient. The other columns' gradients are summed on
+the host over a *window* of steps; when the window closes the host applies ``inner`` once to
+them with the window's mean (``reduce="mean"``) or sum (``reduce="sum"``). Parameters that are
+not 2-D are updated on the device every step.
+
+Semantics
+---------
+* **One state per element.** Each element has one fp32 (or wider) master value, one set of
+  ``inner`` moments and one update count (shared by its column, which is updated as a whole).
+  The selected columns' share lives on the device, the rest on the host; moving a column hands
+  its state over, never resets it. Bias correction uses the column's own count: the number of
+  updates actually applied to it (one per device step while selected, one per window while not).
+* **Windows.** A window closes after ``update_interval`` steps (or by the ``"auto"`` rule of
+  ``offload.auto``). The host update of window ``w`` reads the state left by window ``w-1``.
+* **delay** alone fixes what the parameters hold. ``delay=0``: window ``w``'s host result is in
+  the parameters returned at the end of window ``w``. ``delay=1``: it is in those returned at
+  the end of window ``w+1``, so the host computes while the device runs window ``w+1``. The
+  master/moment chain of every element is the same for both delays; only visibility differs.
+* **overlap** only chooses where the host work of ``delay=1`` runs (the background thread of
+  ``offload.worker``, or inline); it never changes a bit. ``delay=0`` needs the host result at
+  once, so its host work always runs inline.
+* **Reselection** happens only when a window closes: with fixed intervals at the end of every
+  step ``t`` with ``t % select_interval == 0`` (``select_interval`` must be a multiple of
+  ``update_interval``); with ``update_interval="auto"`` at the first window end at least
+  ``select_interval`` steps after the previous selection; with ``select_interval="auto"`` per
+  weight by the coverage rule of ``offload.auto``. The new selection is the top-k of the column
+  scores of that step's gradient. The first selection is made at step 1 from step 1's gradient,
+  before step 1's update.
+* **A column entering the selection while its host update would be in flight** (``delay=1``)
+  gets that update (of the window just closed) computed and applied at once, before the device
+  touches the column; columns staying unselected keep ``delay=1``. It is the only exception to
+  the ``delay=1`` visibility rule and it costs a synchronous host update of the entering columns
+  only (``tests/test_zenflow.py::test_entering_column_gets_its_closing_window_applied_first``).
+
+Worked example: ``update_interval=4``, one selected column ``s`` and one unselected column ``u``
+(no reselection). ``D_t`` = ``inner`` applied at steps 1..t with each step's gradient;
+``H_1 = inner(p0, mean(g_1..g_4))``, ``H_2 = inner(H_1, mean(g_5..g_8))`` (count 2)::
+
+    after step        1    2    3    4    5    6    7    8    ... 12
+    s                D_1  D_2  D_3  D_4  D_5  D_6  D_7  D_8
+    u, delay=0       p0   p0   p0   H_1  H_1  H_1  H_1  H_2
+    u, delay=1       p0   p0   p0   p0   p0   p0   p0   H_1  ... H_2
+
+(``tests/test_zenflow.py::test_worked_example_from_the_docstring``.)
+
+Synchronisation points: the loop waits for the host only (a) when a window closes with
+``delay=0`` (by definition), (b) when a window closes with ``delay=1``, for the previous window's
+host work, which has had a whole window to finish, plus the entering columns' update at a
+reselection, (c) in ``materialize`` / ``element_state`` / ``master_params``. Every step also
+copies the unselected columns' gradient to the host and adds it to the window sum there, and a
+reselection reads the new column indices back to the host.
+
+State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
+the full-shape master, ``inner`` slots and per-column ``count`` (authoritative for unselected
+columns), ``device[name]`` the ``[out, n_selected]`` master and slots of the selected columns,
+``selected``/``unselected`` the sorted column indices and ``acc`` the open window's gradient
+sum; other parameters have their full state in ``device[name]``. Read it merged with
+``element_state``. It may hold one ``Future``, the in-flight host window of ``delay=1,
+overlap=True``: ``materialize(state)`` waits for it and returns a plain-data state that continues
+bit for bit like the original (so it can be saved, in-flight window included). ``update`` is
+pure: the same inputs give the same outputs bit for bit, except the clock reading
+``state["metrics"]["host_wait_s"]``; the background thread only reads copies it owns.
+
+``state["metrics"]`` describes the last step: ``host_wait_s`` (seconds the call spent blocked on
+host optimizer work), ``d2h_bytes`` and ``h2d_bytes`` (bytes of gradients, states and
+parameters moved each way).
+
+Under DP, pass the noised gradient: selection and the ``"auto"`` rules read only ``grads``.
+
+Exactness note: ``inner`` is always called with a Python ``int`` count; columns with different
+counts are updated in groups of equal count. (A tensor count would go through vectorised
+``torch.pow``, whose bits depend on an element's position in the vector, so the same column
+would round differently in slices of different widths.)
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fsdpx.optim import Optimizer, Params, _check_same_keys, adamw
+from offload import worker
+from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
+from offload.columns import column_scores, complement, num_selected, select_columns
+from offload.worker import HOST, nbytes, to_device, to_host
+
+State = dict[str, Any]
+_X = "x"  # the one key of the single-parameter dicts handed to ``inner``
+
+
+def master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The master copy's dtype: float32, or the parameter's dtype if wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# --- the elementwise core --------------------------------------------------------------------
+
+
+def _inner_step(inner: Optimizer, slot_names: list[str], master: Tensor, grad: Tensor,
+                slots: dict[str, Tensor], count: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """``inner`` on one tensor whose elements all have ``count`` updates behind them."""
+    sub = {"count": count, **{s: ({_X: slots[s]} if s in slots else {}) for s in slot_names}}
+    new_p, new_state = inner.update({_X: grad}, sub, {_X: master})
+    return new_p[_X], {s: new_state[s][_X] for s in slots}
+
+
+def _update_columns(inner: Optimizer, slot_names: list[str], master: Tensor, grad: Tensor,
+                    slots: dict[str, Tensor], counts: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """``inner`` on ``[out, n]`` column slices; ``counts[j]`` (host) is column ``j``'s count."""
+    values = torch.unique(counts).tolist()
+    if len(values) == 1:
+        return _inner_step(inner, slot_names, master, grad, slots, int(values[0]))
+    out_master = torch.empty_like(master)
+    out_slots = {s: torch.empty_like(t) for s, t in slots.items()}
+    for v in values:
+        pos = (counts == v).nonzero().squeeze(1).to(master.device)
+        m, sl = _inner_step(inner, slot_names, master.index_select(1, pos), grad.index_select(1, pos),
+                            {s: t.index_select(1, pos) for s, t in slots.items()}, int(v))
+        out_master.index_copy_(1, pos, m)
+        for s, t in sl.items():
+            out_slots[s].index_copy_(1, pos, t)
+    return out_master, out_slots
+
+
+def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: dict[str, dict]) -> dict[str, dict]:
+    """The host update of one window: pure, on tensors the job owns. ``inputs[k]`` holds the
+    columns ``cols``, their window gradient sum ``grad``, ``master``, slots and ``count``."""
+    out = {}
+    for k, job in inputs.items():
+        slots = {s: t for s, t in job.items() if s not in ("cols", "grad", "master", "count")}
+        grad = job["grad"] / divisor if divisor != 1 else job["grad"]
+        master, new_slots = _update_columns(inner, slot_names, job["master"], grad, slots, job["count"])
+        out[k] = {"cols": job["cols"], "master": master, **new_slots, "count": job["count"] + 1}
+    return out
+
+
+# --- state plumbing (all out of place) -------------------------------------------------------
+
+
+def _merge_host_result(result: dict[str, dict], host: dict) -> None:
+    """Scatter a finished host window into ``host`` (rebinding its entries, out of place)."""
+    for k, r in result.items():
+        h = dict(host[k])
+        for f, v in r.items():
+            if f != "cols":
+                h[f] = h[f].index_copy(0 if f == "count" else 1, r["cols"], v)
+        host[k] = h
+
+
+def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict) -> None:
+    """Write a finished host window into the host state and the parameters (rebinding entries
+    of the caller's fresh ``host`` / ``params`` dicts; no tensor is written in place)."""
+    _merge_host_result(result, host)
+    for k, r in result.items():
+        cols = r["cols"]
+        p = params[k]
+        value = r["master"].to(p.dtype)
+        metrics["h2d_bytes"] += nbytes(value)
+        params[k] = p.index_copy(1, cols.to(p.device), to_device(value, p.device))
+
+
+def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict) -> tuple[dict, dict]:
+    """Move the state of columns leaving the selection to the host and of columns entering it to
+    the device. ``old`` and ``new`` are sorted host index tensors. Returns ``(host, device)``."""
+    leaving = ~torch.isin(old, new)
+    entering = ~torch.isin(new, old)
+    dev = d["master"].device
+    kept_old, kept_new = (~leaving).nonzero().squeeze(1).to(dev), (~entering).nonzero().squeeze(1).to(dev)
+    new_h, new_d = dict(h), {}
+    for f, t in d.items():
+        if leaving.any():
+            v = to_host(t.index_select(1, leaving.nonzero().squeeze(1).to(dev)))
+            metrics["d2h_bytes"] += nbytes(v)
+            new_h[f] = h[f].index_copy(1, old[leaving], v)
+        out = torch.empty((t.shape[0], new.numel()), dtype=t.dtype, device=dev)
+        out.index_copy_(1, kept_new, t.index_select(1, kept_old))
+        if entering.any():
+            v = to_device(h[f].index_select(1, new[entering]), dev)
+            metrics["h2d_bytes"] += nbytes(v)
+            out.index_copy_(1, entering.nonzero().squeeze(1).to(dev), v)
+        new_d[f] = out
+    return new_h, new_d
+
+
+def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor) -> dict:
+    """Copies (owned by the job) of what the host update of ``cols`` reads."""
+    grad = acc if cols.numel() == unselected.numel() else acc.index_select(1, torch.searchsorted(unselected, cols))
+    job = {f: t.index_select(1, cols) for f, t in h.items() if f != "count"}
+    return {"cols": cols, "grad": grad, **job, "count": h["count"][cols]}
+
+
+def _timed(metrics: dict, fn, *args):
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        metrics["host_wait_s"] += time.perf_counter() - start
+
+
+def _check_inner_state(inner_state: dict, params: Params) -> list[str]:
+    if inner_state.get("count") != 0:
+        raise TypeError("zenflow needs an inner optimizer whose state has an int 'count' starting at 0")
+    slot_names = [s for s in inner_state if s != "count"]
+    for s in slot_names:
+        slot = inner_state[s]
+        if not isinstance(slot, dict) or any(
+            k not in params or not isinstance(v, Tensor) or v.shape != params[k].shape for k, v in slot.items()
+        ):
+            raise TypeError(f"zenflow needs elementwise inner state: entry {s!r} must map parameter names "
+                            "to tensors shaped like the parameters")
+    return slot_names
+
+
+# --- the optimizer ---------------------------------------------------------------------------
+
+
+def zenflow(
+    inner: Optimizer | None = None,
+    *,
+    topk_ratio: float = 0.1,
+    select_interval: int | str = 100,
+    update_interval: int | str = 4,
+    delay: int = 1,
+    overlap: bool = True,
+    reduce: str = "mean",
+    auto: AutoConfig = AutoConfig(),
+) -> Optimizer:
+    """ZenFlow selective update around the elementwise optimizer ``inner`` (default
+    ``adamw(lr=1e-3)``); semantics in the module docstring.
+
+    Guarantees (``property_tests/test_zenflow_properties.py`` unless named):
+      - ``delay=0``: ``topk_ratio=1`` equals ``inner`` bit for bit; ``update_interval=1`` equals
+        ``inner`` bit for bit for any ratio; ``topk_ratio=0`` equals ``inner`` applied every
+        ``update_interval`` steps to the window's mean gradient.
+      - Every step equals a column-by-column sequential reference of the semantics above, for
+        both delays, any ratio, intervals and reselections (``test_matches_sequential_reference``).
+      - ``overlap=True`` and ``overlap=False`` give the same bits, run after run.
+      - ``init`` leaves the weights as they are: ``master_params(init(p))`` is ``p``.
+      - A column leaving and re-entering the selection keeps its moments and count.
+      - Selected columns are read only from the fp32 master, never from low-precision ``params``
+        (``tests/test_zenflow.py::test_low_precision_params_follow_the_fp32_master``).
+
+    ``params`` passed to ``update`` must be those returned by the previous ``update`` (or the
+    initial ones): columns are written, not re-read; the master copy is authoritative.
+
+    Edge cases: ``topk_ratio`` outside ``[0, 1]``, ``delay`` not in ``{0, 1}``, ``reduce`` not
+    ``"mean"``/``"sum"``, intervals below 1 or a fixed ``select_interval`` that is not a multiple
+    of a fixed ``update_interval`` raise ``ValueError``; an ``inner`` whose state is not
+    ``{"count": 0, slot: {name: tensor like the parameter}}`` raises ``TypeError`` at ``init``.
+    A weight with every column selected never touches the host; with none selected, never the
+    device optimizer."""
+    inner = adamw(lr=1e-3) if inner is None else inner
+    num_selected(0, topk_ratio)  # validates the ratio
+    if delay not in (0, 1):
+        raise ValueError(f"delay must be 0 or 1, got {delay}")
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+    for name, v in (("select_interval", select_interval), ("update_interval", update_interval)):
+        if v != "auto" and not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{name} must be an int >= 1 or 'auto', got {v!r}")
+    if isinstance(select_interval, int) and isinstance(update_interval, int) and select_interval % update_interval:
+        raise ValueError(f"select_interval ({select_interval}) must be a multiple of update_interval "
+                         f"({update_interval}) so that every reselection falls on a window end")
+    check_config(auto)
+
+    def init(params: Params) -> State:
+        masters = {k: p.detach().to(dtype=master_dtype(p.dtype), copy=True) for k, p in params.items()}
+        host_m = {k: m.to(HOST) for k, m in masters.items() if m.dim() == 2}
+        dev_m = {k: m for k, m in masters.items() if m.dim() != 2}
+        inner_host, inner_dev = inner.init(host_m), inner.init(dev_m)
+        slot_names = _check_inner_state(inner_host, params)
+        _check_inner_state(inner_dev, params)
+        host, device = {}, {}
+        for k, m in host_m.items():
+            slots = {s: inner_host[s][k] for s in slot_names if k in inner_host[s]}
+            host[k] = {"master": m, **slots, "count": torch.zeros(m.shape[1], dtype=torch.int64)}
+            device[k] = {f: torch.empty((m.shape[0], 0), dtype=t.dtype, device=params[k].device)
+                         for f, t in (("master", m), *slots.items())}
+        for k, m in dev_m.items():
+            device[k] = {"master": m, **{s: inner_dev[s][k] for s in slot_names if k in inner_dev[s]}, "count": 0}
+        return {
+            "step": 0,
+            "slots": slot_names,
+            "selected": None,  # {name: sorted host LongTensor} from step 1 on
+            "unselected": None,
+            "host": host,
+            "device": device,
+            "acc": {},  # {name: [out, n_unselected] window gradient sum, on the host}
+            "window_steps": 0,
+            "window_sq": 0.0,  # sum_t |g_t|^2 over the window (the "auto" fire rule)
+            "since_selection": 0,
+            "pending": None,  # delay=1: {"result": Future | {name: host result}}
+            "metrics": {"host_wait_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0},
+        }
+
+    def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        _check_same_keys(grads, params)
+        slot_names: list[str] = state["slots"]
+        metrics = {"host_wait_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
+        host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)
+        since = state["since_selection"]
+
+        if state["selected"] is None:  # first step: select from this step's gradient
+            selected, unselected = {}, {}
+            for k in host:
+                sel = select_columns(column_scores(grads[k]), topk_ratio).to(HOST)
+                host[k], device[k] = _handover(host[k], device[k], sel[:0], sel, metrics)
+                selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
+        else:
+            selected, unselected = dict(state["selected"]), dict(state["unselected"])
+
+        # Device: the selected columns and every non-2-D parameter, with this step's gradient.
+        for k, p in params.items():
+            d = device[k]
+            if k not in host:
+                g = grads[k].to(d["master"].dtype)
+                slots = {s: t for s, t in d.items() if s not in ("master", "count")}
+                master, slots = _inner_step(inner, slot_names, d["master"], g, slots, d["count"])
+                device[k] = {"master": master, **slots, "count": d["count"] + 1}
+                new_params[k] = master.to(p.dtype, copy=True)
+            elif selected[k].numel():
+                sel, idx = selected[k], selected[k].to(p.device)
+                g = grads[k].index_select(1, idx).to(d["master"].dtype)
+                slots = {s: t for s, t in d.items() if s != "master"}
+                master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel])
+                device[k] = {"master": master, **slots}
+                host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
+                new_params[k] = p.index_copy(1, idx, master.to(p.dtype))
+
+        # Host: add the unselected columns' gradient to the window sum.
+        opening = state["window_steps"] == 0
+        acc = {} if opening else dict(state["acc"])
+        window_sq = 0.0 if opening else state["window_sq"]
+        for k in host:
+            if unselected[k].numel():
+                g = to_host(grads[k].index_select(1, unselected[k].to(grads[k].device)))
+                metrics["d2h_bytes"] += nbytes(g)
+                g = g.to(host[k]["master"].dtype)
+                acc[k] = g if opening else acc[k] + g
+                if update_interval == "auto":
+                    window_sq += g.double().square().sum().item()
+        window_steps, since = state["window_steps"] + 1, since + 1
+
+        if update_interval == "auto":
+            norm_sq_of_sum = sum(a.double().square().sum().item() for a in acc.values())
+            closing = host_update_due(window_steps, norm_sq_of_sum, window_sq, auto)
+        else:
+            closing = window_steps == update_interval
+        pending = state["pending"]
+        if closing:
+            if pending is not None:  # delay=1: the previous window lands now
+                _apply_host_result(_timed(metrics, worker.resolve, pending["result"]), host, new_params, metrics)
+                pending = None
+            reselect = _reselection(grads, selected, since)
+            if reselect is not None and select_interval != "auto":
+                since = 0
+            reselect = reselect or {}
+            divisor = window_steps if reduce == "mean" else 1
+            # delay=0 needs every result now. delay=1 defers all but the entering columns, whose
+            # result must land before the device owns them (the one synchronous exception).
+            now, later = {}, {}
+            for k in host:
+                uns = unselected[k]
+                if not uns.numel():
+                    continue
+                entering = uns[torch.isin(uns, reselect[k])] if k in reselect else uns[:0]
+                now_cols = uns if delay == 0 else entering
+                later_cols = uns[~torch.isin(uns, now_cols)]
+                if now_cols.numel():
+                    now[k] = _job_inputs(host[k], acc[k], uns, now_cols)
+                if later_cols.numel():
+                    later[k] = _job_inputs(host[k], acc[k], uns, later_cols)
+            if now:
+                result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
+                _apply_host_result(result, host, new_params, metrics)
+            if later:
+                job = partial(_host_window, inner, slot_names, divisor, later)
+                pending = {"result": worker.submit(job) if overlap else _timed(metrics, job)}
+            for k, sel in reselect.items():
+                host[k], device[k] = _handover(host[k], device[k], selected[k], sel, metrics)
+                selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
+            acc, window_steps, window_sq = {}, 0, 0.0
+
+        return new_params, {
+            **state,
+            "step": state["step"] + 1,
+            "selected": selected,
+            "unselected": unselected,
+            "host": host,
+            "device": device,
+            "acc": acc,
+            "window_steps": window_steps,
+            "window_sq": window_sq,
+            "since_selection": since,
+            "pending": pending,
+            "metrics": metrics,
+        }
+
+    def _reselection(grads: Params, selected: dict, since: int) -> dict[str, Tensor] | None:
+        """New selections of the weights that reselect at this window end (``None``: not due)."""
+        if select_interval != "auto":
+            if since < select_interval:
+                return None
+            return {k: select_columns(column_scores(grads[k]), topk_ratio).to(HOST) for k in selected}
+        out = {}
+        for k, sel in selected.items():
+            scores = column_scores(grads[k])
+            best = select_columns(scores, topk_ratio)
+            captured = scores[sel.to(scores.device)].sum().item()
+            if reselect_due(captured, scores[best].sum().item(), auto):
+                out[k] = best.to(HOST)
+        return out
+
+    return Optimizer(init, update)
+
+
+# --- reading the state -----------------------------------------------------------------------
+
+
+def materialize(state: State) -> State:
+    """``state`` with its in-flight host window (if any) waited for: plain data, safe to save.
+    Continuing from it gives the same bits as continuing from ``state``
+    (``test_materialized_state_resumes_bit_for_bit``)."""
+    pending = state.get("pending")
+    if pending is None or not isinstance(pending["result"], Future):
+        return state
+    return {**state, "pending": {"result": pending["result"].result()}}
+
+
+def element_state(state: State) -> dict[str, dict[str, Any]]:
+    """Every element's current state, merged from host and device, with every computed host
+    window applied (waits for the in-flight one): ``{name: {"master": T, <slot>: T, "count": c}}``
+    where ``c`` is a per-column host ``LongTensor[in]`` for 2-D weights and an ``int`` otherwise.
+    Tensors are on the host for 2-D weights, on the device otherwise. The open window's gradient
+    sum is not applied."""
+    state = materialize(state)
+    host = dict(state["host"])
+    if state["pending"] is not None:
+        _merge_host_result(state["pending"]["result"], host)
+    out = {}
+    for k, d in state["device"].items():
+        if k not in host:
+            out[k] = dict(d)
+            continue
+        h = dict(host[k])
+        sel = state["selected"][k] if state["selected"] is not None else None
+        if sel is not None and sel.numel():
+            for f, t in d.items():
+                h[f] = h[f].index_copy(1, sel, to_host(t))
+        out[k] = h
+    return out
+
+
+def master_params(state: State) -> Params:
+    """The master weights (fp32 or wider) of every parameter, on its device, with every computed
+    host window applied. ``master_params(init(p))`` equals ``p`` (upcast)."""
+    merged = element_state(state)
+    return {k: to_device(e["master"], state["device"][k]["master"].device) for k, e in merged.items()}
