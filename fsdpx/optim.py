@@ -36,7 +36,7 @@ class Optimizer(NamedTuple):
     update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
 
 
-def _check_same_keys(grads: Params, params: Params) -> None:
+def check_same_keys(grads: Params, params: Params) -> None:
     if grads.keys() != params.keys():
         missing = sorted(set(params) - set(grads))
         extra = sorted(set(grads) - set(params))
@@ -68,7 +68,7 @@ def sgd(lr: float, momentum: float = 0.0) -> Optimizer:
         return {"count": 0, "momentum": bufs}
 
     def update(grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:
-        _check_same_keys(grads, params)
+        check_same_keys(grads, params)
         new_params, new_bufs = {}, {}
         for k, p in params.items():
             buf = state["momentum"].get(k, p)  # type: ignore[union-attr]
@@ -85,7 +85,7 @@ def adamw_kernel(
     g: Tensor,
     m: Tensor,
     v: Tensor,
-    count: int | Tensor,
+    count: int,
     *,
     lr: float,
     b1: float,
@@ -95,18 +95,15 @@ def adamw_kernel(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One elementwise AdamW step, ``count`` = the number of this step (1 on the first update).
 
-    ``count`` may be a tensor broadcastable to ``p``: ZenFlow keeps a per-element count of the
-    updates actually applied. Returns ``(new_p, new_m, new_v)``; same operation order as
-    ``torch.optim.AdamW`` (single-tensor path)."""
+    Returns ``(new_p, new_m, new_v)``; same operation order as ``torch.optim.AdamW``
+    (single-tensor path). ``count`` is a Python int on purpose: a vectorised ``pow`` over a
+    tensor of counts rounds differently by lane, which would break elementwise exactness, so
+    callers with per-element counts (ZenFlow) group elements by count."""
     p = p * (1 - lr * weight_decay)
     m = m * b1 + g * (1 - b1)
     v = v * b2 + g * g * (1 - b2)
-    if isinstance(count, Tensor):
-        bc1 = 1 - torch.pow(torch.as_tensor(b1, dtype=p.dtype), count.to(p.dtype))
-        bc2_sqrt = torch.sqrt(1 - torch.pow(torch.as_tensor(b2, dtype=p.dtype), count.to(p.dtype)))
-    else:
-        bc1 = 1 - b1**count
-        bc2_sqrt = math.sqrt(1 - b2**count)
+    bc1 = 1 - b1**count
+    bc2_sqrt = math.sqrt(1 - b2**count)
     step_size = lr / bc1
     denom = v.sqrt() / bc2_sqrt + eps
     return p - step_size * (m / denom), m, v
@@ -135,7 +132,7 @@ def adamw(
         }
 
     def update(grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:
-        _check_same_keys(grads, params)
+        check_same_keys(grads, params)
         count = state["count"] + 1  # type: ignore[operator]
         new_p, mu, nu = {}, {}, {}
         for k, p in params.items():

@@ -87,7 +87,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fsdpx.optim import Optimizer, Params, _check_same_keys, adamw
+from fsdpx.optim import Optimizer, Params, check_same_keys, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
 from offload.columns import column_scores, complement, num_selected, select_columns
@@ -303,7 +303,7 @@ def zenflow(
         }
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
-        _check_same_keys(grads, params)
+        check_same_keys(grads, params)
         slot_names: list[str] = state["slots"]
         metrics = {"host_wait_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
         host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fsdpx.optim import Optimizer, Params, _check_same_keys
+from fsdpx.optim import Optimizer, Params, check_same_keys
 from offload.worker import HOST, nbytes, to_device, to_host
 from offload.zenflow import master_dtype
 
@@ -38,7 +38,7 @@ def zero_offload(inner: Optimizer) -> Optimizer:
                 "metrics": {"host_wait_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0}}
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
-        _check_same_keys(grads, params)
+        check_same_keys(grads, params)
         start = time.perf_counter()
         d2h = h2d = 0
         host_grads = {}
