@@ -1,0 +1,184 @@
+"""Gaussian noise for DP-SGD, addressable by flat element index.
+
+The noise added to element ``i`` of parameter ``name`` at ``step`` is a pure function of
+``(key, step, name, i, dtype)``. It does not depend on the parameter's size, on how the
+flat index space is cut into shards, or on which process draws it. A sharded run in which
+each rank calls ``noise_slice`` on its own range therefore adds exactly the noise an
+unsharded run adds, bit for bit (``test_noise_slices_concatenate_to_the_full_draw``).
+
+Layout: the flat index space of a parameter is cut into blocks of ``BLOCK`` elements. Block
+``b`` is the stream of a numpy ``SFC64`` generator seeded with a 128-bit BLAKE2b hash of
+``(key, step, b, name)``; element ``i`` is draw number ``i - b * BLOCK`` of that stream. A
+slice draws only the blocks it overlaps, and only up to its own end, because a sequential
+stream's first ``k`` draws do not depend on how many more are drawn afterwards.
+
+Why not ``torch.Generator``: torch's CPU generator keeps only the low 32 bits of its seed
+(``manual_seed(s)`` and ``manual_seed(s + 2**32)`` give the same stream). A run draws one
+seed per block per step, so 32-bit seeds collide within a run by the birthday bound, and a
+collision means two blocks of noise are identical rather than independent. Seeding with
+128 bits makes collisions negligible (about ``n**2 / 2**129`` for ``n`` seeds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+import operator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torch import Tensor
+
+BLOCK = 2**16
+"""Elements per independently seeded block. A slice draws at most ``BLOCK - 1`` elements
+it does not return (the part of its first block before ``start``)."""
+
+_HASH_PERSON = b"fsdpx.noise.v1"
+_BLOCKS_PER_WORKER = 8  # below this a thread pool costs more than it saves
+
+# Half types are drawn in float32 and rounded: the stream is defined for the two numpy dtypes.
+_DRAW_DTYPE = {
+    torch.float16: np.float32,
+    torch.bfloat16: np.float32,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def _block_generator(key: int, step: int, name: str, block: int) -> np.random.Generator:
+    # Decimal integers joined by ':' with the name last: distinct tuples give distinct messages.
+    message = f"{key}:{step}:{block}:".encode() + name.encode("utf-8", "surrogatepass")
+    digest = hashlib.blake2b(message, digest_size=16, person=_HASH_PERSON).digest()
+    return np.random.Generator(np.random.SFC64(int.from_bytes(digest, "little")))
+
+
+def _check_std(std: float) -> float:
+    if isinstance(std, bool) or not isinstance(std, numbers.Real):
+        raise TypeError(f"std must be a real number, got {std!r}")
+    std = float(std)
+    if not (math.isfinite(std) and std >= 0.0):
+        raise ValueError(f"std must be finite and >= 0, got std={std}")
+    return std
+
+
+def noise_slice(
+    name: str,
+    numel: int,
+    start: int,
+    stop: int,
+    *,
+    key: int,
+    step: int,
+    std: float,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Gaussian noise ``N(0, std**2)`` for flat elements ``[start, stop)`` of parameter ``name``.
+
+    Args:
+      name: the parameter's name; part of the noise's identity.
+      numel: the parameter's number of elements; only bounds ``start`` and ``stop``.
+      start, stop: the flat element range, ``0 <= start <= stop <= numel``.
+      key: the run's secret noise key. step: the training step.
+      std: the standard deviation (noise multiplier times clip norm).
+      dtype: float16, bfloat16, float32 or float64.
+
+    Returns:
+      A 1-D CPU tensor of ``stop - start`` elements of ``dtype``.
+
+    Formal Guarantees:
+      * Pure: equal arguments give equal bits (``test_noise_is_a_pure_function_of_its_arguments``).
+      * Partition invariance: for any ``0 = c_0 <= c_1 <= ... <= c_k = numel``, concatenating
+        ``noise_slice(name, numel, c_j, c_{j+1}, ...)`` gives ``noise_slice(name, numel, 0,
+        numel, ...)`` bit for bit (``test_noise_slices_concatenate_to_the_full_draw``).
+      * Element ``i`` does not depend on ``numel``, ``start`` or ``stop``
+        (``test_element_noise_does_not_depend_on_numel``).
+      * Exact scaling: the result is ``noise_slice(..., std=1.0, dtype=float32 or float64) * std``
+        computed in that draw dtype and then rounded to ``dtype``; so half types are the rounding
+        of the float32 draw (``test_std_scales_the_unit_draw_exactly``,
+        ``test_half_precision_noise_is_the_rounded_float32_noise``).
+      * Distinct ``(key, step, name)`` and distinct blocks use distinct 128-bit seeds
+        (``test_distinct_key_step_or_name_give_distinct_noise``).
+      * Cost: draws ``stop - BLOCK * (start // BLOCK)`` normals, i.e. O(stop - start + BLOCK),
+        never O(numel) (``test_slice_draws_only_the_blocks_it_overlaps_however_large_the_parameter``).
+        Draws of at least ``2 * _BLOCKS_PER_WORKER`` blocks are spread over up to
+        ``torch.get_num_threads()`` threads (numpy releases the GIL while drawing); the bits do
+        not depend on the thread count (``test_threaded_and_serial_draws_give_the_same_bits``).
+      * Bits depend on numpy's ``SFC64`` and ``Generator.standard_normal`` (ziggurat); numpy may
+        change the latter between feature releases (NEP 19), so all ranks of one run must use the
+        same numpy. Moments: ``test_noise_moments_match_the_requested_gaussian``.
+
+    Edge cases:
+      ==============================  ==========================================
+      ``start == stop``               empty tensor, nothing drawn
+      ``std == 0``                    exact zeros (``+0.0``), nothing drawn
+      ``std`` < 0, NaN or inf         ``ValueError`` naming ``std``
+      ``start``/``stop`` out of range ``ValueError`` naming them
+      ``numel`` < 0                   ``ValueError`` naming ``numel``
+      non-float ``dtype``             ``ValueError`` naming ``dtype``
+      non-integer key/step/bounds     ``TypeError``
+      ==============================  ==========================================
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    numel, start, stop = operator.index(numel), operator.index(start), operator.index(stop)
+    key, step = operator.index(key), operator.index(step)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got numel={numel}")
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"need 0 <= start <= stop <= numel, got start={start}, stop={stop}, numel={numel}")
+    std = _check_std(std)
+    if dtype not in _DRAW_DTYPE:
+        raise ValueError(f"dtype must be one of {sorted(map(str, _DRAW_DTYPE))}, got dtype={dtype}")
+    if start == stop or std == 0.0:
+        return torch.zeros(stop - start, dtype=dtype)
+
+    draw_dtype = _DRAW_DTYPE[dtype]
+    out = np.empty(stop - start, dtype=draw_dtype)
+
+    def draw(block: int) -> None:
+        block_start = block * BLOCK
+        lo, hi = max(start, block_start), min(stop, block_start + BLOCK)
+        gen = _block_generator(key, step, name, block)
+        if lo == block_start:
+            gen.standard_normal(dtype=draw_dtype, out=out[lo - start : hi - start])
+        else:  # the slice begins inside this block: skip the block's first draws
+            out[lo - start : hi - start] = gen.standard_normal(hi - block_start, dtype=draw_dtype)[lo - block_start :]
+
+    blocks = range(start // BLOCK, (stop - 1) // BLOCK + 1)
+    workers = min(torch.get_num_threads(), len(blocks) // _BLOCKS_PER_WORKER)
+    if workers > 1:
+        # Blocks write disjoint parts of `out` and numpy drops the GIL while drawing, so the
+        # bits are those of the serial loop; only the wall time changes.
+        with ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(draw, blocks):
+                pass
+    else:
+        for block in blocks:
+            draw(block)
+    noise = torch.from_numpy(out)
+    if std != 1.0:
+        noise.mul_(std)
+    return noise.to(dtype)
+
+
+def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
+    """Noise shaped like ``params_like``: for each ``name``, the full draw of ``noise_slice``
+    reshaped to the tensor's shape, with its dtype and on its device.
+
+    Formal Guarantees:
+      * ``gaussian_noise(p, ...)[name].flatten()[a:b]`` equals ``noise_slice(name, numel, a, b,
+        ...)``: an unsharded run and a sharded one add the same noise
+        (``test_gaussian_noise_is_the_full_slice_of_each_parameter``).
+      * Only names, shapes, dtypes and devices of ``params_like`` are read, never values.
+
+    Edge cases: an empty dict gives an empty dict; a zero-element tensor gives an empty tensor of
+    its shape; a non-float tensor raises ``ValueError`` naming ``dtype``.
+    """
+    return {
+        name: noise_slice(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
+        .reshape(t.shape)
+        .to(t.device)
+        for name, t in params_like.items()
+    }
