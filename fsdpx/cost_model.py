@@ -1,0 +1,168 @@
+"""Memory and communication of a strategy, derived from its layouts -- never hand-coded.
+
+Memory reads ``local_box`` of each tensor's layout; communication is ``cost`` of the plans of
+the transitions the strategy performs (``Strategy.*_transitions``), listed by ``step_collectives``
+in the order a runtime runs them. A runtime that executes ``step_collectives`` on a
+``SimulatedMesh`` (or counts its real collectives the same way) must count exactly
+``comm_per_step``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, NamedTuple, Sequence
+
+import torch
+
+from .collectives import Collective, cost, plan
+from .layout import local_shape
+from .mesh import Mesh
+from .spec import Spec
+from .strategies import Strategy
+
+Shapes = Mapping[str, Sequence[int]]
+
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+"""Number of state tensors, each shaped like the parameter and of its dtype."""
+
+
+class StepCollective(NamedTuple):
+    """One collective of a train step: which phase, which parameter, what."""
+
+    phase: str
+    param: str
+    collective: Collective
+
+
+def _local_numel(shape: Sequence[int], spec: Spec, mesh: Mesh, rank: int) -> int:
+    return math.prod(local_shape(tuple(shape), spec, mesh, rank))
+
+
+def memory_by_rank(
+    strategy: Strategy, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
+) -> list[int]:
+    """Resident bytes per rank (index = rank) between steps: each parameter at
+    ``param_at_rest``, its gradient at ``grad`` (reduced), and ``OPTIMIZER_STATES[optimizer]``
+    state tensors at ``opt_state``, all of ``dtype``, unpadded.
+
+    Excludes everything transient: gathered parameters during compute (``peak_gathered_bytes``),
+    the unreduced gradient of the unit being reduced, activations, communication buffers.
+
+    Guarantees: uneven shards make ranks differ and rank 0 is never below another rank (it
+    holds chunk 0, the largest); 0-d parameters count in full on every rank
+    (``tests/test_cost_model.py``).
+    """
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)}")
+    states = OPTIMIZER_STATES[optimizer]
+    out = [0] * mesh.size
+    for shape in param_shapes.values():
+        n = len(shape)
+        for r in range(mesh.size):
+            out[r] += (
+                _local_numel(shape, strategy.param_at_rest(n), mesh, r)
+                + _local_numel(shape, strategy.grad(n), mesh, r)
+                + states * _local_numel(shape, strategy.opt_state(n), mesh, r)
+            ) * dtype.itemsize
+    return out
+
+
+def memory_per_rank(
+    strategy: Strategy, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
+) -> int:
+    """The worst rank's ``memory_by_rank``."""
+    return max(memory_by_rank(strategy, param_shapes, mesh, optimizer, dtype))
+
+
+def _check_units(units: Sequence[Sequence[str]], param_shapes: Shapes) -> None:
+    seen: set[str] = set()
+    for unit in units:
+        for name in unit:
+            if name not in param_shapes:
+                raise ValueError(f"unit parameter {name!r} is not in param_shapes")
+            if name in seen:
+                raise ValueError(f"parameter {name!r} is in more than one unit")
+            seen.add(name)
+    missing = [n for n in param_shapes if n not in seen]
+    if missing:
+        raise ValueError(f"parameters in no unit: {missing}; every parameter belongs to exactly one unit")
+
+
+def step_collectives(
+    strategy: Strategy,
+    param_shapes: Shapes,
+    mesh: Mesh,
+    units: Sequence[Sequence[str]],
+    dtype: torch.dtype = torch.float32,
+) -> list[StepCollective]:
+    """Every collective of one train step, in execution order: forward (units in order),
+    backward (units in reverse), then the update (parameters in unit order).
+
+    ``units`` partitions the parameters (each name exactly once, else ``ValueError``): a unit is
+    what a runtime gathers and reduces together, e.g. one transformer block. Per parameter the
+    collectives are ``plan``'s, so a runtime that flattens a unit into one buffer moves the same
+    bytes as long as it pads per parameter as ``layout`` does (FSDP2 does).
+    """
+    _check_units(units, param_shapes)
+    out: list[StepCollective] = []
+
+    def add(name: str, transitions: list) -> None:
+        shape = tuple(param_shapes[name])
+        for t in transitions:
+            out.extend(StepCollective(t.phase, name, c) for c in plan(t.src, t.dst, shape, mesh, dtype))
+
+    for unit in units:
+        for name in unit:
+            add(name, strategy.forward_transitions(len(param_shapes[name])))
+    for unit in reversed(units):
+        for name in unit:
+            add(name, strategy.backward_transitions(len(param_shapes[name])))
+    for unit in units:
+        for name in unit:
+            add(name, strategy.update_transitions(len(param_shapes[name])))
+    return out
+
+
+def comm_per_step(
+    strategy: Strategy,
+    param_shapes: Shapes,
+    mesh: Mesh,
+    units: Sequence[Sequence[str]],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, int]:
+    """Bytes per rank per train step: ``cost`` of ``step_collectives`` -- ``{kind: buffer_bytes}``
+    plus ``send_bytes``/``recv_bytes`` (conventions in ``fsdpx.collectives``).
+
+    Guarantees:
+      * Running ``step_collectives`` on a ``SimulatedMesh`` counts exactly this dict
+        (``tests/test_cost_model.py::test_simulating_a_train_step_counts_exactly_comm_per_step``).
+      * Bytes depend on ``units`` only through validation: each parameter's plans are costed
+        on their own (padded per parameter), so grouping does not change them.
+      * Anchor (``test_fsdp2_anchor_49m_params_two_ranks``): zero3 on ``Mesh(dp=2)``, ~49M fp32
+        params: all_gather ~391.3 MB (forward + backward), reduce_scatter ~195.7 MB; ddp:
+        all_reduce ~195.7 MB.
+    """
+    return cost(s.collective for s in step_collectives(strategy, param_shapes, mesh, units, dtype))
+
+
+def peak_gathered_bytes(
+    strategy: Strategy,
+    param_shapes: Shapes,
+    mesh: Mesh,
+    units: Sequence[Sequence[str]],
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Largest unit's parameters in their compute layout, counting only parameters whose compute
+    layout differs from the at-rest one (the transient ``memory_per_rank`` leaves out), on the
+    worst rank. 0 when nothing is gathered (ddp, zero1, zero2)."""
+    _check_units(units, param_shapes)
+    peak = 0
+    for unit in units:
+        for r in range(mesh.size):
+            total = 0
+            for name in unit:
+                n = len(param_shapes[name])
+                if strategy.param_in_compute(n) != strategy.param_at_rest(n):
+                    total += _local_numel(param_shapes[name], strategy.param_in_compute(n), mesh, r)
+            peak = max(peak, total * dtype.itemsize)
+    return peak

@@ -1,0 +1,159 @@
+"""Data-parallel strategies as data: where a parameter, its gradient and its optimizer state live.
+
+A ``Strategy`` is four layout rules, one flag and the data axes; DDP, ZeRO-1/2/3 and HSDP differ
+ONLY in these values, so a runtime has one code path (``Strategy.*_transitions``) for all:
+
+=========  ==============  ==============  ====================  ==============  ===================
+strategy   param at rest   param compute   grad (reduced)        opt state       comm per step
+=========  ==============  ==============  ====================  ==============  ===================
+ddp        replicated      replicated      replicated (AR)       replicated      AR grads
+zero1      replicated      replicated      replicated (AR)       dim 0 sharded   AR grads, AG params
+zero2      replicated      replicated      dim 0 sharded (RS)    dim 0 sharded   RS grads, AG params
+zero3      dim 0 sharded   replicated      dim 0 sharded (RS)    dim 0 sharded   AG fwd, AG bwd, RS
+hsdp       dim 0 over      replicated      dim 0 over shard      as grad         AG fwd, AG bwd,
+           shard                           (RS shard, AR         (= at rest)     RS shard, AR replica
+                                           replica)
+=========  ==============  ==============  ====================  ==============  ===================
+
+zero1 follows ``torch.distributed.optim.ZeroRedundancyOptimizer``: DDP's all-reduce, each rank
+steps its shard of the optimizer state, the updated shards are all-gathered (ZRO broadcasts
+whole parameters from their owners instead; each rank still receives the (k-1)/k it does not
+own). So zero1 keeps full gradients in memory and zero2 does not: the stages differ in data,
+and the memory model shows it. (The ZeRO paper's stage 1 reduce-scatters instead; with grads
+kept at the reduced layout that would be zero2 here.)
+
+0-d parameters are always replicated (a scalar has no dim 0); a dim 0 smaller than the axis
+leaves some ranks with empty shards (``torch.chunk`` semantics, ``fsdpx.layout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .spec import Spec
+
+LayoutRule = Callable[[int], Spec]
+"""A tensor's layout as a function of its number of dims (so one rule covers every parameter)."""
+
+
+@dataclass(frozen=True)
+class ShardDim0:
+    """Layout rule: a tensor of ``ndim`` dims gets dim 0 split over ``axes`` (major to minor),
+    the rest whole. ``ShardDim0(())`` is the replicated rule.
+
+    Guarantees: ``rule(0) == Spec()`` (scalars replicated) and ``rule(n).ndim == n``."""
+
+    axes: tuple[str, ...] = ()
+
+    def __call__(self, ndim: int) -> Spec:
+        if ndim == 0 or not self.axes:
+            return Spec.replicated(ndim)
+        return Spec(self.axes, *([None] * (ndim - 1)))
+
+
+REPLICATED = ShardDim0(())
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One change of layout in a train step: ``phase`` names when, for one tensor."""
+
+    phase: str
+    src: Spec
+    dst: Spec
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Where each tensor of a parameter lives, as layout rules ``ndim -> Spec``.
+
+    * ``param_at_rest``: between steps (what memory holds).
+    * ``param_in_compute``: during forward/backward (gathered transiently if different).
+    * ``grad``: the gradient once reduced; the raw per-rank gradient is ``param_in_compute``
+      made partial over ``data_axes`` (each rank saw different examples).
+    * ``opt_state``: every optimizer-state tensor (the update runs in this layout).
+    * ``reshard_after_forward``: free gathered params after forward and gather again in backward.
+    * ``data_axes``: the mesh axes the batch is split over.
+
+    A runtime performs, per parameter, the ``Transition``s below and nothing else, running
+    ``fsdpx.plan(t.src, t.dst, ...)`` for each; ``fsdpx.cost_model`` derives bytes the same way.
+    Phases: ``gather_for_forward``, ``gather_for_backward``, ``reduce_grad``, then around the
+    optimizer step ``grad_to_update``, ``param_to_update`` (local slices here) and
+    ``param_from_update``. Transitions with ``src == dst`` are omitted.
+
+    Guarantees (``tests/test_strategies.py``):
+      * every rule maps ``ndim == 0`` to ``Spec()``: scalars are replicated;
+      * zero3 and hsdp keep optimizer state in the parameter's at-rest layout, and reduce
+        gradients straight to it;
+      * the stages are values of this one class: ``dataclasses.replace`` turns one into another
+        (``test_zero_stages_differ_only_in_data``).
+    """
+
+    name: str
+    param_at_rest: LayoutRule
+    param_in_compute: LayoutRule
+    grad: LayoutRule
+    opt_state: LayoutRule
+    reshard_after_forward: bool
+    data_axes: tuple[str, ...]
+
+    def raw_grad(self, ndim: int) -> Spec:
+        """Layout of the gradient backward produces, before any reduction."""
+        return self.param_in_compute(ndim).with_partial(self.data_axes)
+
+    def forward_transitions(self, ndim: int) -> list[Transition]:
+        """Per parameter, before the unit's forward (and again before its backward if
+        ``reshard_after_forward``)."""
+        t = Transition("gather_for_forward", self.param_at_rest(ndim), self.param_in_compute(ndim))
+        return [t] if t.src != t.dst else []
+
+    def backward_transitions(self, ndim: int) -> list[Transition]:
+        """Per parameter, during the unit's backward: re-gather (if resharded) and reduce."""
+        out = []
+        if self.reshard_after_forward:
+            out += [Transition("gather_for_backward", t.src, t.dst) for t in self.forward_transitions(ndim)]
+        out.append(Transition("reduce_grad", self.raw_grad(ndim), self.grad(ndim)))
+        return out
+
+    def update_transitions(self, ndim: int) -> list[Transition]:
+        """Per parameter, around the optimizer step: bring grad and param to the optimizer
+        state's layout, step there, then return the param to its at-rest layout."""
+        steps = [
+            Transition("grad_to_update", self.grad(ndim), self.opt_state(ndim)),
+            Transition("param_to_update", self.param_at_rest(ndim), self.opt_state(ndim)),
+            Transition("param_from_update", self.opt_state(ndim), self.param_at_rest(ndim)),
+        ]
+        return [t for t in steps if t.src != t.dst]
+
+
+def ddp(axis: str = "dp") -> Strategy:
+    r = REPLICATED
+    return Strategy("ddp", r, r, r, r, reshard_after_forward=False, data_axes=(axis,))
+
+
+def zero1(axis: str = "dp") -> Strategy:
+    r, s = REPLICATED, ShardDim0((axis,))
+    return Strategy("zero1", r, r, r, s, reshard_after_forward=False, data_axes=(axis,))
+
+
+def zero2(axis: str = "dp") -> Strategy:
+    r, s = REPLICATED, ShardDim0((axis,))
+    return Strategy("zero2", r, r, s, s, reshard_after_forward=False, data_axes=(axis,))
+
+
+def zero3(axis: str = "dp", *, reshard_after_forward: bool = True) -> Strategy:
+    """FSDP (FULL_SHARD; ``reshard_after_forward=False`` is SHARD_GRAD_OP's schedule)."""
+    r, s = REPLICATED, ShardDim0((axis,))
+    return Strategy("zero3", s, r, s, s, reshard_after_forward=reshard_after_forward, data_axes=(axis,))
+
+
+def hsdp(replica_axis: str = "replica", shard_axis: str = "shard", *, reshard_after_forward: bool = True) -> Strategy:
+    """ZeRO-3 within each ``shard_axis`` group, plain replication across ``replica_axis``."""
+    r, s = REPLICATED, ShardDim0((shard_axis,))
+    return Strategy(
+        "hsdp", s, r, s, s, reshard_after_forward=reshard_after_forward, data_axes=(replica_axis, shard_axis)
+    )
+
+
+ALL = {"ddp": ddp, "zero1": zero1, "zero2": zero2, "zero3": zero3, "hsdp": hsdp}
