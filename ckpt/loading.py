@@ -1,0 +1,147 @@
+"""``load``: one rank's local state, in ANY mesh and strategy, reading only its byte ranges.
+
+    state = ckpt.load("ckpt/step_100", mesh=Mesh(dp=2), strategy=zero2(), rank=dist.get_rank())
+
+For every tensor of the manifest the target spec comes from ``ckpt.rules`` (the strategy you
+load with, or ``specs``), the global shape from the manifest, and the rank's box from
+``fsdpx.layout.local_box``; ``ckpt.reader`` reads the overlapping stored bytes. Non-tensor state
+comes from the manifest's JSON tree. Tensors come back on the CPU, as plain tensors.
+
+Guarantees:
+  * Every returned tensor equals ``fsdpx.shard(global, target_spec, mesh)[rank]`` bit for bit,
+    for any saved and target (spec, mesh) (``property_tests/test_ckpt_properties.py::
+    test_any_save_layout_loads_into_any_layout``), and a rank reads only the bytes it needs
+    (same test, ``stats``).
+  * Nothing is unpickled: JSON, ``Spec.parse`` (literals) and raw bytes only.
+  * Before reading data: a missing or resized shard file raises ``MissingShardError`` /
+    ``TruncatedShardError`` naming it; ``expected_shapes`` ({path: global shape}) that differ
+    from the checkpoint raise ``ShapeMismatchError`` naming the tensor
+    (``tests/test_ckpt_resume.py::test_refuses_a_model_with_other_shapes``).
+  * A private checkpoint (saved with ``private=True``) or ``private=True`` here requires an
+    ``Accountant`` in the state, whose step count equals the state's top-level ``step`` when
+    both exist; else ``MissingAccountantError`` (``test_refuses_private_resume_without_accountant``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fsdpx import Mesh
+from fsdpx.layout import local_box
+from fsdpx.strategies import Strategy
+
+from . import format as fmt
+from .errors import LayoutError, ManifestError, MissingAccountantError, MissingShardError, ShapeMismatchError, TruncatedShardError
+from .flatten import contains_type, top_level, unflatten
+from .reader import ReadStats, read_box
+from .rules import Specs, make_rule
+
+
+def read_manifest(directory: str | Path, stats: ReadStats | None = None) -> fmt.Manifest:
+    path = Path(directory) / fmt.MANIFEST
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ManifestError(str(path), "no manifest: not a committed checkpoint") from None
+    if stats is not None:
+        stats.metadata_bytes += len(data)
+    return fmt.decode(data, str(path))
+
+
+def check_files_present(directory: Path, manifest: fmt.Manifest) -> None:
+    """Every listed shard file exists with its recorded size (a cheap ``stat`` each)."""
+    for name, rec in manifest.files.items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise MissingShardError(str(path), "shard file listed in the manifest is missing") from None
+        if size != rec.size:
+            raise TruncatedShardError(str(path), f"has {size} bytes, the manifest recorded {rec.size}")
+
+
+def check_shapes(manifest: fmt.Manifest, expected: Mapping[str, Sequence[int]]) -> None:
+    """Each expected path exists with that global shape, and the checkpoint has no other tensor
+    under the same top-level keys (a model with fewer tensors does not match either)."""
+    for path, shape in expected.items():
+        if path not in manifest.tensors:
+            raise ShapeMismatchError(f"{path}: expected shape {tuple(shape)}, the checkpoint has no such tensor")
+        if tuple(shape) != manifest.tensors[path].shape:
+            raise ShapeMismatchError(f"{path}: expected shape {tuple(shape)}, the checkpoint has {manifest.tensors[path].shape}")
+    tops = {p.split("/", 1)[0] for p in expected}
+    extra = sorted(p for p in manifest.tensors if p.split("/", 1)[0] in tops and p not in expected)
+    if extra:
+        raise ShapeMismatchError(f"{extra[0]}: the checkpoint has this tensor, the model does not ({len(extra)} such)")
+
+
+def check_private(manifest: fmt.Manifest, private: bool) -> None:
+    if not (private or manifest.private):
+        return
+    if not contains_type(manifest.state, "Accountant"):
+        raise MissingAccountantError("this is a private run but the checkpoint holds no Accountant: resuming would "
+                                     "restart the privacy ledger at zero and silently break the guarantee")
+    fields = top_level(manifest.state)
+    acc, step = fields.get("accountant"), fields.get("step")
+    if isinstance(acc, dict) and acc.get("$type") == "Accountant" and isinstance(step, int):
+        steps = unflatten(acc, _no_tensor).steps
+        if steps != step:
+            raise MissingAccountantError(f"the accountant records {steps} steps but the state is at step {step}: "
+                                         "the ledger does not belong to this state")
+
+
+def _no_tensor(path: str) -> Any:
+    raise ManifestError(path, "an Accountant cannot hold tensors")
+
+
+def load(
+    directory: str | Path,
+    *,
+    mesh: Mesh,
+    strategy: Strategy | None,
+    rank: int = 0,
+    specs: Specs = None,
+    expected_shapes: Mapping[str, Sequence[int]] | None = None,
+    private: bool = False,
+    verify: bool = True,
+    stats: ReadStats | None = None,
+) -> Any:
+    """Rank ``rank``'s local state from the checkpoint ``directory`` (see module doc)."""
+    directory = Path(directory)
+    stats = stats if stats is not None else ReadStats()
+    manifest = read_manifest(directory, stats)
+    check_files_present(directory, manifest)
+    if expected_shapes is not None:
+        check_shapes(manifest, expected_shapes)
+    check_private(manifest, private)
+    rule = make_rule(strategy, specs)
+    fds: dict[str, tuple[int, Path]] = {}
+
+    def open_file(name: str) -> tuple[int, Path]:
+        if name not in fds:
+            fds[name] = (os.open(directory / name, os.O_RDONLY), directory / name)
+        return fds[name]
+
+    tensors = {}
+    try:
+        for path, rec in manifest.tensors.items():
+            spec = rule(path, len(rec.shape))
+            try:
+                box = local_box(rec.shape, spec, mesh, rank)
+            except ValueError as e:
+                raise LayoutError(f"{path}: cannot lay out {rec.shape} as {spec} on {mesh}: {e}") from None
+            tensors[path] = read_box(rec, box, open_file, stats, verify=verify)
+    finally:
+        for fd, _ in fds.values():
+            os.close(fd)
+    return unflatten(manifest.state, tensors.__getitem__)
+
+
+def load_ranks(directory: str | Path, *, mesh: Mesh, strategy: Strategy | None, specs: Specs = None,
+               stats: list[ReadStats] | None = None, **kwargs: Any) -> list[Any]:
+    """``load`` for every rank of a simulated mesh: entry r is rank r's local state."""
+    stats = stats if stats is not None else [ReadStats() for _ in range(mesh.size)]
+    return [load(directory, mesh=mesh, strategy=strategy, rank=r, specs=specs, stats=stats[r], **kwargs)
+            for r in range(mesh.size)]

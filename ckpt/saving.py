@@ -1,0 +1,242 @@
+"""``save``: every rank writes its own blocks, rank 0 commits once all are durable.
+
+    handle = ckpt.save("ckpt/step_100", state, mesh=Mesh(dp=4), strategy=zero3(),
+                       coordinator=TorchDistCoordinator(), blocking=False)
+    ...                                 # keep training; the state was copied already
+    handle.wait()                       # the committed path, or the writer's error
+
+What each rank passes: its OWN local state (the tensors it holds) and the same mesh, strategy
+and non-tensor values as every other rank. Each tensor's spec comes from ``ckpt.rules`` (the
+strategy, overridable by ``specs``); its global shape is inferred from all ranks' local shapes
+at commit time, so no rank needs to know it. ``save_ranks`` runs the same protocol for a
+simulated mesh: one thread per rank, each with its entry of ``states``.
+
+Protocol (``ckpt.commit`` for the filesystem side): rank 0 creates the temporary directory and
+broadcasts it; every rank writes and fsyncs ``rank_<r>.safetensors`` with the blocks it is the
+first replica of; ranks gather their reports (or errors) on rank 0; rank 0 checks that the
+reports fit one layout, writes the manifest and renames; the outcome is broadcast, so every
+rank returns the same path or raises ``SaveError``.
+
+Guarantees:
+  * Atomic and never in place: see ``ckpt.commit`` (``tests/test_ckpt_commit.py``).
+  * A failure on any rank (e.g. a full disk) commits nothing, removes the temporary directory
+    and raises on every rank; earlier checkpoints are untouched
+    (``tests/test_ckpt_failures.py::test_full_disk_raises_and_keeps_earlier_checkpoints``).
+  * Each distinct box is written once (``tests/test_ckpt_save_load.py::
+    test_replicated_tensors_are_written_once``).
+  * ``private=True`` refuses a state without an ``Accountant`` (``MissingAccountantError``) and
+    marks the manifest private, so ``load`` will insist on the ledger too.
+  * Non-tensor state must be identical on all ranks (``LayoutError`` naming the rank otherwise):
+    rank-local values must be tensors.
+
+Edge cases: a rank holding no block to write creates no file; zero-size tensors are recorded
+with no box; an unsupported dtype or leaf raises before anything is written (on the rank that
+has it; give every rank the same structure or the others wait for ``timeout``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from functools import partial
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from torch import Tensor
+
+from fsdpx import Mesh, Spec
+from fsdpx.layout import local_box
+from fsdpx.strategies import Strategy
+
+from . import commit
+from . import format as fmt
+from .async_save import SaveHandle, saver_for, snapshot
+from .boxes import global_shape, is_writer
+from .coordinator import Coordinator, SingleProcess, ThreadGroup
+from .errors import LayoutError, MissingAccountantError, SaveError
+from .flatten import Tree, contains_type, flatten
+from .rules import Specs, SpecRule, make_rule
+from .writer import file_name, write_shard
+
+_SINGLE = SingleProcess()
+
+
+def library_version() -> str:
+    try:
+        return metadata.version("fsdpx")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0+unknown"
+
+
+def save(
+    directory: str | Path,
+    state: Any,
+    *,
+    mesh: Mesh,
+    strategy: Strategy | None,
+    coordinator: Coordinator | None = None,
+    specs: Specs = None,
+    private: bool = False,
+    step: int | None = None,
+    blocking: bool = True,
+    on_commit: Callable[[Path], None] | None = None,
+) -> SaveHandle:
+    """Save this rank's ``state`` into the new checkpoint ``directory`` (see module doc).
+
+    ``on_commit(path)`` runs on rank 0 right after a successful commit (the manager's
+    retention); its errors are warnings, never a failed save. Returns a ``SaveHandle``; with
+    ``blocking=True`` it is already complete (errors were raised)."""
+    coordinator = coordinator if coordinator is not None else _SINGLE
+    if coordinator.world != mesh.size:
+        raise ValueError(f"{mesh} has {mesh.size} ranks but the coordinator has {coordinator.world}")
+    rule = make_rule(strategy, specs)
+    meta = {"strategy": None if strategy is None else strategy.name, "private": private, "step": step}
+
+    def make_job() -> Callable[[], Path]:
+        tree, tensors = flatten(state)
+        if private and not contains_type(tree, "Accountant"):
+            raise MissingAccountantError("private=True but the state holds no Accountant: its privacy ledger would be lost")
+        if not blocking:
+            tensors = snapshot(tensors)
+        return partial(_save_rank, Path(directory), tree, tensors, rule, mesh, coordinator, meta, on_commit)
+
+    handle = saver_for(coordinator).run(make_job, blocking=blocking)
+    if blocking:
+        handle.wait()
+    return handle
+
+
+def save_ranks(directory: str | Path, states: Sequence[Any], *, mesh: Mesh, strategy: Strategy | None,
+               specs: Specs = None, private: bool = False, step: int | None = None) -> Path:
+    """``save`` for a simulated mesh: ``states[r]`` is rank r's local state. Blocking."""
+    if len(states) != mesh.size:
+        raise ValueError(f"{mesh} has {mesh.size} ranks, got {len(states)} states")
+    group = ThreadGroup(mesh.size)
+    results: list[Any] = [None] * mesh.size
+
+    def run(r: int) -> None:
+        try:
+            results[r] = save(directory, states[r], mesh=mesh, strategy=strategy, coordinator=group.member(r),
+                              specs=specs, private=private, step=step).wait()
+        except BaseException as e:
+            results[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(mesh.size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for res in results:
+        if isinstance(res, BaseException):
+            raise res
+    return results[0]
+
+
+# ---- one rank's side of the protocol -----------------------------------------------------------
+
+
+def _save_rank(directory: Path, tree: Tree, tensors: dict[str, Tensor], rule: SpecRule, mesh: Mesh,
+               coord: Coordinator, meta: dict, on_commit: Callable[[Path], None] | None) -> Path:
+    rank = coord.rank
+    local_error: BaseException | None = None
+    msg: dict = {}
+    if rank == 0:
+        try:
+            msg = {"tmp": str(commit.prepare(directory))}
+        except Exception as e:
+            local_error, msg = e, {"error": f"rank 0: {e}"}
+    msg = coord.broadcast(msg)
+    if "error" in msg:
+        raise local_error or SaveError(msg["error"])
+    tmp = Path(msg["tmp"])
+
+    try:
+        report = rank_report(tmp, rank, tree, tensors, rule, mesh)
+    except Exception as e:
+        local_error, report = e, {"error": f"rank {rank}: {type(e).__name__}: {e}"}
+    reports = coord.gather(report)
+
+    decision: dict = {}
+    if rank == 0:
+        try:
+            decision = _decide(reports, tmp, directory, mesh, meta, on_commit)
+        except Exception as e:
+            commit.abort(tmp)
+            local_error, decision = e, {"error": f"rank 0: {type(e).__name__}: {e}"}
+    decision = coord.broadcast(decision)
+    if "error" in decision:
+        raise SaveError(f"checkpoint {directory} not saved: {decision['error']}") from local_error
+    return Path(decision["path"])
+
+
+def _decide(reports: list[dict], tmp: Path, directory: Path, mesh: Mesh, meta: dict,
+            on_commit: Callable[[Path], None] | None) -> dict:
+    errors = [r["error"] for r in reports if "error" in r]
+    if errors:
+        commit.abort(tmp)
+        return {"error": "; ".join(errors)}
+    manifest = assemble(reports, mesh, **meta)
+    path = commit.commit(tmp, directory, fmt.encode(manifest))
+    if on_commit is not None:
+        try:
+            on_commit(path)
+        except Exception as e:  # retention must never turn a committed save into a failure
+            warnings.warn(f"after committing {path}: {type(e).__name__}: {e}", RuntimeWarning, stacklevel=1)
+    return {"path": str(path)}
+
+
+def rank_report(tmp: Path, rank: int, tree: Tree, tensors: dict[str, Tensor], rule: SpecRule, mesh: Mesh) -> dict:
+    """Write this rank's shard file into ``tmp`` (if it is first replica of any non-empty
+    block) and describe every local tensor for rank 0."""
+    specs: dict[str, Spec] = {}
+    for path, t in tensors.items():
+        specs[path] = rule(path, t.dim())
+        try:
+            specs[path].validate_axes(mesh)
+        except ValueError as e:
+            raise LayoutError(f"{path}: {e}") from None
+    blocks = [(p, t) for p, t in tensors.items() if t.numel() > 0 and is_writer(specs[p], mesh, rank)]
+    name = file_name(rank) if blocks else None
+    result = write_shard(tmp / name, blocks) if name else None
+    return {
+        "rank": rank,
+        "tree": tree,
+        "file": None if result is None else {"name": name, "size": result.size, "checksum": result.checksum},
+        "tensors": {
+            p: {"shape": list(t.shape), "dtype": fmt.dtype_name(t.dtype), "spec": repr(specs[p]),
+                "stored": None if result is None or p not in result.stored else vars(result.stored[p])}
+            for p, t in tensors.items()
+        },
+    }
+
+
+def assemble(reports: list[dict], mesh: Mesh, *, strategy: str | None, private: bool, step: int | None) -> fmt.Manifest:
+    """Rank 0's pure step: all ranks' reports -> the manifest (``LayoutError`` if they do not
+    describe one consistent state)."""
+    first = reports[0]
+    for r, rep in enumerate(reports):
+        if rep["tree"] != first["tree"]:
+            raise LayoutError(f"rank {r}'s non-tensor state differs from rank 0's; rank-local values must be tensors")
+        if set(rep["tensors"]) != set(first["tensors"]):
+            diff = sorted(set(rep["tensors"]) ^ set(first["tensors"]))
+            raise LayoutError(f"rank {r} and rank 0 hold different tensors: {diff[:5]}")
+    tensors = {}
+    for path, t0 in first["tensors"].items():
+        per_rank = [rep["tensors"][path] for rep in reports]
+        for r, t in enumerate(per_rank):
+            if (t["dtype"], t["spec"]) != (t0["dtype"], t0["spec"]):
+                raise LayoutError(f"{path}: rank {r} has {t['dtype']} {t['spec']}, rank 0 {t0['dtype']} {t0['spec']}")
+        spec = Spec.parse(t0["spec"])
+        shape = global_shape(path, [t["shape"] for t in per_rank], spec, mesh)
+        boxes = tuple(
+            fmt.BoxRecord(local_box(shape, spec, mesh, r), reports[r]["file"]["name"], **t["stored"])
+            for r, t in enumerate(per_rank) if t["stored"] is not None
+        )
+        tensors[path] = fmt.TensorRecord(shape, t0["dtype"], spec, boxes)
+    files = {rep["file"]["name"]: fmt.FileRecord(rep["rank"], rep["file"]["size"], rep["file"]["checksum"])
+             for rep in reports if rep["file"] is not None}
+    return fmt.Manifest(library_version=library_version(), mesh=mesh, strategy=strategy, files=files,
+                        tensors=tensors, state=first["tree"], private=private, step=step,
+                        created_unix=time.time())
