@@ -207,6 +207,41 @@ def epsilon(
     )
 
 
+@functools.lru_cache(maxsize=64)
+def max_steps(
+    noise_multiplier: float,
+    sample_rate: float,
+    delta: float,
+    epsilon_budget: float,
+    *,
+    accountant: str = "pld",
+    value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
+) -> int:
+    """The largest number of steps of ``(noise_multiplier, sample_rate)`` whose epsilon at
+    ``delta`` stays within ``epsilon_budget`` (0 if even one step exceeds it).
+
+    Guarantees: ``epsilon(..., max_steps) <= epsilon_budget < epsilon(..., max_steps + 1)``
+    (``tests/test_accounting.py::test_max_steps_is_the_last_step_within_budget``), found by
+    doubling then bisection on ``epsilon``, which is non-decreasing in steps; cached, so a
+    training loop can test its budget every step in O(1). Capped at 2**40 steps."""
+
+    def within(steps: int) -> bool:
+        return epsilon(noise_multiplier, sample_rate, steps, delta, accountant=accountant,
+                       value_discretization_interval=value_discretization_interval) <= epsilon_budget
+
+    if not within(1):
+        return 0
+    lo, hi = 1, 2
+    while within(hi):
+        lo, hi = hi, hi * 2
+        if hi > 2**40:
+            return lo
+    while hi - lo > 1:  # within(lo) and not within(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+    return lo
+
+
 def noise_multiplier(
     target_epsilon: float,
     delta: float,

@@ -14,7 +14,7 @@ in ``contributions.py`` says is cheaper (the decision depends on shapes only).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -135,8 +135,12 @@ def clip_and_sum(
     method: str = "auto",
     clipping: str = "flat",
     nonfinite: str = "raise",
+    run_model: Callable[[tuple], Any] | None = None,
 ) -> ClipResult:
-    """:func:`clipped_grad` plus the per-example losses the forward computed anyway."""
+    """:func:`clipped_grad` plus the per-example losses the forward computed anyway.
+
+    ``run_model`` replaces ``functional_call`` for the ghost/auto forward (see
+    ``privacy.tape.record``); the sharded runtime uses it to gather parameters per unit."""
     _check_method(method)
     _check_clip_norm(clip_norm, clipping)
     if nonfinite not in ("raise", "zero"):
@@ -145,13 +149,15 @@ def clip_and_sum(
         zero = next(iter(params.values())).new_zeros(0)
         return ClipResult({k: torch.zeros_like(v) for k, v in params.items()}, zero, zero)
     if method == "vmap":
+        if run_model is not None:
+            raise PrivacyError("method='vmap' cannot run with a custom run_model (sharded runs use ghost/auto)")
         per_sample = per_sample_grads(model, params, batch, loss_fn)
         parts = {k: [C.Dense(g)] for k, g in per_sample.items()}
         sq = flat_sq_norms(per_sample)
         with torch.no_grad():
             losses = loss_fn(functional_call(model, params, _as_args(batch[0])), batch[1])
     else:
-        tape = record(model, params, batch, loss_fn)
+        tape = record(model, params, batch, loss_fn, run_model=run_model)
         parts = contributions(model, params, tape, method=method)
         sq = _sq_norms(parts, params, tape.losses)
         losses = tape.losses

@@ -65,9 +65,20 @@ def _as_args(inputs: Any) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def record(model: nn.Module, params: Params, batch: tuple[Any, Tensor], loss_fn: LossFn) -> Tape:
+def record(
+    model: nn.Module,
+    params: Params,
+    batch: tuple[Any, Tensor],
+    loss_fn: LossFn,
+    *,
+    run_model: Callable[[tuple], Any] | None = None,
+) -> Tape:
     """Run the model on ``batch`` with ``params`` and return the tape of every call of a
     parameter-owning module with its output gradient (of the SUM of per-example losses).
+
+    ``run_model(args)``, if given, runs the model instead of ``functional_call(model, params,
+    args)``: the sharded runtime passes one that gathers each unit's parameters on the fly
+    (``params`` then only names the trainable parameters).
 
     Raises ``ValueError`` naming the module if a call's inputs or outputs lack the batch
     dimension (such a layer mixes examples, so it has no per-example gradient)."""
@@ -96,7 +107,7 @@ def record(model: nn.Module, params: Params, batch: tuple[Any, Tensor], loss_fn:
     handles = [modules[n].register_forward_hook(hook, with_kwargs=True) for n in table]
     try:
         with torch.enable_grad():
-            outputs = functional_call(model, live, args)
+            outputs = run_model(args) if run_model else functional_call(model, live, args)
             losses = loss_fn(outputs, targets)
             _check_losses(losses, batch_size)
             wanted = [t for c in calls for t in c.outputs]

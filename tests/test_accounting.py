@@ -232,3 +232,12 @@ def test_from_dict_rejects_missing_unknown_or_malformed_fields():
         Accountant.from_dict({**good, "spent": 1.0})
     with pytest.raises(PrivacyError, match="event"):
         Accountant.from_dict({**good, "events": [[1.0, 0.1, 1]]})
+
+
+def test_max_steps_is_the_last_step_within_budget():
+    from privacy.accounting import epsilon, max_steps
+
+    n = max_steps(1.0, 0.01, 1e-5, 1.0, accountant="rdp")
+    assert n > 0
+    assert epsilon(1.0, 0.01, n, 1e-5, accountant="rdp") <= 1.0 < epsilon(1.0, 0.01, n + 1, 1e-5, accountant="rdp")
+    assert max_steps(0.3, 1.0, 1e-5, 0.01, accountant="rdp") == 0

@@ -1,0 +1,165 @@
+"""Per-unit parameter gathering during one forward and backward (the FSDP mechanism).
+
+Before a unit's forward its parameters go from the at-rest layout to the compute layout
+(``plan(param_at_rest, param_in_compute)``, an all-gather for ZeRO-3) and are swapped into the
+module; after its forward the gathered storage is released (``reshard_after_forward``). When the
+gradient of the unit's output arrives, i.e. just before its backward, the storage is gathered
+again; when the gradient of its input arrives, its backward is over and the storage is released.
+
+The gathered tensors keep their identity the whole step: autograd's saved references and the
+gradient leaves stay valid, only their storage is resized to 0 and refilled, under a preserved
+version counter (the data put back is bit-identical to what was saved).
+
+Side effects (hooks on the model, storage resizes) live only inside :meth:`Gatherer.installed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+from .collectives import Collective, plan
+from .comm import Comm
+from .layout import local_shape
+from .strategies import Strategy
+from .units import Unit
+
+
+class Gatherer:
+    """Gathers, frees and swaps in the parameters of each unit of one rank for one step."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], strategy: Strategy, comm: Comm,
+                 at_rest: dict[str, Tensor], shapes: dict[str, tuple[int, ...]], *, keep_after_backward: bool = False):
+        self.model, self.units, self.comm, self.at_rest = model, units, comm, at_rest
+        self.keep_after_backward = keep_after_backward
+        self.strategy = strategy
+        self.plans: dict[str, list[Collective]] = {
+            n: plan(strategy.param_at_rest(len(s)), strategy.param_in_compute(len(s)), s, comm.mesh, at_rest[n].dtype)
+            for n, s in shapes.items()
+        }
+        self.full = {n: self._placeholder(n, comm, shapes[n]) for n in shapes}
+        self.live: set[str] = set()  # units whose storage is currently allocated
+        self.backward_done: set[str] = set()
+
+    def _moves(self, unit: Unit) -> bool:
+        return any(self.plans[n] for n in unit.params)
+
+    def gather(self, unit: Unit) -> None:
+        """Bring ``unit``'s parameters to the compute layout (no-op if already there)."""
+        if unit.module in self.live:
+            return
+        for name in unit.params:
+            x = self.at_rest[name]
+            for c in self.plans[name]:
+                x = self.comm.run(c, x)
+            self._fill(name, x)
+        self.live.add(unit.module)
+
+    def _placeholder(self, name: str, comm: Comm, shape: tuple[int, ...]) -> Tensor:
+        """The step's leaf for ``name`` in the compute layout: an alias of the at-rest tensor when
+        no gather is needed, else a tensor of the right shape whose storage is not allocated."""
+        rest = self.at_rest[name]
+        if not self.plans[name]:
+            return rest.detach().requires_grad_(True)
+        spec = self.strategy.param_in_compute(len(shape))
+        full = torch.empty(local_shape(shape, spec, comm.mesh, comm.rank), dtype=rest.dtype, device=rest.device)
+        full.untyped_storage().resize_(0)
+        return full.requires_grad_(True)
+
+    def _fill(self, name: str, value: Tensor) -> None:
+        full = self.full[name]
+        if not self.plans[name]:
+            return  # the leaf already aliases the at-rest tensor
+        storage = full.untyped_storage()
+        storage.resize_(math.prod(full.shape) * full.element_size())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
+            full.copy_(value)
+
+    def free(self, unit: Unit) -> None:
+        """Release the gathered storage of ``unit`` (kept when nothing was gathered)."""
+        if unit.module not in self.live or not self._moves(unit):
+            return
+        for name in unit.params:
+            self.full[name].untyped_storage().resize_(0)
+        self.live.discard(unit.module)
+
+    def dry_run(self) -> None:
+        """The collectives of a forward and backward without compute, for a rank whose share
+        of the batch is empty: every rank must take part in every collective."""
+        for unit in self.units:
+            self.gather(unit)
+            if self.strategy.reshard_after_forward:
+                self.free(unit)
+        for unit in reversed(self.units):
+            self.gather(unit)
+            self.free(unit)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Hooks that gather/swap/free each unit around its forward and backward."""
+        accessor = NamedMemberAccessor(self.model)
+        modules = dict(self.model.named_modules())
+        handles, swapped = [], {}
+
+        def pre(unit: Unit):
+            def hook(module: nn.Module, args: tuple) -> None:
+                self.gather(unit)
+                tensors = {alias: self.full[name] for alias, name in unit.aliases}
+                swapped[unit.module] = accessor.swap_tensors_dict(tensors, allow_missing=True)[0]
+                for a in args:
+                    if isinstance(a, Tensor) and a.requires_grad and unit.module:
+                        a.register_hook(lambda g, u=unit: self._after_backward(u))
+            return hook
+
+        def post(unit: Unit):
+            def hook(module: nn.Module, args: tuple, output) -> None:
+                accessor.swap_tensors_dict(swapped.pop(unit.module), allow_missing=True)
+                if self.strategy.reshard_after_forward:
+                    self.free(unit)
+                for t in torch.utils._pytree.tree_leaves(output):
+                    if isinstance(t, Tensor) and t.requires_grad:
+                        t.register_hook(lambda g, u=unit: self._before_backward(u))
+            return hook
+
+        try:
+            for unit in self.units:
+                m = modules[unit.module]
+                handles.append(m.register_forward_pre_hook(pre(unit)))
+                handles.append(m.register_forward_hook(post(unit)))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for saved in swapped.values():
+                accessor.swap_tensors_dict(saved, allow_missing=True)
+
+    def _before_backward(self, unit: Unit) -> None:
+        if unit.module not in self.backward_done:
+            self.gather(unit)
+
+    def _after_backward(self, unit: Unit) -> None:
+        if unit.module not in self.backward_done:
+            self.backward_done.add(unit.module)
+            if not self.keep_after_backward:
+                self.free(unit)
+
+    def full_view(self) -> dict[str, Tensor]:
+        """The compute-layout leaves by canonical name, in unit order (storage allocated only
+        while their unit is gathered)."""
+        return {n: self.full[n] for u in self.units for n in u.params}
+
+    def finish(self) -> None:
+        """End of step: every unit's backward gather happened exactly once (a unit whose
+        output never met the loss is gathered here so all ranks run the same collectives),
+        then all storage is released."""
+        for unit in reversed(self.units):
+            if self.strategy.reshard_after_forward and unit.module not in self.backward_done and unit.module not in self.live:
+                self.gather(unit)
+            self.backward_done.add(unit.module)
+        for unit in self.units:
+            self.free(unit)

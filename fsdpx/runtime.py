@@ -1,0 +1,274 @@
+"""The sharded train step: one code path for DDP, ZeRO-1/2/3 and HSDP, private or not.
+
+Every rank runs ``step(state, batch)`` with its own ``Comm`` (threads of one process, or
+``torch.distributed`` processes) on the same GLOBAL batch; it takes its own share (``torch.chunk``
+of the batch over the strategy's data axes), and the strategy's layouts decide every collective:
+
+1. forward and backward with per-unit gathers (``fsdpx.gather``);
+   private: ghost clipping on this rank's examples (``privacy.clipping.clip_and_sum``: one
+   backward, per-example norms need nothing beyond what the forward gathered);
+2. per unit in reverse order: reduce the raw gradient (``plan(raw_grad, grad)``), bring it and
+   the parameter to the optimizer-state layout;
+3. private: add the noise of exactly the elements this rank updates,
+   ``privacy.noise_slice`` over their global flat indices, so the sum of all ranks' noise is one
+   unsharded draw (replicas draw identical bits); divide by ``q N`` (private) or the global
+   batch size (plain);
+4. the elementwise optimizer on the local slice, then back to the at-rest layout.
+
+Guarantees: N sharded steps equal N unsharded steps (``make_private_step`` / ``make_plain_step``)
+on the whole batch, for every strategy and mesh, float64 to rel 1e-10
+(``property_tests/test_sharded_properties.py``); the bytes each step counts equal
+``fsdpx.comm_per_step`` (``test_counted_bytes_equal_comm_per_step``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from fsdpx.optim import Optimizer
+from privacy.accounting import Accountant
+from privacy.clipping import clip_and_sum
+from privacy.noise import noise_slice
+from privacy.step import DPConfig, check_budget
+from privacy.tape import LossFn, _as_args
+
+from .collectives import plan
+from .comm import Comm
+from .gather import Gatherer
+from .layout import chunk_bounds, local_box
+from .spec import Spec
+from .strategies import Strategy
+from .units import Unit, make_units
+
+Params = dict[str, Tensor]
+
+
+class ShardedState(NamedTuple):
+    """One rank's share of the train state."""
+
+    params: Params  # at-rest layout
+    opt_state: Any  # the optimizer's state over the opt_state layout
+    step: int
+    key: int
+    accountant: Accountant | None
+
+
+def local_block(t: Tensor, spec: Spec, comm_mesh, rank: int) -> Tensor:
+    """A contiguous copy of the block of global tensor ``t`` that ``rank`` holds under ``spec``."""
+    box = local_box(tuple(t.shape), spec, comm_mesh, rank)
+    return t[tuple(slice(a, b) for a, b in box)].clone()
+
+
+def init_sharded(params: Params, optimizer: Optimizer, strategy: Strategy, comm: Comm, *, key: int,
+                 config: DPConfig | None = None) -> ShardedState:
+    """This rank's state before step 0, cut from the full ``params`` (every rank passes the same
+    full values): parameters at rest, optimizer state initialised on the opt_state layout."""
+    mesh, rank = comm.mesh, comm.rank
+    at_rest = {n: local_block(p.detach(), strategy.param_at_rest(p.dim()), mesh, rank) for n, p in params.items()}
+    at_opt = {n: local_block(p.detach(), strategy.opt_state(p.dim()), mesh, rank) for n, p in params.items()}
+    accountant = None
+    if config is not None:
+        accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)
+    return ShardedState(at_rest, optimizer.init(at_opt), 0, key, accountant)
+
+
+def flat_runs(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The global flat index ranges ``[start, stop)`` of ``box`` in row-major order, merged
+    where contiguous (one range for a dim-0 shard)."""
+    if any(a >= b for a, b in box):
+        return []
+    if not shape:
+        return [(0, 1)]
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+    if all(box[d] == (0, shape[d]) for d in range(1, len(shape))):
+        return [(box[0][0] * inner, box[0][1] * inner)]
+    runs = []
+    for i in range(*box[0]):
+        runs += [(i * inner + a, i * inner + b) for a, b in flat_runs(shape[1:], box[1:])]
+    return runs
+
+
+def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, std: float, dtype) -> Tensor:
+    """The unsharded run's noise for the elements of ``box`` of parameter ``name``, shaped like
+    the box: the concatenation of ``noise_slice`` over the box's flat runs."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    runs = flat_runs(shape, box)
+    parts = [noise_slice(name, numel, a, b, key=key, step=step, std=std, dtype=dtype) for a, b in runs]
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
+    return flat.view(tuple(b - a for a, b in box))
+
+
+def config_digest(strategy: Strategy, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
+                  config: DPConfig | None, units: list[Unit]) -> str:
+    """A hash every rank compares at start: strategy, mesh, parameter shapes and dtypes, units
+    and privacy config must agree."""
+    blob = json.dumps({
+        "strategy": repr(strategy),
+        "params": {n: [list(s), str(dtypes[n])] for n, s in shapes.items()},
+        "units": [[u.module, list(u.params)] for u in units],
+        "private": repr(config),
+    }, sort_keys=True)
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def check_agreement(comm: Comm, digest: str) -> None:
+    """Raise naming the ranks whose configuration differs from rank 0's."""
+    digests = comm.all_gather_object(digest)
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if bad:
+        raise ValueError(f"ranks {bad} disagree with rank 0 on the strategy, mesh, model or privacy config")
+
+
+def make_sharded_step(
+    model: nn.Module,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    strategy: Strategy,
+    comm: Comm,
+    *,
+    param_shapes: dict[str, tuple[int, ...]],
+    config: DPConfig | None = None,
+    num_examples: int | None = None,
+    unit_modules: list[str] | None = None,
+) -> Callable[[ShardedState, tuple[Any, Tensor]], tuple[ShardedState, dict[str, Any]]]:
+    """Returns this rank's ``step(state, global_batch) -> (state, metrics)`` (pure from the
+    caller's view: ``state`` is not modified). ``config`` makes it private (ghost clipping with
+    ``config.method`` "ghost" or "auto", noise, accounting; ``num_examples`` then required).
+
+    Metrics (identical on every rank): loss (global mean), batch_size (global), comm (bytes per
+    collective kind moved by this step), and for private runs clipped_fraction, mean_norm.
+    Raises ``ValueError`` if the mesh is not the strategy's, or (at the first step) if ranks
+    disagree on the configuration."""
+    mesh = comm.mesh
+    for axis in strategy.data_axes:
+        if axis not in mesh.axis_names:
+            raise ValueError(f"strategy {strategy.name} splits data over axis {axis!r}, not in {mesh}")
+    if config is not None and (num_examples is None or config.method == "vmap"):
+        raise ValueError("a private sharded step needs num_examples and method 'ghost' or 'auto'")
+    units = make_units(model, param_shapes, unit_modules)
+    keep = config is not None and needs_fallback(model, param_shapes)
+    shapes = {n: tuple(s) for n, s in param_shapes.items()}
+    agreed: list[bool] = []
+
+    def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
+        if not agreed:
+            dtypes = {n: t.dtype for n, t in state.params.items()}
+            check_agreement(comm, config_digest(strategy, shapes, dtypes, config, units))
+            agreed.append(True)
+        if config is not None:
+            check_budget(state.accountant, config)
+        before = comm.counts()
+        local = _my_share(batch, strategy, comm)
+        gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
+        raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
+        gatherer.finish()
+        new_params, opt_state = _reduce_and_update(raw, state, strategy, comm, shapes, units, optimizer,
+                                                   _divisor(batch, config, num_examples), config)
+        metrics = _global_metrics(comm, stats, config)
+        metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
+        accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else None
+        return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
+
+    return step
+
+
+def needs_fallback(model: nn.Module, trainable) -> bool:
+    """True if a module owning a trainable parameter has no ghost rule: its per-module vmap
+    reads the gathered parameters after the backward, so they must stay gathered until then."""
+    from privacy.layers import rule_for
+    from privacy.tape import owners
+
+    modules = dict(model.named_modules())
+    return any(rule_for(modules[m]) is None for m in owners(model, dict.fromkeys(trainable)))
+
+
+def _my_share(batch: tuple[Any, Tensor], strategy: Strategy, comm: Comm) -> tuple[Any, Tensor]:
+    inputs, targets = batch
+    k = comm.mesh.axis_size(strategy.data_axes)
+    i = comm.mesh.index(comm.rank, strategy.data_axes)
+    a, b = chunk_bounds(targets.shape[0], k, i)
+    args = tuple(x[a:b] for x in _as_args(inputs))
+    return (args if isinstance(inputs, (tuple, list)) else args[0]), targets[a:b]
+
+
+def _divisor(batch: tuple[Any, Tensor], config: DPConfig | None, num_examples: int | None) -> float:
+    if config is not None:
+        return config.sample_rate * num_examples
+    return float(max(batch[1].shape[0], 1))
+
+
+def _local_grads(model, loss_fn, gatherer: Gatherer, batch, config: DPConfig | None):
+    """Raw (unreduced, compute-layout) gradient sums over this rank's examples, and stats."""
+    n = batch[1].shape[0]
+    if n == 0:
+        gatherer.dry_run()
+        zeros = {name: gatherer.full[name].new_zeros(gatherer.full[name].shape) for name in gatherer.plans}
+        return zeros, (0.0, 0, 0, 0.0)
+    with gatherer.installed():
+        if config is None:
+            out = model(*_as_args(batch[0]))
+            losses = loss_fn(out, batch[1])
+            names = [p for u in gatherer.units for p in u.params]
+            grads = torch.autograd.grad(losses.sum(), [gatherer.full[p] for p in names], allow_unused=True)
+            raw = {p: g if g is not None else torch.zeros_like(gatherer.full[p]) for p, g in zip(names, grads)}
+            return raw, (float(losses.detach().sum()), n, 0, 0.0)
+        result = clip_and_sum(model, gatherer.full_view(), batch, loss_fn, clip_norm=config.clip_norm, method=config.method,
+                              clipping=config.clipping, nonfinite=config.nonfinite,
+                              run_model=lambda args: model(*args))
+    clipped = int((result.norms > config.clip_norm).sum())
+    return result.grads, (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
+
+
+def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, comm: Comm, shapes, units: list[Unit],
+                       optimizer: Optimizer, divisor: float, config: DPConfig | None):
+    mesh, rank = comm.mesh, comm.rank
+    grads_upd, params_upd = {}, {}
+    for unit in reversed(units):
+        for name in unit.params:
+            g = _run_plan(comm, plan(strategy.raw_grad(len(shapes[name])), strategy.grad(len(shapes[name])),
+                                     shapes[name], mesh, raw[name].dtype), raw[name])
+            nd = len(shapes[name])
+            g = _run_plan(comm, plan(strategy.grad(nd), strategy.opt_state(nd), shapes[name], mesh, g.dtype), g)
+            if config is not None:
+                box = local_box(shapes[name], strategy.opt_state(nd), mesh, rank)
+                g = g + shard_noise(name, shapes[name], box, key=state.key, step=state.step, std=config.noise_std,
+                                    dtype=g.dtype)
+            grads_upd[name] = g / divisor
+            p = state.params[name]
+            params_upd[name] = _run_plan(comm, plan(strategy.param_at_rest(nd), strategy.opt_state(nd), shapes[name],
+                                                    mesh, p.dtype), p)
+    order = list(state.params)
+    new_upd, opt_state = optimizer.update({n: grads_upd[n] for n in order}, state.opt_state,
+                                          {n: params_upd[n] for n in order})
+    new_params = {}
+    for name in order:
+        nd = len(shapes[name])
+        new_params[name] = _run_plan(comm, plan(strategy.opt_state(nd), strategy.param_at_rest(nd), shapes[name], mesh,
+                                                new_upd[name].dtype), new_upd[name])
+    return new_params, opt_state
+
+
+def _run_plan(comm: Comm, collectives, x: Tensor) -> Tensor:
+    for c in collectives:
+        x = comm.run(c, x)
+    return x
+
+
+def _global_metrics(comm: Comm, stats, config: DPConfig | None) -> dict[str, Any]:
+    everyone = comm.all_gather_object(stats)
+    loss = sum(s[0] for s in everyone)
+    n = sum(s[1] for s in everyone)
+    metrics: dict[str, Any] = {"loss": loss / n if n else float("nan"), "batch_size": n}
+    if config is not None:
+        metrics["clipped_fraction"] = sum(s[2] for s in everyone) / n if n else 0.0
+        metrics["mean_norm"] = sum(s[3] for s in everyone) / n if n else 0.0
+    return metrics
