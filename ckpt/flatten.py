@@ -64,7 +64,8 @@ def register_type(tag: str, cls: type, to_node: Callable[[Any], Any], from_node:
     _CODECS[tag] = Codec(tag, cls, to_node, from_node)
 
 
-def _load_builtins() -> None:
+def load_builtin_types() -> None:
+    """Register the built-in types (imports ``privacy``; done lazily on first use)."""
     global _BUILTINS_LOADED
     if _BUILTINS_LOADED:
         return
@@ -80,7 +81,7 @@ def _load_builtins() -> None:
 
 
 def _codec_for(obj: Any) -> Codec | None:
-    _load_builtins()
+    load_builtin_types()
     for c in _CODECS.values():
         if type(obj) is c.cls:
             return c
@@ -147,7 +148,7 @@ def unflatten(tree: Tree, tensor_at: Callable[[str], Tensor]) -> Any:
         if tag == "$float":
             return float(v)
     if isinstance(tree, dict) and set(tree) == {"$type", "value"}:
-        _load_builtins()
+        load_builtin_types()
         if tree["$type"] not in _CODECS:
             raise UnsupportedStateError(f"unknown type tag {tree['$type']!r}: register it with ckpt.register_type")
         return _CODECS[tree["$type"]].from_node(unflatten(tree["value"], tensor_at))

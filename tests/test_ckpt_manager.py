@@ -1,0 +1,78 @@
+"""``ckpt.CheckpointManager``: cadence, retention, latest/restore, leftovers."""
+
+import warnings
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.manager import to_delete
+from fsdpx import Mesh
+
+
+def _state(step):
+    return {"params": {"w": torch.full((4,), float(step))}, "step": step}
+
+
+def test_retention_keeps_last_n_and_never_the_newest(tmp_path):
+    m = ckpt.CheckpointManager(tmp_path, keep_last=2)
+    for step in range(6):
+        m.save(step, _state(step))
+        assert m.steps() == list(range(max(0, step - 1), step + 1))
+    one = ckpt.CheckpointManager(tmp_path / "one", keep_last=1)
+    for step in range(3):
+        one.save(step, _state(step))
+        assert one.steps() == [step]
+
+
+def test_retention_rule_is_pure_and_leaves_newer_steps():
+    assert to_delete([1, 2, 3, 4], just_saved=4, keep_last=3) == [1]
+    assert to_delete([1, 2, 9], just_saved=2, keep_last=1) == [1]  # 9: an abandoned branch, left alone
+    assert to_delete([5], just_saved=5, keep_last=1) == []
+
+
+def test_every_n_steps(tmp_path):
+    m = ckpt.CheckpointManager(tmp_path, every_n_steps=3)
+    handles = [m.save(step, _state(step)) for step in range(7)]
+    assert [h is not None for h in handles] == [True, False, False, True, False, False, True]
+    assert m.steps() == [0, 3, 6]
+    assert m.save(7, _state(7), force=True) is not None
+
+
+def test_latest_and_restore(tmp_path):
+    m = ckpt.CheckpointManager(tmp_path, keep_last=5)
+    assert m.latest() is None and m.restore() is None
+    for step in (10, 20):
+        m.save(step, _state(step), blocking=False)
+    m.wait()
+    assert m.latest() == tmp_path / "step_20"
+    assert torch.equal(m.restore()["params"]["w"], torch.full((4,), 20.0))
+
+
+def test_leftovers_are_ignored_then_cleaned(tmp_path):
+    m = ckpt.CheckpointManager(tmp_path)
+    m.save(1, _state(1))
+    (tmp_path / ".step_2.tmp-abcd").mkdir()
+    (tmp_path / ".step_2.tmp-abcd" / "rank_00000.safetensors").write_bytes(b"partial")
+    assert m.latest() == tmp_path / "step_1"
+    m.save(2, _state(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
+
+
+def test_a_corrupt_checkpoint_at_the_same_step_is_set_aside(tmp_path):
+    m = ckpt.CheckpointManager(tmp_path)
+    m.save(1, _state(1))
+    with pytest.raises(ckpt.CheckpointExistsError):
+        m.save(1, _state(1))
+    (tmp_path / "step_1" / "rank_00000.safetensors").unlink()
+    with pytest.warns(ckpt.CorruptCheckpointWarning, match="moved to .step_1.corrupt-"):
+        m.save(1, _state(1))
+    assert m.latest() == tmp_path / "step_1"
+    assert any(p.name.startswith(".step_1.corrupt-") for p in tmp_path.iterdir())
+
+
+def test_private_manager_refuses_state_without_accountant(tmp_path):
+    m = ckpt.CheckpointManager(tmp_path, private=True)
+    with pytest.raises(ckpt.MissingAccountantError):
+        m.save(1, _state(1))
+    assert m.steps() == []
