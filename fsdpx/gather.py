@@ -90,14 +90,18 @@ class Gatherer:
 
     def dry_run(self) -> None:
         """The collectives of a forward and backward without compute, for a rank whose share
-        of the batch is empty: every rank must take part in every collective."""
+        of the batch is empty: every rank must take part in every collective, in the order a
+        real step runs them. Forward gathers the root then each unit in order; backward starts
+        at the model's output, i.e. the root, then the units in reverse."""
         for unit in self.units:
             self.gather(unit)
+        for unit in self.units:
             if self.strategy.reshard_after_forward:
                 self.free(unit)
-        for unit in reversed(self.units):
+        root, rest = self.units[0], self.units[1:]
+        for unit in [root, *reversed(rest)]:
             self.gather(unit)
-            self.free(unit)
+            self.backward_done.add(unit.module)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

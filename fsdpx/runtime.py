@@ -144,8 +144,11 @@ def make_sharded_step(
     caller's view: ``state`` is not modified). ``config`` makes it private (ghost clipping with
     ``config.method`` "ghost" or "auto", noise, accounting; ``num_examples`` then required).
 
-    Metrics (identical on every rank): loss (global mean), batch_size (global), comm (bytes per
-    collective kind moved by this step), and for private runs clipped_fraction, mean_norm.
+    Metrics: loss (global mean), batch_size (global), comm (bytes per collective kind moved by
+    this step), resident_bytes (this rank's parameters at rest + reduced gradients + optimizer
+    state, to compare with ``fsdpx.memory_by_rank``), and for private runs clipped_fraction,
+    mean_norm. All but comm (ThreadComm: the mesh's; DistComm: this rank's) and resident_bytes
+    are identical on every rank.
     Raises ``ValueError`` if the mesh is not the strategy's, or (at the first step) if ranks
     disagree on the configuration."""
     mesh = comm.mesh
@@ -171,10 +174,11 @@ def make_sharded_step(
         gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
         raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
         gatherer.finish()
-        new_params, opt_state = _reduce_and_update(raw, state, strategy, comm, shapes, units, optimizer,
+        new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, optimizer,
                                                    _divisor(batch, config, num_examples), config)
         metrics = _global_metrics(comm, stats, config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
+        metrics["resident_bytes"] = resident
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else None
         return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
 
@@ -232,10 +236,12 @@ def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, com
                        optimizer: Optimizer, divisor: float, config: DPConfig | None):
     mesh, rank = comm.mesh, comm.rank
     grads_upd, params_upd = {}, {}
+    grad_bytes = 0
     for unit in reversed(units):
         for name in unit.params:
             g = _run_plan(comm, plan(strategy.raw_grad(len(shapes[name])), strategy.grad(len(shapes[name])),
                                      shapes[name], mesh, raw[name].dtype), raw[name])
+            grad_bytes += g.numel() * g.element_size()
             nd = len(shapes[name])
             g = _run_plan(comm, plan(strategy.grad(nd), strategy.opt_state(nd), shapes[name], mesh, g.dtype), g)
             if config is not None:
@@ -254,7 +260,19 @@ def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, com
         nd = len(shapes[name])
         new_params[name] = _run_plan(comm, plan(strategy.opt_state(nd), strategy.param_at_rest(nd), shapes[name], mesh,
                                                 new_upd[name].dtype), new_upd[name])
-    return new_params, opt_state
+    resident = grad_bytes + _tensor_bytes(new_params) + _tensor_bytes(opt_state)
+    return new_params, opt_state, resident
+
+
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a nested structure of dicts, lists and tuples."""
+    if isinstance(tree, Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
 
 
 def _run_plan(comm: Comm, collectives, x: Tensor) -> Tensor:

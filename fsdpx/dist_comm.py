@@ -1,0 +1,200 @@
+"""``Comm`` over real ``torch.distributed`` (gloo on CPU, NCCL on GPU), launched by torchrun.
+
+Each ``Collective`` of the algebra becomes one call on the process group of its mesh axes:
+
+* ``all_gather``: every rank pads its block to the full chunk (``ceil(n/k)``) along the dim,
+  ``all_gather_into_tensor``, then trims each peer's block to its true ``torch.chunk`` size;
+* ``reduce_scatter``: pads the dim to ``k * ceil(n/k)`` and ``reduce_scatter_tensor``s;
+* ``all_reduce``: ``all_reduce``; ``all_to_all``: ``all_to_all`` of per-peer chunks;
+* ``local_slice`` / ``local_pad``: no communication.
+
+Bytes are counted from the buffers handed to torch.distributed (``buffer_bytes`` convention),
+so a test can compare them with ``fsdpx.comm_per_step``.
+
+Failure: if a collective fails (a peer died: gloo sees the closed connection; a peer hangs:
+the process group's timeout), every surviving rank marks itself in the rendezvous store, waits
+a short grace period, and raises :class:`RankFailure` naming the ranks that never marked
+themselves. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .collectives import Collective
+from .comm import RankFailure
+from .layout import chunk_bounds, local_shape
+from .mesh import Mesh
+from .simulated import SimulatedMesh
+
+
+def init_from_env(mesh: Mesh, *, timeout_s: float = 60.0) -> "DistComm":
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...)
+    and return this rank's communicator. Raises ``ValueError`` if the mesh size differs from
+    the world size."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistComm(mesh, grace_s=min(10.0, timeout_s))
+
+
+class DistComm:
+    """One rank's ``Comm`` over the default process group (see the module docstring)."""
+
+    def __init__(self, mesh: Mesh, *, grace_s: float = 10.0):
+        world = dist.get_world_size()
+        if mesh.size != world:
+            raise ValueError(f"mesh {mesh} has {mesh.size} ranks but the world has {world} processes")
+        self.mesh, self.rank, self.grace_s = mesh, dist.get_rank(), grace_s
+        self._local = SimulatedMesh(mesh)  # for the communication-free kinds
+        self._groups: dict[tuple[str, ...], tuple[Any, list[int]]] = {}
+        self._counts: dict[str, int] = {}
+        self._make_groups()
+
+    def _make_groups(self) -> None:
+        """Every rank creates every group of every axis set in the same order (torch requires it)."""
+        names = self.mesh.axis_names
+        subsets = [tuple(n for i, n in enumerate(names) if mask >> i & 1) for mask in range(1, 2 ** len(names))]
+        for axes in subsets:
+            for members in self.mesh.groups(axes):
+                pg = dist.new_group(sorted(members))
+                if self.rank in members:
+                    self._groups[axes] = (pg, members)
+
+    def _group(self, axes: tuple[str, ...]) -> tuple[Any, list[int], int]:
+        """Process group, members in mesh order, this rank's position among them."""
+        key = tuple(n for n in self.mesh.axis_names if n in axes)
+        pg, members = self._groups[key]
+        order = self.mesh.groups(axes)
+        members = next(g for g in order if self.rank in g)
+        return pg, members, members.index(self.rank)
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    def reset_counts(self) -> None:
+        self._counts.clear()
+
+    def _count(self, c: Collective, buffer: int) -> None:
+        self._counts[c.kind] = self._counts.get(c.kind, 0) + buffer
+        self._counts["send_bytes"] = self._counts.get("send_bytes", 0) + c.send_bytes
+        self._counts["recv_bytes"] = self._counts.get("recv_bytes", 0) + c.recv_bytes
+
+    def run(self, c: Collective, local: Tensor) -> Tensor:
+        if c.kind in ("local_slice", "local_pad"):
+            self._count(c, 0)
+            return self._local_only(c, local)
+        try:
+            return getattr(self, "_" + c.kind)(c, local)
+        except RuntimeError as e:
+            raise self._failure(e) from e
+
+    def _local_only(self, c: Collective, local: Tensor) -> Tensor:
+        """Run a communication-free step: feed the simulated executor a list where only this
+        rank's entry matters (each rank's output depends on its own input alone)."""
+        xs = [local] * self.mesh.size
+        return self._local.run(c, xs)[self.rank]
+
+    def _sizes(self, c: Collective, n: int, k: int) -> list[int]:
+        return [b - a for a, b in (chunk_bounds(n, k, j) for j in range(k))]
+
+    def _all_gather(self, c: Collective, local: Tensor) -> Tensor:
+        pg, members, _ = self._group(c.axes)
+        (d,) = c.dims
+        k = len(members)
+        full_n = local_shape(c.shape, c.dst, c.mesh, self.rank)[d]  # the dim's length after the gather
+        sizes = self._sizes(c, full_n, k)
+        pad = max(sizes)
+        block = _pad(local.contiguous(), d, pad)
+        out = torch.empty((k, *block.shape), dtype=local.dtype, device=local.device)
+        self._count(c, out.numel() * out.element_size())
+        dist.all_gather_into_tensor(out, block, group=pg)
+        by_rank = {r: out[i] for i, r in enumerate(sorted(members))}
+        pieces = [by_rank[r].narrow(d, 0, sizes[j]) for j, r in enumerate(members)]
+        return torch.cat(pieces, d)
+
+    def _reduce_scatter(self, c: Collective, local: Tensor) -> Tensor:
+        pg, members, me = self._group(c.axes)
+        (d,) = c.dims
+        k = len(members)
+        n = local.shape[d]
+        sizes = self._sizes(c, n, k)
+        pad = -(-n // k)
+        chunks = [_pad(local.narrow(d, sum(sizes[:j]), sizes[j]), d, pad) for j in range(k)]
+        pos = {r: j for j, r in enumerate(members)}
+        stacked = torch.stack([chunks[pos[r]] for r in sorted(members)]).contiguous()
+        out = torch.empty_like(stacked[0])
+        self._count(c, stacked.numel() * stacked.element_size())
+        dist.reduce_scatter_tensor(out, stacked, group=pg)
+        return out.narrow(d, 0, sizes[me]).contiguous()
+
+    def _all_reduce(self, c: Collective, local: Tensor) -> Tensor:
+        pg, _, _ = self._group(c.axes)
+        out = local.detach().clone().contiguous()
+        self._count(c, out.numel() * out.element_size())
+        dist.all_reduce(out, group=pg)
+        return out
+
+    def _all_to_all(self, c: Collective, local: Tensor) -> Tensor:
+        pg, members, me = self._group(c.axes)
+        split, concat = c.dims
+        k = len(members)
+        sizes = self._sizes(c, local.shape[split], k)
+        sends = [local.narrow(split, sum(sizes[:j]), sizes[j]).contiguous() for j in range(k)]
+        pos = {r: j for j, r in enumerate(members)}
+        order = sorted(members)
+        recv_shapes = self._peer_shapes(local, split, concat, k, me, members, pg)
+        recvs = [torch.empty(recv_shapes[r], dtype=local.dtype, device=local.device) for r in order]
+        self._count(c, local.numel() * local.element_size())
+        dist.all_to_all(recvs, [sends[pos[r]] for r in order], group=pg)
+        by_rank = dict(zip(order, recvs))
+        return torch.cat([by_rank[r] for r in members], concat)
+
+    def _peer_shapes(self, local, split, concat, k, me, members, pg) -> dict[int, tuple[int, ...]]:
+        """Shapes of the blocks peers send me: their block with ``split`` cut to my chunk."""
+        shapes = [None] * len(members)
+        dist.all_gather_object(shapes, tuple(local.shape), group=pg)
+        out = {}
+        for i, r in enumerate(sorted(members)):
+            s = list(shapes[i])
+            a, b = chunk_bounds(s[split], k, me)
+            s[split] = b - a
+            out[r] = tuple(s)
+        return out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.mesh.size
+        try:
+            dist.all_gather_object(out, obj)
+        except RuntimeError as e:
+            raise self._failure(e) from e
+        return out
+
+    def _failure(self, error: Exception) -> RankFailure:
+        """Mark this rank alive in the store, wait for the other survivors, name the rest."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"fsdpx/alive/{self.rank}", "1")
+            deadline = time.monotonic() + self.grace_s
+            missing = list(range(self.mesh.size))
+            while time.monotonic() < deadline and missing:
+                missing = [r for r in missing if not store.check([f"fsdpx/alive/{r}"])]
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store lives on rank 0's host process
+            missing = [0] if self.rank != 0 else []
+        return RankFailure(missing, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+
+
+def _pad(t: Tensor, dim: int, size: int) -> Tensor:
+    extra = size - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim)

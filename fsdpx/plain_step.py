@@ -1,0 +1,47 @@
+"""The plain (non-private, unsharded) train step: the baseline every other path is checked
+against."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fsdpx.optim import Optimizer
+from privacy.tape import LossFn, _as_args
+
+Params = dict[str, Tensor]
+
+
+class PlainState(NamedTuple):
+    params: Params
+    opt_state: Any
+    step: int
+
+
+def init_plain(params: Params, optimizer: Optimizer) -> PlainState:
+    """Detached copies of ``params``, fresh optimizer state, step 0."""
+    params = {k: v.detach().clone() for k, v in params.items()}
+    return PlainState(params, optimizer.init(params), 0)
+
+
+def make_plain_step(
+    model: nn.Module, loss_fn: LossFn, optimizer: Optimizer
+) -> Callable[[PlainState, tuple[Any, Tensor]], tuple[PlainState, dict[str, float]]]:
+    """Returns ``step(state, batch) -> (state, metrics)``: the optimizer applied to the MEAN
+    gradient of the batch's per-example losses (an empty batch gives a zero gradient).
+    Parameters not in ``state.params`` are frozen. Metrics: loss, batch_size."""
+
+    def step(state: PlainState, batch: tuple[Any, Tensor]) -> tuple[PlainState, dict[str, float]]:
+        n = batch[1].shape[0]
+        live = {k: v.detach().requires_grad_(True) for k, v in state.params.items()}
+        losses = loss_fn(functional_call(model, live, _as_args(batch[0])), batch[1])
+        grads = torch.autograd.grad(losses.sum(), list(live.values()), allow_unused=True)
+        mean = {k: (g if g is not None else torch.zeros_like(live[k])) / max(n, 1) for k, g in zip(live, grads)}
+        params, opt_state = optimizer.update(mean, state.opt_state, state.params)
+        loss = float(losses.detach().mean()) if n else float("nan")
+        return PlainState(params, opt_state, state.step + 1), {"loss": loss, "batch_size": n}
+
+    return step
