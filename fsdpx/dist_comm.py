@@ -112,9 +112,11 @@ class DistComm:
         sizes = self._sizes(c, full_n, k)
         pad = max(sizes)
         block = _pad(local.contiguous(), d, pad)
-        out = torch.empty((k, *block.shape), dtype=local.dtype, device=local.device)
-        self._count(c, out.numel() * out.element_size())
-        dist.all_gather_into_tensor(out, block, group=pg)
+        flat = torch.empty((k * block.shape[0], *block.shape[1:]) if block.dim() else (k,), dtype=local.dtype,
+                           device=local.device)
+        self._count(c, flat.numel() * flat.element_size())
+        dist.all_gather_into_tensor(flat, block, group=pg)  # peers' blocks one after another
+        out = flat.view(k, *block.shape)
         by_rank = {r: out[i] for i, r in enumerate(sorted(members))}
         pieces = [by_rank[r].narrow(d, 0, sizes[j]) for j, r in enumerate(members)]
         return torch.cat(pieces, d)
@@ -131,7 +133,7 @@ class DistComm:
         stacked = torch.stack([chunks[pos[r]] for r in sorted(members)]).contiguous()
         out = torch.empty_like(stacked[0])
         self._count(c, stacked.numel() * stacked.element_size())
-        dist.reduce_scatter_tensor(out, stacked, group=pg)
+        dist.reduce_scatter_tensor(out, stacked.view(-1, *stacked.shape[2:]), group=pg)
         return out.narrow(d, 0, sizes[me]).contiguous()
 
     def _all_reduce(self, c: Collective, local: Tensor) -> Tensor:
@@ -176,7 +178,7 @@ class DistComm:
             raise self._failure(e) from e
         return out
 
-    def _failure(self, error: Exception) -> RankFailure:
+    def _failure(self, error: Exception) -> Exception:
         """Mark this rank alive in the store, wait for the other survivors, name the rest."""
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -188,6 +190,8 @@ class DistComm:
                 time.sleep(0.1)
         except Exception:  # noqa: BLE001 - the store lives on rank 0's host process
             missing = [0] if self.rank != 0 else []
+        if not missing:
+            return error  # everyone is alive: not a rank failure, the original error stands
         return RankFailure(missing, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 

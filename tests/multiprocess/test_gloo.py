@@ -1,0 +1,96 @@
+"""Real gloo processes: zero3 (and every strategy on 2 ranks) equals the unsharded run; counted
+bytes equal comm_per_step; resident bytes equal memory_by_rank; a dead rank is named."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fsdpx import Mesh, comm_per_step, memory_by_rank, strategies, unshard
+from fsdpx.launch import spawn_ranks, torchrun_command
+from fsdpx.models.gpt import token_loss
+from fsdpx.optim import sgd
+from fsdpx.plain_step import init_plain, make_plain_step
+from fsdpx.units import make_units
+from privacy.step import init_state, make_private_step
+
+HERE = os.path.dirname(__file__)
+sys.path.insert(0, HERE)
+from problem import BATCHES, NUM_EXAMPLES, make_model, private_config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+WORKER = os.path.join(HERE, "worker.py")
+
+
+def _baseline(private: bool):
+    model = make_model()
+    params = dict(model.named_parameters())
+    optimizer = sgd(0.1, momentum=0.9)
+    if private:
+        state = init_state(params, optimizer, key=11, config=private_config())
+        step = make_private_step(model, token_loss, optimizer, private_config(), num_examples=NUM_EXAMPLES)
+    else:
+        state, step = init_plain(params, optimizer), make_plain_step(model, token_loss, optimizer)
+    for b in BATCHES:
+        state, _ = step(state, b)
+    return state.params
+
+
+def _run_torchrun(nproc: int, tmp_path, *extra: str) -> list[dict]:
+    cmd = torchrun_command(nproc, [WORKER, "--out", str(tmp_path), *extra])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("private", [False, True])
+def test_zero3_on_gloo_equals_the_unsharded_run(tmp_path, nproc, private):
+    results = _run_torchrun(nproc, tmp_path, "--strategy", "zero3", *(["--private"] if private else []))
+    mesh, strategy = Mesh(dp=nproc), strategies.zero3()
+    ref = _baseline(private)
+    shapes = {k: tuple(v.shape) for k, v in ref.items()}
+    for name, want in ref.items():
+        got = unshard([r["params"][name] for r in results], strategy.param_at_rest(want.dim()), mesh)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    units = [list(u.params) for u in make_units(make_model(), shapes)]
+    predicted = comm_per_step(strategy, shapes, mesh, units, dtype=torch.float64)
+    memory = memory_by_rank(strategy, shapes, mesh, optimizer="sgd_momentum", dtype=torch.float64)
+    for rank, r in enumerate(results):
+        for metrics in r["metrics"]:
+            assert metrics["comm"] == predicted
+            assert metrics["resident_bytes"] == memory[rank]
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
+def test_other_strategies_on_two_gloo_ranks_equal_the_unsharded_run(tmp_path, name):
+    results = _run_torchrun(2, tmp_path, "--strategy", name, "--private")
+    strategy, ref = strategies.ALL[name](), _baseline(True)
+    for key, want in ref.items():
+        got = unshard([r["params"][key] for r in results], strategy.param_at_rest(want.dim()), Mesh(dp=2))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):
+    start = time.monotonic()
+    procs = spawn_ranks(3, [WORKER, "--out", str(tmp_path), "--die-rank", "1", "--die-after", "7",
+                            "--timeout", "20"])
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    elapsed = time.monotonic() - start
+    assert procs[1].returncode == 3
+    for rank in (0, 2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert "failure" in result, outputs[rank][-2000:]
+        assert result["failure"]["ranks"] == [1], result["failure"]
+    assert elapsed < 90
+
+
+def test_mesh_size_that_differs_from_the_world_size_is_refused(tmp_path):
+    procs = spawn_ranks(2, [WORKER, "--out", str(tmp_path), "--mesh-size", "3"])
+    for p in procs:
+        p.communicate(timeout=60)
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert "mesh" in result["error"] and "3 ranks" in result["error"] and "2 processes" in result["error"]

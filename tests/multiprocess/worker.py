@@ -1,0 +1,84 @@
+"""A rank of a real multi-process run (gloo), started by torchrun or by ``spawn_ranks``.
+
+Trains a tiny GPT for a few sharded steps and saves this rank's final state and metrics to
+``<out>/rank<r>.pt`` for the test to compare with the unsharded run. ``--die-rank R
+--die-after K`` makes rank R exit abruptly after its K-th collective (a rank dying mid-step).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+from fsdpx import Mesh, strategies
+from fsdpx.comm import RankFailure
+from fsdpx.dist_comm import init_from_env
+from fsdpx.optim import sgd
+from fsdpx.runtime import init_sharded, make_sharded_step
+from privacy.step import DPConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+from problem import BATCHES, NUM_EXAMPLES, make_model, private_config  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", default="zero3")
+    ap.add_argument("--private", action="store_true")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--mesh-size", type=int, default=None)
+    ap.add_argument("--die-rank", type=int, default=-1)
+    ap.add_argument("--die-after", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    args = ap.parse_args()
+    world = int(os.environ["WORLD_SIZE"])
+    mesh = Mesh(dp=args.mesh_size or world)
+    try:
+        comm = init_from_env(mesh, timeout_s=args.timeout)
+    except ValueError as e:
+        torch.save({"error": str(e)}, f"{args.out}/rank{os.environ['RANK']}.pt")
+        return
+    if comm.rank == args.die_rank:
+        _die_after(comm, args.die_after)
+    model = make_model()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    config: DPConfig | None = private_config() if args.private else None
+    strategy = strategies.ALL[args.strategy]()
+    optimizer = sgd(0.1, momentum=0.9)
+    step = make_sharded_step(model, _loss, optimizer, strategy, comm, param_shapes=shapes, config=config,
+                             num_examples=NUM_EXAMPLES)
+    state = init_sharded(params, optimizer, strategy, comm, key=11, config=config)
+    result: dict = {"metrics": []}
+    try:
+        for batch in BATCHES:
+            state, metrics = step(state, batch)
+            result["metrics"].append(metrics)
+        result["params"] = state.params
+    except RankFailure as e:
+        result["failure"] = {"ranks": e.ranks, "message": str(e)}
+    torch.save(result, f"{args.out}/rank{comm.rank}.pt")
+
+
+def _loss(logits, targets):
+    from fsdpx.models.gpt import token_loss
+
+    return token_loss(logits, targets)
+
+
+def _die_after(comm, k: int) -> None:
+    real = comm.run
+    calls = [0]
+
+    def run(c, x):
+        calls[0] += 1
+        if calls[0] > k:
+            os._exit(3)
+        return real(c, x)
+
+    comm.run = run
+
+
+if __name__ == "__main__":
+    main()
