@@ -7,7 +7,9 @@ No rule forms a per-example weight gradient; biases and norm weights (vectors) a
 
 Supported: ``nn.Linear`` (inputs of any rank: every dimension between batch and features is a
 step ``t``), Hugging Face's ``Conv1D`` (GPT-2's transposed linear), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, the GPT's own ``RMSNorm``,
-``nn.Conv1d`` and ``nn.Conv2d`` (any stride, padding mode, dilation, groups).
+``nn.Conv1d`` and ``nn.Conv2d`` (any stride, padding mode, dilation, groups), and any module
+that declares ``ghost_rule = "normalize_then_scale"`` (a norm written as ``normalize(x) *
+weight``, like the GPT's RMSNorm) — declared on the model's side, so ``privacy`` imports no model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fsdpx.models.gpt import RMSNorm as GPTRMSNorm
 from privacy.contributions import Contribution, Dense, Factored
 
 Rule = Callable[[nn.Module, tuple, Tensor], dict[str, Contribution]]
@@ -39,6 +40,8 @@ def rule_for(module: nn.Module) -> Rule | None:
     cls = type(module)
     if cls.__module__ == "transformers.pytorch_utils" and cls.__name__ == "Conv1D":
         return transposed_linear  # matched by name so that transformers stays optional
+    if getattr(cls, "ghost_rule", None) == "normalize_then_scale":
+        return normalize_then_scale
     return RULES.get(cls)
 
 
@@ -104,8 +107,9 @@ def rms_norm(module: nn.RMSNorm, args: tuple, grad_out: Tensor) -> dict[str, Con
     return _norm_rule(lambda x: F.rms_norm(x, shape, None, module.eps), module, args, grad_out)
 
 
-@rule(GPTRMSNorm)
-def gpt_rms_norm(module: GPTRMSNorm, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+def normalize_then_scale(module: nn.Module, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+    """Any module declaring ``ghost_rule = "normalize_then_scale"``: its forward is
+    ``module.normalize(x) * module.weight (+ module.bias)`` (the GPT's own RMSNorm)."""
     return _norm_rule(module.normalize, module, args, grad_out)
 
 

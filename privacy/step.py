@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from fsdpx.optim import Optimizer
 from privacy.accounting import Accountant, max_steps
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
 from privacy.noise import gaussian_noise
 from privacy.sampling import PoissonSampler
 from privacy.tape import LossFn, Params
+
+if TYPE_CHECKING:  # privacy needs only the optimizer's shape, not the fsdpx package
+    from fsdpx.optim import Optimizer
 
 
 @dataclass(frozen=True)

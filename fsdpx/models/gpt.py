@@ -26,8 +26,11 @@ class GPTConfig:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm: ``x / sqrt(mean(x^2) + eps) * weight``. The ghost rule for this
-    class lives in ``privacy/layers.py`` and reuses :meth:`normalize`."""
+    """Root-mean-square norm: ``x / sqrt(mean(x^2) + eps) * weight``. ``ghost_rule`` tells
+    ``privacy/layers.py`` that forward is ``normalize(x) * weight``, so ghost clipping reuses
+    :meth:`normalize` for exact per-example norms."""
+
+    ghost_rule = "normalize_then_scale"
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
