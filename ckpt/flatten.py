@@ -80,8 +80,15 @@ def load_builtin_types() -> None:
     register_type("DPConfig", DPConfig, dataclasses.asdict, lambda d: DPConfig(**d))
 
 
+# Qualified names of the built-in types: an object of one of them means ``privacy`` is already
+# imported, so registering them then is free; other states never import ``privacy``.
+_BUILTIN_NAMES = {"privacy.step.TrainState", "privacy.step.DPConfig", "privacy.accounting.Accountant",
+                  "privacy.sampling.PoissonSampler"}
+
+
 def _codec_for(obj: Any) -> Codec | None:
-    load_builtin_types()
+    if f"{type(obj).__module__}.{type(obj).__qualname__}" in _BUILTIN_NAMES:
+        load_builtin_types()
     for c in _CODECS.values():
         if type(obj) is c.cls:
             return c

@@ -4,7 +4,7 @@
     python tests/ckpt_support.py zygote ROOT          forks savers on request (kill-safety test):
         stdin "fork\n" -> forks a child that saves step after step forever; prints its pid
         stdin "reap PID\n" -> waits for that child; prints its wait status
-    python tests/ckpt_support.py gloo MODE DIR RANK WORLD PORT CASES   a torch.distributed rank
+    python tests/ckpt_support.py gloo DIR RANK WORLD PORT CASES   a torch.distributed rank
 
 Kept apart from the tests so that a child starts from a fresh interpreter that has never run a
 parallel torch kernel (forking after one is unsafe).
@@ -26,7 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ckpt  # noqa: E402
-from ckpt.flatten import load_builtin_types  # noqa: E402
 from fsdpx import Mesh, Spec, shard, strategies  # noqa: E402
 
 KILL_MESH, KILL_STRATEGY = Mesh(dp=2), strategies.zero3()
@@ -59,7 +58,6 @@ def _saver_forever(root: str) -> None:
 
 
 def zygote(root: str) -> None:
-    load_builtin_types()  # import everything a save needs before forking
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "fork":
@@ -98,30 +96,34 @@ def fsize(root: str, limit: int) -> None:
     print(json.dumps(out), flush=True)
 
 
-def gloo(mode: str, directory: str, rank: int, world: int, port: int, cases: str) -> None:
-    """Save (``mode=save``) or load-and-check (``mode=load``) every case of ``cases`` (JSON)."""
+def gloo(directory: str, rank: int, world: int, port: int, cases: str) -> None:
+    """Rank ``rank`` of ``world`` gloo processes: save every case of ``cases`` (JSON) on its
+    save mesh; then, after a barrier, the ranks of each case's load mesh load it and compare.
+    Prints one JSON report per loaded case."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     coord = ckpt.TorchDistCoordinator(timeout=60)
+    cases = json.loads(cases)
+    fulls = [torch.randn(c["shape"], generator=torch.Generator().manual_seed(c["seed"]), dtype=torch.float64)
+             for c in cases]
+    for i, (case, full) in enumerate(zip(cases, fulls)):
+        mesh, spec = Mesh(**dict(case["save"]["mesh"])), Spec.parse(case["save"]["spec"])
+        local = shard(full, spec, mesh)[rank]
+        ckpt.save(Path(directory) / f"case_{i}", {"t": local, "i": i}, mesh=mesh, strategy=None, coordinator=coord,
+                  specs={"t": spec}, blocking=bool(i % 2)).wait()
+    dist.barrier()
     report = []
-    for i, case in enumerate(json.loads(cases)):
-        g = torch.Generator().manual_seed(case["seed"])
-        full = torch.randn(case["shape"], generator=g, dtype=torch.float64)
-        side = case[mode]
-        mesh = Mesh(**dict(side["mesh"]))
-        spec = Spec.parse(side["spec"])
-        path = Path(directory) / f"case_{i}"
-        if mode == "save":
-            local = shard(full, spec, mesh)[rank]
-            ckpt.save(path, {"t": local, "i": i}, mesh=mesh, strategy=None, coordinator=coord, specs={"t": spec},
-                      blocking=bool(i % 2)).wait()
-        else:
-            stats = ckpt.ReadStats()
-            out = ckpt.load(path, mesh=mesh, strategy=None, rank=rank, specs={"t": spec}, stats=stats)
-            ok = torch.equal(out["t"], shard(full, spec, mesh)[rank]) and out["i"] == i
-            report.append({"ok": ok, "read": stats.bytes_read, "needed": stats.bytes_needed})
+    for i, (case, full) in enumerate(zip(cases, fulls)):
+        mesh, spec = Mesh(**dict(case["load"]["mesh"])), Spec.parse(case["load"]["spec"])
+        if rank >= mesh.size:
+            continue
+        stats = ckpt.ReadStats()
+        out = ckpt.load(Path(directory) / f"case_{i}", mesh=mesh, strategy=None, rank=rank, specs={"t": spec},
+                        stats=stats)
+        ok = torch.equal(out["t"], shard(full, spec, mesh)[rank]) and out["i"] == i
+        report.append({"case": i, "ok": ok, "read": stats.bytes_read, "needed": stats.bytes_needed})
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(report), flush=True)
@@ -134,4 +136,4 @@ if __name__ == "__main__":
     elif cmd == "fsize":
         fsize(args[0], int(args[1]))
     elif cmd == "gloo":
-        gloo(args[0], args[1], int(args[2]), int(args[3]), int(args[4]), args[5])
+        gloo(args[0], int(args[1]), int(args[2]), int(args[3]), args[4])
