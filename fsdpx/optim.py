@@ -95,18 +95,29 @@ def adamw_kernel(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One elementwise AdamW step, ``count`` = the number of this step (1 on the first update).
 
-    Returns ``(new_p, new_m, new_v)``; same operation order as ``torch.optim.AdamW``
-    (single-tensor path). ``count`` is a Python int on purpose: a vectorised ``pow`` over a
+    Returns ``(new_p, new_m, new_v)``; the arithmetic of ``torch.optim.AdamW`` (single-tensor
+    path) with unfused operations. ``count`` is a Python int on purpose: a vectorised ``pow`` over a
     tensor of counts rounds differently by lane, which would break elementwise exactness, so
     callers with per-element counts (ZenFlow) group elements by count."""
-    p = p * (1 - lr * weight_decay)
-    m = m * b1 + g * (1 - b1)
-    v = v * b2 + g * g * (1 - b2)
     bc1 = 1 - b1**count
     bc2_sqrt = math.sqrt(1 - b2**count)
     step_size = lr / bc1
-    denom = v.sqrt() / bc2_sqrt + eps
-    return p - step_size * (m / denom), m, v
+    # Plain IEEE operations only (no fused alpha/addcmul/lerp, which may use FMA in SIMD lanes
+    # and not in the scalar tail): every element rounds the same in any slice. In place on
+    # fresh tensors to spare allocations; the inputs are never modified.
+    new_p = p * (1 - lr * weight_decay)
+    new_m = m * b1
+    new_m += g * (1 - b1)
+    new_v = g * g
+    new_v *= 1 - b2
+    new_v += v * b2
+    update = new_v.sqrt()
+    update /= bc2_sqrt
+    update += eps
+    torch.div(new_m, update, out=update)
+    update *= step_size
+    new_p -= update
+    return new_p, new_m, new_v
 
 
 def adamw(

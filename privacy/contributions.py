@@ -87,9 +87,7 @@ def _pair_inner(u: Factored, v: Factored) -> Tensor:
     if u.rows != v.rows:
         return u.right.new_zeros(u.right.shape[0])  # disjoint row blocks never overlap here
     right = torch.bmm(u.right, v.right.transpose(1, 2))  # (B, T_u, T_v)
-    left = _left_gram(u, v)
-    B = right.shape[0]
-    return torch.bmm(left.reshape(B, 1, -1), right.reshape(B, -1, 1)).view(B)  # fused multiply-sum
+    return (_left_gram(u, v) * right).sum((1, 2))  # faster on CPU than a (1 x K) @ (K x 1) bmm
 
 
 def instantiate(part: Factored, num_rows: int) -> Tensor:
