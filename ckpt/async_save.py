@@ -56,13 +56,17 @@ class SaveHandle:
         return h
 
 
-def snapshot(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A private copy of every tensor: detached, contiguous, CPU."""
+def snapshot(tensors: dict[str, Tensor], spare: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """A private copy of every tensor: detached, contiguous, CPU. A buffer of ``spare`` with
+    the same path, shape and dtype is reused (no fresh pages to fault in)."""
+    spare = spare or {}
     out = {}
     for path, t in tensors.items():
-        copy = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-        copy.copy_(t.detach())
-        out[path] = copy
+        buf = spare.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        buf.copy_(t.detach())
+        out[path] = buf
     return out
 
 
@@ -72,6 +76,14 @@ class Saver:
     def __init__(self) -> None:
         self._last: SaveHandle | None = None
         self._lock = threading.Lock()
+        self._spare: dict[str, Tensor] = {}
+
+    def snapshot(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``snapshot`` into the buffers of this rank's previous async save. Safe: called only
+        from ``make_job``, after that save has finished. The buffers stay allocated (one copy of
+        the rank's state, like a staging buffer) for the next save."""
+        self._spare = snapshot(tensors, self._spare)
+        return self._spare
 
     def wait_idle(self) -> None:
         """Wait for the save in flight (its error, if any, stays with its own handle)."""

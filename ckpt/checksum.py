@@ -4,9 +4,13 @@ xxh3 is not cryptographic: it detects accidents (a flipped bit, a torn or trunca
 file from another checkpoint), not tampering. It runs at memory speed, so hashing while writing
 costs little next to the write itself.
 
-Guarantees: ``hex_digest(b)`` equals the digest of a ``Hasher`` fed ``b`` in any split
-(``tests/test_ckpt_format.py::test_streamed_checksum_equals_one_shot``); ``file_digest`` reads
-the whole file once, in ``CHUNK`` pieces, never more than ``CHUNK`` bytes in memory.
+A shard file's checksum is ``shard_checksum(header, block digests)``: the xxh3 of its header
+bytes followed by the 8-byte digests of its blocks in file order. Every data byte is thus
+hashed once (for its block's own checksum), yet the file checksum covers every byte.
+
+Guarantees: ``hex_digest(b)`` equals the digest of a hasher fed ``b`` in any split
+(``tests/test_ckpt_format.py::test_streamed_checksum_equals_one_shot``); ``range_digest`` reads
+its range once, in ``CHUNK`` pieces, never more than ``CHUNK`` bytes in memory.
 """
 
 from __future__ import annotations
@@ -29,13 +33,23 @@ def hex_digest(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def file_digest(path: str | os.PathLike) -> tuple[str, int]:
-    """``(xxh3-64 hex digest, size in bytes)`` of a whole file."""
-    h, size = new_hasher(), 0
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(view):
-            h.update(view[:n])
-            size += n
-    return h.hexdigest(), size
+def shard_checksum(header: bytes, block_digests: list[str]) -> str:
+    """The checksum of a shard file made of ``header`` then blocks with these digests."""
+    h = new_hasher()
+    h.update(header)
+    for d in block_digests:
+        h.update(bytes.fromhex(d))
+    return h.hexdigest()
+
+
+def range_digest(fd: int, offset: int, nbytes: int) -> str:
+    """xxh3-64 of ``nbytes`` bytes of ``fd`` from ``offset`` (``EOFError`` if it ends first)."""
+    h, buf = new_hasher(), bytearray(min(CHUNK, max(nbytes, 1)))
+    view = memoryview(buf)
+    while nbytes:
+        n = os.preadv(fd, [view[:min(nbytes, len(view))]], offset)
+        if n == 0:
+            raise EOFError(offset)
+        h.update(view[:n])
+        offset, nbytes = offset + n, nbytes - n
+    return h.hexdigest()

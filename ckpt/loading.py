@@ -24,8 +24,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import os
-import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -36,7 +34,7 @@ from fsdpx.strategies import Strategy
 from . import format as fmt
 from .errors import LayoutError, ManifestError, MissingAccountantError, MissingShardError, ShapeMismatchError, TruncatedShardError
 from .flatten import contains_type, top_level, unflatten
-from .reader import ReadStats, read_box
+from .reader import Files, ReadStats, read_box
 from .rules import Specs, make_rule
 
 
@@ -117,13 +115,7 @@ def load(
         check_shapes(manifest, expected_shapes)
     check_private(manifest, private)
     rule = make_rule(strategy, specs)
-    fds: dict[str, tuple[int, Path]] = {}
-
-    def open_file(name: str) -> tuple[int, Path]:
-        if name not in fds:
-            fds[name] = (os.open(directory / name, os.O_RDONLY), directory / name)
-        return fds[name]
-
+    files = Files(directory, {name: f.size for name, f in manifest.files.items()})
     tensors = {}
     try:
         for path, rec in manifest.tensors.items():
@@ -132,10 +124,9 @@ def load(
                 box = local_box(rec.shape, spec, mesh, rank)
             except ValueError as e:
                 raise LayoutError(f"{path}: cannot lay out {rec.shape} as {spec} on {mesh}: {e}") from None
-            tensors[path] = read_box(rec, box, open_file, stats, verify=verify)
+            tensors[path] = read_box(rec, box, files, stats, verify=verify)
     finally:
-        for fd, _ in fds.values():
-            os.close(fd)
+        files.close()
     return unflatten(manifest.state, tensors.__getitem__)
 
 

@@ -52,7 +52,7 @@ from fsdpx.strategies import Strategy
 
 from . import commit
 from . import format as fmt
-from .async_save import SaveHandle, saver_for, snapshot
+from .async_save import SaveHandle, saver_for
 from .boxes import global_shape, is_writer
 from .coordinator import Coordinator, SingleProcess, ThreadGroup
 from .errors import LayoutError, MissingAccountantError, SaveError
@@ -94,15 +94,17 @@ def save(
     rule = make_rule(strategy, specs)
     meta = {"strategy": None if strategy is None else strategy.name, "private": private, "step": step}
 
+    saver = saver_for(coordinator)
+
     def make_job() -> Callable[[], Path]:
         tree, tensors = flatten(state)
         if private and not contains_type(tree, "Accountant"):
             raise MissingAccountantError("private=True but the state holds no Accountant: its privacy ledger would be lost")
         if not blocking:
-            tensors = snapshot(tensors)
+            tensors = saver.snapshot(tensors)
         return partial(_save_rank, Path(directory), tree, tensors, rule, mesh, coordinator, meta, on_commit)
 
-    handle = saver_for(coordinator).run(make_job, blocking=blocking)
+    handle = saver.run(make_job, blocking=blocking)
     if blocking:
         handle.wait()
     return handle

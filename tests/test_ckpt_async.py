@@ -67,3 +67,18 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
 def test_blocking_save_raises_directly(tmp_path):
     with pytest.raises(ckpt.UnsupportedStateError, match="w"):
         ckpt.save(tmp_path / "s", {"w": object()}, mesh=Mesh(), strategy=None)
+
+
+def test_reused_snapshot_buffers_never_mix_two_saves(tmp_path, monkeypatch):
+    _slow_writer(monkeypatch, 0.05)
+    coord = ckpt.SingleProcess()
+    w = torch.zeros(256)
+    handles = []
+    for step in range(3):
+        w.fill_(step)
+        handles.append(ckpt.save(tmp_path / f"s{step}", {"w": w, "step": step}, mesh=Mesh(), strategy=None,
+                                 coordinator=coord, blocking=False))
+    [h.wait() for h in handles]
+    for step in range(3):
+        back = ckpt.load(tmp_path / f"s{step}", mesh=Mesh(), strategy=None)
+        assert back["step"] == step and torch.equal(back["w"], torch.full((256,), float(step)))

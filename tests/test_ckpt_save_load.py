@@ -124,3 +124,18 @@ def test_unsupported_dtype_is_refused_before_writing(tmp_path):
     with pytest.raises(ckpt.SaveError, match="complex64"):
         ckpt.save(tmp_path / "s", {"x": torch.zeros(2, dtype=torch.complex64)}, mesh=Mesh(), strategy=None)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("rows", [4, 40])  # 4 runs: one pread each; 40 runs: one strided copy from a mapping
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int8])
+def test_column_slices_read_exactly_their_bytes(tmp_path, rows, dtype):
+    full = (torch.randn(rows, 6, 3) * 10).to(dtype)
+    src, dst = Mesh(dp=2), Mesh(dp=3)
+    path = ckpt.save_ranks(tmp_path / "s", [{"t": t} for t in shard(full, Spec("dp", None, None), src)], mesh=src,
+                           strategy=None, specs={"t": Spec("dp", None, None)})
+    stats = [ckpt.ReadStats() for _ in range(3)]
+    out = ckpt.load_ranks(path, mesh=dst, strategy=None, specs={"t": Spec(None, "dp", None)}, stats=stats)
+    for r in range(3):
+        assert torch.equal(out[r]["t"], full[:, 2 * r:2 * r + 2])
+        assert stats[r].bytes_read == stats[r].bytes_needed == rows * 2 * 3 * full.element_size()
+        assert stats[r].reads == (rows if rows <= ckpt.reader.MANY_RUNS * 2 else 2)
