@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 from urllib.parse import quote
 
-import torch
 from torch import Tensor
 
 from .errors import UnsupportedStateError

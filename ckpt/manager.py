@@ -13,19 +13,20 @@ Layout of ``root``: committed checkpoints ``step_<N>/``; anything dot-named is a
 interrupted save or removal (``ckpt.commit``), ignored by ``latest`` and removed by rank 0 at
 the start of the next save (one training job per root).
 
-Guarantees (``tests/test_ckpt_manager.py``, ``tests/test_ckpt_kill.py``):
+Guarantees (``tests/test_ckpt_manager.py`` unless named):
   * ``latest()`` returns the newest ``step_<N>`` that passes ``ckpt.verify``; a corrupt one is
     skipped with a ``CorruptCheckpointWarning`` naming the error
-    (``test_latest_skips_a_corrupt_checkpoint_with_a_warning``).
+    (``tests/test_ckpt_corruption.py::test_latest_skips_a_corrupt_checkpoint_with_a_warning``).
   * Retention runs after a commit, on rank 0: it keeps the just-committed checkpoint and the
     ``keep_last - 1`` newest older ones; so the newest complete checkpoint is never deleted,
     and a checkpoint is deleted only once ``keep_last`` newer-or-equal ones are committed
     (``test_retention_keeps_last_n_and_never_the_newest``). Newer steps (from an abandoned
     branch of the run) are left alone.
   * SIGKILL at any point of a save leaves ``latest()`` valid, never older than before
-    (``test_sigkill_at_100_random_points_never_loses_a_checkpoint``).
+    (``tests/test_ckpt_kill.py::test_sigkill_at_100_random_points_never_loses_a_checkpoint``).
   * Saving a step that exists: ``CheckpointExistsError`` if it verifies; if it is corrupt it is
-    set aside as ``.step_<N>.corrupt-<token>`` (kept for inspection) and the save proceeds.
+    set aside as ``.step_<N>.corrupt-<token>`` (kept for inspection) and the save proceeds
+    (``test_a_corrupt_checkpoint_at_the_same_step_is_set_aside``).
 """
 
 from __future__ import annotations

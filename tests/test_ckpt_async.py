@@ -1,6 +1,5 @@
 """Background saves (``ckpt.async_save``)."""
 
-import threading
 import time
 
 import pytest

@@ -1,6 +1,5 @@
 """Box arithmetic and byte-range reads (``ckpt.boxes``, ``ckpt.reader``)."""
 
-import itertools
 import random
 
 import pytest

@@ -2,6 +2,7 @@
 points; after each kill ``latest()`` is a complete, checksum-valid checkpoint, never older than
 before, and loads to exactly the state of its step."""
 
+import os
 import random
 import signal
 import subprocess
@@ -10,7 +11,6 @@ import time
 import warnings
 from pathlib import Path
 
-import os
 import torch
 
 import ckpt

@@ -1,13 +1,11 @@
 """``ckpt.CheckpointManager``: cadence, retention, latest/restore, leftovers."""
 
-import warnings
 
 import pytest
 import torch
 
 import ckpt
 from ckpt.manager import to_delete
-from fsdpx import Mesh
 
 
 def _state(step):
