@@ -3,7 +3,8 @@
 A state is built from dicts with ``str`` keys, lists, tuples, ``None``, ``bool``, ``int``,
 ``float``, ``str``, tensors, and the registered types (``register_type``; built in:
 ``privacy.step.TrainState``, ``privacy.accounting.Accountant``,
-``privacy.sampling.PoissonSampler``, ``privacy.step.DPConfig``). The tree is tagged JSON::
+``privacy.sampling.PoissonSampler``, ``privacy.step.DPConfig``, ``fsdpx.runtime.ShardedState``).
+The tree is tagged JSON::
 
     dict            {"$dict": [[key, node], ...]}        (insertion order kept)
     tuple           {"$tuple": [node, ...]}
@@ -72,7 +73,10 @@ def load_builtin_types() -> None:
     from privacy.sampling import PoissonSampler
     from privacy.step import DPConfig, TrainState
 
+    from fsdpx.runtime import ShardedState
+
     _BUILTINS_LOADED = True
+    register_type("ShardedState", ShardedState, lambda s: dict(s._asdict()), lambda d: ShardedState(**d))
     register_type("TrainState", TrainState, lambda s: dict(s._asdict()), lambda d: TrainState(**d))
     register_type("Accountant", Accountant, Accountant.to_dict, Accountant.from_dict)
     register_type("PoissonSampler", PoissonSampler, PoissonSampler.to_dict, PoissonSampler.from_dict)
@@ -82,7 +86,7 @@ def load_builtin_types() -> None:
 # Qualified names of the built-in types: an object of one of them means ``privacy`` is already
 # imported, so registering them then is free; other states never import ``privacy``.
 _BUILTIN_NAMES = {"privacy.step.TrainState", "privacy.step.DPConfig", "privacy.accounting.Accountant",
-                  "privacy.sampling.PoissonSampler"}
+                  "privacy.sampling.PoissonSampler", "fsdpx.runtime.ShardedState"}
 
 
 def _codec_for(obj: Any) -> Codec | None:

@@ -1,14 +1,18 @@
 """Bitwise resume: N steps straight == k steps, save (sharded), load into another mesh size and
 strategy, N-k steps. Private (epsilon too) and offloaded (ZenFlow, in-flight window included)."""
 
+import copy
+
 import pytest
 import torch
 
 import ckpt
 import offload
 from fsdpx import Mesh, shard, strategies, unshard
+from fsdpx.comm import run_threads
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import adamw
+from fsdpx.runtime import ShardedState, init_sharded, make_sharded_step
 from privacy.accounting import Accountant
 from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, TrainState, init_state, make_private_step, sample_batch
@@ -118,3 +122,45 @@ def test_refuses_a_model_with_other_shapes(tmp_path):
     fewer = {k: v for k, v in shapes.items() if k != "params/ln_f.bias"}
     with pytest.raises(ckpt.ShapeMismatchError, match="params/ln_f.bias: the checkpoint has this tensor, the model does not"):
         ckpt.load(tmp_path / "s", mesh=Mesh(), strategy=None, expected_shapes=fewer)
+
+
+def test_sharded_runtime_resumes_bitwise_from_its_own_checkpoint(tmp_path):
+    """The threaded sharded runtime (``fsdpx.runtime``), private, zero3 on 3 ranks: k steps, each
+    rank saves its ``ShardedState``, the ranks load it back (same mesh: bit for bit the straight
+    run; 2 ranks zero2: bit for bit the same state resharded in memory), N-k more steps."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG).double()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    data = (torch.randint(0, 11, (EXAMPLES, 4)), torch.randint(0, 11, (EXAMPLES, 4)))
+    sampler = PoissonSampler(EXAMPLES, DP.sample_rate, key=3)
+
+    def train(mesh, strategy, states, steps):
+        def rank(comm):
+            step = make_sharded_step(copy.deepcopy(model), token_loss, adamw(1e-2), strategy, comm, param_shapes=shapes,
+                                     config=DP, num_examples=EXAMPLES)
+            state = states[comm.rank] if states else init_sharded(params, adamw(1e-2), strategy, comm, key=5, config=DP)
+            for _ in range(steps):
+                state, _ = step(state, sample_batch(data, sampler, state.step))
+            return state
+        return run_threads(mesh, rank)
+
+    src_mesh, src = Mesh(dp=3), strategies.zero3()
+    straight = train(src_mesh, src, None, N)
+    at_k = train(src_mesh, src, None, K)
+    ckpt.save_ranks(tmp_path / "step_3", at_k, mesh=src_mesh, strategy=src, private=True)
+    loaded = ckpt.load_ranks(tmp_path / "step_3", mesh=src_mesh, strategy=src, private=True)
+    assert all(isinstance(s, ShardedState) for s in loaded)
+    resumed = train(src_mesh, src, loaded, N - K)
+    for r in range(3):
+        for k in params:
+            assert torch.equal(resumed[r].params[k], straight[r].params[k]), (r, k)
+        assert resumed[r].accountant.epsilon() == straight[r].accountant.epsilon()
+
+    dst_mesh, dst = Mesh(dp=2), strategies.zero2()
+    from_disk = ckpt.load_ranks(tmp_path / "step_3", mesh=dst_mesh, strategy=dst)
+    in_memory = _shard_state(_unshard_state(at_k, src_mesh, src), dst_mesh, dst)
+    a, b = train(dst_mesh, dst, from_disk, N - K), train(dst_mesh, dst, in_memory, N - K)
+    for r in range(2):
+        for k in params:
+            assert torch.equal(a[r].params[k], b[r].params[k]), (r, k)
