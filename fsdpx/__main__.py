@@ -1,0 +1,3 @@
+from fsdpx.cli import main
+
+main()

@@ -1,0 +1,166 @@
+"""The ``fsdpx`` command line (also ``python -m fsdpx``).
+
+    fsdpx train                          # ~2 min private run on the embedded corpus -> runs/private/
+    fsdpx train --non-private            # the same loop without clipping or noise -> runs/non-private/
+    fsdpx train --noise-multiplier 1.0 --batch-size 256 --steps 100 --name sigma1
+
+Flags map one to one onto :class:`fsdpx.train.RunConfig` fields (``--n-embd`` -> ``n_embd``),
+so a new option is one ``add_argument`` here, one field there and, if it changes how a step is
+computed, one branch in :func:`fsdpx.train.build_step`. Bad values exit with status 2 and a
+one-line message, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+from fsdpx.train import ConfigError, RunConfig, format_summary, run
+from privacy.errors import PrivacyError
+
+_DEFAULTS = RunConfig()
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _open_unit(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+def _half_open_unit(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+# argparse names the type function in its message when it raises ValueError ("invalid
+# _positive_int value"); these names read better.
+_positive_int.__name__ = "integer"
+for _f in (_positive_float, _non_negative_float, _open_unit, _half_open_unit):
+    _f.__name__ = "number"
+
+
+# --------------------------------------------------------------------------- parser
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    run = p.add_argument_group("run")
+    run.add_argument("--steps", type=_positive_int, metavar="N", default=d.steps,
+                     help="training steps (default %(default)s)")
+    run.add_argument("--name", metavar="NAME", default=None,
+                     help="run name; files go to DIR/NAME (default: private or non-private)")
+    run.add_argument("--out", metavar="DIR", default=d.out, help="directory holding the runs (default %(default)s)")
+    run.add_argument("--seed", type=int, metavar="N", default=d.seed,
+                     help="seed of init, sampling and noise (default %(default)s)")
+    run.add_argument("--corpus-chars", type=_positive_int, metavar="N", default=d.corpus_chars,
+                     help="length of the embedded corpus (default %(default)s)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    model = p.add_argument_group("model and optimizer")
+    model.add_argument("--n-layer", type=_positive_int, metavar="N", default=d.n_layer, help="(default %(default)s)")
+    model.add_argument("--n-embd", type=_positive_int, metavar="N", default=d.n_embd, help="(default %(default)s)")
+    model.add_argument("--n-head", type=_positive_int, metavar="N", default=d.n_head, help="(default %(default)s)")
+    model.add_argument("--block-size", type=_positive_int, metavar="N", default=d.block_size,
+                       help="characters per example (default %(default)s)")
+    model.add_argument("--lr", type=_positive_float, metavar="X", default=d.lr,
+                       help="AdamW learning rate (default %(default)s)")
+
+    dp = p.add_argument_group("privacy")
+    noise = dp.add_mutually_exclusive_group()
+    noise.add_argument("--target-epsilon", type=_positive_float, metavar="X", default=None,
+                       help=f"calibrate the noise to spend this epsilon over --steps (default {d.target_epsilon:g})")
+    noise.add_argument("--noise-multiplier", type=_non_negative_float, metavar="X", default=None,
+                       help="noise std / clip norm, instead of --target-epsilon")
+    noise.add_argument("--non-private", action="store_true",
+                       help="plain training on the same batches: no clipping, no noise, no guarantee")
+    dp.add_argument("--delta", type=_open_unit, metavar="X", default=d.delta, help="(default %(default)g)")
+    dp.add_argument("--clip-norm", type=_positive_float, metavar="X", default=d.clip_norm,
+                    help="per-example gradient norm bound (default %(default)g)")
+    batch = dp.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=_positive_float, metavar="X", default=None,
+                       help=f"EXPECTED Poisson batch size (default {d.batch_size:g})")
+    batch.add_argument("--sample-rate", type=_half_open_unit, metavar="X", default=None,
+                       help="Poisson inclusion probability, instead of --batch-size")
+    dp.add_argument("--method", choices=("auto", "ghost", "vmap"), default=d.method,
+                    help="per-example norms (default %(default)s)")
+    dp.add_argument("--clipping", choices=("flat", "automatic"), default=d.clipping, help="(default %(default)s)")
+    dp.add_argument("--epsilon-budget", type=_positive_float, metavar="X", default=None,
+                    help="stop before a step that would spend more than this")
+    dp.add_argument("--accountant", choices=("pld", "rdp"), default=d.accountant, help="(default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdpx", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    train = commands.add_parser("train", help="train the small GPT on the embedded corpus, privately by default",
+                                description="Train the small GPT on the embedded corpus with DP-SGD.")
+    _add_train_arguments(train)
+    train.set_defaults(command_parser=train)  # its .error() prefixes messages with "fsdpx train"
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The :class:`RunConfig` the parsed flags describe (defaults filled from ``RunConfig``)."""
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    values["private"] = not args.non_private
+    values.setdefault("name", "private" if values["private"] else "non-private")
+    return RunConfig(**values)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command. Exits with status 2 and
+    a message on bad flags or values the privacy core rejects."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+        print(_plan_line(config), file=sys.stderr)
+        summary = run(config, progress=not args.no_progress)
+    except (ConfigError, PrivacyError) as err:  # a bad value, not a bug: no traceback, no usage
+        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {err}\n")
+    print(format_summary(summary))
+
+
+def _plan_line(config: RunConfig) -> str:
+    if not config.private:
+        privacy = "non-private"
+    elif config.target_epsilon is not None:
+        privacy = f"DP-SGD to epsilon {config.target_epsilon:g} at delta {config.delta:g}"
+    else:
+        privacy = f"DP-SGD with noise multiplier {config.noise_multiplier:g}"
+    return (f"fsdpx train: {config.steps} steps, GPT {config.n_layer} layers x {config.n_embd}, {privacy} "
+            f"-> {config.run_dir}")
+
+
+if __name__ == "__main__":
+    main()

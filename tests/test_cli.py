@@ -1,0 +1,130 @@
+"""``fsdpx train`` end to end on a tiny model: the files it writes, and how it rejects bad flags."""
+
+import json
+import math
+import runpy
+import sys
+
+import pytest
+import torch
+
+from fsdpx import cli
+from fsdpx.train import ConfigError, RunConfig
+from privacy.errors import PrivacyError
+
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-chars", "20000",
+        "--no-progress"]
+METRIC_KEYS = {"step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "seconds"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models are fastest on one thread, and on a busy machine a second one mostly waits.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _train(tmp_path, *flags):
+    cli.main(["train", "--out", str(tmp_path), *TINY, *flags])
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_private_run_writes_metrics_plot_config_and_summary(tmp_path, capsys):
+    _train(tmp_path, "--steps", "5", "--name", "tiny", "--batch-size", "16", "--target-epsilon", "4")
+    run_dir = tmp_path / "tiny"
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(set(r) == METRIC_KEYS for r in rows)
+    epsilons = [r["epsilon"] for r in rows]
+    assert all(math.isfinite(e) for e in epsilons)
+    assert all(a < b for a, b in zip(epsilons, epsilons[1:]))
+    assert epsilons[-1] <= 4.0
+    assert all(math.isfinite(r["loss"]) and 0 <= r["clipped_fraction"] <= 1 and r["mean_norm"] > 0 for r in rows)
+    assert [r["seconds"] for r in rows] == sorted(r["seconds"] for r in rows)
+    assert (run_dir / "plot.png").read_bytes()[:8] == PNG_MAGIC
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["steps"] == 5 and config["private"] is True and config["derived"]["noise_multiplier"] > 0
+    out = capsys.readouterr().out
+    assert f"epsilon {epsilons[-1]:.3f} at delta 1e-05" in out and str(run_dir) in out
+
+
+def test_a_run_is_a_function_of_its_flags(tmp_path):
+    for name in ("a", "b"):
+        _train(tmp_path, "--steps", "3", "--name", name, "--batch-size", "16", "--noise-multiplier", "1")
+    drop_time = [{k: v for k, v in r.items() if k != "seconds"} for r in _metrics(tmp_path / "a")]
+    assert drop_time == [{k: v for k, v in r.items() if k != "seconds"} for r in _metrics(tmp_path / "b")]
+
+
+def test_run_config_keeps_only_the_fields_it_uses():
+    assert RunConfig().target_epsilon == 8.0 and RunConfig().noise_multiplier is None
+    assert RunConfig(noise_multiplier=1.0).target_epsilon is None
+    assert RunConfig(sample_rate=0.1).batch_size is None
+    plain = RunConfig(private=False, noise_multiplier=1.0)
+    assert plain.target_epsilon is None and plain.noise_multiplier is None
+    with pytest.raises(ConfigError, match="target_epsilon or noise_multiplier"):
+        RunConfig(target_epsilon=None)
+
+
+def test_non_private_run_has_no_epsilon(tmp_path, capsys):
+    _train(tmp_path, "--steps", "3", "--batch-size", "16", "--non-private")
+    rows = _metrics(tmp_path / "non-private")
+    assert len(rows) == 3
+    assert all(r["epsilon"] is None and r["mean_norm"] is None and math.isfinite(r["loss"]) for r in rows)
+    assert (tmp_path / "non-private" / "plot.png").read_bytes()[:8] == PNG_MAGIC
+    assert "non-private: no guarantee" in capsys.readouterr().out
+
+
+def test_epsilon_budget_stops_the_run_before_the_step_that_would_exceed_it(tmp_path, capsys):
+    _train(tmp_path, "--steps", "50", "--name", "budget", "--corpus-chars", "20000", "--sample-rate", "0.05",
+           "--noise-multiplier", "1", "--epsilon-budget", "1.5")
+    rows = _metrics(tmp_path / "budget")
+    assert 0 < len(rows) < 50 and rows[-1]["epsilon"] <= 1.5
+    assert "stopped early: privacy budget exhausted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "argument --steps: must be an integer >= 1, got 0"),
+        (["--steps", "x"], "argument --steps: invalid integer value: 'x'"),
+        (["--delta", "1"], "argument --delta: must be in (0, 1), got 1"),
+        (["--target-epsilon", "1", "--noise-multiplier", "1"], "not allowed with argument"),
+        (["--non-private", "--target-epsilon", "1"], "not allowed with argument"),
+        (["--batch-size", "8", "--sample-rate", "0.1"], "not allowed with argument"),
+        (["--method", "magic"], "invalid choice: 'magic'"),
+        (["--n-embd", "30", "--n-head", "4"], "n_embd=30 must be divisible by n_head=4"),
+        (["--batch-size", "1e9"], "larger than the dataset"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--out", str(tmp_path), "--no-progress", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "fsdpx train: error:" in err and message in err
+
+
+def test_privacy_errors_exit_2_without_a_traceback(tmp_path, capsys, monkeypatch):
+    def refuse(config, progress):
+        raise PrivacyError("sample_rate must be in (0, 1], got sample_rate=2.0")
+
+    monkeypatch.setattr(cli, "run", refuse)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "fsdpx train: error: sample_rate must be in (0, 1]" in err and "Traceback" not in err
+
+
+def test_python_dash_m_fsdpx_runs_the_cli(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["fsdpx", "train", "--steps", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("fsdpx", run_name="__main__")
+    assert exit_info.value.code == 2
+    assert "--steps: must be an integer >= 1" in capsys.readouterr().err
