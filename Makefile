@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fsdpx train
+	$(BIN)/fsdpx train --strategy zero3 --nproc 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

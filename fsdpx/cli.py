@@ -17,7 +17,12 @@ import dataclasses
 import math
 import sys
 
-from fsdpx.train import ConfigError, RunConfig, format_summary, run
+import os
+import subprocess
+
+from fsdpx import strategies
+from fsdpx.launch import torchrun_command
+from fsdpx.train import ConfigError, RunConfig, format_summary, run, run_mesh
 from privacy.errors import PrivacyError
 
 _DEFAULTS = RunConfig()
@@ -117,6 +122,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                     help="stop before a step that would spend more than this")
     dp.add_argument("--accountant", choices=("pld", "rdp"), default=d.accountant, help="(default %(default)s)")
 
+    shard = p.add_argument_group("sharding")
+    shard.add_argument("--strategy", choices=sorted(strategies.ALL), default=None,
+                       help="shard the run over --nproc local processes (torchrun is launched for you)")
+    shard.add_argument("--nproc", type=_positive_int, metavar="N", default=None,
+                       help="processes of a sharded run (default 2 with --strategy)")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdpx", description=__doc__.splitlines()[0])
@@ -141,24 +152,63 @@ def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command. Exits with status 2 and
     a message on bad flags or values the privacy core rejects."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.nproc is not None and args.strategy is None:
+        args.command_parser.error("--nproc needs --strategy (ddp, zero1, zero2, zero3 or hsdp)")
     try:
         config = config_from_args(args)
-        print(_plan_line(config), file=sys.stderr)
-        summary = run(config, progress=not args.no_progress)
+        if config.strategy is not None and "WORLD_SIZE" not in os.environ:
+            sys.exit(_launch(argv, args.nproc or 2))  # re-run this very command on N processes
+        comm = _communicator(config)
+        if comm is None or comm.rank == 0:
+            print(_plan_line(config, comm), file=sys.stderr)
+        summary = run(config, progress=not args.no_progress, comm=comm)
     except (ConfigError, PrivacyError) as err:  # a bad value, not a bug: no traceback, no usage
         args.command_parser.exit(2, f"{args.command_parser.prog}: error: {err}\n")
-    print(format_summary(summary))
+    if comm is None or comm.rank == 0:
+        print(format_summary(summary))
 
 
-def _plan_line(config: RunConfig) -> str:
+def _launch(argv: list[str], nproc: int) -> int:
+    """Run ``fsdpx <argv>`` under torchrun on ``nproc`` local processes; returns its exit code.
+    The equivalent one-liner: ``torchrun --standalone --nproc-per-node N -m fsdpx train ...``."""
+    rest = _drop_flag(argv, "--nproc")
+    cmd = torchrun_command(nproc, ["fsdpx", *rest], module=True)
+    print("fsdpx: launching " + " ".join(cmd[1:]), file=sys.stderr)
+    return subprocess.call(cmd)
+
+
+def _drop_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
+def _communicator(config: RunConfig):
+    """This process's communicator in a torchrun-started sharded run, else None."""
+    if config.strategy is None:
+        return None
+    from fsdpx.dist_comm import init_from_env
+
+    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"])))
+
+
+def _plan_line(config: RunConfig, comm=None) -> str:
     if not config.private:
         privacy = "non-private"
     elif config.target_epsilon is not None:
         privacy = f"DP-SGD to epsilon {config.target_epsilon:g} at delta {config.delta:g}"
     else:
         privacy = f"DP-SGD with noise multiplier {config.noise_multiplier:g}"
-    return (f"fsdpx train: {config.steps} steps, GPT {config.n_layer} layers x {config.n_embd}, {privacy} "
+    where = f", {config.strategy} on {comm.mesh}" if comm is not None else ""
+    return (f"fsdpx train: {config.steps} steps, GPT {config.n_layer} layers x {config.n_embd}, {privacy}{where} "
             f"-> {config.run_dir}")
 
 

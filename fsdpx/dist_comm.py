@@ -115,7 +115,7 @@ class DistComm:
         flat = torch.empty((k * block.shape[0], *block.shape[1:]) if block.dim() else (k,), dtype=local.dtype,
                            device=local.device)
         self._count(c, flat.numel() * flat.element_size())
-        dist.all_gather_into_tensor(flat, block, group=pg)  # peers' blocks one after another
+        _ALL_GATHER(flat, block, group=pg)  # peers' blocks one after another
         out = flat.view(k, *block.shape)
         by_rank = {r: out[i] for i, r in enumerate(sorted(members))}
         pieces = [by_rank[r].narrow(d, 0, sizes[j]) for j, r in enumerate(members)]
@@ -133,7 +133,7 @@ class DistComm:
         stacked = torch.stack([chunks[pos[r]] for r in sorted(members)]).contiguous()
         out = torch.empty_like(stacked[0])
         self._count(c, stacked.numel() * stacked.element_size())
-        dist.reduce_scatter_tensor(out, stacked.view(-1, *stacked.shape[2:]), group=pg)
+        _REDUCE_SCATTER(out, stacked.view(-1, *stacked.shape[2:]), group=pg)
         return out.narrow(d, 0, sizes[me]).contiguous()
 
     def _all_reduce(self, c: Collective, local: Tensor) -> Tensor:
@@ -193,6 +193,11 @@ class DistComm:
         if not missing:
             return error  # everyone is alive: not a rank failure, the original error stands
         return RankFailure(missing, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+
+
+# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.5) have the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _pad(t: Tensor, dim: int, size: int) -> Tensor:

@@ -25,9 +25,11 @@ state restored from a checkpoint continues where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,11 @@ from torch import Tensor
 from torch.func import functional_call
 from tqdm import tqdm
 
-from fsdpx import data
+from fsdpx import data, strategies
+from fsdpx.comm import Comm
+from fsdpx.layout import unshard
+from fsdpx.mesh import Mesh
+from fsdpx.runtime import init_sharded, make_sharded_step
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import Optimizer, adamw
 from privacy.accounting import Accountant, noise_multiplier
@@ -94,6 +100,9 @@ class RunConfig:
     # PLD discretization: coarser is faster and still an upper bound on epsilon. At the default
     # run 1e-2 reports 8.008 where 1e-4 reports 8.001, and composes 300 steps in 0.3 s, not 15 s.
     accounting_interval: float = 1e-2
+    # sharding: None = one process; else a strategy of fsdpx.strategies run by every rank that
+    # torchrun started (``fsdpx train --nproc N --strategy S`` launches torchrun itself)
+    strategy: str | None = None
 
     def __post_init__(self) -> None:
         if self.noise_multiplier is not None or not self.private:
@@ -118,6 +127,10 @@ class RunConfig:
             raise ConfigError("a private run needs target_epsilon or noise_multiplier")
         if self.private and self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ConfigError(f"target_epsilon must be > 0, got {self.target_epsilon}")
+        if self.strategy is not None and self.strategy not in strategies.ALL:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(strategies.ALL)}")
+        if self.strategy is not None and self.private and self.method == "vmap":
+            raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 
     @property
     def run_dir(self) -> Path:
@@ -192,22 +205,55 @@ def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimi
 
 
 def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPConfig | None,
-               *, num_examples: int) -> tuple[TrainState, Step]:
+               *, num_examples: int, comm: Comm | None = None) -> tuple[TrainState, Step]:
     """The initial state and the step function of a run: the one place a step is chosen.
 
     Returns ``(state, step)`` with ``state.step == 0``. The accountant carries the run's delta,
     budget and PLD discretization, so the epsilon it reports is the one ``resolve_privacy``
-    calibrated against."""
+    calibrated against. With ``comm`` (a sharded run) the state is this rank's
+    :class:`fsdpx.runtime.ShardedState` and the step takes the global batch."""
     optimizer = adamw(config.lr)
     accountant = Accountant(accountant=config.accountant, delta=config.delta,
                             epsilon_budget=config.epsilon_budget if config.private else None,
                             value_discretization_interval=config.accounting_interval)
+    if comm is not None:
+        strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
+        shapes = {k: tuple(v.shape) for k, v in params.items()}
+        step = make_sharded_step(model, token_loss, optimizer, strategy, comm, param_shapes=shapes, config=dp,
+                                 num_examples=num_examples)
+        state = init_sharded(params, optimizer, strategy, comm, key=config.seed, config=dp)
+        return state._replace(accountant=accountant), step
     if dp is None:
         fresh = {k: v.clone() for k, v in params.items()}
         state = TrainState(fresh, optimizer.init(fresh), 0, config.seed, accountant)
         return state, make_plain_step(model, token_loss, optimizer)
     state = init_state(params, optimizer, key=config.seed, config=dp)._replace(accountant=accountant)
     return state, make_private_step(model, token_loss, optimizer, dp, num_examples=num_examples)
+
+
+def strategy_axes(name: str) -> dict[str, str]:
+    """Keyword arguments naming the mesh axes of a strategy in :func:`run_mesh`."""
+    return {"replica_axis": "replica", "shard_axis": "shard"} if name == "hsdp" else {"axis": "dp"}
+
+
+def run_mesh(strategy: str, world: int) -> Mesh:
+    """The mesh of a sharded run over ``world`` processes: ``dp=world``; for hsdp, shards of 2
+    (or of the whole world when it is odd) replicated over the rest."""
+    if strategy != "hsdp":
+        return Mesh(dp=world)
+    shard = 2 if world % 2 == 0 else world
+    return Mesh(replica=world // shard, shard=shard)
+
+
+def full_params(state: Any, config: RunConfig, comm: Comm | None) -> dict[str, Tensor]:
+    """The whole parameters: ``state.params`` in one process; in a sharded run every rank's
+    blocks, gathered and unsharded (called on every rank)."""
+    if comm is None:
+        return state.params
+    strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
+    blocks = comm.all_gather_object(state.params)
+    return {k: unshard([b[k] for b in blocks], strategy.param_at_rest(v.dim()), comm.mesh)
+            for k, v in state.params.items()}
 
 
 def generate(model: GPT, params: dict[str, Tensor], prompt: str, num_chars: int, *, seed: int) -> str:
@@ -226,7 +272,7 @@ def generate(model: GPT, params: dict[str, Tensor], prompt: str, num_chars: int,
 # --------------------------------------------------------------------------- the run
 
 
-def run(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -> dict[str, Any]:
     """Train as ``config`` says, write the run directory, and return the summary.
 
     Returns a dict with ``steps`` (taken), ``initial_loss`` (the first step's, i.e. the
@@ -235,7 +281,11 @@ def run(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     ``seconds`` (wall time of the whole run), ``run_dir``, ``sample`` (text generated by the
     trained model) and ``stopped`` (why the run ended early, or ``None``). A step that would
     exceed ``epsilon_budget`` is not taken: the run stops there and says so in ``stopped``. Other invalid values raise
-    :class:`ConfigError` or :class:`privacy.errors.PrivacyError` before any step."""
+    :class:`ConfigError` or :class:`privacy.errors.PrivacyError` before any step.
+
+    Sharded (``comm`` given, every rank calls ``run``): every rank feeds the same global Poisson
+    batch to its sharded step; only rank 0 writes files and shows progress."""
+    main = comm is None or comm.rank == 0
     start = time.perf_counter()
     inputs, targets = data.make_examples(data.corpus(config.corpus_chars), config.block_size)
     num_examples = int(inputs.shape[0])
@@ -244,13 +294,14 @@ def run(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     sample_rate = resolve_sample_rate(config, num_examples)
     dp = resolve_privacy(config, sample_rate)
     model, params = init_params(config)
-    state, step = build_step(config, model, params, dp, num_examples=num_examples)
+    state, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
     sampler = PoissonSampler(num_examples, sample_rate, key=config.seed)
 
-    run_dir = _prepare_run_dir(config.run_dir)
-    _write_json(run_dir / "config.json", {
+    run_dir = _prepare_run_dir(config.run_dir) if main else config.run_dir
+    _write_json(run_dir / "config.json" if main else None, {
         **dataclasses.asdict(config),
         "derived": {"num_examples": num_examples, "sample_rate": sample_rate, "vocab_size": data.VOCAB_SIZE,
+                    "world_size": comm.mesh.size if comm else 1, "mesh": repr(comm.mesh) if comm else None,
                     "noise_multiplier": dp.noise_multiplier if dp else None,
                     "num_params": sum(p.numel() for p in params.values())},
     })
@@ -258,7 +309,7 @@ def run(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
     history: list[dict[str, Any]] = []
     stopped = None
     loop_start = time.perf_counter()
-    with open(run_dir / "metrics.jsonl", "w") as log, _progress_bar(config, progress) as bar:
+    with _open_log(run_dir / "metrics.jsonl", main) as log, _progress_bar(config, progress and main) as bar:
         while state.step < config.steps:
             try:
                 state, metrics = step(state, sample_batch((inputs, targets), sampler, state.step))
@@ -270,15 +321,17 @@ def run(config: RunConfig, *, progress: bool = True) -> dict[str, Any]:
                 break
             # The step does not report epsilon (a PLD query is not free); on the run's coarse
             # grid (accounting_interval) one query per step costs tens of milliseconds.
-            epsilon = state.accountant.epsilon()
+            epsilon = state.accountant.epsilon() if main else math.nan
             record = {"step": state.step, **metrics, "epsilon": epsilon, "seconds": time.perf_counter() - loop_start}
             history.append(record)
             _append_jsonl(log, record)
             _update_bar(bar, history)
 
-    _plot(history, run_dir / "plot.png", title=_plot_title(config, dp), delta=config.delta)
+    trained = full_params(state, config, comm)
+    if main:
+        _plot(history, run_dir / "plot.png", title=_plot_title(config, dp), delta=config.delta)
     losses = [r["loss"] for r in history if math.isfinite(r["loss"])]
-    sample = generate(model, state.params, "The ", 100, seed=config.seed)
+    sample = generate(model, trained, "The ", 100, seed=config.seed)
     return {
         "steps": len(history),
         "initial_loss": losses[0] if losses else math.nan,
@@ -322,6 +375,13 @@ def _prepare_run_dir(path: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _open_log(path: Path, main: bool):
+    """``metrics.jsonl`` opened for writing on the main rank; a sink elsewhere."""
+    with open(path if main else os.devnull, "w") as log:
+        yield log
+
+
 def _json_safe(x: Any) -> Any:
     # JSON has no inf/nan: a float that is not finite is written as null.
     if isinstance(x, dict):
@@ -331,7 +391,9 @@ def _json_safe(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
+def _write_json(path: Path | None, obj: dict[str, Any]) -> None:
+    if path is None:  # not the main rank
+        return
     path.write_text(json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
 
 

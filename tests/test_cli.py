@@ -111,7 +111,7 @@ def test_bad_flags_exit_2_with_a_message(tmp_path, capsys, flags, message):
 
 
 def test_privacy_errors_exit_2_without_a_traceback(tmp_path, capsys, monkeypatch):
-    def refuse(config, progress):
+    def refuse(config, progress, comm=None):
         raise PrivacyError("sample_rate must be in (0, 1], got sample_rate=2.0")
 
     monkeypatch.setattr(cli, "run", refuse)
@@ -128,3 +128,31 @@ def test_python_dash_m_fsdpx_runs_the_cli(capsys, monkeypatch):
         runpy.run_module("fsdpx", run_name="__main__")
     assert exit_info.value.code == 2
     assert "--steps: must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sharded_main_job_on_two_gloo_processes(tmp_path):
+    """``fsdpx train --strategy zero3 --nproc 2`` launches torchrun and trains privately."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "fsdpx", "train", "--strategy", "zero3", "--nproc", "2",
+                           "--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16",
+                           "--n-head", "2", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "zero3 on Mesh(dp=2)" in done.stderr
+    records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["comm"]["all_gather"] > 0 and records[-1]["comm"]["reduce_scatter"] > 0
+    assert 0 < records[-1]["epsilon"] < 8.5
+    assert (out / "private" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nproc_without_strategy_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--nproc", "2"])
+    assert exit_.value.code == 2
+    assert "--nproc needs --strategy" in capsys.readouterr().err
