@@ -128,6 +128,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     shard.add_argument("--nproc", type=_positive_int, metavar="N", default=None,
                        help="processes of a sharded run (default 2 with --strategy)")
 
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--ckpt-dir", metavar="DIR", default=None, help="save checkpoints here (atomic, async)")
+    ck.add_argument("--ckpt-every", type=_positive_int, metavar="N", default=d.ckpt_every,
+                    help="steps between checkpoints (default %(default)s)")
+    ck.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --ckpt-dir")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdpx", description=__doc__.splitlines()[0])

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,11 @@ class RunConfig:
     # sharding: None = one process; else a strategy of fsdpx.strategies run by every rank that
     # torchrun started (``fsdpx train --nproc N --strategy S`` launches torchrun itself)
     strategy: str | None = None
+    # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
+    # ``resume`` continues from the newest intact one (same noise, batches and accountant)
+    ckpt_dir: str | None = None
+    ckpt_every: int = 50
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.noise_multiplier is not None or not self.private:
@@ -127,6 +133,10 @@ class RunConfig:
             raise ConfigError("a private run needs target_epsilon or noise_multiplier")
         if self.private and self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ConfigError(f"target_epsilon must be > 0, got {self.target_epsilon}")
+        if self.resume and self.ckpt_dir is None:
+            raise ConfigError("resume needs ckpt_dir")
+        if self.ckpt_every < 1:
+            raise ConfigError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
         if self.strategy is not None and self.strategy not in strategies.ALL:
             raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(strategies.ALL)}")
         if self.strategy is not None and self.private and self.method == "vmap":
@@ -256,6 +266,43 @@ def full_params(state: Any, config: RunConfig, comm: Comm | None) -> dict[str, T
             for k, v in state.params.items()}
 
 
+def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool):
+    """The run's :class:`ckpt.CheckpointManager` (``None`` without ``ckpt_dir``): the sharded
+    state is saved in its own layout by every rank and can be restored into another."""
+    if config.ckpt_dir is None:
+        return None
+    import ckpt
+
+    if comm is None:
+        return ckpt.CheckpointManager(config.ckpt_dir, keep_last=3, every_n_steps=config.ckpt_every, private=private)
+    strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
+    return ckpt.CheckpointManager(config.ckpt_dir, mesh=comm.mesh, strategy=strategy,
+                                  coordinator=ckpt.TorchDistCoordinator(), keep_last=3,
+                                  every_n_steps=config.ckpt_every, private=private)
+
+
+def resume_state(manager, fresh: Any, main: bool) -> Any:
+    """The newest intact checkpoint's state, or ``fresh`` when there is none (said on stderr).
+    Shapes must match the configured model (a mismatch raises naming the tensor)."""
+    restored = manager.restore()
+    if restored is None:
+        if main:
+            print(f"fsdpx train: no checkpoint in {manager.root}; starting at step 0", file=sys.stderr)
+        return fresh
+    _check_shapes(restored, fresh)
+    if main:
+        print(f"fsdpx train: resuming at step {restored.step} from {manager.root}", file=sys.stderr)
+    return restored
+
+
+def _check_shapes(restored: Any, fresh: Any) -> None:
+    for k, v in fresh.params.items():
+        got = restored.params.get(k)
+        if got is None or tuple(got.shape) != tuple(v.shape):
+            raise ConfigError(f"checkpoint tensor params/{k} has shape {None if got is None else tuple(got.shape)}, "
+                              f"the configured model needs {tuple(v.shape)}")
+
+
 def generate(model: GPT, params: dict[str, Tensor], prompt: str, num_chars: int, *, seed: int) -> str:
     """``prompt`` followed by ``num_chars`` characters sampled from the model (temperature 1),
     a pure function of ``(params, prompt, num_chars, seed)``."""
@@ -296,6 +343,10 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     model, params = init_params(config)
     state, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
     sampler = PoissonSampler(num_examples, sample_rate, key=config.seed)
+    manager = checkpoint_manager(config, comm, private=dp is not None)
+    if config.resume:
+        state = resume_state(manager, state, main)
+    resumed_at = saved_at = state.step
 
     run_dir = _prepare_run_dir(config.run_dir) if main else config.run_dir
     _write_json(run_dir / "config.json" if main else None, {
@@ -309,7 +360,8 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     history: list[dict[str, Any]] = []
     stopped = None
     loop_start = time.perf_counter()
-    with _open_log(run_dir / "metrics.jsonl", main) as log, _progress_bar(config, progress and main) as bar:
+    with _open_log(run_dir / "metrics.jsonl", main, append=resumed_at > 0) as log, \
+            _progress_bar(config, progress and main, initial=resumed_at) as bar:
         while state.step < config.steps:
             try:
                 state, metrics = step(state, sample_batch((inputs, targets), sampler, state.step))
@@ -326,6 +378,13 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
             history.append(record)
             _append_jsonl(log, record)
             _update_bar(bar, history)
+            if manager is not None and manager.should_save(state.step):
+                manager.save(state.step, state, blocking=False)  # snapshot now, write in the background
+                saved_at = state.step
+    if manager is not None:
+        if saved_at != state.step:
+            manager.save(state.step, state, force=True, blocking=False)
+        manager.wait()
 
     trained = full_params(state, config, comm)
     if main:
@@ -376,9 +435,10 @@ def _prepare_run_dir(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _open_log(path: Path, main: bool):
-    """``metrics.jsonl`` opened for writing on the main rank; a sink elsewhere."""
-    with open(path if main else os.devnull, "w") as log:
+def _open_log(path: Path, main: bool, *, append: bool = False):
+    """``metrics.jsonl`` opened for writing (appending on resume) on the main rank; a sink
+    elsewhere."""
+    with open(path if main else os.devnull, "a" if append else "w") as log:
         yield log
 
 
@@ -402,8 +462,9 @@ def _append_jsonl(log, record: dict[str, Any]) -> None:
     log.flush()
 
 
-def _progress_bar(config: RunConfig, enabled: bool) -> tqdm:
-    return tqdm(total=config.steps, desc=config.name, unit="step", disable=not enabled, dynamic_ncols=True)
+def _progress_bar(config: RunConfig, enabled: bool, initial: int = 0) -> tqdm:
+    return tqdm(total=config.steps, initial=initial, desc=config.name, unit="step", disable=not enabled,
+                dynamic_ncols=True)
 
 
 def _update_bar(bar: tqdm, history: list[dict[str, Any]]) -> None:
