@@ -1,0 +1,617 @@
+"""Benchmark: wall time and peak memory of ONE optimizer step, private and not, on the GPT.
+
+Modes (all on the same initial weights, the same fixed batch and the same AdamW
+hyper-parameters):
+
+  torch             non-private: ``token_loss(model(x), y).mean().backward()`` + ``torch.optim.AdamW``
+  fsdpx-vmap        ``privacy.step.make_private_step`` with ``method="vmap"``
+  fsdpx-ghost       ``make_private_step`` with ``method="auto"`` (ghost, vmap only for rule-less layers)
+  opacus-hooks      Opacus ``make_private(grad_sample_mode="hooks")`` + AdamW
+  opacus-ghost      Opacus ``make_private(grad_sample_mode="ghost")``: the criterion it returns
+                    packages both backward passes in ``loss.backward()``
+  fsdpx-ghost-tied  fsdpx-ghost on the model with tied embeddings (Opacus ghost refuses tied
+                    weights, so the comparison rows use ``tie_weights=False``)
+
+Private modes use noise multiplier 1.0 and clip norm 1.0; fsdpx's expected batch size
+(``sample_rate * num_examples``) equals the fixed batch size, Opacus runs with
+``poisson_sampling=False`` on a loader of that one batch. Every mode is checked to train (loss
+finite, every parameter tensor changed) on its first warm-up step, before anything is timed.
+
+Timing: warm-up steps, then ``--steps`` rounds; in each round every mode runs one step, so load
+from other processes hits all modes alike. Reported: median seconds per step and its ratio to
+the non-private median. Memory: each mode runs alone in a fresh process
+(``--memory-mode MODE``, started by the parent with ``MALLOC_MMAP_THRESHOLD_=65536`` so glibc
+hands freed blocks back); the peak resident set over the baseline taken after the model and the
+batch exist (the high-water mark is reset there through ``/proc/self/clear_refs``).
+
+    .venv/bin/python benchmarks/privacy_step.py --config small              # table on stdout
+    .venv/bin/python benchmarks/privacy_step.py --config small --steps 2 --warmup 1 --no-memory
+    .venv/bin/python benchmarks/privacy_step.py --config small --profile    # + torch.profiler tables
+
+Progress goes to stderr; the markdown tables to stdout; ``--out FILE.json`` keeps the raw numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from fsdpx.models.gpt import GPT, GPTConfig, token_loss  # noqa: E402
+from fsdpx.optim import Optimizer, adamw  # noqa: E402
+from privacy.step import DPConfig, init_state, make_private_step  # noqa: E402
+
+CONFIGS: dict[str, dict[str, int]] = {
+    "small": dict(vocab=8192, d_model=256, n_layer=4, n_head=4, seq=128, batch=16),
+    # The issue does not give the head count of the larger model; 8 keeps the head width at 64.
+    "large": dict(vocab=8192, d_model=512, n_layer=6, n_head=8, seq=256, batch=8),
+}
+MODES = ("torch", "fsdpx-vmap", "fsdpx-ghost", "opacus-hooks", "opacus-ghost", "fsdpx-ghost-tied")
+BASELINE = "torch"
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+NOISE_MULTIPLIER, CLIP_NORM = 1.0, 1.0
+NUM_EXAMPLES = 1024  # fsdpx: sample_rate = batch / NUM_EXAMPLES, so the expected batch is the batch
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- model and batch
+
+
+def build_model(cfg: dict[str, int], *, tied: bool) -> GPT:
+    """The same initial weights for every mode (seeded); ``tied`` shares wte and lm_head."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"],
+                         n_head=cfg["n_head"], n_embd=cfg["d_model"], tie_weights=tied))
+
+
+def build_batch(cfg: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch of next-token pairs drawn from random token streams."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def tied_mode(mode: str) -> bool:
+    return mode.endswith("-tied")
+
+
+def num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() lists a tied tensor once
+
+
+def vmap_bytes(cfg: dict[str, int], model: torch.nn.Module) -> int:
+    """Per-example gradients of the whole model, float32: the dominant term of method='vmap'."""
+    return cfg["batch"] * num_params(model) * 4
+
+
+# --------------------------------------------------------------------------- one step per mode
+
+
+def _phase(name: str):
+    return torch.profiler.record_function(name)
+
+
+class Runner:
+    """One training setup. ``step()`` runs one optimizer step and returns the batch's mean loss;
+    ``params()`` returns the current parameters (for the "does it train" check)."""
+
+    norm: float | None = None  # mean per-example gradient norm of the last step, when the mode has one
+
+    def step(self) -> float:
+        raise NotImplementedError
+
+    def params(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class TorchRunner(Runner):
+    def __init__(self, model: GPT, batch, annotate: bool = False):
+        self.model, self.batch, self.annotate = model, batch, annotate
+        self.opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+    def step(self) -> float:
+        x, y = self.batch
+        ctx = _phase if self.annotate else (lambda _: contextlib.nullcontext())
+        self.opt.zero_grad(set_to_none=True)
+        with ctx("torch.forward"):
+            loss = token_loss(self.model(x), y).mean()
+        with ctx("torch.backward"):
+            loss.backward()
+        with ctx("torch.optimizer"):
+            self.opt.step()
+        return float(loss.detach())
+
+    def params(self):
+        return dict(self.model.named_parameters())
+
+
+class FsdpxRunner(Runner):
+    def __init__(self, model: GPT, batch, method: str, annotate: bool = False):
+        self.batch = batch
+        batch_size = batch[1].shape[0]
+        config = DPConfig(clip_norm=CLIP_NORM, noise_multiplier=NOISE_MULTIPLIER,
+                          sample_rate=batch_size / NUM_EXAMPLES, method=method)
+        assert config.sample_rate * NUM_EXAMPLES == batch_size
+        opt = adamw(LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        if annotate:  # label the optimizer phase for the profiler; same arithmetic
+            inner = opt.update
+
+            def update(grads, state, params):
+                with _phase("fsdpx.optimizer"):
+                    return inner(grads, state, params)
+
+            opt = Optimizer(opt.init, update)
+        self.step_fn = make_private_step(model, token_loss, opt, config, num_examples=NUM_EXAMPLES)
+        self.state = init_state(dict(model.named_parameters()), opt, key=0, config=config)
+
+    def step(self) -> float:
+        self.state, metrics = self.step_fn(self.state, self.batch)
+        self.norm = metrics["mean_norm"]
+        return metrics["loss"]
+
+    def params(self):
+        return self.state.params
+
+
+class OpacusRunner(Runner):
+    def __init__(self, model: GPT, batch, grad_sample_mode: str, annotate: bool = False):
+        from opacus import PrivacyEngine
+        from torch.utils.data import DataLoader, TensorDataset
+
+        self.model, self.batch, self.annotate = model, batch, annotate
+        self.ghost = grad_sample_mode == "ghost"
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        # poisson_sampling=False: the loader is left as it is; one batch per "epoch", so
+        # Opacus's expected batch size (the divisor of the noised sum) is the batch size.
+        loader = DataLoader(TensorDataset(*batch), batch_size=batch[1].shape[0])
+        engine = PrivacyEngine()
+        kw = dict(module=model, optimizer=opt, data_loader=loader, noise_multiplier=NOISE_MULTIPLIER,
+                  max_grad_norm=CLIP_NORM, poisson_sampling=False, grad_sample_mode=grad_sample_mode)
+        if self.ghost:  # documented ghost usage: make_private returns a criterion wrapper too
+            self.module, self.opt, self.criterion, _ = engine.make_private(criterion=torch.nn.CrossEntropyLoss(), **kw)
+        else:
+            self.module, self.opt, _ = engine.make_private(**kw)
+
+    def step(self) -> float:
+        x, y = self.batch
+        ctx = _phase if self.annotate else (lambda _: contextlib.nullcontext())
+        self.opt.zero_grad(set_to_none=True)
+        with ctx("opacus.forward"):
+            logits = self.module(x)
+            if self.ghost:  # per-sequence privacy unit: `shape` folds the B*T token losses to B
+                B, T, V = logits.shape
+                loss = self.criterion(logits.reshape(B * T, V), y.reshape(B * T), shape=(B, T, V))
+            else:
+                loss = token_loss(logits, y).mean()
+        with ctx("opacus.backward"):  # ghost: both backward passes happen in here
+            loss.backward()
+        with ctx("opacus.optimizer"):  # hooks: clip per-example grads, sum, noise, AdamW
+            self.opt.step()
+        if self.ghost:
+            self.norm = float(self.module.per_sample_gradient_norms.mean())
+        return float(loss.detach())
+
+    def params(self):
+        return dict(self.model.named_parameters())
+
+
+def make_runner(mode: str, model: GPT, batch, annotate: bool = False) -> Runner:
+    if mode == "torch":
+        return TorchRunner(model, batch, annotate)
+    if mode == "fsdpx-vmap":
+        return FsdpxRunner(model, batch, "vmap", annotate)
+    if mode in ("fsdpx-ghost", "fsdpx-ghost-tied"):
+        return FsdpxRunner(model, batch, "auto", annotate)
+    if mode in ("opacus-hooks", "opacus-ghost"):
+        return OpacusRunner(model, batch, mode.split("-")[1], annotate)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def snapshot(runner: Runner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in runner.params().items()}
+
+
+def check_trains(mode: str, runner: Runner, before: dict[str, torch.Tensor], loss: float) -> None:
+    """Raise unless the step gave a finite loss and changed every parameter tensor."""
+    after = runner.params()
+    if not math.isfinite(loss):
+        raise RuntimeError(f"{mode}: loss is not finite ({loss})")
+    unchanged = [k for k, v in before.items() if torch.equal(v, after[k].detach())]
+    if unchanged:
+        raise RuntimeError(f"{mode}: parameters did not change: {unchanged}")
+    if not all(torch.isfinite(v).all() for v in after.values()):
+        raise RuntimeError(f"{mode}: non-finite parameters after one step")
+
+
+def skip_reason(mode: str, cfg: dict[str, int], model: GPT, max_mem_gb: float) -> str | None:
+    if mode == "fsdpx-vmap":
+        need = vmap_bytes(cfg, model) / 2**30
+        if need > max_mem_gb:
+            return f"per-example gradients alone need {need:.1f} GB > {max_mem_gb:g} GB limit"
+    return None
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[str, Any]:
+    batch = build_batch(cfg)
+    runners: dict[str, Runner] = {}
+    result: dict[str, Any] = {}
+    for mode in modes:
+        model = build_model(cfg, tied=tied_mode(mode))
+        reason = skip_reason(mode, cfg, model, args.max_mem_gb)
+        if reason:
+            log(f"[{name}] {mode}: skipped ({reason})")
+            result[mode] = {"skipped": reason, "times": []}
+            continue
+        runners[mode] = make_runner(mode, model, batch)
+        result[mode] = {"times": [], "warmup_times": [], "params": num_params(model)}
+
+    # First warm-up step of each mode: also the check that it trains. A mode slower than the
+    # limit is measured once and then skipped.
+    for mode, runner in list(runners.items()):
+        log(f"[{name}] {mode}: warm-up 1/{args.warmup} (+ check that it trains)")
+        before = snapshot(runner)
+        gc.collect()
+        t0 = time.perf_counter()
+        loss = runner.step()
+        dt = time.perf_counter() - t0
+        check_trains(mode, runner, before, loss)
+        del before
+        result[mode].update(first_loss=loss, first_mean_norm=runner.norm)
+        result[mode]["warmup_times"].append(dt)
+        log(f"[{name}] {mode}: {dt:.3f} s, loss {loss:.4f}, every parameter changed")
+        if dt > args.max_step_s:
+            result[mode]["skipped"] = f"one step took {dt:.1f} s > {args.max_step_s:g} s limit"
+            log(f"[{name}] {mode}: skipped ({result[mode]['skipped']})")
+            del runners[mode]
+            gc.collect()
+
+    def round_(label: str, key: str, i: int, n: int) -> None:
+        for mode, runner in runners.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            runner.step()
+            dt = time.perf_counter() - t0
+            result[mode][key].append(dt)
+            log(f"[{name}] {label} {i + 1}/{n} {mode}: {dt:.3f} s")
+
+    for i in range(1, args.warmup):
+        round_("warm-up", "warmup_times", i, args.warmup)
+    for i in range(args.steps):
+        round_("step", "times", i, args.steps)
+
+    base = result.get(BASELINE, {}).get("times") or None
+    for mode, r in result.items():
+        if r["times"]:
+            r["median_s"] = statistics.median(r["times"])
+            r["min_s"] = min(r["times"])
+            r["ratio"] = r["median_s"] / statistics.median(base) if base else None
+            r["paired_ratio"] = paired_ratio(r["times"], base)
+    return result
+
+
+def paired_ratio(times: list[float], base: list[float] | None) -> float | None:
+    """Median over rounds of (this mode's step / the baseline's step in the same round): the
+    two ran seconds apart, so slow drifts of the machine's load cancel."""
+    if not base or len(base) != len(times):
+        return None
+    return statistics.median(t / b for t, b in zip(times, base))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def memory_child(mode: str, name: str, steps: int, max_mem_gb: float) -> dict[str, Any]:
+    """Runs in its own process: peak RSS of setup + ``steps`` steps over the model+batch baseline."""
+    cfg = CONFIGS[name]
+    model = build_model(cfg, tied=tied_mode(mode))
+    batch = build_batch(cfg)
+    reason = skip_reason(mode, cfg, model, max_mem_gb)
+    if reason:
+        return {"mode": mode, "skipped": reason}
+    gc.collect()
+    baseline_kb = _status_kb("VmRSS")
+    try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        method = "VmHWM after clear_refs"
+    except OSError:
+        method = "ru_maxrss (includes model construction if it peaked higher)"
+    runner = make_runner(mode, model, batch)
+    for i in range(steps):
+        t0 = time.perf_counter()
+        runner.step()
+        log(f"[{name}] memory {mode} step {i + 1}/{steps}: {time.perf_counter() - t0:.3f} s, "
+            f"RSS {_status_kb('VmRSS') / 1024:.0f} MB")
+    peak_kb = _status_kb("VmHWM")
+    if method.startswith("ru_maxrss"):
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mode": mode, "baseline_mb": baseline_kb / 1024, "peak_mb": peak_kb / 1024,
+            "delta_mb": (peak_kb - baseline_kb) / 1024, "steps": steps, "method": method}
+
+
+def memory_config(name: str, modes: list[str], args, timing: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    env = {**os.environ, **MALLOC_ENV}
+    for mode in modes:
+        if timing.get(mode, {}).get("skipped"):  # too slow or too big: do not run it again
+            out[mode] = {"mode": mode, "skipped": "skipped in timing"}
+            continue
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-mode", mode, "--config", name,
+               "--memory-steps", str(args.memory_steps), "--max-mem-gb", str(args.max_mem_gb)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        log(f"[{name}] memory: {mode} in its own process")
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            out[mode] = {"mode": mode, "error": f"exit code {proc.returncode}"}
+            continue
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+# --------------------------------------------------------------------------- profile
+
+
+@contextlib.contextmanager
+def fsdpx_phase_labels():
+    """Wrap the functions the private step calls in profiler labels (module attributes are
+    looked up at call time, so the step itself is unchanged); restored on exit."""
+    import privacy.clipping as clipping
+    import privacy.contributions as contributions
+    import privacy.step as step
+
+    targets = [
+        (step, "clip_and_sum", "fsdpx.clip_and_sum (all of clipping)"),
+        (step, "gaussian_noise", "fsdpx.noise"),
+        (clipping, "record", "fsdpx.tape: forward + backward to layer outputs"),
+        (clipping, "contributions", "fsdpx.ghost rules"),
+        (clipping, "_sq_norms", "fsdpx.per-example norms"),
+        (clipping, "_factors", "fsdpx.clip factors"),
+        (clipping, "per_sample_grads", "fsdpx.vmap per-example grads"),
+        (contributions, "weighted_sum", "fsdpx.clipped sum (weight grads)"),
+    ]
+    saved = []
+    for module, attr, label in targets:
+        fn = getattr(module, attr)
+        saved.append((module, attr, fn))
+
+        def wrapped(*a, __fn=fn, __label=label, **kw):
+            with _phase(__label):
+                return __fn(*a, **kw)
+
+        setattr(module, attr, wrapped)
+
+    def per_parameter(attr: str, label: str) -> None:
+        # one label per parameter shape (and "ids" for an embedding's one-hot part), so the
+        # table shows which weights the norms and clipped sums spend their time on
+        fn = getattr(contributions, attr)
+        saved.append((contributions, attr, fn))
+
+        def wrapped(parts, *a, **kw):
+            shape = list(a[-1] if attr == "weighted_sum" else a[0])
+            ids = " ids" if any(getattr(p, "one_hot", False) for p in parts) else ""
+            with _phase(f"fsdpx.{label} {shape}{ids}"):
+                return fn(parts, *a, **kw)
+
+        setattr(contributions, attr, wrapped)
+
+    per_parameter("sq_norms", "norm of")
+    per_parameter("weighted_sum", "clipped sum of")
+    try:
+        yield
+    finally:
+        for module, attr, fn in reversed(saved):
+            setattr(module, attr, fn)
+
+
+def profile_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = build_batch(cfg)
+    out = {}
+    for mode in modes:
+        runner = make_runner(mode, build_model(cfg, tied=tied_mode(mode)), batch, annotate=True)
+        for i in range(args.warmup):
+            log(f"[{name}] profile {mode}: warm-up {i + 1}/{args.warmup}")
+            runner.step()
+        log(f"[{name}] profile {mode}: profiled step")
+        labels = fsdpx_phase_labels() if mode.startswith("fsdpx") else contextlib.nullcontext()
+        gc.collect()
+        with labels, profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            runner.step()
+            wall = time.perf_counter() - t0
+        events = prof.key_averages()
+        phases = sorted(((e.key, e.cpu_time_total / 1e3) for e in events if e.key.split(".")[0] in
+                         ("torch", "fsdpx", "opacus") and not e.key.startswith("torch.ops")),
+                        key=lambda kv: -kv[1])
+        ops = sorted(((e.key, e.self_cpu_time_total / 1e3, e.count) for e in events if e.key.startswith("aten::")),
+                     key=lambda kv: -kv[1])[: args.profile_top]
+        per_param = [kv for kv in phases if " of [" in kv[0]][: args.profile_top]
+        phases = [kv for kv in phases if " of [" not in kv[0]]
+        out[mode] = {"wall_s": wall, "phases_ms": phases, "per_parameter_ms": per_param, "top_ops_self_ms": ops}
+        del runner
+        gc.collect()
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+LABELS = {
+    "torch": "non-private torch (AdamW)",
+    "fsdpx-vmap": "fsdpx vmap",
+    "fsdpx-ghost": "fsdpx ghost (auto)",
+    "opacus-hooks": "Opacus 1.6 hooks",
+    "opacus-ghost": "Opacus 1.6 ghost",
+    "fsdpx-ghost-tied": "fsdpx ghost (auto), tied embeddings (extra)",
+}
+
+
+def table(name: str, cfg: dict[str, int], timing: dict[str, Any], memory: dict[str, Any]) -> str:
+    c = cfg
+    head = (f"**{name}**: vocab {c['vocab']}, d_model {c['d_model']}, {c['n_layer']} layers, {c['n_head']} heads, "
+            f"seq {c['seq']}, batch {c['batch']}; untied embeddings unless stated\n\n")
+    rows = ["| mode | median s/step | min s | ratio of medians to non-private | median of per-round ratios "
+            "| peak MB over baseline | first-step loss |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    base = timing.get(BASELINE, {}).get("times")
+    for mode in timing or memory:
+        t, m = timing.get(mode, {}), memory.get(mode, {})
+        if t.get("times"):
+            med, mn, ratio = f"{t['median_s']:.3f}", f"{t['min_s']:.3f}", f"{t['ratio']:.2f}x" if t.get("ratio") else "-"
+            paired = paired_ratio(t["times"], base)
+            paired = f"{paired:.2f}x" if paired else "-"
+        elif t.get("skipped"):
+            med, mn, ratio, paired = f"skipped: {t['skipped']}", "-", "-", "-"
+        else:
+            med = mn = ratio = paired = "-"
+        if "delta_mb" in m:
+            mem = f"{m['delta_mb']:.0f}"
+        else:
+            mem = m.get("skipped") or m.get("error") or "-"
+        loss = f"{t['first_loss']:.4f}" if "first_loss" in t else "-"
+        rows.append(f"| {LABELS.get(mode, mode)} | {med} | {mn} | {ratio} | {paired} | {mem} | {loss} |")
+    text = head + "\n".join(rows) + "\n"
+    og, fg = timing.get("opacus-ghost", {}), timing.get("fsdpx-ghost", {})
+    if og.get("median_s") and fg.get("median_s"):
+        text += f"\nOpacus ghost / fsdpx ghost (time): {og['median_s'] / fg['median_s']:.2f}x"
+        if "delta_mb" in memory.get("opacus-ghost", {}) and "delta_mb" in memory.get("fsdpx-ghost", {}):
+            text += f"; fsdpx ghost peak memory / Opacus ghost: " \
+                    f"{memory['fsdpx-ghost']['delta_mb'] / memory['opacus-ghost']['delta_mb']:.2f}x"
+        text += "\n"
+    norms = {m: t["first_mean_norm"] for m, t in timing.items() if t.get("first_mean_norm") is not None}
+    if norms:
+        text += "First-step mean per-example gradient norm (same weights, same batch): " + \
+                ", ".join(f"{m} {v:.4f}" for m, v in norms.items()) + "\n"
+    return text
+
+
+def profile_tables(prof: dict[str, Any]) -> str:
+    text = ""
+    for mode, p in prof.items():
+        text += f"\n**profile {mode}** (one step under torch.profiler: {p['wall_s']:.3f} s)\n\n"
+        if p["phases_ms"]:
+            text += "| phase | CPU total ms |\n|---|---:|\n"
+            text += "".join(f"| {k} | {v:.1f} |\n" for k, v in p["phases_ms"])
+            text += "\n"
+        if p.get("per_parameter_ms"):
+            text += "| per parameter shape (summed over parameters of that shape) | CPU total ms |\n|---|---:|\n"
+            text += "".join(f"| {k} | {v:.1f} |\n" for k, v in p["per_parameter_ms"])
+            text += "\n"
+        text += "| op | self CPU ms | calls |\n|---|---:|---:|\n"
+        text += "".join(f"| {k} | {v:.1f} | {n} |\n" for k, v, n in p["top_ops_self_ms"])
+    return text
+
+
+def loadavg() -> list[float]:
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return []
+
+
+def render(report: dict[str, Any]) -> str:
+    """The markdown printed at the end of a run, from the raw numbers (also for ``--report``)."""
+    env = report["env"]
+    text = (f"torch {env['torch']}, Opacus {env['opacus']}, torch.get_num_threads() = {env['threads']}, "
+            f"{env['cpus']} CPUs; {env['date']}\n")
+    for name, c in report["configs"].items():
+        base = c["timing"].get(BASELINE, {})
+        if base.get("times"):
+            text += (f"\n{len(base['times'])} timed rounds after {len(base['warmup_times'])} warm-up steps per "
+                     "mode, modes interleaved within each round\n")
+        text += "\n" + table(name, c["config"], c["timing"], c["memory"]) + profile_tables(c["profile"])
+    text += (f"\nload average (1, 5, 15 min) at start {[round(x, 1) for x in env['loadavg_start']]}, "
+             f"at end {[round(x, 1) for x in env.get('loadavg_end', [])]}\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", choices=("small", "large", "both"), default="small")
+    ap.add_argument("--steps", type=int, default=10, help="timed rounds (each mode one step per round)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per mode (>= 1: the first checks training)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--out", help="write the raw numbers to this JSON file")
+    ap.add_argument("--no-memory", action="store_true", help="skip the per-mode memory subprocesses")
+    ap.add_argument("--memory-steps", type=int, default=3, help="steps per memory subprocess")
+    ap.add_argument("--profile", action="store_true", help="also profile one step of --profile-modes")
+    ap.add_argument("--profile-modes", nargs="+", choices=MODES, default=["torch", "fsdpx-ghost"])
+    ap.add_argument("--profile-top", type=int, default=15)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: leave torch's default)")
+    ap.add_argument("--max-step-s", type=float, default=60.0, help="skip a mode whose first step is slower")
+    ap.add_argument("--max-mem-gb", type=float, default=16.0, help="skip vmap if per-example grads need more")
+    ap.add_argument("--report", metavar="FILE.json", help="print the tables of an earlier --out file and exit")
+    ap.add_argument("--memory-mode", choices=MODES, help=argparse.SUPPRESS)  # internal: one memory child
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"opacus\..*")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.report:
+        print(render(json.loads(Path(args.report).read_text())))
+        return
+    if args.memory_mode:
+        print(json.dumps(memory_child(args.memory_mode, args.config, args.memory_steps, args.max_mem_gb)))
+        return
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be >= 1")
+    modes = list(dict.fromkeys(args.modes))
+    names = ["small", "large"] if args.config == "both" else [args.config]
+
+    import opacus
+
+    env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+           "opacus": opacus.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
+           "cpus": os.cpu_count(), "loadavg_start": loadavg(), "argv": sys.argv}
+    log(f"torch {torch.__version__}, opacus {opacus.__version__}, torch.get_num_threads() = "
+        f"{torch.get_num_threads()}, load average {env['loadavg_start']}")
+    report: dict[str, Any] = {"env": env, "configs": {}}
+    for name in names:
+        cfg = CONFIGS[name]
+        timing = time_config(name, cfg, modes, args)
+        memory = {} if args.no_memory else memory_config(name, modes, args, timing)
+        prof = profile_config(name, cfg, args.profile_modes, args) if args.profile else {}
+        report["configs"][name] = {"config": cfg, "timing": timing, "memory": memory, "profile": prof}
+    env["loadavg_end"] = loadavg()
+    print(render(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        log(f"raw numbers in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
