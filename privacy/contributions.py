@@ -166,18 +166,20 @@ def weighted_sum(parts: list[Contribution], weights: Tensor, param_shape: torch.
     flat = total.view(num_rows, -1)
     for p in parts:
         if isinstance(p, Dense):
-            total = total + torch.tensordot(weights, p.grads, dims=1)
-            flat = total.view(num_rows, -1)
+            total += torch.tensordot(weights, p.grads, dims=1)
             continue
         B, T, n = p.right.shape
         w = weights[:, None, None]
         r0, r1 = p.rows
         if p.one_hot:
             flat.index_add_(0, p.left.reshape(-1) + r0, (p.right * w).reshape(B * T, n))
-        elif p.m < n:  # scale the smaller factor
-            flat[r0:r1] += (p.left * w).reshape(B * T, p.m).transpose(0, 1) @ p.right.reshape(B * T, n)
+            continue
+        left, right = p.left.reshape(B * T, p.m), p.right.reshape(B * T, n)
+        if p.m < n:  # scale the smaller factor
+            left = (p.left * w).reshape(B * T, p.m)
         else:
-            flat[r0:r1] += p.left.reshape(B * T, p.m).transpose(0, 1) @ (p.right * w).reshape(B * T, n)
+            right = (p.right * w).reshape(B * T, n)
+        flat[r0:r1].addmm_(left.transpose(0, 1), right)  # accumulate in place: no temporary
     return total
 
 
