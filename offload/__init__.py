@@ -7,10 +7,13 @@
 - ``materialize``, ``element_state``, ``master_params``: read a ZenFlow state (waiting for its
   in-flight host window, if any).
 - ``AutoConfig``: thresholds of the ``"auto"`` intervals (``offload.auto``).
+- ``sharded_scores(comm, axes)``: ZenFlow on ZeRO-2/3 row shards, selecting as one unsharded
+  run does (``offload.sharded``).
 """
 
 from offload.auto import AutoConfig
 from offload.columns import column_scores, select_columns
+from offload.sharded import sharded_scores
 from offload.zenflow import element_state, master_params, materialize, zenflow
 from offload.zero_offload import zero_offload
 
@@ -21,6 +24,7 @@ __all__ = [
     "master_params",
     "materialize",
     "select_columns",
+    "sharded_scores",
     "zenflow",
     "zero_offload",
 ]

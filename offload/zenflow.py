@@ -71,6 +71,16 @@ parameters moved each way).
 
 Under DP, pass the noised gradient: selection and the ``"auto"`` rules read only ``grads``.
 
+**Row shards.** Under ZeRO-2/3 each rank updates a block of rows of every weight (``torch.chunk``
+of dim 0) and ``update`` sees only that block. Everything ZenFlow decides from the gradient is a
+sum over rows: the column scores (first selection, reselection, the ``"auto"`` coverage rule)
+and the two ``"auto"`` window statistics ``|S|^2`` and ``Q``. ``combine_scores(name, local)``
+turns this rank's row sums of weight ``name`` (a float64 vector) into the sums over every rank's
+rows (``offload.sharded_scores`` does it with one all-reduce). With it every rank makes the same
+decisions as one unsharded run; rows are never mixed, so each rank's host state, accumulators and
+moments cover its own rows only. Cost per 2-D weight: ``in`` float64 values at each selection and,
+with ``update_interval="auto"``, 2 values every step.
+
 Exactness note: ``inner`` is always called with a Python ``int`` count; columns with different
 counts are updated in groups of equal count. (A tensor count would go through vectorised
 ``torch.pow``, whose bits depend on an element's position in the vector, so the same column
@@ -82,7 +92,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -94,6 +104,8 @@ from offload.columns import column_scores, complement, num_selected, select_colu
 from offload.worker import HOST, nbytes, to_device, to_host
 
 State = dict[str, Any]
+CombineScores = Callable[[str, Tensor], Tensor]
+"""``(weight name, this rank's row sums) -> the sums over every rank's rows`` (float64 vectors)."""
 _X = "x"  # the one key of the single-parameter dicts handed to ``inner``
 
 
@@ -233,6 +245,7 @@ def zenflow(
     overlap: bool = True,
     reduce: str = "mean",
     auto: AutoConfig = AutoConfig(),
+    combine_scores: CombineScores | None = None,
 ) -> Optimizer:
     """ZenFlow selective update around the elementwise optimizer ``inner`` (default
     ``adamw(lr=1e-3)``); semantics in the module docstring.
@@ -248,9 +261,15 @@ def zenflow(
       - A column leaving and re-entering the selection keeps its moments and count.
       - Selected columns are read only from the fp32 master, never from low-precision ``params``
         (``tests/test_zenflow.py::test_low_precision_params_follow_the_fp32_master``).
+      - With ``combine_scores`` summing over row shards (module docstring, "Row shards"), ZeRO-2
+        and ZeRO-3 runs on any number of ranks select the same columns as the unsharded run and
+        match its parameters (``property_tests/test_zenflow_sharded.py``). ``combine_scores=None``
+        is the identity: one rank holds every row.
 
     ``params`` passed to ``update`` must be those returned by the previous ``update`` (or the
     initial ones): columns are written, not re-read; the master copy is authoritative.
+    ``combine_scores`` must return the same bits on every rank (an all-reduce does), and every
+    rank calls it for the same weights in the same order: the ranks' collectives line up.
 
     Edge cases: ``topk_ratio`` outside ``[0, 1]``, ``delay`` not in ``{0, 1}``, ``reduce`` not
     ``"mean"``/``"sum"``, intervals below 1 or a fixed ``select_interval`` that is not a multiple
@@ -312,7 +331,7 @@ def zenflow(
         if state["selected"] is None:  # first step: select from this step's gradient
             selected, unselected = {}, {}
             for k in host:
-                sel = select_columns(column_scores(grads[k]), topk_ratio).to(HOST)
+                sel = select_columns(scores_of(k, grads[k]), topk_ratio).to(HOST)
                 host[k], device[k] = _handover(host[k], device[k], sel[:0], sel, metrics)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
         else:
@@ -340,6 +359,7 @@ def zenflow(
         opening = state["window_steps"] == 0
         acc = {} if opening else dict(state["acc"])
         window_sq = 0.0 if opening else state["window_sq"]
+        norm_sq_of_sum = 0.0
         for k in host:
             if unselected[k].numel():
                 g = to_host(grads[k].index_select(1, unselected[k].to(grads[k].device)))
@@ -347,11 +367,12 @@ def zenflow(
                 g = g.to(host[k]["master"].dtype)
                 acc[k] = g if opening else acc[k] + g
                 if update_interval == "auto":
-                    window_sq += g.double().square().sum().item()
+                    g_sq, s_sq = window_stats(k, g, acc[k])
+                    window_sq += g_sq
+                    norm_sq_of_sum += s_sq
         window_steps, since = state["window_steps"] + 1, since + 1
 
         if update_interval == "auto":
-            norm_sq_of_sum = sum(a.double().square().sum().item() for a in acc.values())
             closing = host_update_due(window_steps, norm_sq_of_sum, window_sq, auto)
         else:
             closing = window_steps == update_interval
@@ -405,15 +426,28 @@ def zenflow(
             "metrics": metrics,
         }
 
+    def scores_of(name: str, grad: Tensor) -> Tensor:
+        """The column scores of weight ``name`` over all its rows."""
+        local = column_scores(grad)
+        return local if combine_scores is None else combine_scores(name, local)
+
+    def window_stats(name: str, g: Tensor, acc: Tensor) -> tuple[float, float]:
+        """``(|g|^2, |acc|^2)`` of weight ``name``'s unselected columns over all its rows."""
+        local = torch.stack([g.double().square().sum(), acc.double().square().sum()])
+        if combine_scores is not None:
+            local = combine_scores(name, local)
+        g_sq, s_sq = local.tolist()
+        return g_sq, s_sq
+
     def _reselection(grads: Params, selected: dict, since: int) -> dict[str, Tensor] | None:
         """New selections of the weights that reselect at this window end (``None``: not due)."""
         if select_interval != "auto":
             if since < select_interval:
                 return None
-            return {k: select_columns(column_scores(grads[k]), topk_ratio).to(HOST) for k in selected}
+            return {k: select_columns(scores_of(k, grads[k]), topk_ratio).to(HOST) for k in selected}
         out = {}
         for k, sel in selected.items():
-            scores = column_scores(grads[k])
+            scores = scores_of(k, grads[k])
             best = select_columns(scores, topk_ratio)
             captured = scores[sel.to(scores.device)].sum().item()
             if reselect_due(captured, scores[best].sum().item(), auto):
