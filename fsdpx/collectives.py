@@ -46,6 +46,7 @@ collective); a group of size 1 still counts its buffer, with zero sent.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -304,6 +305,14 @@ def plan(
     if cur() != dst:  # pragma: no cover - a planner bug, caught by the property tests
         raise AssertionError(f"plan {src} -> {dst} ended at {cur()}")
     return steps
+
+
+@functools.lru_cache(maxsize=8192)
+def cached_plan(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh,
+                dtype: torch.dtype = torch.float32) -> tuple[Collective, ...]:
+    """:func:`plan` as an immutable tuple, memoised: a runtime plans each parameter's layout
+    changes once per run instead of once per step (every argument is a hashable value)."""
+    return tuple(plan(src, dst, shape, mesh, dtype))
 
 
 def cost(collectives: Iterable[Collective]) -> dict[str, int]:

@@ -116,6 +116,8 @@ class DistComm:
                            device=local.device)
         self._count(c, flat.numel() * flat.element_size())
         _ALL_GATHER(flat, block, group=pg)  # peers' blocks one after another
+        if d == 0 and members == sorted(members) and all(n == pad for n in sizes):
+            return flat  # already the concatenation, in order, with nothing to trim: no copy
         out = flat.view(k, *block.shape)
         by_rank = {r: out[i] for i, r in enumerate(sorted(members))}
         pieces = [by_rank[r].narrow(d, 0, sizes[j]) for j, r in enumerate(members)]
@@ -128,12 +130,16 @@ class DistComm:
         n = local.shape[d]
         sizes = self._sizes(c, n, k)
         pad = -(-n // k)
-        chunks = [_pad(local.narrow(d, sum(sizes[:j]), sizes[j]), d, pad) for j in range(k)]
-        pos = {r: j for j, r in enumerate(members)}
-        stacked = torch.stack([chunks[pos[r]] for r in sorted(members)]).contiguous()
-        out = torch.empty_like(stacked[0])
-        self._count(c, stacked.numel() * stacked.element_size())
-        _REDUCE_SCATTER(out, stacked.view(-1, *stacked.shape[2:]), group=pg)
+        if d == 0 and members == sorted(members) and n == k * pad and local.is_contiguous():
+            flat = local  # the chunks already lie in rank order, equal sized: no copy
+        else:
+            chunks = [_pad(local.narrow(d, sum(sizes[:j]), sizes[j]), d, pad) for j in range(k)]
+            pos = {r: j for j, r in enumerate(members)}
+            stacked = torch.stack([chunks[pos[r]] for r in sorted(members)]).contiguous()
+            flat = stacked.view(-1, *stacked.shape[2:])
+        out = local.new_empty((flat.shape[0] // k, *flat.shape[1:]))
+        self._count(c, flat.numel() * flat.element_size())
+        _REDUCE_SCATTER(out, flat, group=pg)
         return out.narrow(d, 0, sizes[me]).contiguous()
 
     def _all_reduce(self, c: Collective, local: Tensor) -> Tensor:

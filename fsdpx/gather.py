@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from .collectives import Collective, plan
+from .collectives import Collective, cached_plan
 from .comm import Comm
 from .layout import local_shape
 from .strategies import Strategy
@@ -38,8 +38,8 @@ class Gatherer:
         self.model, self.units, self.comm, self.at_rest = model, units, comm, at_rest
         self.keep_after_backward = keep_after_backward
         self.strategy = strategy
-        self.plans: dict[str, list[Collective]] = {
-            n: plan(strategy.param_at_rest(len(s)), strategy.param_in_compute(len(s)), s, comm.mesh, at_rest[n].dtype)
+        self.plans: dict[str, tuple[Collective, ...]] = {
+            n: cached_plan(strategy.param_at_rest(len(s)), strategy.param_in_compute(len(s)), s, comm.mesh, at_rest[n].dtype)
             for n, s in shapes.items()
         }
         self.full = {n: self._placeholder(n, comm, shapes[n]) for n in shapes}

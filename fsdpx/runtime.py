@@ -37,7 +37,7 @@ from privacy.noise import noise_slice
 from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn, _as_args
 
-from .collectives import plan
+from .collectives import cached_plan as plan
 from .comm import Comm
 from .gather import Gatherer
 from .layout import chunk_bounds, local_box
