@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -170,12 +171,14 @@ def make_sharded_step(
         if config is not None:
             check_budget(state.accountant, config)
         before = comm.counts()
+        noise = _NOISE_WORKER.submit(_owned_noise, state, strategy, comm, shapes, config) if config else None
         local = _my_share(batch, strategy, comm)
         gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
         raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
         gatherer.finish()
         new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, optimizer,
-                                                   _divisor(batch, config, num_examples), config)
+                                                             _divisor(batch, config, num_examples),
+                                                             noise.result() if noise else None)
         metrics = _global_metrics(comm, stats, config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
         metrics["resident_bytes"] = resident
@@ -232,9 +235,23 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, batch, config: DPConfig | N
     return result.grads, (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
 
 
+_NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpx-shard-noise")
+
+
+def _owned_noise(state: ShardedState, strategy: Strategy, comm: Comm, shapes, config: DPConfig) -> Params:
+    """The noise of the elements this rank updates (its optimizer-state block of each
+    parameter), drawn on a worker thread while the forward and backward run."""
+    out = {}
+    for name, shape in shapes.items():
+        box = local_box(shape, strategy.opt_state(len(shape)), comm.mesh, comm.rank)
+        out[name] = shard_noise(name, shape, box, key=state.key, step=state.step, std=config.noise_std,
+                                dtype=state.params[name].dtype)
+    return out
+
+
 def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, comm: Comm, shapes, units: list[Unit],
-                       optimizer: Optimizer, divisor: float, config: DPConfig | None):
-    mesh, rank = comm.mesh, comm.rank
+                       optimizer: Optimizer, divisor: float, noise: Params | None):
+    mesh = comm.mesh
     grads_upd, params_upd = {}, {}
     grad_bytes = 0
     for unit in reversed(units):
@@ -244,10 +261,8 @@ def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, com
             grad_bytes += g.numel() * g.element_size()
             nd = len(shapes[name])
             g = _run_plan(comm, plan(strategy.grad(nd), strategy.opt_state(nd), shapes[name], mesh, g.dtype), g)
-            if config is not None:
-                box = local_box(shapes[name], strategy.opt_state(nd), mesh, rank)
-                g = g + shard_noise(name, shapes[name], box, key=state.key, step=state.step, std=config.noise_std,
-                                    dtype=g.dtype)
+            if noise is not None:
+                g = g + noise[name]
             grads_upd[name] = g / divisor
             p = state.params[name]
             params_upd[name] = _run_plan(comm, plan(strategy.param_at_rest(nd), strategy.opt_state(nd), shapes[name],

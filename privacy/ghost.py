@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 

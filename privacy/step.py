@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-import torch
 from torch import Tensor, nn
 
 from privacy.accounting import Accountant, max_steps
