@@ -128,6 +128,14 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     shard.add_argument("--nproc", type=_positive_int, metavar="N", default=None,
                        help="processes of a sharded run (default 2 with --strategy)")
 
+    off = p.add_argument_group("optimizer offload")
+    off.add_argument("--offload", choices=("none", "zenflow", "zero"), default=d.offload,
+                     help="zenflow: top columns on the device each step, the rest on the host (default %(default)s)")
+    off.add_argument("--offload-topk", type=_half_open_unit, metavar="X", default=d.offload_topk,
+                     help="ZenFlow: fraction of columns updated every step (default %(default)s)")
+    off.add_argument("--offload-interval", type=_positive_int, metavar="N", default=d.offload_interval,
+                     help="ZenFlow: steps between host updates (default %(default)s)")
+
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--ckpt-dir", metavar="DIR", default=None, help="save checkpoints here (atomic, async)")
     ck.add_argument("--ckpt-every", type=_positive_int, metavar="N", default=d.ckpt_every,

@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.func import functional_call
 from tqdm import tqdm
 
+import offload
 from fsdpx import data, strategies
 from fsdpx.comm import Comm
 from fsdpx.layout import unshard
@@ -106,6 +107,11 @@ class RunConfig:
     strategy: str | None = None
     # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
     # ``resume`` continues from the newest intact one (same noise, batches and accountant)
+    # optimizer offload: "none", "zenflow" (selected columns every step, the rest on the host
+    # every ``offload_interval`` steps) or "zero" (ZeRO-Offload: all optimizer state on the host)
+    offload: str = "none"
+    offload_topk: float = 0.1
+    offload_interval: int = 4
     ckpt_dir: str | None = None
     ckpt_every: int = 50
     resume: bool = False
@@ -133,6 +139,8 @@ class RunConfig:
             raise ConfigError("a private run needs target_epsilon or noise_multiplier")
         if self.private and self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ConfigError(f"target_epsilon must be > 0, got {self.target_epsilon}")
+        if self.offload not in ("none", "zenflow", "zero"):
+            raise ConfigError(f"offload must be none, zenflow or zero, got {self.offload!r}")
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("resume needs ckpt_dir")
         if self.ckpt_every < 1:
@@ -222,7 +230,7 @@ def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPC
     budget and PLD discretization, so the epsilon it reports is the one ``resolve_privacy``
     calibrated against. With ``comm`` (a sharded run) the state is this rank's
     :class:`fsdpx.runtime.ShardedState` and the step takes the global batch."""
-    optimizer = adamw(config.lr)
+    optimizer = make_optimizer(config, comm)
     accountant = Accountant(accountant=config.accountant, delta=config.delta,
                             epsilon_budget=config.epsilon_budget if config.private else None,
                             value_discretization_interval=config.accounting_interval)
@@ -239,6 +247,41 @@ def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPC
         return state, make_plain_step(model, token_loss, optimizer)
     state = init_state(params, optimizer, key=config.seed, config=dp)._replace(accountant=accountant)
     return state, make_private_step(model, token_loss, optimizer, dp, num_examples=num_examples)
+
+
+def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
+    """AdamW, wrapped by the configured offload. In a sharded run ZenFlow scores columns over
+    the rows of every rank (one all-reduce of ``in`` floats per weight), so all ranks select
+    what one unsharded run would."""
+    inner = adamw(config.lr)
+    if config.offload == "zero":
+        return offload.zero_offload(inner)
+    if config.offload == "none":
+        return inner
+    combine = None
+    if comm is not None:
+        strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
+        rows = strategy.opt_state(2).axes(0)  # the axes a weight's rows are split over, if any
+        combine = offload.sharded_scores(comm, rows) if rows else None
+    interval = config.offload_interval
+    return offload.zenflow(inner, topk_ratio=config.offload_topk, update_interval=interval,
+                           select_interval=interval * max(1, 100 // interval), combine_scores=combine)
+
+
+def offload_metrics(state: Any) -> dict[str, float]:
+    """The offload optimizer's last-step metrics (loop wait on the host, bytes each way), if any."""
+    opt = state.opt_state
+    found = opt.get("metrics") if isinstance(opt, dict) else None
+    return {f"offload_{k}": v for k, v in found.items()} if found else {}
+
+
+def savable(state: Any) -> Any:
+    """``state`` with any in-flight ZenFlow host window finished and folded in (plain data a
+    checkpoint can hold; training continues bit for bit from it)."""
+    opt = state.opt_state
+    if isinstance(opt, dict) and "selected" in opt:
+        return state._replace(opt_state=offload.materialize(opt))
+    return state
 
 
 def strategy_axes(name: str) -> dict[str, str]:
@@ -374,16 +417,17 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
             # The step does not report epsilon (a PLD query is not free); on the run's coarse
             # grid (accounting_interval) one query per step costs tens of milliseconds.
             epsilon = state.accountant.epsilon() if main else math.nan
-            record = {"step": state.step, **metrics, "epsilon": epsilon, "seconds": time.perf_counter() - loop_start}
+            record = {"step": state.step, **metrics, **offload_metrics(state), "epsilon": epsilon,
+                      "seconds": time.perf_counter() - loop_start}
             history.append(record)
             _append_jsonl(log, record)
             _update_bar(bar, history)
             if manager is not None and manager.should_save(state.step):
-                manager.save(state.step, state, blocking=False)  # snapshot now, write in the background
+                manager.save(state.step, savable(state), blocking=False)  # snapshot now, write in the background
                 saved_at = state.step
     if manager is not None:
         if saved_at != state.step:
-            manager.save(state.step, state, force=True, blocking=False)
+            manager.save(state.step, savable(state), force=True, blocking=False)
         manager.wait()
 
     trained = full_params(state, config, comm)

@@ -61,3 +61,17 @@ def test_sharded_zero3_run_resumes_bit_for_bit(tmp_path):
     fsdpx("--steps", "4", "--name", "resumed", *ck, "--resume")
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [(r["step"], r["loss"], r["epsilon"]) for r in a] == [(r["step"], r["loss"], r["epsilon"]) for r in b]
+
+
+def test_zenflow_run_resumes_bit_for_bit_with_its_host_window(tmp_path):
+    """Offloaded: the checkpoint at step 3 falls inside a ZenFlow window (interval 2, delay 1)."""
+    torch.set_num_threads(1)
+    common = {**COMMON, "offload": "zenflow", "offload_interval": 2, "offload_topk": 0.25}
+    run(RunConfig(steps=6, out=str(tmp_path), name="straight", **common), progress=False)
+    ck = str(tmp_path / "ck")
+    run(RunConfig(steps=3, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=3, **common), progress=False)
+    run(RunConfig(steps=6, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=3, resume=True, **common),
+        progress=False)
+    a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
+    assert "offload_d2h_bytes" in a[-1]
