@@ -257,7 +257,7 @@ def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, com
     for unit in reversed(units):
         for name in unit.params:
             g = _run_plan(comm, plan(strategy.raw_grad(len(shapes[name])), strategy.grad(len(shapes[name])),
-                                     shapes[name], mesh, raw[name].dtype), raw[name])
+                                     shapes[name], mesh, raw[name].dtype), raw.pop(name))  # freed once reduced
             grad_bytes += g.numel() * g.element_size()
             nd = len(shapes[name])
             g = _run_plan(comm, plan(strategy.grad(nd), strategy.opt_state(nd), shapes[name], mesh, g.dtype), g)
