@@ -1,0 +1,362 @@
+"""Offloaded optimizer steps: no offload, ``zero_offload``, ``zenflow`` and DeepSpeed ZeRO-Offload.
+
+    .venv/bin/python benchmarks/offload_step.py --setup-deepspeed   # once: .bench-venv with DeepSpeed
+    .venv/bin/python benchmarks/offload_step.py                     # the issue's setting (~63M GPT)
+    .venv/bin/python benchmarks/offload_step.py --smoke             # tiny model, a few steps
+
+Two parts, each mode in its own process (started by this script with ``--worker``):
+
+* **Timing** on a GPT of ``--n-layer`` x ``--n-embd`` (default 8 x 768, vocabulary 8192, tied
+  head: 63M parameters) with short sequences (``--batch`` x ``--seq``, default 4 x 32), so the
+  optimizer step is a visible share of the step. Rounds are interleaved (every round runs each
+  mode once, in a rotated order), each run does ``--warmup`` untimed steps then ``--steps`` timed
+  ones. Reported per step (mean over every timed step of every round): step time, time in the
+  optimizer call, the loop's wait for host optimizer work, and host bytes moved (gradients down,
+  parameters and states up).
+* **Loss** after ``--loss-steps`` steps (default 200) on a smaller GPT (2 x 128, vocabulary 512:
+  0.5M parameters, so 200 steps of every mode take a minute), on the same synthetic Markov-chain
+  data for every mode: the training loss (mean of the last 10 steps) and the loss on a held-out
+  batch at the end. For ZenFlow both parts also report the share of the squared gradient that its
+  selected columns hold (measured outside the timed region).
+
+Modes, all AdamW with the same hyper-parameters, fp32, one process, the CPU as "device":
+
+* ``none``: ``fsdpx.optim.adamw`` on the device, in the loop.
+* ``zero_offload``: ``offload.zero_offload(adamw)``: the whole optimizer on the host, synchronously.
+* ``zenflow``: ``offload.zenflow(adamw, topk_ratio=0.1, update_interval=4, select_interval=16,
+  delay=1, overlap=True)``. The timed steps cover one whole selection period (a reselection included).
+* ``deepspeed``: DeepSpeed ZeRO stage 2 with ``offload_optimizer: cpu`` (``DeepSpeedCPUAdam``),
+  ``DS_ACCELERATOR=cpu``, run with ``.bench-venv/bin/python``: DeepSpeed is never a dependency
+  of this project. Its loop wait is the time in ``engine.step()`` (its host update is synchronous);
+  its host bytes are not observable from outside and are given by its design (fp32 gradients
+  down, fp32 parameters up: 2x the model).
+
+Caveat of a CPU-only machine: "device" and "host" are the same cores, so copies cost a memory
+copy, not a PCIe transfer, and ZenFlow's background host update competes with the forward and
+backward for the same 2 cores. Wait times and bytes are what the library measures either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_VENV = ROOT / ".bench-venv"
+DEEPSPEED = ["torch==2.13.0", "deepspeed==0.19.8"]
+MODES = ["none", "zero_offload", "zenflow", "deepspeed"]
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": 16, "delay": 1, "overlap": True}
+
+
+def load_gpt():
+    """``fsdpx/models/gpt.py`` by file path: the DeepSpeed venv has torch but not fsdpx's
+    dependencies, and every mode must run the same model code."""
+    spec = importlib.util.spec_from_file_location("bench_gpt", ROOT / "fsdpx" / "models" / "gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- data: a fixed random Markov chain, learnable down to its entropy ------------------------
+
+
+def markov_batch(vocab: int, batch: int, seq: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of a chain where each token has 4 successors (probabilities .55/.25/.12/.08):
+    the same chain for every mode and step, a different sample per ``step``."""
+    succ = torch.randint(0, vocab, (vocab, 4), generator=torch.Generator().manual_seed(1234))
+    probs = torch.tensor([0.55, 0.25, 0.12, 0.08])
+    g = torch.Generator().manual_seed(10_000 + step)
+    tok = torch.randint(0, vocab, (batch,), generator=g)
+    out = [tok]
+    for _ in range(seq):
+        pick = torch.multinomial(probs, batch, replacement=True, generator=g)
+        tok = succ[tok, pick]
+        out.append(tok)
+    seqs = torch.stack(out, 1)  # (B, T + 1)
+    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+
+
+HELD_OUT = -1  # the step index of the evaluation batch (never trained on)
+
+
+# ---- workers ---------------------------------------------------------------------------------
+
+
+def build_model(cfg: dict):
+    gpt = load_gpt()
+    torch.manual_seed(0)
+    config = gpt.GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"],
+                           n_head=cfg["n_head"], n_embd=cfg["n_embd"])
+    return gpt, gpt.GPT(config)
+
+
+def fsdpx_worker(mode: str, cfg: dict) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from torch.func import functional_call
+
+    import offload
+    from fsdpx.optim import adamw
+
+    gpt, model = build_model(cfg)
+    inner = adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    optimizer = {"none": lambda: inner, "zero_offload": lambda: offload.zero_offload(inner),
+                 "zenflow": lambda: offload.zenflow(inner, **ZENFLOW)}[mode]()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = optimizer.init(params)
+    rows = []
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        x, y = markov_batch(cfg["vocab"], cfg["batch"], cfg["seq"], step)
+        t0 = time.perf_counter()
+        live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        loss = gpt.token_loss(functional_call(model, live, (x,)), y).mean()
+        grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
+        t1 = time.perf_counter()
+        params, state = optimizer.update(grads, state, params)
+        t2 = time.perf_counter()
+        m = state.get("metrics", {}) if isinstance(state, dict) else {}
+        rows.append({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": m.get("host_wait_s", 0.0),
+                     "bytes": m.get("d2h_bytes", 0) + m.get("h2d_bytes", 0), "loss": float(loss.detach())})
+        if mode == "zenflow":  # untimed: how much of the gradient the selection updates at once
+            rows[-1]["captured"] = captured_share(grads, state["selected"])
+    x, y = markov_batch(cfg["vocab"], 64, cfg["seq"], HELD_OUT)
+    with torch.no_grad():
+        held_out = float(gpt.token_loss(functional_call(model, params, (x,)), y).mean())
+    return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in params.values())}
+
+
+def captured_share(grads: dict, selected: dict) -> float:
+    """Share of the 2-D weights' squared gradient in the selected columns (ZenFlow's premise is
+    that a small ``topk_ratio`` captures most of it)."""
+    from offload import column_scores
+
+    total = captured = 0.0
+    for k, sel in selected.items():
+        scores = column_scores(grads[k])
+        total += scores.sum().item()
+        captured += scores[sel].sum().item()
+    return captured / total if total else float("nan")
+
+
+def deepspeed_worker(cfg: dict) -> dict:
+    import deepspeed  # only in .bench-venv
+
+    gpt, model = build_model(cfg)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg["batch"], "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    rows = []
+    for step in range(cfg["warmup"] + cfg["steps"]):
+        x, y = markov_batch(cfg["vocab"], cfg["batch"], cfg["seq"], step)
+        t0 = time.perf_counter()
+        loss = gpt.token_loss(engine(x), y).mean()
+        engine.backward(loss)
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        rows.append({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": t2 - t1, "bytes": None,
+                     "loss": float(loss.detach())})
+    x, y = markov_batch(cfg["vocab"], 64, cfg["seq"], HELD_OUT)
+    with torch.no_grad():
+        held_out = float(gpt.token_loss(engine.module(x), y).mean())
+    return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in model.parameters())}
+
+
+def worker(mode: str, cfg: dict) -> None:
+    torch.set_num_threads(cfg["threads"])
+    out = deepspeed_worker(cfg) if mode == "deepspeed" else fsdpx_worker(mode, cfg)
+    out["threads"] = torch.get_num_threads()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+# ---- the driver ------------------------------------------------------------------------------
+
+
+def setup_deepspeed() -> None:
+    """Create ``.bench-venv`` with torch and DeepSpeed (pinned); the project's venv is untouched."""
+    if not (BENCH_VENV / "bin" / "python").exists():
+        subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True)
+    subprocess.run([str(BENCH_VENV / "bin" / "pip"), "install", *DEEPSPEED], check=True)
+
+
+def run_mode(mode: str, cfg: dict, log: Path) -> dict | str:
+    """One worker process; its result, or the reason it failed (the tail of its log)."""
+    env = dict(os.environ)
+    if mode == "deepspeed":
+        python = BENCH_VENV / "bin" / "python"
+        if not python.exists():
+            return f"no {python}: run with --setup-deepspeed first"
+        # one-process "distributed" job on loopback, as the deepspeed launcher would set it up
+        env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+                   RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+    else:
+        python = Path(sys.executable)
+    cmd = [str(python), str(Path(__file__).resolve()), "--worker", mode, "--config", json.dumps(cfg)]
+    with open(log, "a") as f:
+        f.write(f"\n=== {mode} {json.dumps(cfg)}\n")
+        f.flush()
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=f, text=True, cwd=ROOT)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = log.read_text().strip().splitlines()[-5:]
+    return f"exit {proc.returncode}: " + " | ".join(tail)
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def timing(args, modes: list[str], log: Path) -> dict:
+    cfg = {"vocab": args.vocab, "seq": args.seq, "batch": args.batch, "n_layer": args.n_layer,
+           "n_head": args.n_head, "n_embd": args.n_embd, "warmup": args.warmup, "steps": args.steps,
+           "threads": args.threads}
+    runs: dict[str, list] = {m: [] for m in modes}
+    errors: dict[str, str] = {}
+    for r in range(args.rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for mode in order:
+            if mode in errors:
+                continue
+            res = run_mode(mode, cfg, log)
+            if isinstance(res, str):
+                errors[mode] = res
+                print(f"  round {r + 1}: {mode} FAILED: {res}", flush=True)
+                continue
+            timed = res["rows"][args.warmup:]
+            runs[mode].append(res)
+            print(f"  round {r + 1}: {mode:13s} step {statistics.fmean(x['step_s'] for x in timed):.3f}s "
+                  f"wait {statistics.fmean(x['wait_s'] for x in timed):.3f}s load {os.getloadavg()[0]:.1f}", flush=True)
+    table = {}
+    for mode, results in runs.items():
+        if not results:
+            continue
+        timed = [x for res in results for x in res["rows"][args.warmup:]]
+        byte_rows = [x["bytes"] for x in timed if x["bytes"] is not None]
+        model_bytes = results[0]["model_bytes"]
+        table[mode] = {  # means: ZenFlow's costs come every few steps, a median would hide them
+            "step_s": statistics.fmean(x["step_s"] for x in timed),
+            "opt_s": statistics.fmean(x["opt_s"] for x in timed),
+            "wait_s": statistics.fmean(x["wait_s"] for x in timed),
+            "step_median_s": median([x["step_s"] for x in timed]),
+            "bytes_per_step": statistics.fmean(byte_rows) if byte_rows else None,
+            "model_bytes": model_bytes,
+            "steps": len(timed),
+            "captured": statistics.fmean(x["captured"] for x in timed) if mode == "zenflow" else None,
+            "threads": results[0]["threads"],
+        }
+    return {"config": cfg, "table": table, "errors": errors}
+
+
+def loss_part(args, modes: list[str], log: Path) -> dict:
+    cfg = {"vocab": 512, "seq": 32, "batch": 16, "n_layer": 2, "n_head": 4, "n_embd": 128, "warmup": 0,
+           "steps": args.loss_steps, "threads": args.threads}
+    out, errors = {}, {}
+    for mode in modes:
+        res = run_mode(mode, cfg, log)
+        if isinstance(res, str):
+            errors[mode] = res
+            print(f"  loss: {mode} FAILED: {res}", flush=True)
+            continue
+        last = [x["loss"] for x in res["rows"][-10:]]
+        out[mode] = {"train_loss": statistics.fmean(last), "held_out": res["held_out"],
+                     "model_bytes": res["model_bytes"]}
+        if mode == "zenflow":
+            out[mode]["captured"] = statistics.fmean(x["captured"] for x in res["rows"])
+        print(f"  loss: {mode:13s} train {out[mode]['train_loss']:.4f} held-out {res['held_out']:.4f}", flush=True)
+    return {"config": cfg, "table": out, "errors": errors}
+
+
+def markdown(result: dict) -> str:
+    t, lo = result["timing"]["table"], result["loss"]["table"]
+    base_wait = t.get("zero_offload", {}).get("wait_s")
+    lines = ["| mode | step (s) | optimizer call (s) | loop wait (s) | wait vs zero_offload | host bytes/step "
+             "| x model | loss after {} steps (train / held-out) | vs none |".format(result["loss"]["config"]["steps"]),
+             "|---|---|---|---|---|---|---|---|---|"]
+    ref = lo.get("none", {}).get("held_out")
+    for mode in MODES:
+        if mode not in t and mode not in lo:
+            continue
+        r = t.get(mode, {})
+        wait = r.get("wait_s")
+        vs = f"{100 * wait / base_wait:.1f}%" if wait is not None and base_wait else "-"
+        b = r.get("bytes_per_step")
+        by = f"{b / 2**20:.1f} MiB" if b is not None else "2x model (design)"
+        ratio = f"{b / r['model_bytes']:.2f}" if b is not None else "2.00"
+        if mode == "none":
+            by, ratio = "0", "0"
+        loss = lo.get(mode)
+        ls = f"{loss['train_loss']:.4f} / {loss['held_out']:.4f}" if loss else "-"
+        rel = f"{100 * (loss['held_out'] - ref) / ref:+.2f}%" if loss and ref else "-"
+        step = f"{r['step_s']:.3f}" if r else "-"
+        opt = f"{r['opt_s']:.3f}" if r else "-"
+        wait_s = f"{wait:.3f}" if wait is not None else "-"
+        lines.append(f"| {mode} | {step} | {opt} | {wait_s} | {vs} | {by} | {ratio} | {ls} | {rel} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--setup-deepspeed", action="store_true", help="create .bench-venv (torch + DeepSpeed) and exit")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, few steps: checks the script end to end")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--loss-steps", type=int, default=200)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--n-layer", type=int, default=8)
+    ap.add_argument("--n-head", type=int, default=12)
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--out", default=str(ROOT / "bench_out" / "offload_step.json"))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, json.loads(args.config))
+    if args.setup_deepspeed:
+        return setup_deepspeed()
+    if args.smoke:
+        args.vocab, args.n_layer, args.n_head, args.n_embd = 256, 2, 2, 64
+        args.rounds, args.warmup, args.steps, args.loss_steps = 1, 1, 8, 12
+    modes = [m for m in args.modes.split(",") if m]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".log")
+    log.write_text("")
+    load_before = os.getloadavg()
+    print(f"timing ({args.rounds} interleaved rounds; worker logs in {log})", flush=True)
+    result = {"timing": timing(args, modes, log)}
+    print("loss", flush=True)
+    result["loss"] = loss_part(args, modes, log)
+    result["load"] = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
+    out.write_text(json.dumps(result, indent=1))
+    print(markdown(result))
+    for part in ("timing", "loss"):
+        share = result[part]["table"].get("zenflow", {}).get("captured")
+        if share is not None:
+            print(f"zenflow, {part} model: the selected columns hold {100 * share:.1f}% of the squared gradient "
+                  f"(mean over steps; {100 * ZENFLOW['topk_ratio']:.0f}% if it were spread evenly)")
+    print(f"load average before {load_before[0]:.1f}, after {result['load']['after'][0]:.1f} "
+          f"({os.cpu_count()} cpus); JSON in {out}")
+
+
+if __name__ == "__main__":
+    main()
