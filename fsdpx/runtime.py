@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -171,14 +170,14 @@ def make_sharded_step(
         if config is not None:
             check_budget(state.accountant, config)
         before = comm.counts()
-        noise = _NOISE_WORKER.submit(_owned_noise, state, strategy, comm, shapes, config) if config else None
         local = _my_share(batch, strategy, comm)
         gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
         raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
         gatherer.finish()
         new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, optimizer,
                                                              _divisor(batch, config, num_examples),
-                                                             noise.result() if noise else None)
+                                                             _owned_noise(state, strategy, comm, shapes, config)
+                                                             if config else None)
         metrics = _global_metrics(comm, stats, config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
         metrics["resident_bytes"] = resident
@@ -235,12 +234,9 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, batch, config: DPConfig | N
     return result.grads, (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
 
 
-_NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpx-shard-noise")
-
-
 def _owned_noise(state: ShardedState, strategy: Strategy, comm: Comm, shapes, config: DPConfig) -> Params:
     """The noise of the elements this rank updates (its optimizer-state block of each
-    parameter), drawn on a worker thread while the forward and backward run."""
+    parameter): the unsharded run's draw for exactly those global indices."""
     out = {}
     for name, shape in shapes.items():
         box = local_box(shape, strategy.opt_state(len(shape)), comm.mesh, comm.rank)

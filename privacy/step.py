@@ -14,7 +14,6 @@ fixed divisor keeps the sensitivity fixed) -> optimizer update -> accountant rec
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -104,15 +103,9 @@ def make_private_step(
 
     def step(state: TrainState, batch: tuple[Any, Tensor]) -> tuple[TrainState, dict[str, float]]:
         check_budget(state.accountant, config)
-        # The noise depends on (key, step, names, shapes) only: draw it on a worker thread
-        # while the forward and backward run (numpy releases the GIL), join before adding.
-        noise_future = _NOISE_WORKER.submit(gaussian_noise, state.params, key=state.key, step=state.step,
-                                            std=config.noise_std)
-        try:
-            clipped = clip_and_sum(model, state.params, batch, loss_fn, clip_norm=config.clip_norm,
-                                   method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
-        finally:
-            noise = noise_future.result()
+        clipped = clip_and_sum(model, state.params, batch, loss_fn, clip_norm=config.clip_norm,
+                               method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
+        noise = gaussian_noise(state.params, key=state.key, step=state.step, std=config.noise_std)
         noised = {k: (g + noise[k]) / expected_batch for k, g in clipped.grads.items()}
         params, opt_state = optimizer.update(noised, state.opt_state, state.params)
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate)
@@ -120,9 +113,6 @@ def make_private_step(
         return TrainState(params, opt_state, state.step + 1, state.key, accountant), metrics
 
     return step
-
-
-_NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpx-noise")
 
 
 def check_budget(accountant: Accountant, config: DPConfig) -> None:
