@@ -10,9 +10,10 @@ Two parts, each mode in its own process (started by this script with ``--worker`
   head: 63M parameters) with short sequences (``--batch`` x ``--seq``, default 4 x 32), so the
   optimizer step is a visible share of the step. Rounds are interleaved (every round runs each
   mode once, in a rotated order), each run does ``--warmup`` untimed steps then ``--steps`` timed
-  ones. Reported per step (mean over every timed step of every round): step time, time in the
-  optimizer call, the loop's wait for host optimizer work, and host bytes moved (gradients down,
-  parameters and states up).
+  ones. Reported per step (mean over every timed step of every round): step time (wall), the
+  process's CPU time (every thread, ZenFlow's background worker included; steadier than wall
+  time on a loaded machine) with its system share, time in the optimizer call, the loop's wait
+  for host optimizer work, and host bytes moved (gradients down, parameters and states up).
 * **Loss** after ``--loss-steps`` steps (default 200) on a smaller GPT (2 x 128, vocabulary 512:
   0.5M parameters, so 200 steps of every mode take a minute), on the same synthetic Markov-chain
   data for every mode: the training loss (mean of the last 10 steps) and the loss on a held-out
@@ -42,6 +43,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -90,6 +92,17 @@ def markov_batch(vocab: int, batch: int, seq: int, step: int) -> tuple[torch.Ten
 HELD_OUT = -1  # the step index of the evaluation batch (never trained on)
 
 
+def cpu_counters() -> tuple[float, float, int]:
+    """This process's user and system CPU seconds (every thread) and minor page faults so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime, r.ru_stime, r.ru_minflt
+
+
+def with_cpu(row: dict, before: tuple[float, float, int]) -> dict:
+    after = cpu_counters()
+    return {**row, "user_s": after[0] - before[0], "sys_s": after[1] - before[1], "faults": after[2] - before[2]}
+
+
 # ---- workers ---------------------------------------------------------------------------------
 
 
@@ -117,7 +130,7 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
     rows = []
     for step in range(cfg["warmup"] + cfg["steps"]):
         x, y = markov_batch(cfg["vocab"], cfg["batch"], cfg["seq"], step)
-        t0 = time.perf_counter()
+        c0, t0 = cpu_counters(), time.perf_counter()
         live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         loss = gpt.token_loss(functional_call(model, live, (x,)), y).mean()
         grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
@@ -125,8 +138,9 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
         params, state = optimizer.update(grads, state, params)
         t2 = time.perf_counter()
         m = state.get("metrics", {}) if isinstance(state, dict) else {}
-        rows.append({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": m.get("host_wait_s", 0.0),
-                     "bytes": m.get("d2h_bytes", 0) + m.get("h2d_bytes", 0), "loss": float(loss.detach())})
+        rows.append(with_cpu({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": m.get("host_wait_s", 0.0),
+                              "bytes": m.get("d2h_bytes", 0) + m.get("h2d_bytes", 0),
+                              "loss": float(loss.detach())}, c0))
         if mode == "zenflow":  # untimed: how much of the gradient the selection updates at once
             rows[-1]["captured"] = captured_share(grads, state["selected"])
     x, y = markov_batch(cfg["vocab"], 64, cfg["seq"], HELD_OUT)
@@ -162,14 +176,14 @@ def deepspeed_worker(cfg: dict) -> dict:
     rows = []
     for step in range(cfg["warmup"] + cfg["steps"]):
         x, y = markov_batch(cfg["vocab"], cfg["batch"], cfg["seq"], step)
-        t0 = time.perf_counter()
+        c0, t0 = cpu_counters(), time.perf_counter()
         loss = gpt.token_loss(engine(x), y).mean()
         engine.backward(loss)
         t1 = time.perf_counter()
         engine.step()
         t2 = time.perf_counter()
-        rows.append({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": t2 - t1, "bytes": None,
-                     "loss": float(loss.detach())})
+        rows.append(with_cpu({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": t2 - t1, "bytes": None,
+                              "loss": float(loss.detach())}, c0))
     x, y = markov_batch(cfg["vocab"], 64, cfg["seq"], HELD_OUT)
     with torch.no_grad():
         held_out = float(gpt.token_loss(engine.module(x), y).mean())
@@ -240,6 +254,9 @@ def timing(args, modes: list[str], log: Path) -> dict:
             timed = res["rows"][args.warmup:]
             runs[mode].append(res)
             print(f"  round {r + 1}: {mode:13s} step {statistics.fmean(x['step_s'] for x in timed):.3f}s "
+                  f"cpu {statistics.fmean(x['user_s'] + x['sys_s'] for x in timed):.3f}s "
+                  f"(sys {statistics.fmean(x['sys_s'] for x in timed):.3f}s, "
+                  f"{statistics.fmean(x['faults'] for x in timed):.0f} faults) "
                   f"wait {statistics.fmean(x['wait_s'] for x in timed):.3f}s load {os.getloadavg()[0]:.1f}", flush=True)
     table = {}
     for mode, results in runs.items():
@@ -253,6 +270,9 @@ def timing(args, modes: list[str], log: Path) -> dict:
             "opt_s": statistics.fmean(x["opt_s"] for x in timed),
             "wait_s": statistics.fmean(x["wait_s"] for x in timed),
             "step_median_s": median([x["step_s"] for x in timed]),
+            "cpu_s": statistics.fmean(x["user_s"] + x["sys_s"] for x in timed),
+            "sys_s": statistics.fmean(x["sys_s"] for x in timed),
+            "faults": statistics.fmean(x["faults"] for x in timed),
             "bytes_per_step": statistics.fmean(byte_rows) if byte_rows else None,
             "model_bytes": model_bytes,
             "steps": len(timed),
@@ -284,9 +304,10 @@ def loss_part(args, modes: list[str], log: Path) -> dict:
 def markdown(result: dict) -> str:
     t, lo = result["timing"]["table"], result["loss"]["table"]
     base_wait = t.get("zero_offload", {}).get("wait_s")
-    lines = ["| mode | step (s) | optimizer call (s) | loop wait (s) | wait vs zero_offload | host bytes/step "
-             "| x model | loss after {} steps (train / held-out) | vs none |".format(result["loss"]["config"]["steps"]),
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | step (s) | CPU s/step (sys) | optimizer call (s) | loop wait (s) | wait vs zero_offload "
+             "| host bytes/step | x model | loss after {} steps (train / held-out) | vs none |".format(
+                 result["loss"]["config"]["steps"]),
+             "|---|---|---|---|---|---|---|---|---|---|"]
     ref = lo.get("none", {}).get("held_out")
     for mode in MODES:
         if mode not in t and mode not in lo:
@@ -305,7 +326,8 @@ def markdown(result: dict) -> str:
         step = f"{r['step_s']:.3f}" if r else "-"
         opt = f"{r['opt_s']:.3f}" if r else "-"
         wait_s = f"{wait:.3f}" if wait is not None else "-"
-        lines.append(f"| {mode} | {step} | {opt} | {wait_s} | {vs} | {by} | {ratio} | {ls} | {rel} |")
+        cpu = f"{r['cpu_s']:.3f} ({r['sys_s']:.3f})" if r else "-"
+        lines.append(f"| {mode} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {by} | {ratio} | {ls} | {rel} |")
     return "\n".join(lines)
 
 
