@@ -20,9 +20,11 @@ from offload.zenflow import CombineScores
 
 
 def sharded_scores(comm: Comm, axes: str | tuple[str, ...]) -> CombineScores:
-    """``combine_scores`` for ``offload.zenflow`` when rows are split over the mesh ``axes`` (the
-    strategy's data axes for ZeRO-2/3; the shard axis for HSDP): the sum of every rank's vector
-    over ``axes``, by ``comm``'s all-reduce.
+    """``combine_scores`` for ``offload.zenflow`` when rows are split over the mesh ``axes``: the
+    sum of every rank's vector over ``axes``, by ``comm``'s all-reduce. ``axes`` are the axes the
+    optimizer state's dim 0 is split over: the data axes for ZeRO-1/2/3, the shard axis alone
+    for HSDP (replicas hold the same rows; summing over them would count each row twice). DDP
+    needs no hook: every rank holds every row.
 
     Guarantees:
       - Every rank of a group gets the same bits (the all-reduce's), so every rank makes the
