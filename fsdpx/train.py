@@ -42,7 +42,7 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 import offload
-from fsdpx import data, strategies
+from fsdpx import data, plain_step, strategies
 from fsdpx.comm import Comm
 from fsdpx.layout import unshard
 from fsdpx.mesh import Mesh
@@ -202,22 +202,17 @@ def init_params(config: RunConfig) -> tuple[GPT, dict[str, Tensor]]:
 
 
 def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimizer) -> Step:
-    """Non-private baseline with the private step's signature: the gradient of the batch-mean
-    loss, no clipping, no noise. The accountant records noise multiplier 0, so ``epsilon`` is
-    ``inf``: plain training gives no guarantee. An empty batch leaves the gradient zero."""
-
-    def mean_loss(params: dict[str, Tensor], batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        losses = loss_fn(functional_call(model, params, (batch[0],)), batch[1])
-        return losses.sum() / max(losses.shape[0], 1), losses.detach()
+    """Non-private baseline with the private step's signature: :func:`fsdpx.plain_step.make_plain_step`
+    (the mean gradient of the batch, no clipping, no noise) on a :class:`TrainState`. The
+    accountant records noise multiplier 0, so ``epsilon`` is ``inf``: plain training gives no
+    guarantee. An empty batch leaves the gradient zero."""
+    plain = plain_step.make_plain_step(model, loss_fn, optimizer)
 
     def step(state: TrainState, batch: tuple[Tensor, Tensor]) -> tuple[TrainState, dict[str, float]]:
-        grads, losses = torch.func.grad(mean_loss, has_aux=True)(state.params, batch)
-        params, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        n = int(losses.shape[0])
+        new, metrics = plain(plain_step.PlainState(state.params, state.opt_state, state.step), batch)
         accountant = state.accountant.record(0.0, 1.0)
-        metrics = {"loss": float(losses.mean()) if n else math.nan, "batch_size": n, "clipped_fraction": 0.0,
-                   "mean_norm": math.nan}
-        return TrainState(params, opt_state, state.step + 1, state.key, accountant), metrics
+        metrics = {**metrics, "clipped_fraction": 0.0, "mean_norm": math.nan}
+        return TrainState(new.params, new.opt_state, new.step, state.key, accountant), metrics
 
     return step
 
