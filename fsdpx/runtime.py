@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -41,6 +42,7 @@ from .collectives import cached_plan as plan
 from .comm import Comm
 from .gather import Gatherer
 from .layout import chunk_bounds, local_box
+from .mesh import Mesh
 from .spec import Spec
 from .strategies import Strategy
 from .units import Unit, make_units
@@ -58,9 +60,9 @@ class ShardedState(NamedTuple):
     accountant: Accountant | None
 
 
-def local_block(t: Tensor, spec: Spec, comm_mesh, rank: int) -> Tensor:
+def local_block(t: Tensor, spec: Spec, mesh: Mesh, rank: int) -> Tensor:
     """A contiguous copy of the block of global tensor ``t`` that ``rank`` holds under ``spec``."""
-    box = local_box(tuple(t.shape), spec, comm_mesh, rank)
+    box = local_box(tuple(t.shape), spec, mesh, rank)
     return t[tuple(slice(a, b) for a, b in box)].clone()
 
 
@@ -84,9 +86,7 @@ def flat_runs(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> list[
         return []
     if not shape:
         return [(0, 1)]
-    inner = 1
-    for s in shape[1:]:
-        inner *= s
+    inner = math.prod(shape[1:])
     if all(box[d] == (0, shape[d]) for d in range(1, len(shape))):
         return [(box[0][0] * inner, box[0][1] * inner)]
     runs = []
@@ -98,9 +98,7 @@ def flat_runs(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> list[
 def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, std: float, dtype) -> Tensor:
     """The unsharded run's noise for the elements of ``box`` of parameter ``name``, shaped like
     the box: the concatenation of ``noise_slice`` over the box's flat runs."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     runs = flat_runs(shape, box)
     parts = [noise_slice(name, numel, a, b, key=key, step=step, std=std, dtype=dtype) for a, b in runs]
     flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)

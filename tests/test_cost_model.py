@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fsdpx import Mesh, SimulatedMesh, comm_per_step, memory_by_rank, memory_per_rank, peak_gathered_bytes, shard
+from fsdpx import Mesh, SimulatedMesh, comm_per_step, memory_by_rank, memory_per_rank, peak_gathered_bytes
 from fsdpx.cost_model import step_collectives
 from fsdpx.layout import local_shape
 from fsdpx.strategies import ddp, hsdp, zero1, zero2, zero3
