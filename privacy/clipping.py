@@ -7,8 +7,10 @@
   raises :class:`UnsupportedLayerError` naming it;
 * ``"auto"``  — ghost, with a per-module vmap for the layers that have no rule.
 
-Within ghost, each parameter's norm uses the Gram form or instantiation, whichever the cost rule
-in ``contributions.py`` says is cheaper (the decision depends on shapes only).
+Within ghost, a parameter's per-example gradients are either instantiated once and reused for
+its norm and its clipped sum, or never formed (Gram-form norm, ``L^T diag(c) R`` sum); the cost
+rules in ``contributions.py`` decide from shapes only, within a memory budget equal to the
+tape's own activations and output gradients.
 """
 
 from __future__ import annotations
@@ -159,8 +161,10 @@ def clip_and_sum(
     else:
         tape = record(model, params, batch, loss_fn, run_model=run_model)
         parts = contributions(model, params, tape, method=method)
-        sq = _sq_norms(parts, params, tape.losses)
         losses = tape.losses
+        del tape  # the contributions hold what is still needed; reuse below frees factors as it goes
+        parts = C.instantiate_for_reuse(parts, {n: p.shape for n, p in params.items()})
+        sq = _sq_norms(parts, params, losses)
     norms = sq.sqrt()
     factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite)
     grads = {}

@@ -13,12 +13,19 @@ parameters. Two forms cover every supported layer:
 
 From a list of contributions to one parameter this module computes the per-example squared
 norm of their SUM (cross terms included, so tied weights are exact) and the clipped sum
-``sum_i c_i g_i`` without ever forming ``g_i`` for factored parts. The cost rule that picks
-Gram form vs instantiation is :func:`gram_cost` / :func:`instantiate_cost`.
+``sum_i c_i g_i``. Two cost rules decide how much is formed:
+
+* for the norm alone, the Gram form or instantiation (:func:`gram_cost` /
+  :func:`instantiate_cost`), whichever costs fewer multiply-adds;
+* before that, :func:`instantiate_for_reuse` may instantiate a parameter's per-example gradients
+  once and use them for BOTH its norm and its clipped sum: that skips the Gram products and the
+  ``L^T diag(c) R`` matmul, at the price of holding ``B x param`` floats until the clipping
+  factors are known (:func:`reuse_saving` states the trade; a byte budget bounds the memory).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Union
 
@@ -93,14 +100,108 @@ def _pair_inner(u: Factored, v: Factored) -> Tensor:
 def instantiate(part: Factored, num_rows: int) -> Tensor:
     """The per-example gradient ``[B, num_rows, n]`` of one factored part."""
     B, T, n = part.right.shape
-    out = part.right.new_zeros(B, num_rows, n)
     r0, r1 = part.rows
+    if not part.one_hot and (r0, r1) == (0, num_rows):
+        return torch.bmm(part.left.transpose(1, 2), part.right)
+    out = part.right.new_zeros(B, num_rows, n)
     if part.one_hot:
         ids = part.left + r0 + torch.arange(B, device=out.device)[:, None] * num_rows
         out.view(B * num_rows, n).index_add_(0, ids.reshape(-1), part.right.reshape(B * T, n))
     else:
         out[:, r0:r1] = torch.bmm(part.left.transpose(1, 2), part.right)
     return out
+
+
+REUSE_MEMORY_MACS = 16
+"""Multiply-add equivalents charged per element of instantiated per-example gradients that are
+kept for reuse: written once and read twice (norm, clipped sum), from the last-level cache."""
+
+REUSE_MAX_BYTES = 32 * 2**20
+"""Largest per-example gradient block (all examples, one parameter) kept for reuse: about the
+last-level cache of the 2-core machines this project runs on (35.8 MiB L3). Beyond it the
+writes and re-reads stream through DRAM and cost more than the Gram products they save (the GPT
+LM head, 16 x 8192 x 256 floats, is slower reused than in Gram form on these machines)."""
+
+
+def reuse_saving(parts: list[Contribution], param_shape: torch.Size) -> int | None:
+    """Multiply-adds per example saved by instantiating ``sum_u g_u,i`` once and reusing it for
+    the norm and the clipped sum, or ``None`` when reuse does not apply (no factored part with
+    a dense left factor: one-hot and dense-only parameters are already cheap).
+
+    Without reuse: the norm (the cheaper of :func:`gram_cost` and :func:`instantiate_cost`) plus
+    the clipped-sum matmul, ``T m n`` per part. With reuse: ``T m n`` per part (one-hot parts
+    ``T n``) plus ``REUSE_MEMORY_MACS`` per element of the ``[rows, n]`` result. The saving may be
+    negative (reuse then costs more)."""
+    factored = [p for p in parts if isinstance(p, Factored)]
+    if not any(not p.one_hot for p in factored):
+        return None
+    matmul = sum(p.steps * p.right.shape[2] * (1 if p.one_hot else p.m) for p in factored)
+    numel = math.prod(param_shape)
+    if any(isinstance(p, Dense) for p in parts) or _rows_overlap(factored):
+        norm = instantiate_cost(factored)
+    else:
+        norm = min(gram_cost(factored), instantiate_cost(factored))
+    return norm + matmul - (matmul + REUSE_MEMORY_MACS * numel)
+
+
+def factor_bytes(parts: dict[str, list[Contribution]]) -> int:
+    """Bytes held by the factors of every factored contribution (distinct tensors counted once):
+    the tape's activations and output gradients that the norms and clipped sums read."""
+    seen: dict[int, int] = {}
+    for plist in parts.values():
+        for p in plist:
+            if isinstance(p, Factored):
+                for t in (p.left, p.right):
+                    base = t._base if t._base is not None else t
+                    seen[id(base)] = base.numel() * base.element_size()
+    return sum(seen.values())
+
+
+def instantiate_for_reuse(
+    parts: dict[str, list[Contribution]], shapes: dict[str, torch.Size], *, budget_bytes: int | None = None
+) -> dict[str, list[Contribution]]:
+    """Replaces, IN ``parts``, some parameters' contributions by ONE :class:`Dense` holding their
+    summed per-example gradients, so the norm and the clipped sum both read it; returns ``parts``.
+    In place on purpose: a replaced entry's factors are freed before the next block is formed.
+
+    Chosen: parameters with a positive :func:`reuse_saving` whose block is at most
+    ``REUSE_MAX_BYTES``, by saving per byte, while the blocks kept fit ``budget_bytes`` (default
+    :func:`factor_bytes` of ``parts``: reuse never holds more than the tape's own factors).
+
+    Guarantees: the norms and clipped sums computed from the result equal those from the
+    original ``parts`` to float rounding (``property_tests/test_ghost_properties.py::
+    test_reused_instantiation_gives_the_same_norms_and_clipped_sums``).
+    Edge cases: ``budget_bytes=0`` changes nothing; an empty dict gives an empty dict."""
+    budget = factor_bytes(parts) if budget_bytes is None else budget_bytes
+    ranked = []
+    for name, plist in parts.items():
+        saving = reuse_saving(plist, shapes[name])
+        if saving is None or saving <= 0:
+            continue
+        factored = [p for p in plist if isinstance(p, Factored)]
+        block = factored[0].right.shape[0] * math.prod(shapes[name]) * factored[0].right.element_size()
+        if block <= REUSE_MAX_BYTES:
+            ranked.append((saving / block, name, block))
+    for _, name, block in sorted(ranked, reverse=True):
+        if block > budget:
+            continue
+        budget -= block
+        parts[name] = [Dense(instantiate_sum(parts[name], shapes[name]))]
+    return parts
+
+
+def instantiate_sum(parts: list[Contribution], param_shape: torch.Size) -> Tensor:
+    """``[B, *param_shape]``: the per-example gradient summed over all contributions."""
+    factored = [p for p in parts if isinstance(p, Factored)]
+    dense = [p.grads for p in parts if isinstance(p, Dense)]
+    num_rows = param_shape[0]
+    g = instantiate(factored[0], num_rows)
+    for p in factored[1:]:
+        g = g + instantiate(p, num_rows)
+    g = g.view(-1, *param_shape)
+    for d in dense:
+        g = g + d
+    return g
 
 
 def _one_hot_sq_norms(parts: list[Factored]) -> Tensor:
@@ -126,12 +227,12 @@ def sq_norms(parts: list[Contribution], param_shape: torch.Size, *, force_instan
     factored = [p for p in parts if isinstance(p, Factored)]
     if not factored:
         total = torch.stack(dense).sum(0) if len(dense) > 1 else dense[0]
-        return total.flatten(1).pow(2).sum(1)
+        return _row_sq_norms(total)
     num_rows = param_shape[0]
     if dense or force_instantiate or _rows_overlap(factored) or _prefer_instantiate(factored):
         g = sum(instantiate(p, num_rows) for p in factored).view(-1, *param_shape)
         g = g + sum(dense) if dense else g
-        return g.flatten(1).pow(2).sum(1)
+        return _row_sq_norms(g)
     if all(p.one_hot for p in factored) and len({p.rows for p in factored}) == 1:
         return _one_hot_sq_norms(factored)
     # <sum_u g_u, sum_v g_v> = sum_u <g_u, g_u> + 2 sum_{u<v} <g_u, g_v>
@@ -140,6 +241,11 @@ def sq_norms(parts: list[Contribution], param_shape: torch.Size, *, force_instan
         for v in factored[i + 1:]:
             total = total + 2 * _pair_inner(u, v)
     return total
+
+
+def _row_sq_norms(g: Tensor) -> Tensor:
+    """``[B]`` squared L2 norms of the rows of ``g`` flattened after dim 0, in one pass."""
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
 
 
 def _rows_overlap(parts: list[Factored]) -> bool:
@@ -161,6 +267,8 @@ def weighted_sum(parts: list[Contribution], weights: Tensor, param_shape: torch.
 
     Guarantees: with ``weights == 1`` this is the ordinary batch gradient
     (``test_clipped_grad_with_infinite_clip_norm_is_the_batch_gradient``)."""
+    if len(parts) == 1 and isinstance(parts[0], Dense):
+        return torch.tensordot(weights, parts[0].grads, dims=1).reshape(param_shape)
     num_rows = param_shape[0] if len(param_shape) else 1
     total = weights.new_zeros(param_shape)
     flat = total.view(num_rows, -1)

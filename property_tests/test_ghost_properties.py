@@ -1,5 +1,7 @@
 """Invariants of ghost norms: they equal the vmap reference on every supported model."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
@@ -47,3 +49,28 @@ def test_gram_and_instantiated_forms_agree(case: Case):
         a = C.sq_norms(plist, shape)
         b = C.sq_norms(plist, shape, force_instantiate=True)
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+@given(supported_cases())
+def test_reused_instantiation_gives_the_same_norms_and_clipped_sums(case: Case):
+    """Instantiating every eligible parameter once (unbounded budget) gives the norms and clipped
+    sums of the factored forms (budget 0: nothing instantiated)."""
+    from privacy.ghost import contributions
+    from privacy.tape import record
+
+    shapes = {n: p.shape for n, p in case.params.items()}
+    tape = record(case.model, case.params, case.batch, case.loss_fn)
+    factored = contributions(case.model, case.params, tape, method="ghost")
+    with mock.patch.object(C, "REUSE_MEMORY_MACS", 0):  # every eligible parameter saves: reuse them all
+        reused = C.instantiate_for_reuse(dict(factored), shapes, budget_bytes=2**62)
+    eligible = [n for n, plist in factored.items() if any(isinstance(p, C.Factored) and not p.one_hot for p in plist)
+                and not any(isinstance(p, C.Factored) and p.one_hot for p in plist)]
+    assert all(isinstance(reused[n][0], C.Dense) and len(reused[n]) == 1 for n in eligible)
+    unchanged = C.instantiate_for_reuse(dict(factored), shapes, budget_bytes=0)
+    weights = torch.rand(case.batch[1].shape[0], dtype=torch.float64)
+    for name in factored:
+        assert unchanged[name] is factored[name]
+        torch.testing.assert_close(C.sq_norms(reused[name], shapes[name]), C.sq_norms(factored[name], shapes[name]),
+                                   rtol=1e-8, atol=1e-12)
+        torch.testing.assert_close(C.weighted_sum(reused[name], weights, shapes[name]),
+                                   C.weighted_sum(factored[name], weights, shapes[name]), rtol=1e-8, atol=1e-12)
