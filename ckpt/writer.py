@@ -11,7 +11,9 @@ stored back to back, C-contiguous, little-endian, in the order given. The manife
 ABSOLUTE offset (``8 + N + data_offsets[0]``) so readers never parse the header.
 
 Each block is hashed while ``os.write`` copies it (the write runs in a helper thread and releases
-the GIL), so checksums cost no extra time when writing is the bottleneck.
+the GIL), so checksums cost no extra time when writing is the bottleneck. Writeback of every
+64 MiB chunk is started as soon as it is written (``sync_file_range``), so the final ``fsync``
+waits only for the tail instead of the whole file.
 
 Guarantees: the returned ``FileResult`` checksum is ``checksum.shard_checksum`` of the header
 and the block digests, over the very bytes written (``ckpt.verify`` recomputes it from the file);
@@ -23,6 +25,7 @@ temporary directory.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -39,7 +42,31 @@ from .checksum import hex_digest, shard_checksum
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("ckpt writes raw little-endian bytes and needs a little-endian host")
 
-_MAX_WRITE = 1 << 30
+_CHUNK = 64 << 20  # bytes per write(2); writeback of each chunk starts as soon as it is written
+
+
+def _libc_sync_file_range():
+    """``sync_file_range(2)`` from the C library, or ``None`` where it does not exist."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range() if sys.platform.startswith("linux") else None
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to disk now,
+    without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk works while
+    the next chunk is copied; elsewhere a no-op. Durability still comes from the final
+    ``fsync``: this only moves the flush earlier."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advisory: errors surface at fsync
 
 
 @dataclass(frozen=True)
@@ -84,9 +111,13 @@ def header(blocks: list[tuple[str, Tensor]]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def _write_all(fd: int, data: memoryview) -> None:
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write ``data`` at the file position (which is ``offset``), chunk by chunk, starting each
+    chunk's writeback once it is in the page cache."""
     while len(data):
-        n = os.write(fd, data[:_MAX_WRITE])
+        n = os.write(fd, data[:_CHUNK])
+        start_writeback(fd, offset, n)
+        offset += n
         data = data[n:]
 
 
@@ -99,10 +130,10 @@ def write_shard(path: Path, blocks: list[tuple[str, Tensor]]) -> FileResult:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-write") as pool:
-            _write_all(fd, memoryview(head))
+            _write_all(fd, memoryview(head), 0)
             for name, t in blocks:
                 data = as_bytes(t)
-                written = pool.submit(_write_all, fd, data)
+                written = pool.submit(_write_all, fd, data, pos)
                 digest = hex_digest(data)  # overlaps the write
                 written.result()
                 stored[name] = Stored(pos, len(data), digest)
