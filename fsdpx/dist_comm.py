@@ -123,6 +123,50 @@ class DistComm:
         pieces = [by_rank[r].narrow(d, 0, sizes[j]) for j, r in enumerate(members)]
         return torch.cat(pieces, d)
 
+    def gather_into(self, collectives: list[Collective], locals_: list[Tensor], outs: list[Tensor]) -> None:
+        """Run several dim-0 all-gathers over the same axes as ONE collective (FSDP2's flat
+        buffer): each rank's padded blocks are packed back to back, gathered once, and each
+        result is copied straight into its ``outs`` tensor (allocated, of the gathered shape).
+
+        Guarantees: ``outs[i]`` equals ``run(collectives[i], locals_[i])`` bit for bit, and the
+        bytes counted are the sum of the per-tensor counts (``tests/multiprocess/test_gloo.py``).
+        Raises ``ValueError`` unless every collective is an all-gather along dim 0 over the same
+        axes."""
+        if not collectives:
+            return
+        axes = collectives[0].axes
+        if any(c.kind != "all_gather" or c.dims != (0,) or c.axes != axes for c in collectives):
+            raise ValueError("gather_into batches dim-0 all-gathers over one set of axes only")
+        pg, members, _ = self._group(axes)
+        k = len(members)
+        blocks, layouts = [], []
+        for c, local in zip(collectives, locals_):
+            sizes = self._sizes(c, local_shape(c.shape, c.dst, c.mesh, self.rank)[0], k)
+            block = _pad(local.contiguous(), 0, max(sizes))
+            blocks.append(block.reshape(-1))
+            layouts.append((sizes, tuple(block.shape)))
+        send = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+        flat = send.new_empty(k * send.numel())
+        for c, b in zip(collectives, blocks):
+            self._count(c, k * b.numel() * b.element_size())
+        try:
+            _ALL_GATHER(flat, send, group=pg)
+        except RuntimeError as e:
+            raise self._failure(e) from e
+        by_rank = flat.view(k, -1)
+        slot = {r: i for i, r in enumerate(sorted(members))}
+        offset = 0
+        for out, (sizes, shape), b in zip(outs, layouts, blocks):
+            seg = by_rank[:, offset:offset + b.numel()].view(k, *shape)
+            offset += b.numel()
+            if members == sorted(members) and all(n == shape[0] for n in sizes):
+                out.view(k, *shape).copy_(seg)  # one strided copy
+                continue
+            row = 0
+            for j, r in enumerate(members):
+                out.narrow(0, row, sizes[j]).copy_(seg[slot[r]].narrow(0, 0, sizes[j]))
+                row += sizes[j]
+
     def _reduce_scatter(self, c: Collective, local: Tensor) -> Tensor:
         pg, members, me = self._group(c.axes)
         (d,) = c.dims

@@ -53,12 +53,39 @@ class Gatherer:
         """Bring ``unit``'s parameters to the compute layout (no-op if already there)."""
         if unit.module in self.live:
             return
+        batched = self._batchable(unit)
+        if batched:
+            self._gather_batched(batched)
         for name in unit.params:
+            if name in batched:
+                continue
             x = self.at_rest[name]
             for c in self.plans[name]:
                 x = self.comm.run(c, x)
             self._fill(name, x)
         self.live.add(unit.module)
+
+    def _batchable(self, unit: Unit) -> list[str]:
+        """The unit's parameters whose plan is one dim-0 all-gather over the unit's common axes,
+        when the communicator can run them as one flat collective (``DistComm.gather_into``)
+        and there are at least two; else ``[]``."""
+        if not hasattr(self.comm, "gather_into"):
+            return []
+        names = [n for n in unit.params if len(self.plans[n]) == 1 and self.plans[n][0].kind == "all_gather"
+                 and self.plans[n][0].dims == (0,)]
+        if len(names) < 2 or len({self.plans[n][0].axes for n in names}) != 1:
+            return []
+        return names
+
+    def _gather_batched(self, names: list[str]) -> None:
+        """One flat all-gather for ``names``, written straight into their leaves' storage."""
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for n in names:
+                full = self.full[n]
+                full.untyped_storage().resize_(math.prod(full.shape) * full.element_size())
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(full))
+            self.comm.gather_into([self.plans[n][0] for n in names], [self.at_rest[n] for n in names],
+                                  [self.full[n] for n in names])
 
     def _placeholder(self, name: str, comm: Comm, shape: tuple[int, ...]) -> Tensor:
         """The step's leaf for ``name`` in the compute layout: an alias of the at-rest tensor when
