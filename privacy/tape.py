@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
@@ -33,9 +34,10 @@ class Call:
     module: nn.Module
     args: tuple
     kwargs: dict
-    outputs: list[Tensor]  # the output tensors that require grad, in pytree order
+    outputs: list[Any]  # autograd edges of the output tensors that require grad, in pytree order
     positions: list[int]  # their indices among the flattened outputs
     grads: list[Tensor] = field(default_factory=list)
+    shapes: list[tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=list)
 
 
 @dataclass
@@ -101,14 +103,16 @@ def record(
                     f"module {name!r} sees a tensor of shape {tuple(t.shape)} without the batch "
                     f"dimension {batch_size} first; per-example gradients need batch-first layers"
                 )
-        calls.append(Call(name, module, call_args, call_kwargs, outs, positions))
+        # Edges, not tensors: holding the outputs would keep every layer's output alive through
+        # the backward after autograd itself has released it.
+        calls.append(Call(name, module, call_args, call_kwargs, [get_gradient_edge(t) for t in outs], positions,
+                          shapes=[(t.shape, t.dtype, t.device) for t in outs]))
 
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     handles = [modules[n].register_forward_hook(hook, with_kwargs=True) for n in table]
     try:
         with torch.enable_grad():
-            outputs = run_model(args) if run_model else functional_call(model, live, args)
-            losses = loss_fn(outputs, targets)
+            losses = loss_fn(run_model(args) if run_model else functional_call(model, live, args), targets)
             _check_losses(losses, batch_size)
             wanted = [t for c in calls for t in c.outputs]
             grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ()
@@ -117,9 +121,9 @@ def record(
             h.remove()
     it = iter(grads)
     for c in calls:
-        c.grads = [g if g is not None else torch.zeros_like(o) for o, g in zip(c.outputs, it)]
+        c.grads = [g if g is not None else torch.zeros(s, dtype=d, device=v) for (s, d, v), g in zip(c.shapes, it)]
         c.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
-        c.outputs = [o.detach() for o in c.outputs]
+        c.outputs = []
     return Tape(calls, losses.detach())
 
 

@@ -121,13 +121,13 @@ def test_ghost_backward_computes_no_weight_gradient(linear_case, monkeypatch):
     real = torch.autograd.grad
 
     def counting(outputs, inputs, *a, **k):
-        calls.append([tuple(t.shape) for t in inputs])
+        calls.append([e.node.name() for e in inputs])  # the tape asks by autograd edge
         return real(outputs, inputs, *a, **k)
 
     monkeypatch.setattr(torch.autograd, "grad", counting)
     clipped_grad(model, params, batch, mse, clip_norm=1.0, method="ghost")
     assert len(calls) == 1
-    assert all(shape[0] == 5 for shape in calls[0])  # only layer outputs (batch-first), no weights
+    assert calls[0] and not any("AccumulateGrad" in name for name in calls[0])  # layer outputs only, no leaf
 
 
 def test_embedding_on_expanded_non_contiguous_ids_matches_vmap():
