@@ -4,7 +4,8 @@ range (``os.preadv`` straight into the destination's memory where the layout all
 Two ways to read: a stored box read whole (or in one run) is ``preadv``-ed into its destination;
 a box read in many runs (e.g. a column slice of a row-major block) is copied out of a read-only
 ``mmap`` of the file in one strided copy, touching exactly the runs' bytes, instead of one
-system call per run. Either way the kernel moves whole pages: rows shorter than a page cost
+system call per run; when those runs touch every page of their span, the span is first faulted
+in with one ``MADV_POPULATE_READ`` (Linux 5.14+), which reads ahead in large requests. Either way the kernel moves whole pages: rows shorter than a page cost
 their page on a cold cache, whoever reads them.
 
 Guarantees (``tests/test_ckpt_boxes.py``, ``property_tests/test_ckpt_properties.py``):
@@ -102,9 +103,33 @@ def _byte_slices(inter: Box, origin: Box, size: int) -> tuple[slice, ...]:
                  for d, ((s, e), (o, _)) in enumerate(zip(inter, origin)))
 
 
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14; Python 3.11 lacks the name
+_PAGE = mmap.PAGESIZE
+
+
+def _covers_every_page(offsets: np.ndarray, length: int) -> bool:
+    """True if the runs ``[o, o + length)`` (sorted) leave no whole page untouched between the
+    first and the last: then faulting the pages in bulk reads nothing the copy would not."""
+    first, last = offsets // _PAGE, (offsets + length - 1) // _PAGE
+    return bool(np.all(first[1:] <= last[:-1] + 1))
+
+
+def _populate(mapping: mmap.mmap, start: int, stop: int) -> None:
+    """Fault ``[start, stop)`` of the mapping in with one call (the kernel reads ahead in large
+    requests, instead of one page fault at a time); a no-op where the kernel lacks it."""
+    start -= start % _PAGE
+    try:
+        mapping.madvise(_MADV_POPULATE_READ, start, stop - start)
+    except (OSError, ValueError):
+        pass
+
+
 def _strided_copy(files: Files, stored: BoxRecord, inter: Box, want: Box, out: Tensor, size: int,
-                  stats: ReadStats) -> None:
-    """Copy ``inter`` from a stored box into ``out`` (holding ``want``) through a mapping."""
+                  stats: ReadStats, offsets: np.ndarray, length: int) -> None:
+    """Copy ``inter`` from a stored box into ``out`` (holding ``want``) through a mapping.
+    When the runs touch every page of their span anyway, the span is faulted in first in bulk."""
+    if _covers_every_page(offsets, length):
+        _populate(files.mapping(stored.file), stored.offset + int(offsets[0]), stored.offset + int(offsets[-1]) + length)
     flat = np.frombuffer(files.mapping(stored.file), dtype=np.uint8, count=stored.nbytes, offset=stored.offset)
     src = _byte_rows(flat, extents(stored.box), size)[_byte_slices(inter, stored.box, size)]
     dst = _byte_rows(out.reshape(-1).view(torch.uint8).numpy(), extents(want), size)
@@ -126,7 +151,7 @@ def read_box(record: TensorRecord, want: Box, files: Files, stats: ReadStats, *,
             continue
         offsets, length = runs(stored.box, inter, size)
         if len(offsets) > MANY_RUNS:
-            _strided_copy(files, stored, inter, want, out, size, stats)
+            _strided_copy(files, stored, inter, want, out, size, stats, offsets, length)
             continue
         whole, direct = inter == stored.box, inter == want
         buf = out if direct else torch.empty(extents(inter), dtype=dtype)
