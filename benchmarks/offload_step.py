@@ -13,7 +13,9 @@ Two parts, each mode in its own process (started by this script with ``--worker`
   ones. Reported per step (mean over every timed step of every round): step time (wall), the
   process's CPU time (every thread, ZenFlow's background worker included; steadier than wall
   time on a loaded machine) with its system share, time in the optimizer call, the loop's wait
-  for host optimizer work, and host bytes moved (gradients down, parameters and states up).
+  for host optimizer work, the host-side bookkeeping the loop does itself (``host_loop_s``:
+  gathers into the window sum, a window's input copies, scattering results back, handovers),
+  and host bytes moved (gradients down, parameters and states up).
 * **Loss** after ``--loss-steps`` steps (default 200) on a smaller GPT (2 x 128, vocabulary 512:
   0.5M parameters, so 200 steps of every mode take a minute), on the same synthetic Markov-chain
   data for every mode: the training loss (mean of the last 10 steps) and the loss on a held-out
@@ -26,6 +28,11 @@ Modes, all AdamW with the same hyper-parameters, fp32, one process, the CPU as "
 * ``zero_offload``: ``offload.zero_offload(adamw)``: the whole optimizer on the host, synchronously.
 * ``zenflow``: ``offload.zenflow(adamw, topk_ratio=0.1, update_interval=4, select_interval=16,
   delay=1, overlap=True)``. The timed steps cover one whole selection period (a reselection included).
+* ``accumulate`` (loss part only): no offload, AdamW once per ``update_interval`` steps on the
+  mean gradient of those steps, i.e. gradient accumulation: the schedule DeepSpeed's ZenFlow runs
+  its baseline on (it sets ``gradient_accumulation_steps = update_interval``), and exactly what
+  ZenFlow's unselected columns get (``offload.zenflow`` with ``topk_ratio=0``, ``delay=0``: equal
+  to it by ``property_tests/test_zenflow_properties.py``).
 * ``deepspeed``: DeepSpeed ZeRO stage 2 with ``offload_optimizer: cpu`` (``DeepSpeedCPUAdam``),
   ``DS_ACCELERATOR=cpu``, run with ``.bench-venv/bin/python``: DeepSpeed is never a dependency
   of this project. Its loop wait is the time in ``engine.step()`` (its host update is synchronous);
@@ -56,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH_VENV = ROOT / ".bench-venv"
 DEEPSPEED = ["torch==2.13.0", "deepspeed==0.19.8"]
 MODES = ["none", "zero_offload", "zenflow", "deepspeed"]
+LOSS_ONLY_MODES = ["accumulate"]
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": 16, "delay": 1, "overlap": True}
 
@@ -123,8 +131,10 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
 
     gpt, model = build_model(cfg)
     inner = adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    accumulate = {**ZENFLOW, "topk_ratio": 0.0, "delay": 0, "overlap": False}
     optimizer = {"none": lambda: inner, "zero_offload": lambda: offload.zero_offload(inner),
-                 "zenflow": lambda: offload.zenflow(inner, **ZENFLOW)}[mode]()
+                 "zenflow": lambda: offload.zenflow(inner, **ZENFLOW),
+                 "accumulate": lambda: offload.zenflow(inner, **accumulate)}[mode]()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = optimizer.init(params)
     rows = []
@@ -139,6 +149,7 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
         t2 = time.perf_counter()
         m = state.get("metrics", {}) if isinstance(state, dict) else {}
         rows.append(with_cpu({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": m.get("host_wait_s", 0.0),
+                              "loop_s": m.get("host_loop_s", 0.0),
                               "bytes": m.get("d2h_bytes", 0) + m.get("h2d_bytes", 0),
                               "loss": float(loss.detach())}, c0))
         if mode == "zenflow":  # untimed: how much of the gradient the selection updates at once
@@ -269,6 +280,7 @@ def timing(args, modes: list[str], log: Path) -> dict:
             "step_s": statistics.fmean(x["step_s"] for x in timed),
             "opt_s": statistics.fmean(x["opt_s"] for x in timed),
             "wait_s": statistics.fmean(x["wait_s"] for x in timed),
+            "loop_s": statistics.fmean(x.get("loop_s", 0.0) for x in timed),
             "step_median_s": median([x["step_s"] for x in timed]),
             "cpu_s": statistics.fmean(x["user_s"] + x["sys_s"] for x in timed),
             "sys_s": statistics.fmean(x["sys_s"] for x in timed),
@@ -305,11 +317,11 @@ def markdown(result: dict) -> str:
     t, lo = result["timing"]["table"], result["loss"]["table"]
     base_wait = t.get("zero_offload", {}).get("wait_s")
     lines = ["| mode | step (s) | CPU s/step (sys) | optimizer call (s) | loop wait (s) | wait vs zero_offload "
-             "| host bytes/step | x model | loss after {} steps (train / held-out) | vs none |".format(
-                 result["loss"]["config"]["steps"]),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| loop's own host work (s) | host bytes/step | x model | loss after {} steps (train / held-out) "
+             "| vs none |".format(result["loss"]["config"]["steps"]),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = lo.get("none", {}).get("held_out")
-    for mode in MODES:
+    for mode in MODES + LOSS_ONLY_MODES:
         if mode not in t and mode not in lo:
             continue
         r = t.get(mode, {})
@@ -318,8 +330,10 @@ def markdown(result: dict) -> str:
         b = r.get("bytes_per_step")
         by = f"{b / 2**20:.1f} MiB" if b is not None else "2x model (design)"
         ratio = f"{b / r['model_bytes']:.2f}" if b is not None else "2.00"
-        if mode == "none":
+        if mode in ("none", "accumulate"):
             by, ratio = "0", "0"
+        if mode not in t:
+            by, ratio = "-", "-"
         loss = lo.get(mode)
         ls = f"{loss['train_loss']:.4f} / {loss['held_out']:.4f}" if loss else "-"
         rel = f"{100 * (loss['held_out'] - ref) / ref:+.2f}%" if loss and ref else "-"
@@ -327,7 +341,8 @@ def markdown(result: dict) -> str:
         opt = f"{r['opt_s']:.3f}" if r else "-"
         wait_s = f"{wait:.3f}" if wait is not None else "-"
         cpu = f"{r['cpu_s']:.3f} ({r['sys_s']:.3f})" if r else "-"
-        lines.append(f"| {mode} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {by} | {ratio} | {ls} | {rel} |")
+        loop = f"{r['loop_s']:.3f}" if r and "loop_s" in r else "-"
+        lines.append(f"| {mode} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {loop} | {by} | {ratio} | {ls} | {rel} |")
     return "\n".join(lines)
 
 
@@ -367,7 +382,7 @@ def main() -> None:
     print(f"timing ({args.rounds} interleaved rounds; worker logs in {log})", flush=True)
     result = {"timing": timing(args, modes, log)}
     print("loss", flush=True)
-    result["loss"] = loss_part(args, modes, log)
+    result["loss"] = loss_part(args, modes + LOSS_ONLY_MODES, log)
     result["load"] = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     out.write_text(json.dumps(result, indent=1))
     print(markdown(result))

@@ -66,7 +66,11 @@ pure: the same inputs give the same outputs bit for bit, except the clock readin
 ``state["metrics"]["host_wait_s"]``; the background thread only reads copies it owns.
 
 ``state["metrics"]`` describes the last step: ``host_wait_s`` (seconds the call spent blocked on
-host optimizer work), ``d2h_bytes`` and ``h2d_bytes`` (bytes of gradients, states and
+host optimizer work), ``host_loop_s`` (seconds the call itself spent on host-side bookkeeping:
+gathering the unselected columns' gradient into the window sum, copying a window's inputs for
+the host job, scattering a finished window into the host state and the parameters, handing
+state over at a reselection; with a GPU these are copies and small kernels, here they share the
+CPU with the model), ``d2h_bytes`` and ``h2d_bytes`` (bytes of gradients, states and
 parameters moved each way).
 
 Under DP, pass the noised gradient: selection and the ``"auto"`` rules read only ``grads``.
@@ -210,12 +214,16 @@ def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor) -> dict:
     return {"cols": cols, "grad": grad, **job, "count": h["count"][cols]}
 
 
-def _timed(metrics: dict, fn, *args):
+def _timed(metrics: dict, fn, *args, key: str = "host_wait_s"):
+    """``fn(*args)``, its wall time added to ``metrics[key]``."""
     start = time.perf_counter()
     try:
         return fn(*args)
     finally:
-        metrics["host_wait_s"] += time.perf_counter() - start
+        metrics[key] += time.perf_counter() - start
+
+
+_LOOP = "host_loop_s"
 
 
 def _check_inner_state(inner_state: dict, params: Params) -> list[str]:
@@ -318,13 +326,13 @@ def zenflow(
             "window_sq": 0.0,  # sum_t |g_t|^2 over the window (the "auto" fire rule)
             "since_selection": 0,
             "pending": None,  # delay=1: {"result": Future | {name: host result}}
-            "metrics": {"host_wait_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0},
+            "metrics": {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0},
         }
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
         check_same_keys(grads, params)
         slot_names: list[str] = state["slots"]
-        metrics = {"host_wait_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
+        metrics = {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
         host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)
         since = state["since_selection"]
 
@@ -356,6 +364,7 @@ def zenflow(
                 new_params[k] = p.index_copy(1, idx, master.to(p.dtype))
 
         # Host: add the unselected columns' gradient to the window sum.
+        loop_start = time.perf_counter()
         opening = state["window_steps"] == 0
         acc = {} if opening else dict(state["acc"])
         window_sq = 0.0 if opening else state["window_sq"]
@@ -371,6 +380,7 @@ def zenflow(
                     window_sq += g_sq
                     norm_sq_of_sum += s_sq
         window_steps, since = state["window_steps"] + 1, since + 1
+        metrics[_LOOP] += time.perf_counter() - loop_start
 
         if update_interval == "auto":
             closing = host_update_due(window_steps, norm_sq_of_sum, window_sq, auto)
@@ -379,7 +389,8 @@ def zenflow(
         pending = state["pending"]
         if closing:
             if pending is not None:  # delay=1: the previous window lands now
-                _apply_host_result(_timed(metrics, worker.resolve, pending["result"]), host, new_params, metrics)
+                landed = _timed(metrics, worker.resolve, pending["result"])
+                _timed(metrics, _apply_host_result, landed, host, new_params, metrics, key=_LOOP)
                 pending = None
             reselect = _reselection(grads, selected, since)
             if reselect is not None and select_interval != "auto":
@@ -397,17 +408,17 @@ def zenflow(
                 now_cols = uns if delay == 0 else entering
                 later_cols = uns[~torch.isin(uns, now_cols)]
                 if now_cols.numel():
-                    now[k] = _job_inputs(host[k], acc[k], uns, now_cols)
+                    now[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, now_cols, key=_LOOP)
                 if later_cols.numel():
-                    later[k] = _job_inputs(host[k], acc[k], uns, later_cols)
+                    later[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, later_cols, key=_LOOP)
             if now:
                 result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
-                _apply_host_result(result, host, new_params, metrics)
+                _timed(metrics, _apply_host_result, result, host, new_params, metrics, key=_LOOP)
             if later:
                 job = partial(_host_window, inner, slot_names, divisor, later)
                 pending = {"result": worker.submit(job) if overlap else _timed(metrics, job)}
             for k, sel in reselect.items():
-                host[k], device[k] = _handover(host[k], device[k], selected[k], sel, metrics)
+                host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics, key=_LOOP)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
             acc, window_steps, window_sq = {}, 0, 0.0
 

@@ -26,7 +26,8 @@ def zero_offload(inner: Optimizer) -> Optimizer:
         result cast to the parameters' dtype; the master is never re-read from ``params``.
       - State is plain data, every tensor on the host: ``{"master": {name: T}, "inner": inner's
         state, "metrics": ...}``. ``state["metrics"]`` for the last step: ``host_wait_s`` (the
-        whole step: the device waits for copies and host update), ``d2h_bytes`` (every gradient),
+        whole step: the device waits for copies and host update; ``host_loop_s`` is 0, nothing
+        is left outside the wait), ``d2h_bytes`` (every gradient),
         ``h2d_bytes`` (every parameter, in its dtype).
 
     ``params`` passed to ``update`` must be those returned by the previous ``update`` (or the
@@ -35,7 +36,7 @@ def zero_offload(inner: Optimizer) -> Optimizer:
     def init(params: Params) -> State:
         master = {k: p.detach().to(device=HOST, dtype=master_dtype(p.dtype), copy=True) for k, p in params.items()}
         return {"master": master, "inner": inner.init(master),
-                "metrics": {"host_wait_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0}}
+                "metrics": {"host_wait_s": 0.0, "host_loop_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0}}
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
         check_same_keys(grads, params)
@@ -52,7 +53,7 @@ def zero_offload(inner: Optimizer) -> Optimizer:
             v = master[k].to(p.dtype, copy=True)  # never alias the returned weights with the state
             h2d += nbytes(v)
             new_params[k] = to_device(v, p.device)
-        metrics = {"host_wait_s": time.perf_counter() - start, "d2h_bytes": d2h, "h2d_bytes": h2d}
+        metrics = {"host_wait_s": time.perf_counter() - start, "host_loop_s": 0.0, "d2h_bytes": d2h, "h2d_bytes": h2d}
         return new_params, {"master": master, "inner": inner_state, "metrics": metrics}
 
     return Optimizer(init, update)

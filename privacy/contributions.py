@@ -135,13 +135,13 @@ def reuse_saving(parts: list[Contribution], param_shape: torch.Size) -> int | No
     factored = [p for p in parts if isinstance(p, Factored)]
     if not any(not p.one_hot for p in factored):
         return None
-    matmul = sum(p.steps * p.right.shape[2] * (1 if p.one_hot else p.m) for p in factored)
-    numel = math.prod(param_shape)
     if any(isinstance(p, Dense) for p in parts) or _rows_overlap(factored):
         norm = instantiate_cost(factored)
     else:
         norm = min(gram_cost(factored), instantiate_cost(factored))
-    return norm + matmul - (matmul + REUSE_MEMORY_MACS * numel)
+    # The instantiating matmul of reuse costs what the clipped-sum matmul costs without it, so
+    # the two cancel: reuse saves the norm and pays for the memory traffic.
+    return norm - REUSE_MEMORY_MACS * math.prod(param_shape)
 
 
 def factor_bytes(parts: dict[str, list[Contribution]]) -> int:
