@@ -477,9 +477,17 @@ def launch(worker_args: list[str], env_extra: dict[str, str], nproc: int) -> dic
         path = os.path.join(tmp, "result.json")
         cmd = torchrun_command(nproc, [os.path.abspath(__file__), *worker_args, "--result", path])
         env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
-        subprocess.run(cmd, env=env, check=True, stdout=sys.stderr)
-        with open(path) as f:
-            return json.load(f)
+        proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
+        try:
+            with open(path) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            proc.check_returncode()
+            raise
+        if proc.returncode:  # e.g. torch 2.13's FSDP2 + gloo can abort while the process exits
+            log(f"worker exited with code {proc.returncode} AFTER writing its complete result; result kept")
+            result["exit_code"] = proc.returncode
+        return result
 
 
 def summarize_time(job: dict) -> dict[str, Any]:
@@ -619,6 +627,7 @@ def tables(res: dict) -> str:
                   "| mode | predicted state | fsdpx resident_bytes | peak above model, glibc default "
                   "| peak above model, MALLOC_MMAP_THRESHOLD_=65536 | VmRSS after model (default) |",
                   "|---|---|---|---|---|---|"]
+        mem = {mode: by_env for mode, by_env in mem.items() if by_env}  # failed jobs left out
         for mode, by_env in mem.items():
             strategy = "ddp" if mode in ("ddp", "fsdpx-ddp") else "zero3"
             p = pred[strategy]["memory_by_rank"] if pred else None
@@ -661,8 +670,12 @@ def driver(args) -> None:
             res["memory"][mode] = {}
             for label, env in (("default", {}), ("threshold", {"MALLOC_MMAP_THRESHOLD_": "65536"})):
                 log(f"memory job: {mode}, malloc {label}")
-                job = launch(["--worker", "mem", "--mode", mode, "--mem-steps", str(args.mem_steps), *size],
-                             env, args.nproc)
+                try:
+                    job = launch(["--worker", "mem", "--mode", mode, "--mem-steps", str(args.mem_steps), *size],
+                                 env, args.nproc)
+                except (subprocess.CalledProcessError, OSError, ValueError) as e:
+                    log(f"memory job {mode} ({label}) failed: {e}; its row is left out")
+                    continue
                 res["memory"][mode][label] = job
     res["load_end"] = os.getloadavg()
     res["wall_s"] = time.perf_counter() - t_start
