@@ -6,6 +6,7 @@ hyper-parameters):
   torch             non-private: ``token_loss(model(x), y).mean().backward()`` + ``torch.optim.AdamW``
   fsdpx-vmap        ``privacy.step.make_private_step`` with ``method="vmap"``
   fsdpx-ghost       ``make_private_step`` with ``method="auto"`` (ghost, vmap only for rule-less layers)
+  (both fsdpx modes with ``donate=True``: AdamW writes into the state in place, as torch.optim does)
   opacus-hooks      Opacus ``make_private(grad_sample_mode="hooks")`` + AdamW
   opacus-ghost      Opacus ``make_private(grad_sample_mode="ghost")``: the criterion it returns
                     packages both backward passes in ``loss.backward()``
@@ -164,7 +165,7 @@ class FsdpxRunner(Runner):
                     return inner(grads, state, params)
 
             opt = Optimizer(opt.init, update)
-        self.step_fn = make_private_step(model, token_loss, opt, config, num_examples=NUM_EXAMPLES)
+        self.step_fn = make_private_step(model, token_loss, opt, config, num_examples=NUM_EXAMPLES, donate=True)
         self.state = init_state(dict(model.named_parameters()), opt, key=0, config=config)
 
     def step(self) -> float:

@@ -10,12 +10,14 @@ Every mode trains the SAME model (one ``fsdpx.models.gpt.GPT``, ~49M fp32 parame
 tied to the token embedding, built from one seed), on the SAME global batch (each rank takes its
 ``torch.chunk`` half), with AdamW of the same hyper-parameters:
 
-* ``fsdpx-zero3``          ``make_sharded_step(..., strategies.zero3())``, ``fsdpx.optim.adamw``
+* ``fsdpx-zero3``          ``make_sharded_step(..., strategies.zero3(), donate=True)``, ``fsdpx.optim.adamw``
+                           (donated state: AdamW writes in place, as ``torch.optim`` does; the
+                           main job runs this way too)
 * ``fsdpx-zero3-private``  the same with ``DPConfig(method="ghost", clip 1, noise 1)``
 * ``fsdp2``                ``fully_shard`` on every block, then on the root (both with
                            ``reshard_after_forward=True``), ``torch.optim.AdamW``
 * ``ddp``                  ``DistributedDataParallel``, ``torch.optim.AdamW``
-* ``fsdpx-ddp``            ``make_sharded_step(..., strategies.ddp())``
+* ``fsdpx-ddp``            ``make_sharded_step(..., strategies.ddp(), donate=True)``
 
 Timing job: all modes live in one pair of processes; for each round, for each mode (the order
 rotates every round): barrier, time one step on each rank. A step's time is the slower rank's;
@@ -270,13 +272,14 @@ def build_fsdpx(model, comm, strategy_name: str, private: bool):
     from fsdpx.optim import Optimizer, adamw
 
     opt = adamw(LR, weight_decay=WD)
-    opt = Optimizer(opt.init, timed("update", opt.update, before="reduce", after="update"))
+    opt = Optimizer(opt.init, timed("update", opt.update, before="reduce", after="update"),
+                    timed("update", opt.update_inplace, before="reduce", after="update"))
     params = {k: v.detach() for k, v in model.named_parameters()}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     strategy = strategies.ALL[strategy_name]()
     config = dp_config() if private else None
     step = make_sharded_step(model, token_loss, opt, strategy, comm, param_shapes=shapes, config=config,
-                             num_examples=8000 if private else None)
+                             num_examples=8000 if private else None, donate=True)
     holder = [init_sharded(params, opt, strategy, comm, key=0, config=config)]
     del params
     for p in model.parameters():

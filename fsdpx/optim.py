@@ -30,10 +30,16 @@ OptState = dict[str, object]
 
 class Optimizer(NamedTuple):
     """Two pure functions: ``init(params) -> state`` and
-    ``update(grads, state, params) -> (new_params, new_state)``. Inputs are never mutated."""
+    ``update(grads, state, params) -> (new_params, new_state)``. Inputs are never mutated.
+
+    ``update_inplace`` (optional) is the same arithmetic for a caller that donates ``params`` and
+    ``state`` (JAX's ``donate_argnums``): it writes the new values into their tensors and returns
+    them, sparing one allocation and one pass per tensor. Its results equal ``update``'s bit for
+    bit (``property_tests/test_optim.py::test_inplace_update_equals_the_pure_update``)."""
 
     init: Callable[[Params], OptState]
     update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
+    update_inplace: Callable[[Params, OptState, Params], tuple[Params, OptState]] | None = None
 
 
 def check_same_keys(grads: Params, params: Params) -> None:
@@ -120,6 +126,29 @@ def adamw_kernel(
     return new_p, new_m, new_v
 
 
+def adamw_kernel_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr: float, b1: float, b2: float,
+                  eps: float, weight_decay: float) -> None:
+    """:func:`adamw_kernel` written into ``p``, ``m`` and ``v``: the same operations on the same
+    operands (IEEE addition commutes, so ``v * b2 + t`` rounds as ``t + v * b2``), hence the
+    same bits."""
+    bc1 = 1 - b1**count
+    bc2_sqrt = math.sqrt(1 - b2**count)
+    step_size = lr / bc1
+    p.mul_(1 - lr * weight_decay)
+    m.mul_(b1)
+    m.add_(g * (1 - b1))
+    t = g * g
+    t *= 1 - b2
+    v.mul_(b2)
+    v.add_(t)
+    torch.sqrt(v, out=t)
+    t /= bc2_sqrt
+    t += eps
+    torch.div(m, t, out=t)
+    t *= step_size
+    p.sub_(t)
+
+
 def adamw(
     lr: float,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -153,4 +182,13 @@ def adamw(
             )
         return new_p, {"count": count, "mu": mu, "nu": nu}
 
-    return Optimizer(init, update)
+    def update_inplace(grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:
+        check_same_keys(grads, params)
+        count = state["count"] + 1  # type: ignore[operator]
+        with torch.no_grad():
+            for k, p in params.items():
+                adamw_kernel_(p, grads[k], state["mu"][k], state["nu"][k], count,  # type: ignore[index]
+                              lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        return params, {**state, "count": count}
+
+    return Optimizer(init, update, update_inplace)

@@ -137,6 +137,7 @@ def make_sharded_step(
     config: DPConfig | None = None,
     num_examples: int | None = None,
     unit_modules: list[str] | None = None,
+    donate: bool = False,
 ) -> Callable[[ShardedState, tuple[Any, Tensor]], tuple[ShardedState, dict[str, Any]]]:
     """Returns this rank's ``step(state, global_batch) -> (state, metrics)`` (pure from the
     caller's view: ``state`` is not modified). ``config`` makes it private (ghost clipping with
@@ -147,6 +148,10 @@ def make_sharded_step(
     state, to compare with ``fsdpx.memory_by_rank``), and for private runs clipped_fraction,
     mean_norm. All but comm (ThreadComm: the mesh's; DistComm: this rank's) and resident_bytes
     are identical on every rank.
+    ``donate=True`` (JAX's ``donate_argnums``): the caller gives up ``state``; its tensors may be
+    overwritten by the update (``optimizer.update_inplace`` when the optimizer has one). Same
+    bits as ``donate=False`` (``property_tests/test_sharded_properties.py::
+    test_donated_state_gives_the_same_bits``); saves an allocation and a pass per tensor.
     Raises ``ValueError`` if the mesh is not the strategy's, or (at the first step) if ranks
     disagree on the configuration."""
     mesh = comm.mesh
@@ -172,7 +177,8 @@ def make_sharded_step(
         gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
         raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
         gatherer.finish()
-        new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, optimizer,
+        update = optimizer.update_inplace if donate and optimizer.update_inplace else optimizer.update
+        new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, update,
                                                              _divisor(batch, config, num_examples),
                                                              _owned_noise(state, strategy, comm, shapes, config)
                                                              if config else None)
@@ -244,7 +250,7 @@ def _owned_noise(state: ShardedState, strategy: Strategy, comm: Comm, shapes, co
 
 
 def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, comm: Comm, shapes, units: list[Unit],
-                       optimizer: Optimizer, divisor: float, noise: Params | None):
+                       update: Callable, divisor: float, noise: Params | None):
     mesh = comm.mesh
     grads_upd, params_upd = {}, {}
     grad_bytes = 0
@@ -262,8 +268,7 @@ def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, com
             params_upd[name] = _run_plan(comm, plan(strategy.param_at_rest(nd), strategy.opt_state(nd), shapes[name],
                                                     mesh, p.dtype), p)
     order = list(state.params)
-    new_upd, opt_state = optimizer.update({n: grads_upd[n] for n in order}, state.opt_state,
-                                          {n: params_upd[n] for n in order})
+    new_upd, opt_state = update({n: grads_upd[n] for n in order}, state.opt_state, {n: params_upd[n] for n in order})
     new_params = {}
     for name in order:
         nd = len(shapes[name])

@@ -233,7 +233,7 @@ def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPC
         strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, token_loss, optimizer, strategy, comm, param_shapes=shapes, config=dp,
-                                 num_examples=num_examples)
+                                 num_examples=num_examples, donate=True)
         state = init_sharded(params, optimizer, strategy, comm, key=config.seed, config=dp)
         return state._replace(accountant=accountant), step
     if dp is None:
@@ -241,7 +241,7 @@ def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPC
         state = TrainState(fresh, optimizer.init(fresh), 0, config.seed, accountant)
         return state, make_plain_step(model, token_loss, optimizer)
     state = init_state(params, optimizer, key=config.seed, config=dp)._replace(accountant=accountant)
-    return state, make_private_step(model, token_loss, optimizer, dp, num_examples=num_examples)
+    return state, make_private_step(model, token_loss, optimizer, dp, num_examples=num_examples, donate=True)
 
 
 def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
@@ -396,7 +396,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     })
 
     history: list[dict[str, Any]] = []
-    stopped = None
+    stopped, torn = None, False
     loop_start = time.perf_counter()
     with _open_log(run_dir / "metrics.jsonl", main, append=resumed_at > 0) as log, \
             _progress_bar(config, progress and main, initial=resumed_at) as bar:
@@ -407,7 +407,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                 stopped = str(err)
                 break
             except KeyboardInterrupt:  # keep what was trained: still plot and summarise
-                stopped = "interrupted"
+                # The step updates the donated state in place: interrupted inside it, `state`
+                # may be half old, half new, so it is not saved (the last checkpoint stands).
+                stopped, torn = "interrupted", True
                 break
             # The step does not report epsilon (a PLD query is not free); on the run's coarse
             # grid (accounting_interval) one query per step costs tens of milliseconds.
@@ -421,7 +423,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                 manager.save(state.step, savable(state), blocking=False)  # snapshot now, write in the background
                 saved_at = state.step
     if manager is not None:
-        if saved_at != state.step:
+        if saved_at != state.step and not torn:
             manager.save(state.step, savable(state), force=True, blocking=False)
         manager.wait()
 

@@ -85,7 +85,8 @@ def sample_batch(data: tuple[Tensor, Tensor], sampler: PoissonSampler, step: int
 
 
 def make_private_step(
-    model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, config: DPConfig, *, num_examples: int
+    model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, config: DPConfig, *, num_examples: int,
+    donate: bool = False,
 ) -> Callable[[TrainState, tuple[Any, Tensor]], tuple[TrainState, dict[str, float]]]:
     """Returns ``step(state, batch) -> (new_state, metrics)``, pure: ``state`` is not changed.
 
@@ -96,10 +97,16 @@ def make_private_step(
     raises :class:`BudgetExhaustedError` before anything is computed. An empty batch is a valid
     step: gradient zero plus noise. Metrics: loss (mean over the batch), batch_size,
     clipped_fraction, mean_norm. Epsilon is not a per-step metric (a PLD composition costs
-    up to a second): ask ``state.accountant.epsilon()`` when you want it."""
+    up to a second): ask ``state.accountant.epsilon()`` when you want it.
+
+    ``donate=True``: the caller gives up ``state`` (JAX's ``donate_argnums``); the optimizer may
+    write the new parameters and moments into its tensors (``Optimizer.update_inplace``), with
+    the same bits (``tests/test_private_step.py::test_donated_state_gives_the_same_bits``)."""
     expected_batch = config.sample_rate * num_examples
     if expected_batch <= 0:
         raise PrivacyError(f"num_examples must be >= 1, got {num_examples}")
+
+    update = optimizer.update_inplace if donate and optimizer.update_inplace else optimizer.update
 
     def step(state: TrainState, batch: tuple[Any, Tensor]) -> tuple[TrainState, dict[str, float]]:
         check_budget(state.accountant, config)
@@ -108,7 +115,7 @@ def make_private_step(
         noise = gaussian_noise(state.params, key=state.key, step=state.step, std=config.noise_std)
         # in place on the fresh clipped sums: the same (g + n) / qN, without two more allocations each
         noised = {k: g.add_(noise[k]).div_(expected_batch) for k, g in clipped.grads.items()}
-        params, opt_state = optimizer.update(noised, state.opt_state, state.params)
+        params, opt_state = update(noised, state.opt_state, state.params)
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate)
         metrics = _metrics(clipped.norms, clipped.losses, config)
         return TrainState(params, opt_state, state.step + 1, state.key, accountant), metrics

@@ -66,3 +66,21 @@ def test_optimizers_are_elementwise_on_any_slice(n, seed, data):
         part = _run_ours(opt, sliced, sliced_grads)
         for k in params:
             assert torch.equal(full[k][start:stop], part[k])
+
+
+@given(shapes, st.integers(0, 2**31), st.sampled_from([torch.float32, torch.float64]),
+       st.floats(1e-4, 1e-1), st.floats(0.0, 0.2))
+def test_inplace_update_equals_the_pure_update(shape_list, seed, dtype, lr, wd):
+    """``update_inplace`` (donated buffers) gives the bits of ``update``, parameters and state."""
+    params, grads_seq = _problem(shape_list, seed, dtype)
+    opt = adamw(lr, weight_decay=wd)
+    pure_p, pure_s = params, opt.init(params)
+    own_p = {k: v.clone() for k, v in params.items()}
+    own_s = opt.init(own_p)
+    for grads in grads_seq:
+        pure_p, pure_s = opt.update(grads, pure_s, pure_p)
+        own_p, own_s = opt.update_inplace(grads, own_s, own_p)
+    assert own_s["count"] == pure_s["count"] == len(grads_seq)
+    for k in params:
+        assert torch.equal(own_p[k], pure_p[k])
+        assert torch.equal(own_s["mu"][k], pure_s["mu"][k]) and torch.equal(own_s["nu"][k], pure_s["nu"][k])

@@ -86,3 +86,23 @@ def test_bad_private_config_is_named(kwargs, word):
     base = dict(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1)
     with pytest.raises(PrivacyError, match=word):
         DPConfig(**{**base, **kwargs})
+
+
+def test_donated_state_gives_the_same_bits(setup):
+    """``donate=True`` lets AdamW write into the state's tensors; the bits do not change."""
+    from fsdpx.optim import adamw
+
+    model, batch = setup
+    config = DPConfig(clip_norm=0.5, noise_multiplier=1.0, sample_rate=0.05)
+    opt = adamw(1e-2)
+    runs = []
+    for donate in (False, True):
+        state = init_state(dict(model.named_parameters()), opt, key=5, config=config)
+        step = make_private_step(model, token_loss, opt, config, num_examples=100, donate=donate)
+        for _ in range(3):
+            state, _ = step(state, batch)
+        runs.append(state)
+    pure, donated = runs
+    for k in pure.params:
+        assert torch.equal(pure.params[k], donated.params[k])
+        assert torch.equal(pure.opt_state["nu"][k], donated.opt_state["nu"][k])
