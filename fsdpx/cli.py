@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
         if comm is None or comm.rank == 0:
             print(_plan_line(config, comm), file=sys.stderr)
         summary = run(config, progress=not args.no_progress, comm=comm)
+        if comm is not None:  # after a failure the error stands; a barrier could only hang
+            from fsdpx.dist_comm import shutdown
+
+            shutdown()
     except (ConfigError, PrivacyError) as err:  # a bad value, not a bug: no traceback, no usage
         args.command_parser.exit(2, f"{args.command_parser.prog}: error: {err}\n")
     if comm is None or comm.rank == 0:

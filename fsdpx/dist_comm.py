@@ -44,6 +44,20 @@ def init_from_env(mesh: Mesh, *, timeout_s: float = 60.0) -> "DistComm":
     return DistComm(mesh, grace_s=min(10.0, timeout_s))
 
 
+def shutdown() -> None:
+    """Leave the default process group in order: a barrier, so no peer is still sending, then
+    ``destroy_process_group``. Call it at the end of a torchrun job: a gloo process that exits
+    with its group still alive can abort in C++ teardown ("terminate called without an active
+    exception", seen with torch 2.13), turning a finished run into a failed one. No-op when no
+    group exists."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 class DistComm:
     """One rank's ``Comm`` over the default process group (see the module docstring)."""
 

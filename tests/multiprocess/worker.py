@@ -13,7 +13,7 @@ import torch
 
 from fsdpx import Mesh, strategies
 from fsdpx.comm import RankFailure
-from fsdpx.dist_comm import init_from_env
+from fsdpx.dist_comm import init_from_env, shutdown
 from fsdpx.optim import sgd
 from fsdpx.runtime import init_sharded, make_sharded_step
 from privacy.step import DPConfig
@@ -59,6 +59,8 @@ def main() -> None:
     except RankFailure as e:
         result["failure"] = {"ranks": e.ranks, "message": str(e)}
     torch.save(result, f"{args.out}/rank{comm.rank}.pt")
+    if "failure" not in result:  # after a rank failure there is nobody to meet at a barrier
+        shutdown()
 
 
 def _loss(logits, targets):
