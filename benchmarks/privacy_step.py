@@ -28,6 +28,7 @@ batch exist (the high-water mark is reset there through ``/proc/self/clear_refs`
     .venv/bin/python benchmarks/privacy_step.py --config small              # table on stdout
     .venv/bin/python benchmarks/privacy_step.py --config small --steps 2 --warmup 1 --no-memory
     .venv/bin/python benchmarks/privacy_step.py --config small --profile    # + torch.profiler tables
+    .venv/bin/python benchmarks/privacy_step.py --config both --phases      # where the private step's time goes
 
 Progress goes to stderr; the markdown tables to stdout; ``--out FILE.json`` keeps the raw numbers.
 """
@@ -536,6 +537,47 @@ def profile_tables(prof: dict[str, Any]) -> str:
     return text
 
 
+def phases(name: str, cfg: dict[str, int], rounds: int) -> str:
+    """Where a private step's time goes: the non-private torch step and its forward+backward,
+    fsdpx's whole private step, ``clip_and_sum`` alone and the noise draw alone, interleaved in
+    each round; medians, and ratios to the non-private step (same-round medians)."""
+    from privacy.clipping import clip_and_sum
+    from privacy.noise import gaussian_noise
+
+    model = build_model(cfg, tied=False)
+    batch = build_batch(cfg)
+    torch_runner, fsdpx_runner = TorchRunner(build_model(cfg, tied=False), batch), FsdpxRunner(model, batch, "auto")
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    numel = sum(p.numel() for p in params.values())
+
+    def forward_backward() -> None:
+        torch_runner.model.zero_grad(set_to_none=True)
+        token_loss(torch_runner.model(batch[0]), batch[1]).mean().backward()
+
+    parts = {"non-private torch step": torch_runner.step, "its forward+backward": forward_backward,
+             "fsdpx private step (ghost, donated)": fsdpx_runner.step,
+             "clip_and_sum (tape, norms, clipped sums)": lambda: clip_and_sum(model, params, batch, token_loss,
+                                                                             clip_norm=CLIP_NORM),
+             f"noise ({numel / 1e6:.1f}M normals)": lambda: gaussian_noise(params, key=0, step=0, std=1.0)}
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for i in range(rounds + 1):
+        for label, fn in parts.items():
+            t0 = time.perf_counter()
+            fn()
+            if i:  # round 0 warms up
+                times[label].append(time.perf_counter() - t0)
+        log(f"[{name}] phases round {i}/{rounds}")
+    base = times["non-private torch step"]
+    lines = [f"**{name}** phases, {rounds} interleaved rounds, {torch.get_num_threads()} threads", "",
+             "| part | median s | vs non-private step (median of same-round ratios) |", "|---|---:|---:|"]
+    for label, ts in times.items():
+        ratio = statistics.median(t / b for t, b in zip(ts, base))
+        lines.append(f"| {label} | {statistics.median(ts):.3f} | {ratio:.2f}x |")
+    noise_s = statistics.median(times[f"noise ({numel / 1e6:.1f}M normals)"])
+    lines.append(f"\nnoise: {noise_s / numel * 1e9:.1f} ns per normal (wall, all threads)")
+    return "\n".join(lines) + "\n"
+
+
 def loadavg() -> list[float]:
     try:
         return list(os.getloadavg())
@@ -576,6 +618,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-step-s", type=float, default=60.0, help="skip a mode whose first step is slower")
     ap.add_argument("--max-mem-gb", type=float, default=16.0, help="skip vmap if per-example grads need more")
     ap.add_argument("--report", metavar="FILE.json", help="print the tables of an earlier --out file and exit")
+    ap.add_argument("--phases", action="store_true",
+                    help="instead of the table: time the private step's parts alone, interleaved")
     ap.add_argument("--memory-mode", choices=MODES, help=argparse.SUPPRESS)  # internal: one memory child
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"opacus\..*")
@@ -590,6 +634,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
+    if args.phases:
+        for name in (["small", "large"] if args.config == "both" else [args.config]):
+            print(phases(name, CONFIGS[name], args.steps))
+        return
     modes = list(dict.fromkeys(args.modes))
     names = ["small", "large"] if args.config == "both" else [args.config]
 
