@@ -75,6 +75,11 @@ def _sharded(model, batches, optimizer, config, strategy, mesh, donate=False):
     return full, [r[1] for r in results], shapes
 
 
+def _dp_config(private: bool) -> DPConfig | None:
+    """The privacy knobs of the private cases (ghost clipping: the sharded runtime's method)."""
+    return DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="ghost") if private else None
+
+
 def _optimizer(dtype):
     """AdamW divides by sqrt(v): a gradient that is 0 in exact arithmetic (the attention key
     bias) but rounding noise in practice becomes an lr-sized step of random sign, in any two
@@ -89,7 +94,7 @@ def test_sharded_steps_equal_unsharded_steps(problem, case, private):
     model, batches, dtype = problem
     name, mesh = case
     strategy = strategies.ALL[name]()
-    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="ghost") if private else None
+    config = _dp_config(private)
     optimizer = _optimizer(dtype)
     ref = _baseline(model, batches, optimizer, config)
     got, metrics, shapes = _sharded(model, batches, optimizer, config, strategy, mesh)
@@ -104,7 +109,7 @@ def test_counted_bytes_and_resident_memory_equal_the_cost_model(problem, case, p
     model, batches, dtype = problem
     name, mesh = case
     strategy = strategies.ALL[name]()
-    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="ghost") if private else None
+    config = _dp_config(private)
     _, metrics, shapes = _sharded(model, batches, sgd(0.1, momentum=0.9), config, strategy, mesh)
     units = [list(u.params) for u in make_units(model, shapes)]
     assert metrics[0]["comm"] == comm_per_step(strategy, shapes, mesh, units, dtype=dtype)
@@ -119,7 +124,7 @@ def test_donated_state_gives_the_same_bits(problem, case, private):
     model, batches, dtype = problem
     name, mesh = case
     strategy = strategies.ALL[name]()
-    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="ghost") if private else None
+    config = _dp_config(private)
     optimizer = adamw(1e-2, eps=1e-6, weight_decay=0.05)
     pure, _, _ = _sharded(model, batches, optimizer, config, strategy, mesh)
     donated, _, _ = _sharded(model, batches, optimizer, config, strategy, mesh, donate=True)
