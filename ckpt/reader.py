@@ -5,8 +5,9 @@ Two ways to read: a stored box read whole (or in one run) is ``preadv``-ed into 
 a box read in many runs (e.g. a column slice of a row-major block) is copied out of a read-only
 ``mmap`` of the file in one strided copy, touching exactly the runs' bytes, instead of one
 system call per run; when those runs touch every page of their span, the span is first faulted
-in with one ``MADV_POPULATE_READ`` (Linux 5.14+), which reads ahead in large requests. Either way the kernel moves whole pages: rows shorter than a page cost
-their page on a cold cache, whoever reads them.
+in with one ``MADV_POPULATE_READ`` (Linux 5.14+), which reads ahead in large requests. Either
+way the kernel moves whole pages: rows shorter than a page cost their page on a cold cache,
+whoever reads them.
 
 Guarantees (``tests/test_ckpt_boxes.py``, ``property_tests/test_ckpt_properties.py``):
   * The result equals the global tensor's ``box`` bit for bit.

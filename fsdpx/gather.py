@@ -43,6 +43,7 @@ class Gatherer:
             for n, s in shapes.items()
         }
         self.full = {n: self._placeholder(n, comm, shapes[n]) for n in shapes}
+        self.batched = {u.module: self._batchable(u) for u in units}  # decided once, used every gather
         self.live: set[str] = set()  # units whose storage is currently allocated
         self.backward_done: set[str] = set()
 
@@ -53,7 +54,7 @@ class Gatherer:
         """Bring ``unit``'s parameters to the compute layout (no-op if already there)."""
         if unit.module in self.live:
             return
-        batched = self._batchable(unit)
+        batched = self.batched[unit.module]
         if batched:
             self._gather_batched(batched)
         for name in unit.params:

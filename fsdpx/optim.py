@@ -42,6 +42,12 @@ class Optimizer(NamedTuple):
     update_inplace: Callable[[Params, OptState, Params], tuple[Params, OptState]] | None = None
 
 
+def update_fn(optimizer: Optimizer, *, donate: bool) -> Callable[[Params, OptState, Params], tuple[Params, OptState]]:
+    """``optimizer.update_inplace`` when the caller donates its state and the optimizer has one,
+    else the pure ``optimizer.update`` (same bits either way)."""
+    return optimizer.update_inplace if donate and optimizer.update_inplace is not None else optimizer.update
+
+
 def check_same_keys(grads: Params, params: Params) -> None:
     if grads.keys() != params.keys():
         missing = sorted(set(params) - set(grads))

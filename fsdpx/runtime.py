@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from fsdpx.optim import Optimizer
+from fsdpx.optim import Optimizer, update_fn
 from privacy.accounting import Accountant
 from privacy.clipping import clip_and_sum
 from privacy.noise import noise_slice
@@ -177,7 +177,7 @@ def make_sharded_step(
         gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
         raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
         gatherer.finish()
-        update = optimizer.update_inplace if donate and optimizer.update_inplace else optimizer.update
+        update = update_fn(optimizer, donate=donate)
         new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, update,
                                                              _divisor(batch, config, num_examples),
                                                              _owned_noise(state, strategy, comm, shapes, config)

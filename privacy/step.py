@@ -106,7 +106,9 @@ def make_private_step(
     if expected_batch <= 0:
         raise PrivacyError(f"num_examples must be >= 1, got {num_examples}")
 
-    update = optimizer.update_inplace if donate and optimizer.update_inplace else optimizer.update
+    # fsdpx.optim.update_fn, inlined: privacy does not import fsdpx
+    inplace = getattr(optimizer, "update_inplace", None)
+    update = inplace if donate and inplace is not None else optimizer.update
 
     def step(state: TrainState, batch: tuple[Any, Tensor]) -> tuple[TrainState, dict[str, float]]:
         check_budget(state.accountant, config)
