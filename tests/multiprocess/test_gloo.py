@@ -74,6 +74,29 @@ def test_other_strategies_on_two_gloo_ranks_equal_the_unsharded_run(tmp_path, na
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("private", [False, True])
+def test_hsdp_on_four_gloo_ranks_equals_the_unsharded_run(tmp_path, private):
+    """2 replicas x 2 shards: the flat per-unit all-gather runs on the shard axis's own process
+    group, the gradient reduction over both axes; counted bytes equal the algebra's."""
+    results = _run_torchrun(4, tmp_path, "--strategy", "hsdp", *(["--private"] if private else []))
+    mesh, strategy = Mesh(replica=2, shard=2), strategies.hsdp()
+    ref = _baseline(private)
+    shapes = {k: tuple(v.shape) for k, v in ref.items()}
+    for name, want in ref.items():
+        got = unshard([r["params"][name] for r in results], strategy.param_at_rest(want.dim()), mesh)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    units = [list(u.params) for u in make_units(make_model(), shapes)]
+    predicted = comm_per_step(strategy, shapes, mesh, units, dtype=torch.float64)
+    for rank, r in enumerate(results):
+        for m in r["metrics"]:
+            if rank == 0:  # the rank with the largest blocks: exactly the algebra's figure
+                assert m["comm"] == predicted
+            # the others all-reduce their own (smaller, uneven) blocks; padded kinds are equal
+            assert all(m["comm"][k] <= v for k, v in predicted.items()), (rank, m["comm"], predicted)
+            assert (m["comm"]["all_gather"], m["comm"]["reduce_scatter"]) == \
+                (predicted["all_gather"], predicted["reduce_scatter"])
+
+
 def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):
     start = time.monotonic()
     procs = spawn_ranks(3, [WORKER, "--out", str(tmp_path), "--die-rank", "1", "--die-after", "7",

@@ -33,7 +33,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
-    mesh = Mesh(dp=args.mesh_size or world)
+    # hsdp: replicas of 2-way shards (its axes); every other strategy: one data-parallel axis
+    mesh = Mesh(replica=world // 2, shard=2) if args.strategy == "hsdp" else Mesh(dp=args.mesh_size or world)
     try:
         comm = init_from_env(mesh, timeout_s=args.timeout)
     except ValueError as e:
