@@ -26,6 +26,8 @@ import math
 import numbers
 import operator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -105,6 +107,7 @@ def noise_slice(
         Draws of at least ``2 * _BLOCKS_PER_WORKER`` blocks are spread over up to
         ``torch.get_num_threads()`` threads (numpy releases the GIL while drawing); the bits do
         not depend on the thread count (``test_threaded_and_serial_draws_give_the_same_bits``).
+        :func:`gaussian_noise` runs the blocks of all its parameters in one pool.
       * Bits depend on numpy's ``SFC64`` and ``Generator.standard_normal`` (ziggurat); numpy may
         change the latter between feature releases (NEP 19), so all ranks of one run must use the
         same numpy. Moments: ``test_noise_moments_match_the_requested_gaussian``.
@@ -120,6 +123,15 @@ def noise_slice(
       non-integer key/step/bounds     ``TypeError``
       ==============================  ==========================================
     """
+    out, tasks, std = _prepare(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)
+    _run(tasks)
+    return _finish(out, std, dtype, stop - start)
+
+
+def _prepare(name: str, numel: int, start: int, stop: int, *, key: int, step: int, std: float,
+             dtype: torch.dtype) -> tuple[np.ndarray | None, list[Callable[[], None]], float]:
+    """Validate one slice's arguments; returns its output buffer (``None`` when nothing is
+    drawn), one task per block that fills its part of the buffer, and the checked ``std``."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     numel, start, stop = operator.index(numel), operator.index(start), operator.index(stop)
@@ -132,8 +144,7 @@ def noise_slice(
     if dtype not in _DRAW_DTYPE:
         raise ValueError(f"dtype must be one of {sorted(map(str, _DRAW_DTYPE))}, got dtype={dtype}")
     if start == stop or std == 0.0:
-        return torch.zeros(stop - start, dtype=dtype)
-
+        return None, [], std
     draw_dtype = _DRAW_DTYPE[dtype]
     out = np.empty(stop - start, dtype=draw_dtype)
 
@@ -146,17 +157,26 @@ def noise_slice(
         else:  # the slice begins inside this block: skip the block's first draws
             out[lo - start : hi - start] = gen.standard_normal(hi - block_start, dtype=draw_dtype)[lo - block_start :]
 
-    blocks = range(start // BLOCK, (stop - 1) // BLOCK + 1)
-    workers = min(torch.get_num_threads(), len(blocks) // _BLOCKS_PER_WORKER)
+    return out, [partial(draw, b) for b in range(start // BLOCK, (stop - 1) // BLOCK + 1)], std
+
+
+def _run(tasks: list[Callable[[], None]]) -> None:
+    """Run block tasks, spread over up to ``torch.get_num_threads()`` threads when there are
+    enough of them. Blocks write disjoint parts of their buffers and numpy drops the GIL while
+    drawing, so the bits are those of the serial loop; only the wall time changes."""
+    workers = min(torch.get_num_threads(), len(tasks) // _BLOCKS_PER_WORKER)
     if workers > 1:
-        # Blocks write disjoint parts of `out` and numpy drops the GIL while drawing, so the
-        # bits are those of the serial loop; only the wall time changes.
         with ThreadPoolExecutor(workers) as pool:
-            for _ in pool.map(draw, blocks):
+            for _ in pool.map(lambda task: task(), tasks):
                 pass
     else:
-        for block in blocks:
-            draw(block)
+        for task in tasks:
+            task()
+
+
+def _finish(out: np.ndarray | None, std: float, dtype: torch.dtype, n: int) -> Tensor:
+    if out is None:
+        return torch.zeros(n, dtype=dtype)
     noise = torch.from_numpy(out)
     if std != 1.0:
         noise.mul_(std)
@@ -176,9 +196,8 @@ def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: 
     Edge cases: an empty dict gives an empty dict; a zero-element tensor gives an empty tensor of
     its shape; a non-float tensor raises ``ValueError`` naming ``dtype``.
     """
-    return {
-        name: noise_slice(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
-        .reshape(t.shape)
-        .to(t.device)
-        for name, t in params_like.items()
-    }
+    prepared = {name: _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
+                for name, t in params_like.items()}
+    _run([task for _, tasks, _ in prepared.values() for task in tasks])  # one pool for every block
+    return {name: _finish(out, s, t.dtype, t.numel()).reshape(t.shape).to(t.device)
+            for (name, t), (out, _, s) in zip(params_like.items(), prepared.values())}

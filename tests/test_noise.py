@@ -129,3 +129,18 @@ def test_noise_bits_match_the_recorded_reference():
 
 
 REFERENCE_DIGEST = "fbf7251a69b9b2b5"  # numpy 2.4, recorded when the scheme was written
+
+
+def test_gaussian_noise_pools_every_parameters_blocks_with_the_serial_bits(monkeypatch):
+    """All parameters' blocks go to one pool; the bits are those of drawing each alone."""
+    params = {f"p{i}": torch.empty(BLOCK * (i % 3) + 5 * i + 1) for i in range(6)}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(noise, "_BLOCKS_PER_WORKER", 1)
+        pooled = gaussian_noise(params, **KW)
+    finally:
+        torch.set_num_threads(threads)
+    for name, t in params.items():
+        alone = noise_slice(name, t.numel(), 0, t.numel(), **KW)
+        assert torch.equal(pooled[name], alone)
