@@ -46,18 +46,28 @@ def _run_torchrun(nproc: int, tmp_path, *extra: str) -> list[dict]:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
+def _assert_equals_unsharded(results: list[dict], strategy, mesh: Mesh, ref: dict) -> None:
+    """Every parameter, unsharded from the ranks' results, equals the unsharded run's."""
+    for name, want in ref.items():
+        got = unshard([r["params"][name] for r in results], strategy.param_at_rest(want.dim()), mesh)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _predicted_comm(strategy, ref: dict, mesh: Mesh) -> dict[str, int]:
+    shapes = {k: tuple(v.shape) for k, v in ref.items()}
+    units = [list(u.params) for u in make_units(make_model(), shapes)]
+    return comm_per_step(strategy, shapes, mesh, units, dtype=torch.float64)
+
+
 @pytest.mark.parametrize("nproc", [2, 3])
 @pytest.mark.parametrize("private", [False, True])
 def test_zero3_on_gloo_equals_the_unsharded_run(tmp_path, nproc, private):
     results = _run_torchrun(nproc, tmp_path, "--strategy", "zero3", *(["--private"] if private else []))
     mesh, strategy = Mesh(dp=nproc), strategies.zero3()
     ref = _baseline(private)
+    _assert_equals_unsharded(results, strategy, mesh, ref)
+    predicted = _predicted_comm(strategy, ref, mesh)
     shapes = {k: tuple(v.shape) for k, v in ref.items()}
-    for name, want in ref.items():
-        got = unshard([r["params"][name] for r in results], strategy.param_at_rest(want.dim()), mesh)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    units = [list(u.params) for u in make_units(make_model(), shapes)]
-    predicted = comm_per_step(strategy, shapes, mesh, units, dtype=torch.float64)
     memory = memory_by_rank(strategy, shapes, mesh, optimizer="sgd_momentum", dtype=torch.float64)
     for rank, r in enumerate(results):
         for metrics in r["metrics"]:
@@ -68,10 +78,7 @@ def test_zero3_on_gloo_equals_the_unsharded_run(tmp_path, nproc, private):
 @pytest.mark.parametrize("name", ["ddp", "zero1", "zero2"])
 def test_other_strategies_on_two_gloo_ranks_equal_the_unsharded_run(tmp_path, name):
     results = _run_torchrun(2, tmp_path, "--strategy", name, "--private")
-    strategy, ref = strategies.ALL[name](), _baseline(True)
-    for key, want in ref.items():
-        got = unshard([r["params"][key] for r in results], strategy.param_at_rest(want.dim()), Mesh(dp=2))
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    _assert_equals_unsharded(results, strategies.ALL[name](), Mesh(dp=2), _baseline(True))
 
 
 @pytest.mark.parametrize("private", [False, True])
@@ -81,12 +88,8 @@ def test_hsdp_on_four_gloo_ranks_equals_the_unsharded_run(tmp_path, private):
     results = _run_torchrun(4, tmp_path, "--strategy", "hsdp", *(["--private"] if private else []))
     mesh, strategy = Mesh(replica=2, shard=2), strategies.hsdp()
     ref = _baseline(private)
-    shapes = {k: tuple(v.shape) for k, v in ref.items()}
-    for name, want in ref.items():
-        got = unshard([r["params"][name] for r in results], strategy.param_at_rest(want.dim()), mesh)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    units = [list(u.params) for u in make_units(make_model(), shapes)]
-    predicted = comm_per_step(strategy, shapes, mesh, units, dtype=torch.float64)
+    _assert_equals_unsharded(results, strategy, mesh, ref)
+    predicted = _predicted_comm(strategy, ref, mesh)
     for rank, r in enumerate(results):
         for m in r["metrics"]:
             if rank == 0:  # the rank with the largest blocks: exactly the algebra's figure
