@@ -10,7 +10,9 @@
 Within ghost, a parameter's per-example gradients are either instantiated once and reused for
 its norm and its clipped sum, or never formed (Gram-form norm, ``L^T diag(c) R`` sum); the cost
 rules in ``contributions.py`` decide from shapes only, within a memory budget equal to the
-tape's own activations and output gradients.
+tape's own activations and output gradients. The largest remaining parameters (the GPT's LM
+head) are then streamed example by example once every other norm is known (``streaming.py``):
+their per-example gradients are formed one at a time, so their Gram products are skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from privacy import contributions as C
 from privacy.errors import NonFiniteGradientError, PrivacyError
 from privacy.ghost import contributions
 from privacy.per_sample import flat_sq_norms, per_sample_grads
+from privacy.streaming import choose_streamed, stream_clipped_sums
 from privacy.tape import LossFn, Params, _as_args, record
 
 METHODS = ("auto", "ghost", "vmap")
@@ -150,6 +153,7 @@ def clip_and_sum(
     if batch[1].shape[0] == 0:
         zero = next(iter(params.values())).new_zeros(0)
         return ClipResult({k: torch.zeros_like(v) for k, v in params.items()}, zero, zero)
+    sums: dict[str, Tensor] = {}  # clipped sums already formed by streaming
     if method == "vmap":
         if run_model is not None:
             raise PrivacyError("method='vmap' cannot run with a custom run_model (sharded runs use ghost/auto)")
@@ -163,14 +167,22 @@ def clip_and_sum(
         parts = contributions(model, params, tape, method=method)
         losses = tape.losses
         del tape  # the contributions hold what is still needed; reuse below frees factors as it goes
-        parts = C.instantiate_for_reuse(parts, {n: p.shape for n, p in params.items()})
-        sq = _sq_norms(parts, params, losses)
+        shapes = {n: p.shape for n, p in params.items()}
+        parts = C.instantiate_for_reuse(parts, shapes)
+        streamed = choose_streamed(parts, shapes)
+        sq = _sq_norms({k: v for k, v in parts.items() if k not in streamed}, params, losses)
+        if streamed:  # these go last, one example at a time, once every other norm is known
+            sums, sq = stream_clipped_sums({k: parts.pop(k) for k in streamed}, shapes, sq,
+                                           lambda norm: clip_factors(norm, clip_norm, clipping))
     norms = sq.sqrt()
     factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite)
     grads = {}
     for name, p in params.items():
         plist = parts.get(name)
-        grads[name] = C.weighted_sum(plist, factors, p.shape) if plist else torch.zeros_like(p)
+        if name in sums:
+            grads[name] = sums[name]
+        else:
+            grads[name] = C.weighted_sum(plist, factors, p.shape) if plist else torch.zeros_like(p)
     return ClipResult(grads, norms, losses)
 
 

@@ -74,3 +74,36 @@ def test_reused_instantiation_gives_the_same_norms_and_clipped_sums(case: Case):
                                    rtol=1e-8, atol=1e-12)
         torch.testing.assert_close(C.weighted_sum(reused[name], weights, shapes[name]),
                                    C.weighted_sum(factored[name], weights, shapes[name]), rtol=1e-8, atol=1e-12)
+
+
+@given(supported_cases())
+def test_streamed_clipped_sums_equal_the_factored_forms(case: Case):
+    """Streaming every eligible parameter example by example gives the squared norms of the
+    factored forms (completed on top of the other parameters' norms) and their clipped sums
+    ``sum_i c_i g_i`` with the clipping factors of those norms."""
+    from privacy import streaming
+    from privacy.clipping import clip_factors
+    from privacy.ghost import contributions
+    from privacy.tape import record
+
+    shapes = {n: p.shape for n, p in case.params.items()}
+    tape = record(case.model, case.params, case.batch, case.loss_fn)
+    parts = contributions(case.model, case.params, tape, method="ghost")
+    with mock.patch.object(C, "REUSE_MEMORY_MACS", 0), mock.patch.object(streaming, "STREAM_MAX_BYTES", 2**62):
+        chosen = streaming.choose_streamed(parts, shapes)
+    eligible = [n for n, plist in parts.items() if all(isinstance(p, C.Factored) for p in plist)
+                and any(not p.one_hot for p in plist)]
+    assert sorted(chosen) == sorted(eligible)
+    sq_rest = sum((C.sq_norms(parts[n], shapes[n]) for n in parts if n not in chosen),
+                  torch.zeros(case.batch[1].shape[0], dtype=torch.float64))
+    clip = 0.5 * float(sq_rest.max().sqrt()) + 1e-3  # clips some examples, not all
+
+    def factor(norm):
+        return clip_factors(norm, clip)
+
+    sums, sq = streaming.stream_clipped_sums({n: parts[n] for n in chosen}, shapes, sq_rest, factor)
+    full = sum((C.sq_norms(parts[n], shapes[n]) for n in parts), torch.zeros_like(sq_rest))
+    torch.testing.assert_close(sq, full, rtol=1e-8, atol=1e-12)
+    weights = clip_factors(full.sqrt(), clip)
+    for n in chosen:
+        torch.testing.assert_close(sums[n], C.weighted_sum(parts[n], weights, shapes[n]), rtol=1e-8, atol=1e-12)

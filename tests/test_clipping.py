@@ -67,7 +67,19 @@ def test_layer_without_batch_dimension_is_named():
                      clip_norm=1.0)
 
 
-def test_non_finite_examples_are_named_or_zeroed(linear_case):
+@pytest.fixture(params=["streamed", "factored"])
+def streaming_mode(request, monkeypatch):
+    """``streamed``: no batch reuse, so the weights are streamed example by example;
+    ``factored``: nothing instantiated, nothing streamed (Gram norms, ``L^T diag(c) R`` sums)."""
+    from privacy import contributions, streaming
+    monkeypatch.setattr(contributions, "REUSE_MAX_BYTES", 0)
+    monkeypatch.setattr(contributions, "REUSE_MEMORY_MACS", 0)
+    if request.param == "factored":
+        monkeypatch.setattr(streaming, "STREAM_MAX_BYTES", 0)
+    return request.param
+
+
+def test_non_finite_examples_are_named_or_zeroed(linear_case, streaming_mode):
     model, params, (x, y) = linear_case
     y = y.clone()
     y[1, 0] = math.inf
@@ -151,3 +163,28 @@ def test_embedding_on_expanded_non_contiguous_ids_matches_vmap():
     params = dict(model.named_parameters())
     ghost = per_sample_norms(model, params, (x, y), loss, method="ghost")
     torch.testing.assert_close(ghost, per_sample_norms(model, params, (x, y), loss, method="vmap"), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_streaming_the_lm_head_gives_the_clipped_grad_of_the_factored_forms(monkeypatch, tied):
+    """On a GPT (float64) with nothing reused in batch, streaming takes the LM head (tied:
+    the shared embedding, one-hot and dense parts together); the clipped gradient and norms
+    equal those with nothing streamed."""
+    from privacy import contributions, streaming
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_weights=tied)).double()
+    params = dict(model.named_parameters())
+    x = torch.randint(0, 64, (5, 8))
+    monkeypatch.setattr(contributions, "REUSE_MAX_BYTES", 0)
+    monkeypatch.setattr(contributions, "REUSE_MEMORY_MACS", 0)  # so small a model saves nothing otherwise
+    chosen = []
+    real = streaming.choose_streamed
+    monkeypatch.setattr("privacy.clipping.choose_streamed", lambda *a: chosen.extend(real(*a)) or real(*a))
+    got, got_norms = clipped_grad(model, params, (x, x.roll(1, 1)), token_loss, clip_norm=0.05)
+    assert [n for n in chosen if params[n].shape == (64, 16)]  # the LM head's weight
+    monkeypatch.setattr(streaming, "STREAM_MAX_BYTES", 0)
+    ref, ref_norms = clipped_grad(model, params, (x, x.roll(1, 1)), token_loss, clip_norm=0.05)
+    torch.testing.assert_close(got_norms, ref_norms, rtol=1e-10, atol=1e-14)
+    assert (got_norms > 0.05).any()  # some examples are clipped
+    for k in params:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-10, atol=1e-14)
