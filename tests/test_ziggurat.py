@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from privacy import ziggurat
 from privacy.ziggurat import STRIP_AREA, STRIPS, TAIL_START, fill_normals, strip_edges
 
 
