@@ -400,6 +400,8 @@ def fsdpx_phase_labels():
         (clipping, "contributions", "fsdpx.ghost rules"),
         (clipping, "_sq_norms", "fsdpx.per-example norms"),
         (clipping, "_factors", "fsdpx.clip factors"),
+        (contributions, "instantiate_for_reuse", "fsdpx.per-example grads kept for reuse"),
+        (clipping, "stream_clipped_sums", "fsdpx.streamed parameters (norms + clipped sums)"),
         (clipping, "per_sample_grads", "fsdpx.vmap per-example grads"),
         (contributions, "weighted_sum", "fsdpx.clipped sum (weight grads)"),
     ]
