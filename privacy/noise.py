@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from privacy.ziggurat import fill_normals
+from privacy.ziggurat import add_scaled_normals, fill_normals
 
 BLOCK = 2**16
 """Elements per independently seeded block. A slice draws at most ``BLOCK - 1`` elements
@@ -146,17 +146,7 @@ def _prepare(name: str, numel: int, start: int, stop: int, *, key: int, step: in
              dtype: torch.dtype) -> tuple[np.ndarray | None, list[Callable[[], None]], float]:
     """Validate one slice's arguments; returns its output buffer (``None`` when nothing is
     drawn), one task per block that fills its part of the buffer, and the checked ``std``."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str, got {type(name).__name__}")
-    numel, start, stop = operator.index(numel), operator.index(start), operator.index(stop)
-    key, step = operator.index(key), operator.index(step)
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got numel={numel}")
-    if not 0 <= start <= stop <= numel:
-        raise ValueError(f"need 0 <= start <= stop <= numel, got start={start}, stop={stop}, numel={numel}")
-    std = _check_std(std)
-    if dtype not in _DRAW_DTYPE:
-        raise ValueError(f"dtype must be one of {sorted(map(str, _DRAW_DTYPE))}, got dtype={dtype}")
+    numel, start, stop, key, step, std = _validate(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)
     if start == stop or std == 0.0:
         return None, [], std
     draw_dtype = _DRAW_DTYPE[dtype]
@@ -169,6 +159,23 @@ def _prepare(name: str, numel: int, start: int, stop: int, *, key: int, step: in
         fill_normals(_block_state(key, step, name, block), lo - block_start, out[lo - start : hi - start])
 
     return out, [partial(draw, b) for b in range(start // BLOCK, (stop - 1) // BLOCK + 1)], std
+
+
+def _validate(name: str, numel: int, start: int, stop: int, *, key: int, step: int, std: float,
+              dtype: torch.dtype) -> tuple[int, int, int, int, int, float]:
+    """The arguments as plain ints and a checked float ``std``; raises as ``noise_slice`` documents."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    numel, start, stop = operator.index(numel), operator.index(start), operator.index(stop)
+    key, step = operator.index(key), operator.index(step)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got numel={numel}")
+    if not 0 <= start <= stop <= numel:
+        raise ValueError(f"need 0 <= start <= stop <= numel, got start={start}, stop={stop}, numel={numel}")
+    std = _check_std(std)
+    if dtype not in _DRAW_DTYPE:
+        raise ValueError(f"dtype must be one of {sorted(map(str, _DRAW_DTYPE))}, got dtype={dtype}")
+    return numel, start, stop, key, step, std
 
 
 def _run(tasks: list[Callable[[], None]]) -> None:
@@ -212,3 +219,37 @@ def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: 
     _run([task for _, tasks, _ in prepared.values() for task in tasks])  # one pool for every block
     return {name: _finish(out, s, t.dtype, t.numel()).reshape(t.shape).to(t.device)
             for (name, t), (out, _, s) in zip(params_like.items(), prepared.values())}
+
+
+def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
+    """Adds the noise of :func:`gaussian_noise` to each tensor IN PLACE; returns ``tensors``.
+
+    Formal Guarantees:
+      * Afterwards ``tensors[name]`` holds exactly the bits of ``t.add_(gaussian_noise(tensors,
+        ...)[name])`` (``tests/test_noise.py::test_adding_noise_in_place_gives_the_bits_of_adding_the_draw``).
+      * No noise tensor is formed: each block is drawn and added to its slice in one compiled
+        pass (:func:`privacy.ziggurat.add_scaled_normals`), so a step allocates (and the kernel
+        faults in) nothing for its noise and reads each gradient once.
+    Edge cases: tensors that are not contiguous float32/float64 CPU tensors take the allocating
+    path (same bits); ``std == 0`` adds ``+0.0`` (so ``-0.0`` becomes ``+0.0``, as adding zeros
+    does); an empty dict is returned unchanged."""
+    tasks: list[Callable[[], None]] = []
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) or not t.is_contiguous():
+            t.add_(gaussian_noise({name: t}, key=key, step=step, std=std)[name])
+            continue
+        numel, _, _, key, step, checked = _validate(name, t.numel(), 0, t.numel(), key=key, step=step, std=std,
+                                                    dtype=t.dtype)
+        if checked == 0.0:
+            t.add_(0.0)
+            continue
+        tasks.extend(partial(_add_block, t.view(-1), name, b, key, step, checked) for b in range(-(-numel // BLOCK)))
+    _run(tasks)
+    return tensors
+
+
+def _add_block(flat: Tensor, name: str, block: int, key: int, step: int, std: float) -> None:
+    """``flat[block] += draw * std`` in ``flat``'s precision, drawn and added in one compiled
+    pass: the operations (and so the bits) of ``_finish`` followed by ``add_``."""
+    lo, hi = block * BLOCK, min(flat.numel(), (block + 1) * BLOCK)
+    add_scaled_normals(_block_state(key, step, name, block), flat[lo:hi].detach().numpy(), std)

@@ -6,9 +6,10 @@
         state, metrics = step(state, sample_batch(data, sampler, state.step))
 
 The step composes: budget check -> clipped_grad -> Gaussian noise of std
-``noise_multiplier * clip_norm`` drawn by :func:`privacy.noise.gaussian_noise` from (key, step,
-name, element) -> divide by the EXPECTED batch size ``q N`` (the Poisson batch size is random; a
-fixed divisor keeps the sensitivity fixed) -> optimizer update -> accountant record.
+``noise_multiplier * clip_norm``, the draw of :func:`privacy.noise.gaussian_noise` from (key, step,
+name, element), added in place by ``add_gaussian_noise_`` (same bits) -> divide by the EXPECTED
+batch size ``q N`` (the Poisson batch size is random; a fixed divisor keeps the sensitivity
+fixed) -> optimizer update -> accountant record.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from privacy.accounting import Accountant, max_steps
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
-from privacy.noise import gaussian_noise
+from privacy.noise import add_gaussian_noise_
 from privacy.sampling import PoissonSampler
 from privacy.tape import LossFn, Params
 from privacy.workspace import Workspace
@@ -121,9 +122,10 @@ def make_private_step(
         clipped = clip_and_sum(model, state.params, batch, loss_fn, clip_norm=config.clip_norm,
                                method=config.method, clipping=config.clipping, nonfinite=config.nonfinite,
                                workspace=workspace)
-        noise = gaussian_noise(state.params, key=state.key, step=state.step, std=config.noise_std)
-        # in place on the fresh clipped sums: the same (g + n) / qN, without two more allocations each
-        noised = {k: g.add_(noise[k]).div_(expected_batch) for k, g in clipped.grads.items()}
+        # in place on the fresh clipped sums: the bits of (g + gaussian_noise(...)) / qN, and no
+        # parameter-sized noise tensor is ever allocated
+        noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)
+        noised = {k: g.div_(expected_batch) for k, g in noised.items()}
         params, opt_state = update(noised, state.opt_state, state.params)
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate)
         metrics = _metrics(clipped.norms, clipped.losses, config)

@@ -79,11 +79,17 @@ def _sfc64(a, b, c, w):  # noqa: ANN001, ANN202 - numba infers uint64 throughout
     return out, b ^ (b >> _11), c + (c << _3), ((c << _24) | (c >> _40)) + out, w + _1
 
 
+_STORE, _ADD32, _ADD64 = 0, 1, 2  # what the kernel does with draw j
+
+
 @numba.njit(nogil=True, cache=True)
-def _fill(a, b, c, skip, out, accept, scale, height):  # noqa: ANN001, ANN202
+def _kernel(a, b, c, skip, out, mode, std, accept, scale, height):  # noqa: ANN001, ANN202, C901
+    """Draws ``skip + len(out)`` normals; draw ``skip + j`` is stored into ``out[j]`` (mode
+    ``_STORE``) or scaled and added to it in float32 (``_ADD32``) or float64 (``_ADD64``)."""
     w = _1
     for _ in range(_WARMUP):
         _, a, b, c, w = _sfc64(a, b, c, w)
+    std32 = np.float32(std)
     n = skip + out.shape[0]
     i = 0
     while i < n:
@@ -108,8 +114,20 @@ def _fill(a, b, c, skip, out, accept, scale, height):  # noqa: ANN001, ANN202
                 if y >= math.exp(-0.5 * x * x):
                     continue  # rejected: a fresh draw for the same element
         if i >= skip:
-            out[i - skip] = x * (1.0 - 2.0 * np.float64(negative))
+            x = x * (1.0 - 2.0 * np.float64(negative))  # the sign without a branch
+            j = i - skip
+            if mode == _STORE:
+                out[j] = x
+            elif mode == _ADD32:
+                out[j] = out[j] + np.float32(np.float32(x) * std32)
+            else:
+                out[j] = out[j] + x * std
         i += 1
+
+
+def _check_out(out: np.ndarray) -> None:
+    if out.ndim != 1 or out.dtype not in (np.float32, np.float64) or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a contiguous 1-D float32 or float64 array, got {out.dtype} {out.shape}")
 
 
 def fill_normals(state: tuple[int, int, int], skip: int, out: np.ndarray) -> None:
@@ -118,14 +136,27 @@ def fill_normals(state: tuple[int, int, int], skip: int, out: np.ndarray) -> Non
 
     Formal Guarantees:
       * Draw ``k`` of a stream is the same whatever ``skip`` and ``len(out)`` are
-        (``tests/test_noise.py::test_a_stream_prefix_does_not_depend_on_its_length``); float32
+        (``tests/test_ziggurat.py::test_a_stream_prefix_does_not_depend_on_its_length``); float32
         output is the float64 draw rounded to nearest.
       * Releases the GIL: threads filling different buffers run in parallel.
     Edge cases: an empty ``out`` draws nothing; ``skip < 0`` raises ``ValueError``."""
     if skip < 0:
         raise ValueError(f"skip must be >= 0, got {skip}")
-    if out.ndim != 1 or out.dtype not in (np.float32, np.float64) or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a contiguous 1-D float32 or float64 array, got {out.dtype} {out.shape}")
+    _check_out(out)
     if out.shape[0]:
         a, b, c = (np.uint64(v) for v in state)
-        _fill(a, b, c, skip, out, ACCEPT, SCALE, HEIGHT)
+        _kernel(a, b, c, skip, out, _STORE, 1.0, ACCEPT, SCALE, HEIGHT)
+
+
+def add_scaled_normals(state: tuple[int, int, int], out: np.ndarray, std: float) -> None:
+    """``out += round(draw) * std`` for the stream's first ``len(out)`` draws, in ``out``'s
+    precision: for float32, ``out[j] + float32(float32(z_j) * float32(std))``, i.e. exactly what
+    filling a float32 buffer, multiplying it by ``std`` and adding it does with torch.
+
+    Guarantee: ``tests/test_ziggurat.py::test_adding_scaled_draws_is_filling_scaling_and_adding``.
+    Releases the GIL."""
+    _check_out(out)
+    if out.shape[0]:
+        a, b, c = (np.uint64(v) for v in state)
+        mode = _ADD32 if out.dtype == np.float32 else _ADD64
+        _kernel(a, b, c, 0, out, mode, float(std), ACCEPT, SCALE, HEIGHT)

@@ -145,3 +145,45 @@ def test_gaussian_noise_pools_every_parameters_blocks_with_the_serial_bits(monke
     for name, t in params.items():
         alone = noise_slice(name, t.numel(), 0, t.numel(), **KW)
         assert torch.equal(pooled[name], alone)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("std", [0.0, 1.0, 0.37])
+def test_adding_noise_in_place_gives_the_bits_of_adding_the_draw(std, threaded, monkeypatch):
+    """``add_gaussian_noise_`` == ``t.add_(gaussian_noise(...)[name])`` bit for bit, on the
+    in-place path (contiguous float32/float64, several blocks, a ragged last block) and on the
+    allocating one (half precision, a transposed view)."""
+    from privacy.noise import add_gaussian_noise_
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w32": torch.randn(3 * BLOCK + 17, generator=g),
+        "w64": torch.randn(5, BLOCK // 4, generator=g, dtype=torch.float64),
+        "neg0": torch.full((7,), -0.0),
+        "half": torch.randn(100, generator=g).to(torch.bfloat16),
+        "view": torch.randn(30, 40, generator=g).t(),
+        "empty": torch.empty(0, 3),
+    }
+    expected = {k: v.clone().add_(gaussian_noise({k: v}, key=3, step=9, std=std)[k]) for k, v in tensors.items()}
+    ids = {k: id(v) for k, v in tensors.items()}
+    threads = torch.get_num_threads()
+    if threaded:  # every block its own task, spread over two threads
+        monkeypatch.setattr(noise, "_BLOCKS_PER_WORKER", 1)
+        torch.set_num_threads(2)
+    try:
+        out = add_gaussian_noise_(tensors, key=3, step=9, std=std)
+    finally:
+        torch.set_num_threads(threads)
+    assert out is tensors and {k: id(v) for k, v in out.items()} == ids
+    for k in tensors:
+        assert torch.equal(tensors[k], expected[k]), k
+        assert torch.equal(torch.signbit(tensors[k]), torch.signbit(expected[k])), k
+
+
+def test_adding_noise_in_place_checks_its_arguments():
+    from privacy.noise import add_gaussian_noise_
+
+    with pytest.raises(ValueError, match="std"):
+        add_gaussian_noise_({"w": torch.zeros(3)}, key=0, step=0, std=-1.0)
+    with pytest.raises(TypeError):
+        add_gaussian_noise_({"w": torch.zeros(3)}, key=0.5, step=0, std=1.0)

@@ -73,3 +73,18 @@ def test_bad_arguments_raise_value_error():
         fill_normals((1, 2, 3), 0, np.empty(6)[::2])
     fill_normals((1, 2, 3), 0, np.empty(0))  # nothing to draw
 
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("std", [1.0, 0.37, 3.0])
+def test_adding_scaled_draws_is_filling_scaling_and_adding(dtype, std):
+    """``add_scaled_normals`` == torch's ``out.add_(torch.from_numpy(draw).mul_(std))`` bit for bit."""
+    from privacy.ziggurat import add_scaled_normals
+
+    base = np.random.default_rng(0).standard_normal(20_000).astype(dtype)
+    draw = np.empty(20_000, dtype)
+    fill_normals((4, 5, 6), 0, draw)
+    expected = torch.from_numpy(base.copy()).add_(torch.from_numpy(draw).mul_(std))
+    out = base.copy()
+    add_scaled_normals((4, 5, 6), out, std)
+    assert np.array_equal(out, expected.numpy())
