@@ -51,7 +51,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
