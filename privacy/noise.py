@@ -180,16 +180,22 @@ def _validate(name: str, numel: int, start: int, stop: int, *, key: int, step: i
 
 def _run(tasks: list[Callable[[], None]]) -> None:
     """Run block tasks, spread over up to ``torch.get_num_threads()`` threads when there are
-    enough of them. Blocks write disjoint parts of their buffers and the sampler drops the GIL while
-    drawing, so the bits are those of the serial loop; only the wall time changes."""
+    enough of them: each thread runs one contiguous share of the list (one hand-off per thread,
+    not per block). Blocks write disjoint parts of their buffers and the sampler drops the GIL
+    while drawing, so the bits are those of the serial loop; only the wall time changes."""
     workers = min(torch.get_num_threads(), len(tasks) // _BLOCKS_PER_WORKER)
     if workers > 1:
+        shares = [tasks[i * len(tasks) // workers:(i + 1) * len(tasks) // workers] for i in range(workers)]
         with ThreadPoolExecutor(workers) as pool:
-            for _ in pool.map(lambda task: task(), tasks):
+            for _ in pool.map(_run_serially, shares):
                 pass
     else:
-        for task in tasks:
-            task()
+        _run_serially(tasks)
+
+
+def _run_serially(tasks: list[Callable[[], None]]) -> None:
+    for task in tasks:
+        task()
 
 
 def _finish(out: np.ndarray | None, std: float, dtype: torch.dtype, n: int) -> Tensor:
