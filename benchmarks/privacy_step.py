@@ -20,7 +20,9 @@ finite, every parameter tensor changed) on its first warm-up step, before anythi
 
 Timing: warm-up steps, then ``--steps`` rounds; in each round every mode runs one step, so load
 from other processes hits all modes alike. Reported: median seconds per step and its ratio to
-the non-private median. Memory: each mode runs alone in a fresh process
+the non-private median, the median of same-round wall ratios, and the median of same-round
+ratios of process CPU time (all threads; time the hypervisor steals from this VM is not in it,
+which makes it the steadier figure on a shared machine). Memory: each mode runs alone in a fresh process
 (``--memory-mode MODE``, started by the parent with ``MALLOC_MMAP_THRESHOLD_=65536`` so glibc
 hands freed blocks back); the peak resident set over the baseline taken after the model and the
 batch exist (the high-water mark is reset there through ``/proc/self/clear_refs``).
@@ -271,7 +273,7 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
             result[mode] = {"skipped": reason, "times": []}
             continue
         runners[mode] = make_runner(mode, model, batch)
-        result[mode] = {"times": [], "warmup_times": [], "params": num_params(model)}
+        result[mode] = {"times": [], "cpu_times": [], "warmup_times": [], "params": num_params(model)}
 
     # First warm-up step of each mode: also the check that it trains. A mode slower than the
     # limit is measured once and then skipped.
@@ -296,11 +298,13 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
     def round_(label: str, key: str, i: int, n: int) -> None:
         for mode, runner in runners.items():
             gc.collect()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             runner.step()
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             result[mode][key].append(dt)
-            log(f"[{name}] {label} {i + 1}/{n} {mode}: {dt:.3f} s")
+            if key == "times":
+                result[mode]["cpu_times"].append(cpu)
+            log(f"[{name}] {label} {i + 1}/{n} {mode}: {dt:.3f} s (CPU {cpu:.3f} s)")
 
     for i in range(1, args.warmup):
         round_("warm-up", "warmup_times", i, args.warmup)
@@ -314,6 +318,7 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
             r["min_s"] = min(r["times"])
             r["ratio"] = r["median_s"] / statistics.median(base) if base else None
             r["paired_ratio"] = paired_ratio(r["times"], base)
+            r["paired_cpu_ratio"] = paired_ratio(r["cpu_times"], result.get(BASELINE, {}).get("cpu_times"))
     return result
 
 
@@ -488,8 +493,8 @@ def table(name: str, cfg: dict[str, int], timing: dict[str, Any], memory: dict[s
     head = (f"**{name}**: vocab {c['vocab']}, d_model {c['d_model']}, {c['n_layer']} layers, {c['n_head']} heads, "
             f"seq {c['seq']}, batch {c['batch']}; untied embeddings unless stated\n\n")
     rows = ["| mode | median s/step | min s | ratio of medians to non-private | median of per-round ratios "
-            "| peak MB over baseline | first-step loss |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+            "| per-round ratios of CPU time | peak MB over baseline | first-step loss |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = timing.get(BASELINE, {}).get("times")
     for mode in timing or memory:
         t, m = timing.get(mode, {}), memory.get(mode, {})
@@ -497,16 +502,18 @@ def table(name: str, cfg: dict[str, int], timing: dict[str, Any], memory: dict[s
             med, mn, ratio = f"{t['median_s']:.3f}", f"{t['min_s']:.3f}", f"{t['ratio']:.2f}x" if t.get("ratio") else "-"
             paired = paired_ratio(t["times"], base)
             paired = f"{paired:.2f}x" if paired else "-"
+            cpu = paired_ratio(t.get("cpu_times", []), timing.get(BASELINE, {}).get("cpu_times"))
+            cpu = f"{cpu:.2f}x" if cpu else "-"
         elif t.get("skipped"):
-            med, mn, ratio, paired = f"skipped: {t['skipped']}", "-", "-", "-"
+            med, mn, ratio, paired, cpu = f"skipped: {t['skipped']}", "-", "-", "-", "-"
         else:
-            med = mn = ratio = paired = "-"
+            med = mn = ratio = paired = cpu = "-"
         if "delta_mb" in m:
             mem = f"{m['delta_mb']:.0f}"
         else:
             mem = m.get("skipped") or m.get("error") or "-"
         loss = f"{t['first_loss']:.4f}" if "first_loss" in t else "-"
-        rows.append(f"| {LABELS.get(mode, mode)} | {med} | {mn} | {ratio} | {paired} | {mem} | {loss} |")
+        rows.append(f"| {LABELS.get(mode, mode)} | {med} | {mn} | {ratio} | {paired} | {cpu} | {mem} | {loss} |")
     text = head + "\n".join(rows) + "\n"
     og, fg = timing.get("opacus-ghost", {}), timing.get("fsdpx-ghost", {})
     if og.get("median_s") and fg.get("median_s"):
