@@ -24,6 +24,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
+from fsdpx import adamw_loop
+
 Params = dict[str, Tensor]
 OptState = dict[str, object]
 
@@ -108,12 +110,19 @@ def adamw_kernel(
     """One elementwise AdamW step, ``count`` = the number of this step (1 on the first update).
 
     Returns ``(new_p, new_m, new_v)``; the arithmetic of ``torch.optim.AdamW`` (single-tensor
-    path) with unfused operations. ``count`` is a Python int on purpose: a vectorised ``pow`` over a
+    path) with unfused operations. On CPU float32/float64 tensors the operations run as one
+    compiled pass (``fsdpx/adamw_loop.py``: same operations, a correctly rounded ``sqrt``, any
+    layout); elsewhere as tensor operations. ``count`` is a Python int on purpose: a vectorised ``pow`` over a
     tensor of counts rounds differently by lane, which would break elementwise exactness, so
     callers with per-element counts (ZenFlow) group elements by count."""
     bc1 = 1 - b1**count
     bc2_sqrt = math.sqrt(1 - b2**count)
     step_size = lr / bc1
+    if adamw_loop.applies(p, g, m, v):  # the same operations in one compiled pass (adamw_loop.py)
+        outs = (torch.empty(p.shape, dtype=p.dtype), torch.empty(m.shape, dtype=m.dtype), torch.empty(v.shape, dtype=v.dtype))
+        adamw_loop.adamw_(p, g, m, v, outs, keep=1 - lr * weight_decay, b1=b1, b2=b2, bc2_sqrt=bc2_sqrt, eps=eps,
+                          step_size=step_size)
+        return outs
     # Plain IEEE operations only (no fused alpha/addcmul/lerp, which may use FMA in SIMD lanes
     # and not in the scalar tail): every element rounds the same in any slice. In place on
     # fresh tensors to spare allocations; the inputs are never modified.
@@ -140,6 +149,10 @@ def adamw_kernel_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr:
     bc1 = 1 - b1**count
     bc2_sqrt = math.sqrt(1 - b2**count)
     step_size = lr / bc1
+    if adamw_loop.applies(p, g, m, v):
+        adamw_loop.adamw_(p, g, m, v, (p, m, v), keep=1 - lr * weight_decay, b1=b1, b2=b2, bc2_sqrt=bc2_sqrt,
+                          eps=eps, step_size=step_size)
+        return
     p.mul_(1 - lr * weight_decay)
     m.mul_(b1)
     m.add_(g * (1 - b1))
