@@ -98,9 +98,19 @@ def test_sharded_steps_equal_unsharded_steps(problem, case, private):
     optimizer = _optimizer(dtype)
     ref = _baseline(model, batches, optimizer, config)
     got, metrics, shapes = _sharded(model, batches, optimizer, config, strategy, mesh)
+    _assert_close_to_reference(got, ref, model, TOL[dtype])
+
+
+def _assert_close_to_reference(got, ref, model, tol):
+    """Each parameter within ``tol`` of the reference, relative to the larger of its own size and
+    the largest change any parameter made. Sharding reorders float sums, so errors scale with the
+    updates; a parameter whose update nearly cancelled (a bias near zero after two noisy steps)
+    would otherwise be judged against its own tiny value, not against the sums that rounded."""
+    init = dict(model.named_parameters())
+    moved = max(float((ref[k] - init[k].detach()).abs().max()) for k in ref) if ref else 0.0
     for k in ref:
-        scale = ref[k].abs().max().clamp_min(1e-30)
-        assert ((got[k] - ref[k]).abs().max() / scale) <= TOL[dtype], k
+        scale = max(float(ref[k].abs().max()), moved, 1e-30)
+        assert float((got[k] - ref[k]).abs().max()) / scale <= tol, k
 
 
 @settings(max_examples=12)
