@@ -81,10 +81,15 @@ def load_gpt():
 # ---- data: a fixed random Markov chain, learnable down to its entropy ------------------------
 
 
-def markov_batch(vocab: int, batch: int, seq: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def markov_batch(vocab: int, batch: int, seq: int, step: int, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequences of a chain where each token has 4 successors (probabilities .55/.25/.12/.08):
-    the same chain for every mode and step, a different sample per ``step``."""
+    the same chain for every mode and step, a different sample per ``step``. ``shift``: the
+    fine-tuning domain, the same chain except that a fixed ``shift`` share of the tokens get new
+    successors."""
     succ = torch.randint(0, vocab, (vocab, 4), generator=torch.Generator().manual_seed(1234))
+    if shift:
+        moved = torch.randperm(vocab, generator=torch.Generator().manual_seed(99))[:int(shift * vocab)]
+        succ[moved] = torch.randint(0, vocab, (len(moved), 4), generator=torch.Generator().manual_seed(4321))
     probs = torch.tensor([0.55, 0.25, 0.12, 0.08])
     g = torch.Generator().manual_seed(10_000 + step)
     tok = torch.randint(0, vocab, (batch,), generator=g)
@@ -119,7 +124,19 @@ def build_model(cfg: dict):
     torch.manual_seed(0)
     config = gpt.GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"],
                            n_head=cfg["n_head"], n_embd=cfg["n_embd"])
-    return gpt, gpt.GPT(config)
+    model = gpt.GPT(config)
+    if cfg.get("init"):  # fine-tuning: every mode starts from the same pretrained weights
+        missing, unexpected = model.load_state_dict(torch.load(cfg["init"]), strict=False)
+        buffers = {name for name, _ in model.named_buffers()}
+        if unexpected or set(missing) - buffers:
+            raise RuntimeError(f"pretrained weights do not fit: missing {missing}, unexpected {unexpected}")
+    return gpt, model
+
+
+def batch_for(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s training batch (``HELD_OUT``: the evaluation batch) of the run ``cfg``."""
+    size = 64 if step == HELD_OUT else cfg["batch"]
+    return markov_batch(cfg["vocab"], size, cfg["seq"], step + cfg.get("step_offset", 0), cfg.get("shift", 0.0))
 
 
 def fsdpx_worker(mode: str, cfg: dict) -> dict:
@@ -139,7 +156,7 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
     state = optimizer.init(params)
     rows = []
     for step in range(cfg["warmup"] + cfg["steps"]):
-        x, y = markov_batch(cfg["vocab"], cfg["batch"], cfg["seq"], step)
+        x, y = batch_for(cfg, step)
         c0, t0 = cpu_counters(), time.perf_counter()
         live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         loss = gpt.token_loss(functional_call(model, live, (x,)), y).mean()
@@ -154,9 +171,11 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
                               "loss": float(loss.detach())}, c0))
         if mode == "zenflow":  # untimed: how much of the gradient the selection updates at once
             rows[-1]["captured"] = captured_share(grads, state["selected"])
-    x, y = markov_batch(cfg["vocab"], 64, cfg["seq"], HELD_OUT)
+    x, y = batch_for(cfg, HELD_OUT)
     with torch.no_grad():
         held_out = float(gpt.token_loss(functional_call(model, params, (x,)), y).mean())
+    if cfg.get("save"):  # the pretraining run: its weights start every fine-tuning run
+        torch.save(params, cfg["save"])
     return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in params.values())}
 
 
@@ -186,7 +205,7 @@ def deepspeed_worker(cfg: dict) -> dict:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     rows = []
     for step in range(cfg["warmup"] + cfg["steps"]):
-        x, y = markov_batch(cfg["vocab"], cfg["batch"], cfg["seq"], step)
+        x, y = batch_for(cfg, step)
         c0, t0 = cpu_counters(), time.perf_counter()
         loss = gpt.token_loss(engine(x), y).mean()
         engine.backward(loss)
@@ -195,7 +214,7 @@ def deepspeed_worker(cfg: dict) -> dict:
         t2 = time.perf_counter()
         rows.append(with_cpu({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": t2 - t1, "bytes": None,
                               "loss": float(loss.detach())}, c0))
-    x, y = markov_batch(cfg["vocab"], 64, cfg["seq"], HELD_OUT)
+    x, y = batch_for(cfg, HELD_OUT)
     with torch.no_grad():
         held_out = float(gpt.token_loss(engine.module(x), y).mean())
     return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in model.parameters())}
@@ -294,35 +313,58 @@ def timing(args, modes: list[str], log: Path) -> dict:
     return {"config": cfg, "table": table, "errors": errors}
 
 
-def loss_part(args, modes: list[str], log: Path) -> dict:
+FINETUNE_OFFSET = 1_000_000  # fine-tuning batches are drawn at step + this: never a pretraining batch
+
+
+def loss_part(args, modes: list[str], log: Path, workload: str) -> dict:
+    """Every mode trains ``--loss-steps`` steps of the small GPT from the same start; reported:
+    the mean training loss of the last 10 steps and the loss on a held-out batch.
+
+    ``scratch``: from the seeded initial weights on the chain. ``finetune``: ZenFlow's setting
+    (the DeepSpeed ZenFlow work fine-tunes pretrained models): first ``--pretrain-steps`` of
+    plain AdamW on the chain (one run, its weights shared by every mode), then each mode, with a
+    fresh optimizer, on the shifted chain (``--shift`` of the tokens have new successors)."""
     cfg = {"vocab": 512, "seq": 32, "batch": 16, "n_layer": 2, "n_head": 4, "n_embd": 128, "warmup": 0,
            "steps": args.loss_steps, "threads": args.threads}
+    extra: dict = {}
+    if workload == "finetune":
+        weights = Path(args.out).with_suffix(".pretrained.pt")
+        pre = run_mode("none", {**cfg, "steps": args.pretrain_steps, "save": str(weights)}, log)
+        if isinstance(pre, str):
+            return {"config": cfg, "table": {}, "errors": {"pretrain": pre}}
+        extra = {"pretrain_steps": args.pretrain_steps, "pretrained_held_out": pre["held_out"]}
+        cfg = {**cfg, "init": str(weights), "shift": args.shift, "step_offset": FINETUNE_OFFSET}
+        print(f"  {workload}: pretrained {args.pretrain_steps} steps, held-out loss {pre['held_out']:.4f}", flush=True)
     out, errors = {}, {}
     for mode in modes:
         res = run_mode(mode, cfg, log)
         if isinstance(res, str):
             errors[mode] = res
-            print(f"  loss: {mode} FAILED: {res}", flush=True)
+            print(f"  {workload}: {mode} FAILED: {res}", flush=True)
             continue
         last = [x["loss"] for x in res["rows"][-10:]]
         out[mode] = {"train_loss": statistics.fmean(last), "held_out": res["held_out"],
                      "model_bytes": res["model_bytes"]}
         if mode == "zenflow":
             out[mode]["captured"] = statistics.fmean(x["captured"] for x in res["rows"])
-        print(f"  loss: {mode:13s} train {out[mode]['train_loss']:.4f} held-out {res['held_out']:.4f}", flush=True)
-    return {"config": cfg, "table": out, "errors": errors}
+        print(f"  {workload}: {mode:13s} train {out[mode]['train_loss']:.4f} held-out {res['held_out']:.4f}",
+              flush=True)
+    return {"config": cfg, "table": out, "errors": errors, **extra}
 
 
 def markdown(result: dict) -> str:
     t, lo = result["timing"]["table"], result["loss"]["table"]
+    ft = result.get("loss_finetune", {}).get("table", {})
     base_wait = t.get("zero_offload", {}).get("wait_s")
     lines = ["| mode | step (s) | CPU s/step (sys) | optimizer call (s) | loop wait (s) | wait vs zero_offload "
-             "| loop's own host work (s) | host bytes/step | x model | loss after {} steps (train / held-out) "
-             "| vs none |".format(result["loss"]["config"]["steps"]),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| loop's own host work (s) | host bytes/step | x model | from scratch: loss after {} steps "
+             "(train / held-out) | vs none | fine-tuning: held-out loss | vs none |".format(
+                 result["loss"]["config"]["steps"]),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ref = lo.get("none", {}).get("held_out")
+    ft_ref = ft.get("none", {}).get("held_out")
     for mode in MODES + LOSS_ONLY_MODES:
-        if mode not in t and mode not in lo:
+        if mode not in t and mode not in lo and mode not in ft:
             continue
         r = t.get(mode, {})
         wait = r.get("wait_s")
@@ -342,7 +384,11 @@ def markdown(result: dict) -> str:
         wait_s = f"{wait:.3f}" if wait is not None else "-"
         cpu = f"{r['cpu_s']:.3f} ({r['sys_s']:.3f})" if r else "-"
         loop = f"{r['loop_s']:.3f}" if r and "loop_s" in r else "-"
-        lines.append(f"| {mode} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {loop} | {by} | {ratio} | {ls} | {rel} |")
+        f = ft.get(mode)
+        fs = f"{f['held_out']:.4f}" if f else "-"
+        frel = f"{100 * (f['held_out'] - ft_ref) / ft_ref:+.2f}%" if f and ft_ref else "-"
+        lines.append(f"| {mode} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {loop} | {by} | {ratio} | {ls} | {rel} "
+                     f"| {fs} | {frel} |")
     return "\n".join(lines)
 
 
@@ -355,6 +401,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--loss-steps", type=int, default=200)
+    ap.add_argument("--workloads", default="scratch,finetune", help="loss part: scratch, finetune or both")
+    ap.add_argument("--pretrain-steps", type=int, default=400, help="finetune: plain AdamW steps before")
+    ap.add_argument("--shift", type=float, default=0.125, help="finetune: share of tokens with new successors")
+    ap.add_argument("--skip-timing", action="store_true", help="run the loss part only")
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4)
@@ -372,22 +422,29 @@ def main() -> None:
         return setup_deepspeed()
     if args.smoke:
         args.vocab, args.n_layer, args.n_head, args.n_embd = 256, 2, 2, 64
-        args.rounds, args.warmup, args.steps, args.loss_steps = 1, 1, 8, 12
+        args.rounds, args.warmup, args.steps, args.loss_steps, args.pretrain_steps = 1, 1, 8, 12, 6
     modes = [m for m in args.modes.split(",") if m]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".log")
     log.write_text("")
     load_before = os.getloadavg()
-    print(f"timing ({args.rounds} interleaved rounds; worker logs in {log})", flush=True)
-    result = {"timing": timing(args, modes, log)}
-    print("loss", flush=True)
-    result["loss"] = loss_part(args, modes + LOSS_ONLY_MODES, log)
+    if args.skip_timing:
+        result = {"timing": {"table": {}, "errors": {}}}
+    else:
+        print(f"timing ({args.rounds} interleaved rounds; worker logs in {log})", flush=True)
+        result = {"timing": timing(args, modes, log)}
+    workloads = [w for w in args.workloads.split(",") if w]
+    for workload in workloads:
+        print(f"loss ({workload})", flush=True)
+        key = "loss" if workload == "scratch" else "loss_finetune"
+        result[key] = loss_part(args, modes + LOSS_ONLY_MODES, log, workload)
+    result.setdefault("loss", {"config": {"steps": args.loss_steps}, "table": {}})
     result["load"] = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     out.write_text(json.dumps(result, indent=1))
     print(markdown(result))
-    for part in ("timing", "loss"):
-        share = result[part]["table"].get("zenflow", {}).get("captured")
+    for part in ("timing", "loss", "loss_finetune"):
+        share = result.get(part, {}).get("table", {}).get("zenflow", {}).get("captured")
         if share is not None:
             print(f"zenflow, {part} model: the selected columns hold {100 * share:.1f}% of the squared gradient "
                   f"(mean over steps; {100 * ZENFLOW['topk_ratio']:.0f}% if it were spread evenly)")
