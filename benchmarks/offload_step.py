@@ -127,8 +127,8 @@ def build_model(cfg: dict):
     model = gpt.GPT(config)
     if cfg.get("init"):  # fine-tuning: every mode starts from the same pretrained weights
         missing, unexpected = model.load_state_dict(torch.load(cfg["init"]), strict=False)
-        buffers = {name for name, _ in model.named_buffers()}
-        if unexpected or set(missing) - buffers:
+        aliases = set(model.state_dict()) - set(dict(model.named_parameters()))  # buffers, tied copies
+        if unexpected or set(missing) - aliases:
             raise RuntimeError(f"pretrained weights do not fit: missing {missing}, unexpected {unexpected}")
     return gpt, model
 
