@@ -405,8 +405,6 @@ def fsdpx_phase_labels():
         (clipping, "contributions", "fsdpx.ghost rules"),
         (clipping, "_sq_norms", "fsdpx.per-example norms"),
         (clipping, "_factors", "fsdpx.clip factors"),
-        (contributions, "instantiate_for_reuse", "fsdpx.per-example grads kept for reuse"),
-        (clipping, "stream_clipped_sums", "fsdpx.streamed parameters (norms + clipped sums)"),
         (clipping, "per_sample_grads", "fsdpx.vmap per-example grads"),
         (contributions, "weighted_sum", "fsdpx.clipped sum (weight grads)"),
     ]
@@ -548,19 +546,18 @@ def profile_tables(prof: dict[str, Any]) -> str:
 
 def phases(name: str, cfg: dict[str, int], rounds: int) -> str:
     """Where a private step's time goes: the non-private torch step and its forward+backward,
-    fsdpx's whole private step, ``clip_and_sum`` alone (with a workspace, as the step runs it)
-    and the noise alone (drawn and added in place to parameter-shaped buffers, as the step does),
-    interleaved in each round; medians, and ratios to the non-private step (same-round medians)."""
+    fsdpx's whole private step, ``clip_and_sum`` alone and the noise alone (drawn and added in
+    place to parameter-shaped buffers, as the step does), interleaved in each round; medians, and
+    ratios to the non-private step (same-round medians)."""
     from privacy.clipping import clip_and_sum
     from privacy.noise import add_gaussian_noise_
-    from privacy.workspace import Workspace
 
     model = build_model(cfg, tied=False)
     batch = build_batch(cfg)
     torch_runner, fsdpx_runner = TorchRunner(build_model(cfg, tied=False), batch), FsdpxRunner(model, batch, "auto")
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     numel = sum(p.numel() for p in params.values())
-    workspace, sums = Workspace(), {k: torch.zeros_like(v) for k, v in params.items()}
+    sums = {k: torch.zeros_like(v) for k, v in params.items()}
 
     def forward_backward() -> None:
         torch_runner.model.zero_grad(set_to_none=True)
@@ -569,7 +566,7 @@ def phases(name: str, cfg: dict[str, int], rounds: int) -> str:
     parts = {"non-private torch step": torch_runner.step, "its forward+backward": forward_backward,
              "fsdpx private step (ghost, donated)": fsdpx_runner.step,
              "clip_and_sum (tape, norms, clipped sums)": lambda: clip_and_sum(model, params, batch, token_loss,
-                                                                             clip_norm=CLIP_NORM, workspace=workspace),
+                                                                             clip_norm=CLIP_NORM),
              f"noise ({numel / 1e6:.1f}M normals)": lambda: add_gaussian_noise_(sums, key=0, step=0, std=1.0)}
     times: dict[str, list[float]] = {k: [] for k in parts}
     for i in range(rounds + 1):

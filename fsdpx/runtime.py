@@ -37,7 +37,6 @@ from privacy.clipping import clip_and_sum
 from privacy.noise import noise_slice
 from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn, _as_args
-from privacy.workspace import Workspace
 
 from .collectives import cached_plan as plan
 from .comm import Comm
@@ -154,8 +153,7 @@ def make_sharded_step(
     bits as ``donate=False`` (``property_tests/test_sharded_properties.py::
     test_donated_state_gives_the_same_bits``); saves an allocation and a pass per tensor.
     Raises ``ValueError`` if the mesh is not the strategy's, or (at the first step) if ranks
-    disagree on the configuration. A private step keeps its per-example gradient blocks in a
-    :class:`privacy.workspace.Workspace` between steps: build one step function per rank."""
+    disagree on the configuration."""
     mesh = comm.mesh
     for axis in strategy.data_axes:
         if axis not in mesh.axis_names:
@@ -166,7 +164,6 @@ def make_sharded_step(
     keep = config is not None and needs_fallback(model, param_shapes)
     shapes = {n: tuple(s) for n, s in param_shapes.items()}
     agreed: list[bool] = []
-    workspace = Workspace()  # this rank's per-example gradient blocks, kept between steps
 
     def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
         if not agreed:
@@ -178,7 +175,7 @@ def make_sharded_step(
         before = comm.counts()
         local = _my_share(batch, strategy, comm)
         gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
-        raw, stats = _local_grads(model, loss_fn, gatherer, local, config, workspace)
+        raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
         gatherer.finish()
         update = update_fn(optimizer, donate=donate)
         new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, update,
@@ -219,7 +216,7 @@ def _divisor(batch: tuple[Any, Tensor], config: DPConfig | None, num_examples: i
     return float(max(batch[1].shape[0], 1))
 
 
-def _local_grads(model, loss_fn, gatherer: Gatherer, batch, config: DPConfig | None, workspace: Workspace):
+def _local_grads(model, loss_fn, gatherer: Gatherer, batch, config: DPConfig | None):
     """Raw (unreduced, compute-layout) gradient sums over this rank's examples, and stats."""
     n = batch[1].shape[0]
     if n == 0:
@@ -236,7 +233,7 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, batch, config: DPConfig | N
             return raw, (float(losses.detach().sum()), n, 0, 0.0)
         result = clip_and_sum(model, gatherer.full_view(), batch, loss_fn, clip_norm=config.clip_norm, method=config.method,
                               clipping=config.clipping, nonfinite=config.nonfinite,
-                              run_model=lambda args: model(*args), workspace=workspace)
+                              run_model=lambda args: model(*args))
     clipped = int((result.norms > config.clip_norm).sum())
     return result.grads, (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
 

@@ -30,7 +30,6 @@ from privacy.ghost import contributions
 from privacy.per_sample import flat_sq_norms, per_sample_grads
 from privacy.streaming import choose_streamed, stream_clipped_sums
 from privacy.tape import LossFn, Params, _as_args, record
-from privacy.workspace import Workspace
 
 METHODS = ("auto", "ghost", "vmap")
 CLIPPINGS = ("flat", "automatic")
@@ -142,14 +141,11 @@ def clip_and_sum(
     clipping: str = "flat",
     nonfinite: str = "raise",
     run_model: Callable[[tuple], Any] | None = None,
-    workspace: Workspace | None = None,
 ) -> ClipResult:
     """:func:`clipped_grad` plus the per-example losses the forward computed anyway.
 
     ``run_model`` replaces ``functional_call`` for the ghost/auto forward (see
-    ``privacy.tape.record``); the sharded runtime uses it to gather parameters per unit.
-    ``workspace`` (see ``privacy.workspace``) holds the per-example gradient blocks between
-    calls; the result never refers to it."""
+    ``privacy.tape.record``); the sharded runtime uses it to gather parameters per unit."""
     _check_method(method)
     _check_clip_norm(clip_norm, clipping)
     if nonfinite not in ("raise", "zero"):
@@ -172,12 +168,12 @@ def clip_and_sum(
         losses = tape.losses
         del tape  # the contributions hold what is still needed; reuse below frees factors as it goes
         shapes = {n: p.shape for n, p in params.items()}
-        parts = C.instantiate_for_reuse(parts, shapes, workspace=workspace)
+        parts = C.instantiate_for_reuse(parts, shapes)
         streamed = choose_streamed(parts, shapes)
         sq = _sq_norms({k: v for k, v in parts.items() if k not in streamed}, params, losses)
         if streamed:  # these go last, one example at a time, once every other norm is known
             sums, sq = stream_clipped_sums({k: parts.pop(k) for k in streamed}, shapes, sq,
-                                           lambda norm: clip_factors(norm, clip_norm, clipping), workspace)
+                                           lambda norm: clip_factors(norm, clip_norm, clipping))
     norms = sq.sqrt()
     factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite)
     grads = {}

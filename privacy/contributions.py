@@ -32,8 +32,6 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from privacy.workspace import Workspace, scratch
-
 
 @dataclass(frozen=True)
 class Factored:
@@ -99,16 +97,13 @@ def _pair_inner(u: Factored, v: Factored) -> Tensor:
     return (_left_gram(u, v) * right).sum((1, 2))  # faster on CPU than a (1 x K) @ (K x 1) bmm
 
 
-def instantiate(part: Factored, num_rows: int, out: Tensor | None = None) -> Tensor:
-    """The per-example gradient ``[B, num_rows, n]`` of one factored part, written into ``out``
-    (any contiguous tensor of ``B * num_rows * n`` elements) when given."""
+def instantiate(part: Factored, num_rows: int) -> Tensor:
+    """The per-example gradient ``[B, num_rows, n]`` of one factored part."""
     B, T, n = part.right.shape
     r0, r1 = part.rows
-    if out is not None:
-        out = out.view(B, num_rows, n)
     if not part.one_hot and (r0, r1) == (0, num_rows):
-        return torch.bmm(part.left.transpose(1, 2), part.right, out=out)
-    out = part.right.new_zeros(B, num_rows, n) if out is None else out.zero_()
+        return torch.bmm(part.left.transpose(1, 2), part.right)
+    out = part.right.new_zeros(B, num_rows, n)
     if part.one_hot:
         ids = part.left + r0 + torch.arange(B, device=out.device)[:, None] * num_rows
         out.view(B * num_rows, n).index_add_(0, ids.reshape(-1), part.right.reshape(B * T, n))
@@ -163,8 +158,7 @@ def factor_bytes(parts: dict[str, list[Contribution]]) -> int:
 
 
 def instantiate_for_reuse(
-    parts: dict[str, list[Contribution]], shapes: dict[str, torch.Size], *, budget_bytes: int | None = None,
-    workspace: Workspace | None = None,
+    parts: dict[str, list[Contribution]], shapes: dict[str, torch.Size], *, budget_bytes: int | None = None
 ) -> dict[str, list[Contribution]]:
     """Replaces, IN ``parts``, some parameters' contributions by ONE :class:`Dense` holding their
     summed per-example gradients, so the norm and the clipped sum both read it; returns ``parts``.
@@ -177,8 +171,6 @@ def instantiate_for_reuse(
     Guarantees: the norms and clipped sums computed from the result equal those from the
     original ``parts`` to float rounding (``property_tests/test_ghost_properties.py::
     test_reused_instantiation_gives_the_same_norms_and_clipped_sums``).
-    With a ``workspace`` the blocks are written into its buffers (named ``reuse:<param>``), so
-    the next step finds their pages already mapped.
     Edge cases: ``budget_bytes=0`` changes nothing; an empty dict gives an empty dict."""
     budget = factor_bytes(parts) if budget_bytes is None else budget_bytes
     ranked = []
@@ -194,25 +186,21 @@ def instantiate_for_reuse(
         if block > budget:
             continue
         budget -= block
-        plist = parts[name]
-        batch = next(p for p in plist if isinstance(p, Factored)).right
-        out = scratch(workspace, f"reuse:{name}", (batch.shape[0], *shapes[name]), batch)
-        parts[name] = [Dense(instantiate_sum(plist, shapes[name], out=out))]
+        parts[name] = [Dense(instantiate_sum(parts[name], shapes[name]))]
     return parts
 
 
-def instantiate_sum(parts: list[Contribution], param_shape: torch.Size, out: Tensor | None = None) -> Tensor:
-    """``[B, *param_shape]``: the per-example gradient summed over all contributions (written
-    into ``out`` when given)."""
+def instantiate_sum(parts: list[Contribution], param_shape: torch.Size) -> Tensor:
+    """``[B, *param_shape]``: the per-example gradient summed over all contributions."""
     factored = [p for p in parts if isinstance(p, Factored)]
     dense = [p.grads for p in parts if isinstance(p, Dense)]
     num_rows = param_shape[0]
-    g = instantiate(factored[0], num_rows, out=out)
+    g = instantiate(factored[0], num_rows)
     for p in factored[1:]:
-        g.add_(instantiate(p, num_rows))
+        g = g + instantiate(p, num_rows)
     g = g.view(-1, *param_shape)
     for d in dense:
-        g.add_(d)
+        g = g + d
     return g
 
 

@@ -26,7 +26,6 @@ from privacy.errors import PrivacyError
 from privacy.noise import add_gaussian_noise_
 from privacy.sampling import PoissonSampler
 from privacy.tape import LossFn, Params
-from privacy.workspace import Workspace
 
 if TYPE_CHECKING:  # privacy needs only the optimizer's shape, not the fsdpx package
     from fsdpx.optim import Optimizer
@@ -103,11 +102,7 @@ def make_private_step(
 
     ``donate=True``: the caller gives up ``state`` (JAX's ``donate_argnums``); the optimizer may
     write the new parameters and moments into its tensors (``Optimizer.update_inplace``), with
-    the same bits (``tests/test_private_step.py::test_donated_state_gives_the_same_bits``).
-
-    The step owns a :class:`privacy.workspace.Workspace`: scratch buffers for per-example
-    gradients, kept between steps (so their pages are mapped once) and never part of a result;
-    do not run one step function from two threads at once."""
+    the same bits (``tests/test_private_step.py::test_donated_state_gives_the_same_bits``)."""
     expected_batch = config.sample_rate * num_examples
     if expected_batch <= 0:
         raise PrivacyError(f"num_examples must be >= 1, got {num_examples}")
@@ -115,13 +110,11 @@ def make_private_step(
     # fsdpx.optim.update_fn, inlined: privacy does not import fsdpx
     inplace = getattr(optimizer, "update_inplace", None)
     update = inplace if donate and inplace is not None else optimizer.update
-    workspace = Workspace()  # per-example gradient blocks, kept between steps (privacy.workspace)
 
     def step(state: TrainState, batch: tuple[Any, Tensor]) -> tuple[TrainState, dict[str, float]]:
         check_budget(state.accountant, config)
         clipped = clip_and_sum(model, state.params, batch, loss_fn, clip_norm=config.clip_norm,
-                               method=config.method, clipping=config.clipping, nonfinite=config.nonfinite,
-                               workspace=workspace)
+                               method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
         # in place on the fresh clipped sums: the bits of (g + gaussian_noise(...)) / qN, and no
         # parameter-sized noise tensor is ever allocated
         noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)

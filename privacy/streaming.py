@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from privacy.contributions import REUSE_MAX_BYTES, Contribution, Factored, _rows_overlap, instantiate, reuse_saving
-from privacy.workspace import Workspace, scratch
 
 STREAM_MAX_BYTES = REUSE_MAX_BYTES
 """Most bytes of ONE example's gradients of all streamed parameters together: they are formed,
@@ -59,7 +58,6 @@ def stream_clipped_sums(
     shapes: dict[str, torch.Size],
     sq_rest: Tensor,
     factor: Callable[[Tensor], Tensor],
-    workspace: Workspace | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Returns ``(sums, sq)``: ``sq[i] = sq_rest[i] + sum_name ||g_i[name]||^2`` is example
     ``i``'s squared norm over all parameters, and ``sums[name] = sum_i c_i g_i[name]`` over the
@@ -69,24 +67,23 @@ def stream_clipped_sums(
     Guarantees: equals the norms and clipped sums of the factored forms to float rounding
     (``property_tests/test_ghost_properties.py::test_streamed_clipped_sums_equal_the_factored_forms``).
     An example with a non-finite norm adds nothing (not even NaN) to any sum; the caller
-    decides whether to raise (it sees the non-finite ``sq[i]``). With a ``workspace`` the one
-    example's gradients live in its buffers (``stream:<param>``).
+    decides whether to raise (it sees the non-finite ``sq[i]``).
 
     Edge cases: empty ``parts`` returns ``({}, sq_rest)``; ``B == 0`` gives zero sums."""
     sq = sq_rest.clone()
     sums = {name: sq_rest.new_zeros(shapes[name]) for name in parts}
-    example = {name: scratch(workspace, f"stream:{name}", shapes[name], sq_rest) for name in parts}
+    scratch = {name: sq_rest.new_empty(shapes[name]) for name in parts}
     for i in range(sq_rest.shape[0]):
         total = sq_rest[i]
         for name, plist in parts.items():
-            _example_grad(plist, i, example[name])
-            total = total + torch.linalg.vector_norm(example[name]).square()
+            _example_grad(plist, i, scratch[name])
+            total = total + torch.linalg.vector_norm(scratch[name]).square()
         sq[i] = total
         if not math.isfinite(float(total)):
             continue
         c = float(factor(total.sqrt().view(1))[0])
         for name in parts:
-            sums[name].add_(example[name], alpha=c)
+            sums[name].add_(scratch[name], alpha=c)
     return sums, sq
 
 
