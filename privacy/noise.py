@@ -121,7 +121,7 @@ def noise_slice(
         not depend on the thread count (``test_threaded_and_serial_draws_give_the_same_bits``).
         :func:`gaussian_noise` runs the blocks of all its parameters in one pool.
       * Bits depend only on this file, :mod:`privacy.ziggurat` and the platform's ``exp``/``log``
-        (about 1% of draws use them): ranks of one run on one platform agree
+        (1.5% of draws use them): ranks of one run on one platform agree
         (``test_noise_bits_match_the_recorded_reference``). Moments:
         ``test_noise_moments_match_the_requested_gaussian``; distribution:
         ``tests/test_ziggurat.py::test_draws_pass_a_kolmogorov_smirnov_test_and_reach_the_tail``.

@@ -10,7 +10,7 @@ The ziggurat covers the half-normal density ``f(x) = exp(-x^2 / 2)`` with 256 st
 area ``v``: strip ``i`` is the rectangle ``[0, x_i] x [f(x_i), f(x_{i+1})]`` (strip 0 is the
 rectangle under ``f(r)`` plus the tail beyond ``r = x_1``, drawn with the virtual width
 ``x_0 = v / f(r)``). One 64-bit word gives a strip (8 bits), a sign (1 bit) and a uniform
-position (52 bits); in about 99% of draws the point lies inside the curve's inner rectangle and
+position (52 bits); in 98.5% of draws the point lies inside the curve's inner rectangle and
 is returned at once. Otherwise the wedge is tested against ``exp`` with one more word, or, in
 strip 0, the tail beyond ``r`` is drawn by Marsaglia's exponential method, which reaches past
 ``13 sigma`` (a ``log`` of a 53-bit uniform), so the tail is not cut where DP analysis cares.
@@ -18,9 +18,9 @@ strip 0, the tail beyond ``r`` is drawn by Marsaglia's exponential method, which
 Why compiled: numpy's ``Generator.standard_normal`` calls its bit generator through a function
 pointer per draw; this loop keeps the generator state in registers. ``benchmarks/privacy_step.py
 --phases`` (2 threads, wall) measured 10.1 ns per normal with numpy and 5.3 ns with this loop on
-the small GPT's 7.4M parameters (8.0 and 6.6 ns on the large one's 27.4M). The
-bits depend only on this file and on the platform's ``exp``/``log`` (used in about 1% of draws);
-``tests/test_noise.py::test_noise_bits_match_the_recorded_reference`` pins them.
+the small GPT's 7.4M parameters (8.0 and 6.6 ns on the large one's 27.4M). The bits depend only
+on this file and on the platform's ``exp``/``log`` (used by the wedge and tail tests, in 1.5% of
+draws); ``tests/test_noise.py::test_noise_bits_match_the_recorded_reference`` pins them.
 """
 
 from __future__ import annotations

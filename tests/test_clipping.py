@@ -179,7 +179,13 @@ def test_streaming_the_lm_head_gives_the_clipped_grad_of_the_factored_forms(monk
     monkeypatch.setattr(contributions, "REUSE_MEMORY_MACS", 0)  # so small a model saves nothing otherwise
     chosen = []
     real = streaming.choose_streamed
-    monkeypatch.setattr("privacy.clipping.choose_streamed", lambda *a: chosen.extend(real(*a)) or real(*a))
+
+    def recording(*args):
+        names = real(*args)
+        chosen.extend(names)
+        return names
+
+    monkeypatch.setattr("privacy.clipping.choose_streamed", recording)
     got, got_norms = clipped_grad(model, params, (x, x.roll(1, 1)), token_loss, clip_norm=0.05)
     assert [n for n in chosen if params[n].shape == (64, 16)]  # the LM head's weight
     monkeypatch.setattr(streaming, "STREAM_MAX_BYTES", 0)

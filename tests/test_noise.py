@@ -121,7 +121,7 @@ def test_threaded_and_serial_draws_give_the_same_bits(monkeypatch):
 
 def test_noise_bits_match_the_recorded_reference():
     # Pins the seeding scheme, SFC64 and the ziggurat (privacy/ziggurat.py), and the platform's
-    # exp/log through the 1% of draws that use them. If it fails after editing either file, the
+    # exp/log through the 1.5% of draws that use them. If it fails after editing either file, the
     # scheme changed: runs resumed across the change draw different (still valid) noise, so bump
     # noise._HASH_PERSON and record the new digest only after deciding that is acceptable.
     x = noise_slice("layer.weight", 3 * BLOCK, BLOCK - 10, BLOCK + 10, key=2024, step=17, std=1.0)
