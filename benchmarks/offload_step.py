@@ -144,7 +144,7 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
     from torch.func import functional_call
 
     import offload
-    from fsdpx.optim import adamw
+    from fsdpx.optim import adamw, update_fn
 
     gpt, model = build_model(cfg)
     inner = adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD)
@@ -154,6 +154,7 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
                  "accumulate": lambda: offload.zenflow(inner, **accumulate)}[mode]()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = optimizer.init(params)
+    update = update_fn(optimizer, donate=True)  # the loop owns its state, as torch's in-place optimizers do
     rows = []
     for step in range(cfg["warmup"] + cfg["steps"]):
         x, y = batch_for(cfg, step)
@@ -162,7 +163,7 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
         loss = gpt.token_loss(functional_call(model, live, (x,)), y).mean()
         grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
         t1 = time.perf_counter()
-        params, state = optimizer.update(grads, state, params)
+        params, state = update(grads, state, params)
         t2 = time.perf_counter()
         m = state.get("metrics", {}) if isinstance(state, dict) else {}
         rows.append(with_cpu({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": m.get("host_wait_s", 0.0),

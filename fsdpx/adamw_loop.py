@@ -88,3 +88,54 @@ def adamw_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, outs: tuple[Tensor, Tenso
     for out, target, ok in zip(outs, targets, direct):
         if not ok:
             out.detach().copy_(target)
+
+
+@numba.njit(nogil=True, cache=True)
+def _adamw_columns(p, g, m, v, p_out, m_out, v_out, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size):  # noqa: ANN001, ANN202
+    """:func:`_adamw` on 2-D ``[rows, n]`` arrays, with column ``j``'s own ``bc2_sqrt[j]`` and
+    ``step_size[j]`` (its own step count); the operations and their order are :func:`_adamw`'s."""
+    for r in range(p.shape[0]):
+        for j in range(p.shape[1]):
+            gi = g[r, j]
+            new_p = p[r, j] * keep
+            new_m = m[r, j] * b1
+            new_m = new_m + gi * omb1
+            new_v = gi * gi
+            new_v = new_v * omb2
+            new_v = new_v + v[r, j] * b2
+            d = np.sqrt(new_v)
+            d = d / bc2_sqrt[j]
+            d = d + eps
+            d = new_m / d
+            d = d * step_size[j]
+            p_out[r, j] = new_p - d
+            m_out[r, j] = new_m
+            v_out[r, j] = new_v
+
+
+def adamw_columns(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, keep: float, b1: float, b2: float,
+                  bc2_sqrt: list[float], eps: float, step_size: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+    """New ``(p, m, v)`` for 2-D CPU tensors (``applies`` holds) whose column ``j`` takes its own
+    ``bc2_sqrt[j]`` and ``step_size[j]``: each column's bits are those :func:`adamw_` gives that
+    column alone with those scalars (the scalars are rounded to the dtype the same way). Rows are
+    split over ``torch.get_num_threads()`` threads; that changes no bit."""
+    arrays = [t.detach().contiguous().numpy() for t in (p, g, m, v)]
+    outs = tuple(torch.empty(p.shape, dtype=p.dtype) for _ in range(3))
+    scalar = np.float32 if p.dtype == torch.float32 else np.float64
+    per_col = [np.asarray(x, dtype=np.float64).astype(scalar) for x in (bc2_sqrt, step_size)]
+    consts = [scalar(c) for c in (keep, b1, 1 - b1, b2, 1 - b2)]
+    rows = p.shape[0]
+    workers = max(1, min(torch.get_num_threads(), rows * p.shape[1] // CHUNK))
+    bounds = [rows * i // workers for i in range(workers + 1)]
+
+    def run(i: int) -> None:
+        lo, hi = bounds[i], bounds[i + 1]
+        _adamw_columns(*(a[lo:hi] for a in arrays), *(o.numpy()[lo:hi] for o in outs), *consts, per_col[0],
+                       scalar(eps), per_col[1])
+
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, range(workers)))
+    elif p.numel():
+        run(0)
+    return outs

@@ -30,6 +30,13 @@ Params = dict[str, Tensor]
 OptState = dict[str, object]
 
 
+ColumnUpdate = Callable[[Tensor, Tensor, dict[str, Tensor], Tensor], tuple[Tensor, dict[str, Tensor]] | None]
+"""``(param [out, n], grad, slots {slot: [out, n]}, counts LongTensor[n]) -> (new_param, new_slots)``:
+the update of one 2-D tensor whose column ``j`` has ``counts[j]`` updates behind it, equal bit for
+bit to ``update`` applied to each column alone with its own count (ZenFlow's per-column counts);
+``None`` when the fast path does not apply (the caller then groups columns by count)."""
+
+
 class Optimizer(NamedTuple):
     """Two pure functions: ``init(params) -> state`` and
     ``update(grads, state, params) -> (new_params, new_state)``. Inputs are never mutated.
@@ -37,11 +44,14 @@ class Optimizer(NamedTuple):
     ``update_inplace`` (optional) is the same arithmetic for a caller that donates ``params`` and
     ``state`` (JAX's ``donate_argnums``): it writes the new values into their tensors and returns
     them, sparing one allocation and one pass per tensor. Its results equal ``update``'s bit for
-    bit (``property_tests/test_optim.py::test_inplace_update_equals_the_pure_update``)."""
+    bit (``property_tests/test_optim.py::test_inplace_update_equals_the_pure_update``).
+    ``update_columns`` (optional, :data:`ColumnUpdate`) updates a 2-D tensor whose columns have
+    different step counts in one pass (``tests/test_optim_loop.py``)."""
 
     init: Callable[[Params], OptState]
     update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
     update_inplace: Callable[[Params, OptState, Params], tuple[Params, OptState]] | None = None
+    update_columns: ColumnUpdate | None = None
 
 
 def update_fn(optimizer: Optimizer, *, donate: bool) -> Callable[[Params, OptState, Params], tuple[Params, OptState]]:
@@ -210,4 +220,17 @@ def adamw(
                               lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
         return params, {**state, "count": count}
 
-    return Optimizer(init, update, update_inplace)
+    def update_columns(p: Tensor, g: Tensor, slots: dict[str, Tensor], counts: Tensor):
+        if p.dim() != 2 or slots.keys() != {"mu", "nu"} or not adamw_loop.applies(p, g, slots["mu"], slots["nu"]):
+            return None
+        scalars = {}  # per distinct step count: (bc2_sqrt, step_size), computed as adamw_kernel does
+        for c in torch.unique(counts).tolist():
+            step = int(c) + 1
+            scalars[c] = (math.sqrt(1 - b2**step), lr / (1 - b1**step))
+        per_col = [scalars[c] for c in counts.tolist()]
+        new_p, mu, nu = adamw_loop.adamw_columns(p, g, slots["mu"], slots["nu"], keep=1 - lr * weight_decay, b1=b1,
+                                                 b2=b2, bc2_sqrt=[x[0] for x in per_col], eps=eps,
+                                                 step_size=[x[1] for x in per_col])
+        return new_p, {"mu": mu, "nu": nu}
+
+    return Optimizer(init, update, update_inplace, update_columns)

@@ -104,6 +104,7 @@ from torch import Tensor
 from fsdpx.optim import Optimizer, Params, check_same_keys, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
+from offload.column_copy import add_gathered_columns_, gather_columns, scatter_columns_
 from offload.columns import column_scores, complement, num_selected, select_columns
 from offload.worker import HOST, nbytes, to_device, to_host
 
@@ -131,10 +132,15 @@ def _inner_step(inner: Optimizer, slot_names: list[str], master: Tensor, grad: T
 
 def _update_columns(inner: Optimizer, slot_names: list[str], master: Tensor, grad: Tensor,
                     slots: dict[str, Tensor], counts: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """``inner`` on ``[out, n]`` column slices; ``counts[j]`` (host) is column ``j``'s count."""
+    """``inner`` on ``[out, n]`` column slices; ``counts[j]`` (host) is column ``j``'s count.
+    Columns with different counts take ``inner.update_columns`` (one pass) when it applies, else
+    one ``inner`` call per distinct count."""
     values = torch.unique(counts).tolist()
     if len(values) == 1:
         return _inner_step(inner, slot_names, master, grad, slots, int(values[0]))
+    fast = inner.update_columns(master, grad, slots, counts) if inner.update_columns is not None else None
+    if fast is not None:
+        return fast
     out_master = torch.empty_like(master)
     out_slots = {s: torch.empty_like(t) for s, t in slots.items()}
     for v in values:
@@ -162,26 +168,31 @@ def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: 
 # --- state plumbing (all out of place) -------------------------------------------------------
 
 
-def _merge_host_result(result: dict[str, dict], host: dict) -> None:
-    """Scatter a finished host window into ``host`` (rebinding its entries, out of place)."""
+def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = False) -> None:
+    """Scatter a finished host window into ``host``: rebinding its entries to new tensors, or,
+    with ``inplace`` (a donated state), writing into the host tensors themselves."""
     for k, r in result.items():
         h = dict(host[k])
         for f, v in r.items():
-            if f != "cols":
-                h[f] = h[f].index_copy(0 if f == "count" else 1, r["cols"], v)
+            if f == "count":
+                h[f] = h[f].index_copy_(0, r["cols"], v) if inplace else h[f].index_copy(0, r["cols"], v)
+            elif f != "cols":
+                h[f] = scatter_columns_(h[f] if inplace else h[f].clone(), r["cols"], v)
         host[k] = h
 
 
-def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict) -> None:
-    """Write a finished host window into the host state and the parameters (rebinding entries
-    of the caller's fresh ``host`` / ``params`` dicts; no tensor is written in place)."""
-    _merge_host_result(result, host)
+def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict,
+                       inplace: bool = False) -> None:
+    """Write a finished host window into the host state and the parameters: rebinding entries
+    of the caller's fresh ``host`` / ``params`` dicts, or with ``inplace`` (donated state and
+    parameters) writing into their tensors."""
+    _merge_host_result(result, host, inplace)
     for k, r in result.items():
         cols = r["cols"]
         p = params[k]
         value = r["master"].to(p.dtype)
         metrics["h2d_bytes"] += nbytes(value)
-        params[k] = p.index_copy(1, cols.to(p.device), to_device(value, p.device))
+        params[k] = scatter_columns_(p if inplace else p.clone(), cols.to(p.device), to_device(value, p.device))
 
 
 def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict) -> tuple[dict, dict]:
@@ -209,8 +220,8 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict) -> tupl
 
 def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor) -> dict:
     """Copies (owned by the job) of what the host update of ``cols`` reads."""
-    grad = acc if cols.numel() == unselected.numel() else acc.index_select(1, torch.searchsorted(unselected, cols))
-    job = {f: t.index_select(1, cols) for f, t in h.items() if f != "count"}
+    grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols))
+    job = {f: gather_columns(t, cols) for f, t in h.items() if f != "count"}
     return {"cols": cols, "grad": grad, **job, "count": h["count"][cols]}
 
 
@@ -330,6 +341,16 @@ def zenflow(
         }
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        return step(grads, state, params, inplace=False)
+
+    def update_inplace(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        """``update`` for a caller that donates ``state`` and ``params``: the same bits, written
+        into their tensors (the host state, the window sum, the parameters' columns) instead of
+        new ones (``tests/test_zenflow.py::test_donated_update_gives_the_same_bits``)."""
+        with torch.no_grad():
+            return step(grads, state, params, inplace=True)
+
+    def step(grads: Params, state: State, params: Params, *, inplace: bool) -> tuple[Params, State]:
         check_same_keys(grads, params)
         slot_names: list[str] = state["slots"]
         metrics = {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
@@ -356,12 +377,12 @@ def zenflow(
                 new_params[k] = master.to(p.dtype, copy=True)
             elif selected[k].numel():
                 sel, idx = selected[k], selected[k].to(p.device)
-                g = grads[k].index_select(1, idx).to(d["master"].dtype)
+                g = gather_columns(grads[k], idx).to(d["master"].dtype)
                 slots = {s: t for s, t in d.items() if s != "master"}
                 master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel])
                 device[k] = {"master": master, **slots}
                 host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
-                new_params[k] = p.index_copy(1, idx, master.to(p.dtype))
+                new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
 
         # Host: add the unselected columns' gradient to the window sum.
         loop_start = time.perf_counter()
@@ -370,10 +391,14 @@ def zenflow(
         window_sq = 0.0 if opening else state["window_sq"]
         norm_sq_of_sum = 0.0
         for k in host:
-            if unselected[k].numel():
-                g = to_host(grads[k].index_select(1, unselected[k].to(grads[k].device)))
-                metrics["d2h_bytes"] += nbytes(g)
-                g = g.to(host[k]["master"].dtype)
+            uns = unselected[k]
+            if not uns.numel():
+                continue
+            metrics["d2h_bytes"] += uns.numel() * grads[k].shape[0] * grads[k].element_size()
+            if inplace and not opening and update_interval != "auto":  # the window sum is ours to write
+                add_gathered_columns_(acc[k], grads[k], uns)
+            else:
+                g = to_host(gather_columns(grads[k], uns.to(grads[k].device))).to(host[k]["master"].dtype)
                 acc[k] = g if opening else acc[k] + g
                 if update_interval == "auto":
                     g_sq, s_sq = window_stats(k, g, acc[k])
@@ -390,7 +415,7 @@ def zenflow(
         if closing:
             if pending is not None:  # delay=1: the previous window lands now
                 landed = _timed(metrics, worker.resolve, pending["result"])
-                _timed(metrics, _apply_host_result, landed, host, new_params, metrics, key=_LOOP)
+                _timed(metrics, _apply_host_result, landed, host, new_params, metrics, inplace, key=_LOOP)
                 pending = None
             reselect = _reselection(grads, selected, since)
             if reselect is not None and select_interval != "auto":
@@ -413,7 +438,7 @@ def zenflow(
                     later[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, later_cols, key=_LOOP)
             if now:
                 result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
-                _timed(metrics, _apply_host_result, result, host, new_params, metrics, key=_LOOP)
+                _timed(metrics, _apply_host_result, result, host, new_params, metrics, inplace, key=_LOOP)
             if later:
                 job = partial(_host_window, inner, slot_names, divisor, later)
                 pending = {"result": worker.submit(job) if overlap else _timed(metrics, job)}
@@ -465,7 +490,7 @@ def zenflow(
                 out[k] = best.to(HOST)
         return out
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, update_inplace)
 
 
 # --- reading the state -----------------------------------------------------------------------

@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fsdpx.optim import Optimizer, Params, check_same_keys
+import torch
+
+from fsdpx.optim import Optimizer, Params, check_same_keys, update_fn
 from offload.worker import HOST, nbytes, to_device, to_host
 from offload.zenflow import master_dtype
 
@@ -39,6 +41,16 @@ def zero_offload(inner: Optimizer) -> Optimizer:
                 "metrics": {"host_wait_s": 0.0, "host_loop_s": 0.0, "d2h_bytes": 0, "h2d_bytes": 0}}
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        return step(grads, state, params, inplace=False)
+
+    def update_inplace(grads: Params, state: State, params: Params) -> tuple[Params, State]:
+        """``update`` for a caller that donates ``state`` and ``params``: the same bits, with the
+        host update run by ``inner.update_inplace`` (when it has one) and the parameters
+        overwritten (``tests/test_zero_offload.py::test_donated_update_gives_the_same_bits``)."""
+        with torch.no_grad():
+            return step(grads, state, params, inplace=True)
+
+    def step(grads: Params, state: State, params: Params, *, inplace: bool) -> tuple[Params, State]:
         check_same_keys(grads, params)
         start = time.perf_counter()
         d2h = h2d = 0
@@ -47,13 +59,15 @@ def zero_offload(inner: Optimizer) -> Optimizer:
             h = to_host(g)
             d2h += nbytes(h)
             host_grads[k] = h.to(state["master"][k].dtype)
-        master, inner_state = inner.update(host_grads, state["inner"], state["master"])
+        master, inner_state = update_fn(inner, donate=inplace)(host_grads, state["inner"], state["master"])
         new_params = {}
         for k, p in params.items():
-            v = master[k].to(p.dtype, copy=True)  # never alias the returned weights with the state
-            h2d += nbytes(v)
-            new_params[k] = to_device(v, p.device)
+            if inplace:
+                new_params[k] = p.copy_(master[k])  # cast and copy to the device in one write
+            else:
+                new_params[k] = to_device(master[k].to(p.dtype, copy=True), p.device)  # never alias the state
+            h2d += p.numel() * p.element_size()
         metrics = {"host_wait_s": time.perf_counter() - start, "host_loop_s": 0.0, "d2h_bytes": d2h, "h2d_bytes": h2d}
         return new_params, {"master": master, "inner": inner_state, "metrics": metrics}
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, update_inplace)

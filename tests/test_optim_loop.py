@@ -81,3 +81,29 @@ def test_other_dtypes_and_devices_take_the_tensor_operations():
     b = p.bfloat16()
     out = optim.adamw_kernel(b, b, b * 0, b * 0 + 1e-3, 1, **HP)
     assert out[0].dtype == torch.bfloat16 and torch.isfinite(out[0].float()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_update_columns_equals_each_column_updated_alone_with_its_count(dtype):
+    """adamw's ``update_columns`` (one pass, per-column step counts, rows over threads) gives every
+    column the bits ``update`` gives that column alone with its own count."""
+    rows, n = 300, 1000  # 300k elements: above CHUNK, so the rows are split over threads
+    p, g, m, v = (t.view(rows, n) for t in _inputs(rows * n, dtype, seed=5))
+    counts = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(6))
+    counts[:3] = torch.tensor([0, 0, 10_000])
+    opt = optim.adamw(HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    new_p, slots = opt.update_columns(p, g, {"mu": m, "nu": v}, counts)
+    for j in [0, 1, 2, 3, 500, n - 1]:
+        col = {"x": p[:, j].clone()}
+        state = {"count": int(counts[j]), "mu": {"x": m[:, j].clone()}, "nu": {"x": v[:, j].clone()}}
+        want_p, want = opt.update({"x": g[:, j].clone()}, state, col)
+        assert torch.equal(new_p[:, j], want_p["x"])
+        assert torch.equal(slots["mu"][:, j], want["mu"]["x"]) and torch.equal(slots["nu"][:, j], want["nu"]["x"])
+
+
+def test_update_columns_declines_what_it_does_not_cover():
+    opt = optim.adamw(1e-3)
+    p = torch.zeros(2, 3, dtype=torch.bfloat16)
+    assert opt.update_columns(p, p, {"mu": p, "nu": p}, torch.zeros(3, dtype=torch.int64)) is None
+    q = torch.zeros(6)
+    assert opt.update_columns(q, q, {"mu": q, "nu": q}, torch.zeros(6, dtype=torch.int64)) is None

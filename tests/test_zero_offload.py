@@ -36,6 +36,21 @@ def test_equals_inner_bit_for_bit(inner, dtype):
             assert a[k].dtype == dtype and torch.equal(a[k], b[k])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("inner", INNERS)
+def test_donated_update_gives_the_same_bits(inner, dtype):
+    params, grads = problem(dtype)
+    opt = zero_offload(inner)
+    want, want_state = run(opt, params, grads)
+    state, p = opt.init(params), {k: v.clone() for k, v in params.items()}
+    for g, expected in zip(grads, want):
+        p, state = opt.update_inplace(g, state, p)
+        for k in p:
+            assert p[k].dtype == dtype and torch.equal(p[k], expected[k])
+    for k, m in state["master"].items():
+        assert torch.equal(m, want_state["master"][k])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params_are_the_fp32_master_run_cast_down(dtype):
     params, grads = problem(dtype)

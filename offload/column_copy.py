@@ -1,0 +1,113 @@
+"""Copies of a set of columns of a row-major ``[out, in]`` tensor: gather, gather-and-add, scatter.
+
+ZenFlow moves columns (input features) of 2-D weights between the device's selected set and the
+host's window: every step it gathers the unselected columns of each gradient into the window sum,
+and when a window closes it gathers the host state of those columns for the host update and
+scatters the result back. A column of a row-major tensor is strided, and torch's
+``index_select(1, ...)`` / ``index_copy(1, ...)`` walk it as a general index operation; on the
+GPT's weights they run at a third of the memory bandwidth. The loops here copy row by row: for
+each row, read the source columns in increasing order and write the destination row in order
+(the indices are sorted, so both streams are nearly sequential).
+
+They are copies and one float addition per element, so every element's bits are those of the
+torch operations they replace (``tests/test_column_copy.py``). CPU float32/float64 tensors take
+the compiled loop; anything else (CUDA, bfloat16) takes the torch operation.
+"""
+
+from __future__ import annotations
+
+import numba
+import torch
+from torch import Tensor
+
+
+@numba.njit(nogil=True, cache=True)
+def _gather(src, cols, out, add):  # noqa: ANN001, ANN202
+    for r in range(src.shape[0]):
+        row, dst = src[r], out[r]
+        if add:
+            for j in range(cols.shape[0]):
+                dst[j] = dst[j] + row[cols[j]]
+        else:
+            for j in range(cols.shape[0]):
+                dst[j] = row[cols[j]]
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter(dst, cols, src):  # noqa: ANN001, ANN202
+    for r in range(dst.shape[0]):
+        row, values = dst[r], src[r]
+        for j in range(cols.shape[0]):
+            row[cols[j]] = values[j]
+
+
+def _compiled(*tensors: Tensor) -> bool:
+    """True when the compiled loop applies: CPU, one float32/float64 dtype, row-major 2-D."""
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.float64) and all(
+        t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1 for t in tensors
+    )
+
+
+def _check(name: str, t: Tensor, cols: Tensor) -> None:
+    if t.dim() != 2 or cols.dim() != 1:
+        raise ValueError(f"{name} needs a 2-D tensor and 1-D column indices, got {tuple(t.shape)} and {tuple(cols.shape)}")
+
+
+def gather_columns(src: Tensor, cols: Tensor) -> Tensor:
+    """A new ``[out, len(cols)]`` tensor holding ``src[:, cols]``, on ``src``'s device.
+
+    Guarantee: equals ``src.index_select(1, cols)`` bit for bit (any ``cols``, sorted or not).
+    Edge cases: empty ``cols`` gives ``[out, 0]``; an index outside ``[0, in)`` raises
+    ``IndexError`` (checked before any copy)."""
+    _check("gather_columns", src, cols)
+    if not _compiled(src) or not cols.numel():
+        return src.index_select(1, cols.to(src.device))
+    _check_range(cols, src.shape[1])
+    out = torch.empty((src.shape[0], cols.numel()), dtype=src.dtype)
+    _gather(_np(src), _np(cols), out.numpy(), False)
+    return out
+
+
+def add_gathered_columns_(acc: Tensor, src: Tensor, cols: Tensor) -> Tensor:
+    """``acc += src[:, cols]`` in place (one rounding per element, as torch's ``add_``); returns ``acc``.
+
+    Guarantee: equals ``acc.add_(src.index_select(1, cols))`` bit for bit. Raises ``ValueError``
+    if ``acc`` is not ``[out, len(cols)]``."""
+    _check("add_gathered_columns_", src, cols)
+    if acc.shape != (src.shape[0], cols.numel()):
+        raise ValueError(f"acc must be {(src.shape[0], cols.numel())}, got {tuple(acc.shape)}")
+    if not _compiled(acc, src) or not cols.numel():
+        return acc.add_(src.index_select(1, cols.to(src.device)).to(device=acc.device, dtype=acc.dtype))
+    _check_range(cols, src.shape[1])
+    _gather(_np(src), _np(cols), _np(acc), True)
+    return acc
+
+
+def scatter_columns_(dst: Tensor, cols: Tensor, src: Tensor) -> Tensor:
+    """``dst[:, cols] = src`` in place; returns ``dst``.
+
+    Guarantee: equals ``dst.index_copy_(1, cols, src)`` bit for bit for distinct ``cols``.
+    Raises ``ValueError`` if ``src`` is not ``[out, len(cols)]``."""
+    _check("scatter_columns_", dst, cols)
+    if src.shape != (dst.shape[0], cols.numel()):
+        raise ValueError(f"src must be {(dst.shape[0], cols.numel())}, got {tuple(src.shape)}")
+    if not _compiled(dst, src) or not cols.numel():
+        return dst.index_copy_(1, cols.to(dst.device), src.to(dst.device))
+    _check_range(cols, dst.shape[1])
+    _scatter(_np(dst), _np(cols), _np(src))
+    return dst
+
+
+def _np(t: Tensor):  # noqa: ANN202
+    """A numpy view of ``t``'s memory (writes through); ``detach`` so that parameters work too."""
+    return t.detach().numpy()
+
+
+def _check_range(cols: Tensor, n: int) -> None:
+    if cols.dtype != torch.int64 or cols.device.type != "cpu":
+        raise ValueError(f"column indices must be a CPU int64 tensor, got {cols.dtype} on {cols.device}")
+    lo, hi = int(cols.min()), int(cols.max())
+    if lo < 0 or hi >= n:
+        raise IndexError(f"column index out of range [0, {n}): min {lo}, max {hi}")
+
