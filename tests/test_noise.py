@@ -132,6 +132,17 @@ def test_noise_bits_match_the_recorded_reference():
 REFERENCE_DIGEST = "ce3ddb323c2a18a7"  # scheme v2 (numba ziggurat), recorded when it was written
 
 
+def test_noise_bits_through_the_wedge_and_the_tail_match_the_recorded_reference():
+    """The 20 draws above rarely leave the ziggurat's fast path; these 200k cross three blocks and
+    include wedge tests (about 1.5% of draws) and tail draws beyond r = 3.65 sigma."""
+    x = noise_slice("layer.weight", 4 * BLOCK, 1000, 3 * BLOCK + 77, key=7, step=3, std=1.0)
+    assert float(x.abs().max()) > 3.6541528853610088  # the tail path ran
+    assert hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16] == LONG_REFERENCE_DIGEST
+
+
+LONG_REFERENCE_DIGEST = "32f4561f611e073e"  # scheme v2, recorded from the session 3 kernel before its sign tweak
+
+
 def test_gaussian_noise_pools_every_parameters_blocks_with_the_serial_bits(monkeypatch):
     """All parameters' blocks go to one pool; the bits are those of drawing each alone."""
     params = {f"p{i}": torch.empty(BLOCK * (i % 3) + 5 * i + 1) for i in range(6)}
