@@ -158,6 +158,7 @@ def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: 
     columns ``cols``, their window gradient sum ``grad``, ``master``, slots and ``count``."""
     out = {}
     for k, job in inputs.items():
+        job = _gather_deferred(job)
         slots = {s: t for s, t in job.items() if s not in ("cols", "grad", "master", "count")}
         grad = job["grad"] / divisor if divisor != 1 else job["grad"]
         master, new_slots = _update_columns(inner, slot_names, job["master"], grad, slots, job["count"])
@@ -218,11 +219,25 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict) -> tupl
     return new_h, new_d
 
 
-def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor) -> dict:
-    """Copies (owned by the job) of what the host update of ``cols`` reads."""
+def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer: bool = False) -> dict:
+    """What the host update of ``cols`` reads: copies owned by the job, or with ``defer`` the
+    host tensors themselves under ``"deferred"``, for the job to gather its columns from when it
+    runs (the donated path: nothing writes those columns of those tensors until the job is
+    resolved, so the gathers move off the training loop onto the host worker)."""
     grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols))
+    count = h["count"][cols]
+    if defer:
+        return {"cols": cols, "grad": grad, "count": count, "deferred": {f: t for f, t in h.items() if f != "count"}}
     job = {f: gather_columns(t, cols) for f, t in h.items() if f != "count"}
-    return {"cols": cols, "grad": grad, **job, "count": h["count"][cols]}
+    return {"cols": cols, "grad": grad, **job, "count": count}
+
+
+def _gather_deferred(job: dict) -> dict:
+    """``job`` with its deferred host columns gathered (see :func:`_job_inputs`)."""
+    if "deferred" not in job:
+        return job
+    rest = {f: v for f, v in job.items() if f != "deferred"}
+    return {**rest, **{f: gather_columns(t, job["cols"]) for f, t in job["deferred"].items()}}
 
 
 def _timed(metrics: dict, fn, *args, key: str = "host_wait_s"):
@@ -435,7 +450,8 @@ def zenflow(
                 if now_cols.numel():
                     now[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, now_cols, key=_LOOP)
                 if later_cols.numel():
-                    later[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, later_cols, key=_LOOP)
+                    later[k] = _timed(metrics, partial(_job_inputs, defer=inplace and overlap), host[k], acc[k],
+                                      uns, later_cols, key=_LOOP)
             if now:
                 result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
                 _timed(metrics, _apply_host_result, result, host, new_params, metrics, inplace, key=_LOOP)
