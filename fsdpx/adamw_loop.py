@@ -31,47 +31,37 @@ CHUNK = 2**18
 """Elements per task when a parameter is spread over threads."""
 
 
+@numba.njit(inline="always", error_model="numpy")
+def _element(p, g, m, v, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size):  # noqa: ANN001, ANN202
+    """AdamW on one element: ``(new_p, new_m, new_v)``, each operation rounded to the dtype."""
+    new_p = p * keep
+    new_m = m * b1
+    new_m = new_m + g * omb1
+    new_v = g * g
+    new_v = new_v * omb2
+    new_v = new_v + v * b2
+    d = np.sqrt(new_v)
+    d = d / bc2_sqrt
+    d = d + eps
+    d = new_m / d
+    d = d * step_size
+    return new_p - d, new_m, new_v
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def _adamw(p, g, m, v, p_out, m_out, v_out, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size):  # noqa: ANN001, ANN202
     for i in range(p.shape[0]):
-        gi = g[i]
-        new_p = p[i] * keep
-        new_m = m[i] * b1
-        new_m = new_m + gi * omb1
-        new_v = gi * gi
-        new_v = new_v * omb2
-        new_v = new_v + v[i] * b2
-        d = np.sqrt(new_v)
-        d = d / bc2_sqrt
-        d = d + eps
-        d = new_m / d
-        d = d * step_size
-        p_out[i] = new_p - d
-        m_out[i] = new_m
-        v_out[i] = new_v
+        p_out[i], m_out[i], v_out[i] = _element(p[i], g[i], m[i], v[i], keep, b1, omb1, b2, omb2, bc2_sqrt, eps,
+                                                step_size)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def _adamw_inplace(p, g, m, v, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size):  # noqa: ANN001, ANN202
-    """:func:`_adamw` with the outputs written over ``p``, ``m``, ``v``: the same operations. A
-    kernel of its own because LLVM vectorises a loop only after checking at run time that its
-    arrays do not overlap, and ``p_out is p`` fails that check (the scalar loop is 3x slower)."""
+    """:func:`_adamw` with the outputs written over ``p``, ``m``, ``v``. A kernel of its own
+    because LLVM vectorises a loop only after checking at run time that its arrays do not
+    overlap, and ``p_out is p`` fails that check (the scalar loop is 3x slower)."""
     for i in range(p.shape[0]):
-        gi = g[i]
-        new_p = p[i] * keep
-        new_m = m[i] * b1
-        new_m = new_m + gi * omb1
-        new_v = gi * gi
-        new_v = new_v * omb2
-        new_v = new_v + v[i] * b2
-        d = np.sqrt(new_v)
-        d = d / bc2_sqrt
-        d = d + eps
-        d = new_m / d
-        d = d * step_size
-        p[i] = new_p - d
-        m[i] = new_m
-        v[i] = new_v
+        p[i], m[i], v[i] = _element(p[i], g[i], m[i], v[i], keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size)
 
 
 def applies(*tensors: Tensor) -> bool:
@@ -121,24 +111,11 @@ def adamw_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, outs: tuple[Tensor, Tenso
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def _adamw_columns(p, g, m, v, p_out, m_out, v_out, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size):  # noqa: ANN001, ANN202
     """:func:`_adamw` on 2-D ``[rows, n]`` arrays, with column ``j``'s own ``bc2_sqrt[j]`` and
-    ``step_size[j]`` (its own step count); the operations and their order are :func:`_adamw`'s."""
+    ``step_size[j]`` (its own step count)."""
     for r in range(p.shape[0]):
         for j in range(p.shape[1]):
-            gi = g[r, j]
-            new_p = p[r, j] * keep
-            new_m = m[r, j] * b1
-            new_m = new_m + gi * omb1
-            new_v = gi * gi
-            new_v = new_v * omb2
-            new_v = new_v + v[r, j] * b2
-            d = np.sqrt(new_v)
-            d = d / bc2_sqrt[j]
-            d = d + eps
-            d = new_m / d
-            d = d * step_size[j]
-            p_out[r, j] = new_p - d
-            m_out[r, j] = new_m
-            v_out[r, j] = new_v
+            p_out[r, j], m_out[r, j], v_out[r, j] = _element(p[r, j], g[r, j], m[r, j], v[r, j], keep, b1, omb1, b2,
+                                                             omb2, bc2_sqrt[j], eps, step_size[j])
 
 
 def adamw_columns(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, keep: float, b1: float, b2: float,

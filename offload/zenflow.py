@@ -63,7 +63,10 @@ sum; other parameters have their full state in ``device[name]``. Read it merged 
 overlap=True``: ``materialize(state)`` waits for it and returns a plain-data state that continues
 bit for bit like the original (so it can be saved, in-flight window included). ``update`` is
 pure: the same inputs give the same outputs bit for bit, except the clock reading
-``state["metrics"]["host_wait_s"]``; the background thread only reads copies it owns.
+``state["metrics"]["host_wait_s"]``; its background job only reads copies it owns.
+``update_inplace`` (a donated state) gives the same bits, writing the window sum, the host state
+and the parameters' columns in place; its background job gathers the columns it updates from the
+host tensors themselves, which nothing writes until the next window end has resolved the job.
 
 ``state["metrics"]`` describes the last step: ``host_wait_s`` (seconds the call spent blocked on
 host optimizer work), ``host_loop_s`` (seconds the call itself spent on host-side bookkeeping:
@@ -166,7 +169,7 @@ def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: 
     return out
 
 
-# --- state plumbing (all out of place) -------------------------------------------------------
+# --- state plumbing (out of place; in place on a donated state) ------------------------------
 
 
 def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = False) -> None:
