@@ -59,7 +59,7 @@ def _adamw(p, g, m, v, p_out, m_out, v_out, keep, b1, omb1, b2, omb2, bc2_sqrt, 
 def _adamw_inplace(p, g, m, v, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size):  # noqa: ANN001, ANN202
     """:func:`_adamw` with the outputs written over ``p``, ``m``, ``v``. A kernel of its own
     because LLVM vectorises a loop only after checking at run time that its arrays do not
-    overlap, and ``p_out is p`` fails that check (the scalar loop is 3x slower)."""
+    overlap, and ``p_out is p`` fails that check (it then runs the scalar loop)."""
     for i in range(p.shape[0]):
         p[i], m[i], v[i] = _element(p[i], g[i], m[i], v[i], keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size)
 

@@ -104,6 +104,12 @@ def sgd(lr: float, momentum: float = 0.0) -> Optimizer:
     return Optimizer(init, update)
 
 
+def _bias_correction(count: int, *, lr: float, b1: float, b2: float) -> tuple[float, float]:
+    """``(sqrt(1 - b2**count), lr / (1 - b1**count))`` in Python floats: the two step-dependent
+    scalars of AdamW, computed one way for every caller so their roundings agree."""
+    return math.sqrt(1 - b2**count), lr / (1 - b1**count)
+
+
 def adamw_kernel(
     p: Tensor,
     g: Tensor,
@@ -124,10 +130,9 @@ def adamw_kernel(
     compiled pass (``fsdpx/adamw_loop.py``: same operations, a correctly rounded ``sqrt``, any
     layout); elsewhere as tensor operations. ``count`` is a Python int on purpose: a vectorised ``pow`` over a
     tensor of counts rounds differently by lane, which would break elementwise exactness, so
-    callers with per-element counts (ZenFlow) group elements by count."""
-    bc1 = 1 - b1**count
-    bc2_sqrt = math.sqrt(1 - b2**count)
-    step_size = lr / bc1
+    callers with per-column counts (ZenFlow) use ``adamw(...).update_columns``, which computes
+    these scalars per distinct count in Python, or group columns by count."""
+    bc2_sqrt, step_size = _bias_correction(count, lr=lr, b1=b1, b2=b2)
     if adamw_loop.applies(p, g, m, v):  # the same operations in one compiled pass (adamw_loop.py)
         outs = (torch.empty(p.shape, dtype=p.dtype), torch.empty(m.shape, dtype=m.dtype), torch.empty(v.shape, dtype=v.dtype))
         adamw_loop.adamw_(p, g, m, v, outs, keep=1 - lr * weight_decay, b1=b1, b2=b2, bc2_sqrt=bc2_sqrt, eps=eps,
@@ -156,9 +161,7 @@ def adamw_kernel_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr:
     """:func:`adamw_kernel` written into ``p``, ``m`` and ``v``: the same operations on the same
     operands (IEEE addition commutes, so ``v * b2 + t`` rounds as ``t + v * b2``), hence the
     same bits."""
-    bc1 = 1 - b1**count
-    bc2_sqrt = math.sqrt(1 - b2**count)
-    step_size = lr / bc1
+    bc2_sqrt, step_size = _bias_correction(count, lr=lr, b1=b1, b2=b2)
     if adamw_loop.applies(p, g, m, v):
         adamw_loop.adamw_(p, g, m, v, (p, m, v), keep=1 - lr * weight_decay, b1=b1, b2=b2, bc2_sqrt=bc2_sqrt,
                           eps=eps, step_size=step_size)
@@ -223,10 +226,7 @@ def adamw(
     def update_columns(p: Tensor, g: Tensor, slots: dict[str, Tensor], counts: Tensor):
         if p.dim() != 2 or slots.keys() != {"mu", "nu"} or not adamw_loop.applies(p, g, slots["mu"], slots["nu"]):
             return None
-        scalars = {}  # per distinct step count: (bc2_sqrt, step_size), computed as adamw_kernel does
-        for c in torch.unique(counts).tolist():
-            step = int(c) + 1
-            scalars[c] = (math.sqrt(1 - b2**step), lr / (1 - b1**step))
+        scalars = {c: _bias_correction(int(c) + 1, lr=lr, b1=b1, b2=b2) for c in torch.unique(counts).tolist()}
         per_col = [scalars[c] for c in counts.tolist()]
         new_p, mu, nu = adamw_loop.adamw_columns(p, g, slots["mu"], slots["nu"], keep=1 - lr * weight_decay, b1=b1,
                                                  b2=b2, bc2_sqrt=[x[0] for x in per_col], eps=eps,

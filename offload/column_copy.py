@@ -4,8 +4,8 @@ ZenFlow moves columns (input features) of 2-D weights between the device's selec
 host's window: every step it gathers the unselected columns of each gradient into the window sum,
 and when a window closes it gathers the host state of those columns for the host update and
 scatters the result back. A column of a row-major tensor is strided, and torch's
-``index_select(1, ...)`` / ``index_copy(1, ...)`` walk it as a general index operation; on the
-GPT's weights they run at a third of the memory bandwidth. The loops here copy row by row: for
+``index_select(1, ...)`` / ``index_copy(1, ...)`` walk it as a general index operation, slower
+than a plain row loop on the GPT's weights. The loops here copy row by row: for
 each row, read the source columns in increasing order and write the destination row in order
 (the indices are sorted, so both streams are nearly sequential).
 
