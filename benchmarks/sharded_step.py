@@ -375,7 +375,7 @@ def predictions(cfg: dict, mesh) -> dict[str, Any]:
     import torch
 
     from fsdpx import comm_per_step, memory_by_rank, strategies
-    from fsdpx.units import make_units
+    from fsdpx.runtime.units import make_units
 
     with torch.device("meta"):
         model = make_model(cfg)
@@ -403,7 +403,7 @@ def worker(args) -> None:
     import fsdpx.runtime  # noqa: F401
     import privacy.step  # noqa: F401
     from fsdpx import Mesh
-    from fsdpx.dist_comm import init_from_env
+    from fsdpx.runtime.dist_comm import init_from_env
 
     # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (older fsdpx called them)
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated. Please use")
@@ -474,7 +474,7 @@ def worker(args) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def launch(worker_args: list[str], env_extra: dict[str, str], nproc: int) -> dict:
-    from fsdpx.launch import torchrun_command
+    from fsdpx.train.launch import torchrun_command
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")

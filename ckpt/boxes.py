@@ -1,7 +1,7 @@
 """Box arithmetic for checkpoints, pure: who writes which block, global shapes from local ones,
 and which byte runs of a stored block a reader needs.
 
-A box is a global ``[start, stop)`` per dim (``fsdpx.layout.local_box``). A stored box is
+A box is a global ``[start, stop)`` per dim (``fsdpx.sharding.layout.local_box``). A stored box is
 C-contiguous on disk, so the part of it inside another box is a set of contiguous *runs*: if
 the last dim where the intersection is narrower than the stored box is ``j``, each run covers
 the intersection along ``j`` and everything after it, and there is one run per index of the
@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from fsdpx import Mesh, Spec
-from fsdpx.layout import local_box
+from fsdpx.sharding import Mesh, Spec
+from fsdpx.sharding.layout import local_box
 
 from .errors import LayoutError
 

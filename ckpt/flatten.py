@@ -3,7 +3,8 @@
 A state is built from dicts with ``str`` keys, lists, tuples, ``None``, ``bool``, ``int``,
 ``float``, ``str``, tensors, and the registered types (``register_type``; built in:
 ``privacy.step.TrainState``, ``privacy.accounting.Accountant``,
-``privacy.sampling.PoissonSampler``, ``privacy.step.DPConfig``, ``fsdpx.runtime.ShardedState``).
+``privacy.sampling.PoissonSampler``, ``privacy.step.DPConfig``; the runtime registers its own
+``fsdpx.runtime.ShardedState`` when it is imported, since ``ckpt`` sits below the runtime).
 The tree is tagged JSON::
 
     dict            {"$dict": [[key, node], ...]}        (insertion order kept)
@@ -73,10 +74,7 @@ def load_builtin_types() -> None:
     from privacy.sampling import PoissonSampler
     from privacy.step import DPConfig, TrainState
 
-    from fsdpx.runtime import ShardedState
-
     _BUILTINS_LOADED = True
-    register_type("ShardedState", ShardedState, lambda s: dict(s._asdict()), lambda d: ShardedState(**d))
     register_type("TrainState", TrainState, lambda s: dict(s._asdict()), lambda d: TrainState(**d))
     register_type("Accountant", Accountant, Accountant.to_dict, Accountant.from_dict)
     register_type("PoissonSampler", PoissonSampler, PoissonSampler.to_dict, PoissonSampler.from_dict)
@@ -86,7 +84,7 @@ def load_builtin_types() -> None:
 # Qualified names of the built-in types: an object of one of them means ``privacy`` is already
 # imported, so registering them then is free; other states never import ``privacy``.
 _BUILTIN_NAMES = {"privacy.step.TrainState", "privacy.step.DPConfig", "privacy.accounting.Accountant",
-                  "privacy.sampling.PoissonSampler", "fsdpx.runtime.ShardedState"}
+                  "privacy.sampling.PoissonSampler"}
 
 
 def _codec_for(obj: Any) -> Codec | None:
@@ -160,7 +158,8 @@ def unflatten(tree: Tree, tensor_at: Callable[[str], Tensor]) -> Any:
     if isinstance(tree, dict) and set(tree) == {"$type", "value"}:
         load_builtin_types()
         if tree["$type"] not in _CODECS:
-            raise UnsupportedStateError(f"unknown type tag {tree['$type']!r}: register it with ckpt.register_type")
+            hint = " (import fsdpx.runtime, which registers it)" if tree["$type"] == "ShardedState" else ""
+            raise UnsupportedStateError(f"unknown type tag {tree['$type']!r}: register it with ckpt.register_type{hint}")
         return _CODECS[tree["$type"]].from_node(unflatten(tree["value"], tensor_at))
     raise UnsupportedStateError(f"malformed state node {str(tree)[:80]!r}")
 

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fsdpx import Mesh, Spec
+from fsdpx.sharding import Mesh, Spec
 
 from .checksum import ALGORITHM, hex_digest
 from .errors import ManifestError, UnsupportedVersionError

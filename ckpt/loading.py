@@ -4,7 +4,7 @@
 
 For every tensor of the manifest the target spec comes from ``ckpt.rules`` (the strategy you
 load with, or ``specs``), the global shape from the manifest, and the rank's box from
-``fsdpx.layout.local_box``; ``ckpt.reader`` reads the overlapping stored bytes. Non-tensor state
+``fsdpx.sharding.layout.local_box``; ``ckpt.reader`` reads the overlapping stored bytes. Non-tensor state
 comes from the manifest's JSON tree. Tensors come back on the CPU, as plain tensors.
 
 Guarantees:
@@ -27,9 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fsdpx import Mesh
-from fsdpx.layout import local_box
-from fsdpx.strategies import Strategy
+from fsdpx.sharding import Mesh
+from fsdpx.sharding.layout import local_box
+from fsdpx.sharding.strategies import Strategy
 
 from . import format as fmt
 from .errors import LayoutError, ManifestError, MissingAccountantError, MissingShardError, ShapeMismatchError, TruncatedShardError

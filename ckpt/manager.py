@@ -37,8 +37,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fsdpx import Mesh
-from fsdpx.strategies import Strategy
+from fsdpx.sharding import Mesh
+from fsdpx.sharding.strategies import Strategy
 
 from . import commit
 from .async_save import SaveHandle, saver_for

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Union
 
-from fsdpx import Spec
-from fsdpx.strategies import Strategy
+from fsdpx.sharding import Spec
+from fsdpx.sharding.strategies import Strategy
 
 SpecRule = Callable[[str, int], Spec]
 Specs = Union[None, Mapping[str, Spec], SpecRule]

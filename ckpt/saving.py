@@ -46,9 +46,9 @@ from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
-from fsdpx import Mesh, Spec
-from fsdpx.layout import local_box
-from fsdpx.strategies import Strategy
+from fsdpx.sharding import Mesh, Spec
+from fsdpx.sharding.layout import local_box
+from fsdpx.sharding.strategies import Strategy
 
 from . import commit
 from . import format as fmt

@@ -1,46 +1,43 @@
 """fsdpx: private, sharded and offloaded training as pure functions, checked against plain training.
 
-The sharding algebra: ``Mesh`` (named axes), ``Spec`` (one tensor's layout), ``shard`` /
-``unshard`` / ``local_box`` (which block each rank holds), ``plan`` / ``Collective`` / ``cost`` /
-``adjoint`` (moving between layouts), ``SimulatedMesh`` (running collectives on lists of
-tensors), ``strategies`` (DDP, ZeRO-1/2/3, HSDP as data) and the derived cost model
-``memory_per_rank`` / ``comm_per_step``.
+Layers, bottom to top (no module imports a layer above its own; ``tests/test_layers.py``):
 
-The runtime: ``make_sharded_step`` / ``init_sharded`` (one train step for every strategy,
-private or plain) over a communicator: ``run_threads`` (ranks as threads of one process) or
-``fsdpx.dist_comm.init_from_env`` (torch.distributed processes started by torchrun).
+1. ``fsdpx.sharding`` (mesh, spec, layouts, collectives, cost model, strategies, the ``Comm``
+   interface) and ``fsdpx.optim`` (functional optimizers); ``fsdpx.models`` (the reference GPT);
+2. ``privacy``, ``offload``, ``ckpt``;
+3. ``fsdpx.runtime`` (the sharded step, gathering, the thread and torch.distributed backends);
+4. ``fsdpx.train`` (the training job, its data, CLI and launcher).
+
+The public names below are importable from ``fsdpx`` as before; they load on first use, so
+importing ``fsdpx.sharding`` does not pull in the runtime.
 """
 
-from . import strategies
-from .collectives import Collective, adjoint, cost, plan
-from .cost_model import comm_per_step, memory_by_rank, memory_per_rank, peak_gathered_bytes, step_collectives
-from .layout import local_box, shard, unshard
-from .mesh import Mesh
-from .simulated import SimulatedMesh
-from .spec import Spec
-from .comm import RankFailure, run_threads
-from .runtime import ShardedState, init_sharded, make_sharded_step
+from __future__ import annotations
 
-__all__ = [
-    "Collective",
-    "Mesh",
-    "RankFailure",
-    "ShardedState",
-    "SimulatedMesh",
-    "Spec",
-    "adjoint",
-    "comm_per_step",
-    "cost",
-    "init_sharded",
-    "local_box",
-    "make_sharded_step",
-    "memory_by_rank",
-    "memory_per_rank",
-    "peak_gathered_bytes",
-    "plan",
-    "run_threads",
-    "shard",
-    "strategies",
-    "step_collectives",
-    "unshard",
-]
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "Collective": "fsdpx.sharding", "Mesh": "fsdpx.sharding", "RankFailure": "fsdpx.sharding",
+    "SimulatedMesh": "fsdpx.sharding", "Spec": "fsdpx.sharding", "adjoint": "fsdpx.sharding",
+    "comm_per_step": "fsdpx.sharding", "cost": "fsdpx.sharding", "local_box": "fsdpx.sharding",
+    "memory_by_rank": "fsdpx.sharding", "memory_per_rank": "fsdpx.sharding",
+    "peak_gathered_bytes": "fsdpx.sharding", "plan": "fsdpx.sharding", "shard": "fsdpx.sharding",
+    "step_collectives": "fsdpx.sharding", "strategies": "fsdpx.sharding", "unshard": "fsdpx.sharding",
+    "ShardedState": "fsdpx.runtime", "init_sharded": "fsdpx.runtime", "make_sharded_step": "fsdpx.runtime",
+    "run_threads": "fsdpx.runtime",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fsdpx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,3 +1,3 @@
-from fsdpx.cli import main
+from fsdpx.train.cli import main
 
 main()

@@ -1,6 +1,6 @@
 """ZenFlow on row shards: the one collective that makes every rank choose as the unsharded run.
 
-Under ZeRO-2/3 (``fsdpx.strategies``) the optimizer of each rank sees a block of rows of every
+Under ZeRO-2/3 (``fsdpx.sharding.strategies``) the optimizer of each rank sees a block of rows of every
 weight ``[out, in]``. A column's score is a sum over rows, so the global score is the sum of the
 ranks' scores: one all-reduce of ``in`` float64 values per weight, at each selection. The rows
 themselves never move: each rank's host master, moments and window accumulators stay those of its
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fsdpx.collectives import plan
-from fsdpx.comm import Comm
-from fsdpx.mesh import as_axes
-from fsdpx.spec import Spec
+from fsdpx.sharding.collectives import plan
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.mesh import as_axes
+from fsdpx.sharding.spec import Spec
 from offload.zenflow import CombineScores
 
 

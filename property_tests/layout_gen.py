@@ -8,7 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from fsdpx import Mesh, Spec
-from fsdpx.layout import local_box, local_shape
+from fsdpx.sharding.layout import local_box, local_shape
 
 NAMES = ("a", "b", "c")
 

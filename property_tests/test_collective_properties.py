@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fsdpx import Collective, SimulatedMesh, Spec, adjoint, cost, plan, shard, unshard
-from fsdpx.collectives import KINDS
+from fsdpx.sharding.collectives import KINDS
 from layout_gen import arbitrary_locals, consistent_locals, meshes, shapes, specs
 
 F64 = torch.float64

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdpx import Mesh, local_box, shard, unshard
-from fsdpx.layout import chunk, chunk_bounds, chunks_nest, padded_local_shape
-from fsdpx.spec import Spec
+from fsdpx.sharding.layout import chunk, chunk_bounds, chunks_nest, padded_local_shape
+from fsdpx.sharding.spec import Spec
 from layout_gen import meshes, shapes, specs, torch_chunk_padded
 
 

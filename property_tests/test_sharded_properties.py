@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdpx import Mesh, comm_per_step, memory_by_rank, strategies, unshard
-from fsdpx.comm import run_threads
+from fsdpx.runtime.threads import run_threads
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import adamw, sgd
-from fsdpx.plain_step import init_plain, make_plain_step
+from fsdpx.runtime.plain_step import init_plain, make_plain_step
 from fsdpx.runtime import init_sharded, make_sharded_step
-from fsdpx.units import make_units
+from fsdpx.runtime.units import make_units
 from privacy.step import DPConfig, init_state, make_private_step
 
 MESHES = {

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 import offload
 from fsdpx import Mesh, Spec, plan, strategies, unshard
-from fsdpx.comm import run_threads
+from fsdpx.runtime.threads import run_threads
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import adamw
-from fsdpx.plain_step import init_plain, make_plain_step
-from fsdpx.runtime import init_sharded, local_block, make_sharded_step
+from fsdpx.runtime.plain_step import init_plain, make_plain_step
+from fsdpx.runtime.step import init_sharded, local_block, make_sharded_step
 
 F64 = torch.float64
 TOL = 1e-10

@@ -8,7 +8,7 @@ import torch
 from ckpt.boxes import global_shape, intersect, is_writer, runs
 from ckpt.errors import LayoutError
 from fsdpx import Mesh, Spec
-from fsdpx.layout import local_box
+from fsdpx.sharding.layout import local_box
 
 
 def _random_box(rng, shape):

@@ -9,7 +9,7 @@ import torch
 import ckpt
 import offload
 from fsdpx import Mesh, shard, strategies, unshard
-from fsdpx.comm import run_threads
+from fsdpx.runtime.threads import run_threads
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import adamw
 from fsdpx.runtime import ShardedState, init_sharded, make_sharded_step

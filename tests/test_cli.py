@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fsdpx import cli
+from fsdpx.train import cli
 from fsdpx.train import ConfigError, RunConfig
 from privacy.errors import PrivacyError
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from fsdpx import Mesh, SimulatedMesh, comm_per_step, memory_by_rank, memory_per_rank, peak_gathered_bytes
-from fsdpx.cost_model import step_collectives
-from fsdpx.layout import local_shape
-from fsdpx.strategies import ddp, hsdp, zero1, zero2, zero3
+from fsdpx.sharding.cost_model import step_collectives
+from fsdpx.sharding.layout import local_shape
+from fsdpx.sharding.strategies import ddp, hsdp, zero1, zero2, zero3
 
 M2 = Mesh(dp=2)
 W = {"w": (4, 3)}  # 12 fp32 = 48 bytes; a dp=2 shard is 2 rows = 24 bytes

@@ -5,7 +5,7 @@ import hashlib
 import pytest
 import torch
 
-from fsdpx.data import ALPHABET, DEFAULT_CHARS, VOCAB_SIZE, corpus, decode, encode, make_examples
+from fsdpx.train.data import ALPHABET, DEFAULT_CHARS, VOCAB_SIZE, corpus, decode, encode, make_examples
 
 # Pinned: if the grammar, the seed or Python's random.Random changes, these change and every
 # earlier run stops being comparable. Update them only on purpose.

@@ -1,11 +1,12 @@
-"""fsdpx.adamw_loop: the compiled AdamW pass is the per-operation-rounded arithmetic, on any
+"""fsdpx.optim.adamw_loop: the compiled AdamW pass is the per-operation-rounded arithmetic, on any
 slice, layout and thread split, and agrees with the tensor operations to torch's sqrt rounding."""
 
 import numpy as np
 import pytest
 import torch
 
-from fsdpx import adamw_loop, optim
+from fsdpx import optim
+from fsdpx.optim import adamw_loop
 
 HP = dict(lr=3e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
 
@@ -58,7 +59,11 @@ def test_the_compiled_pass_agrees_with_the_tensor_operations_up_to_torch_sqrt(dt
     assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])  # the moments: no sqrt
     differ = (got[0] != ref[0]).sum().item()
     assert differ <= 10  # torch's sqrt is not always correctly rounded: a few in 10^5
-    torch.testing.assert_close(got[0], ref[0], rtol=2 * torch.finfo(dtype).eps, atol=0)
+    # A last-bit difference in sqrt(v) changes the update u by about eps * |u|; where u nearly
+    # cancels p, that is more than eps of the new parameter, so the bound is on |p'| + |u|.
+    update = (p * (1 - HP["lr"] * HP["weight_decay"]) - ref[0]).abs()
+    bound = 2 * torch.finfo(dtype).eps * (ref[0].abs() + update)
+    assert bool(((got[0] - ref[0]).abs() <= bound).all())
 
 
 def test_any_layout_and_slice_gives_each_elements_same_bits():

@@ -8,7 +8,7 @@ import torch
 from fsdpx import Mesh, run_threads, strategies, unshard
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import sgd
-from fsdpx.runtime import flat_runs, init_sharded, make_sharded_step
+from fsdpx.runtime.step import flat_runs, init_sharded, make_sharded_step
 from privacy import DPConfig, init_state, make_private_step
 
 

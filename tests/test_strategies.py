@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from fsdpx import Spec
-from fsdpx.strategies import REPLICATED, ShardDim0, Strategy, ddp, hsdp, zero1, zero2, zero3
+from fsdpx.sharding.strategies import REPLICATED, ShardDim0, Strategy, ddp, hsdp, zero1, zero2, zero3
 
 ALL = [ddp(), zero1(), zero2(), zero3(), hsdp()]
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fsdpx import Mesh, comm_per_step, memory_by_rank, strategies, unshard
-from fsdpx.launch import spawn_ranks, torchrun_command
+from fsdpx.train.launch import spawn_ranks, torchrun_command
 from fsdpx.models.gpt import token_loss
 from fsdpx.optim import sgd
-from fsdpx.plain_step import init_plain, make_plain_step
-from fsdpx.units import make_units
+from fsdpx.runtime.plain_step import init_plain, make_plain_step
+from fsdpx.runtime.units import make_units
 from privacy.step import init_state, make_private_step
 
 HERE = os.path.dirname(__file__)

@@ -12,8 +12,8 @@ import sys
 import torch
 
 from fsdpx import Mesh, strategies
-from fsdpx.comm import RankFailure
-from fsdpx.dist_comm import init_from_env, shutdown
+from fsdpx.sharding.comm import RankFailure
+from fsdpx.runtime.dist_comm import init_from_env, shutdown
 from fsdpx.optim import sgd
 from fsdpx.runtime import init_sharded, make_sharded_step
 from privacy.step import DPConfig

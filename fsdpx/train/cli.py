@@ -20,9 +20,9 @@ import sys
 import os
 import subprocess
 
-from fsdpx import strategies
-from fsdpx.launch import torchrun_command
-from fsdpx.train import ConfigError, RunConfig, format_summary, run, run_mesh
+from fsdpx.sharding import strategies
+from .launch import torchrun_command
+from .loop import ConfigError, RunConfig, format_summary, run, run_mesh
 from privacy.errors import PrivacyError
 
 _DEFAULTS = RunConfig()
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             print(_plan_line(config, comm), file=sys.stderr)
         summary = run(config, progress=not args.no_progress, comm=comm)
         if comm is not None:  # after a failure the error stands; a barrier could only hang
-            from fsdpx.dist_comm import shutdown
+            from fsdpx.runtime.dist_comm import shutdown
 
             shutdown()
     except (ConfigError, PrivacyError) as err:  # a bad value, not a bug: no traceback, no usage
@@ -213,7 +213,7 @@ def _communicator(config: RunConfig):
     """This process's communicator in a torchrun-started sharded run, else None."""
     if config.strategy is None:
         return None
-    from fsdpx.dist_comm import init_from_env
+    from fsdpx.runtime.dist_comm import init_from_env
 
     return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"])))
 

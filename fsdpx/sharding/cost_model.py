@@ -131,7 +131,7 @@ def comm_per_step(
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, int]:
     """Bytes per rank per train step: ``cost`` of ``step_collectives`` -- ``{kind: buffer_bytes}``
-    plus ``send_bytes``/``recv_bytes`` (conventions in ``fsdpx.collectives``), for the rank
+    plus ``send_bytes``/``recv_bytes`` (conventions in ``fsdpx.sharding.collectives``), for the rank
     holding the largest blocks (rank 0 under ``torch.chunk``). All-gathers and reduce-scatters
     move padded buffers, equal on every rank; with uneven shards, a rank with a smaller block
     all-reduces (and ``DistComm`` counts) its own smaller buffer

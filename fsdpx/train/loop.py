@@ -42,17 +42,19 @@ from torch.func import functional_call
 from tqdm import tqdm
 
 import offload
-from fsdpx import data, plain_step, strategies
-from fsdpx.comm import Comm
-from fsdpx.layout import unshard
-from fsdpx.mesh import Mesh
-from fsdpx.runtime import init_sharded, make_sharded_step
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import Optimizer, adamw
+from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
+from fsdpx.sharding import strategies
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import unshard
+from fsdpx.sharding.mesh import Mesh
 from privacy.accounting import Accountant, noise_multiplier
 from privacy.errors import BudgetExhaustedError
 from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, TrainState, init_state, make_private_step, sample_batch
+
+from . import data
 
 Step = Callable[[TrainState, tuple[Tensor, Tensor]], tuple[TrainState, dict[str, float]]]
 
@@ -102,7 +104,7 @@ class RunConfig:
     # PLD discretization: coarser is faster and still an upper bound on epsilon. At the default
     # run 1e-2 reports 8.008 where 1e-4 reports 8.001, and composes 300 steps in 0.3 s, not 15 s.
     accounting_interval: float = 1e-2
-    # sharding: None = one process; else a strategy of fsdpx.strategies run by every rank that
+    # sharding: None = one process; else a strategy of fsdpx.sharding.strategies run by every rank that
     # torchrun started (``fsdpx train --nproc N --strategy S`` launches torchrun itself)
     strategy: str | None = None
     # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
@@ -202,7 +204,7 @@ def init_params(config: RunConfig) -> tuple[GPT, dict[str, Tensor]]:
 
 
 def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimizer) -> Step:
-    """Non-private baseline with the private step's signature: :func:`fsdpx.plain_step.make_plain_step`
+    """Non-private baseline with the private step's signature: :func:`fsdpx.runtime.plain_step.make_plain_step`
     (the mean gradient of the batch, no clipping, no noise) on a :class:`TrainState`. The
     accountant records noise multiplier 0, so ``epsilon`` is ``inf``: plain training gives no
     guarantee. An empty batch leaves the gradient zero."""

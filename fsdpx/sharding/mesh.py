@@ -7,8 +7,8 @@
     shard:    0  1  0  1
 
 Everything here is pure arithmetic on integers; no process group is created. The same value
-describes the mesh to the layout algebra (``fsdpx.layout``), the planner (``fsdpx.collectives``),
-the simulated executor (``fsdpx.simulated``) and, later, a real ``torch.distributed`` runtime,
+describes the mesh to the layout algebra (``fsdpx.sharding.layout``), the planner (``fsdpx.sharding.collectives``),
+the simulated executor (``fsdpx.sharding.simulated``) and, later, a real ``torch.distributed`` runtime,
 which must number its ranks the same way.
 """
 
@@ -37,7 +37,7 @@ class Mesh:
         (``tests/test_mesh.py::test_rank_of_inverts_coords_row_major``).
       * ``groups(axes)`` partitions ``range(size)``; each group is ordered by the COMBINED index
         of its ranks over ``axes`` taken major to minor, exactly the index that picks a chunk
-        when a tensor dim is sharded over the tuple ``axes`` (``fsdpx.layout``)
+        when a tensor dim is sharded over the tuple ``axes`` (``fsdpx.sharding.layout``)
         (``tests/test_mesh.py::test_groups_partition_ranks_in_combined_index_order``).
 
     Edge cases:

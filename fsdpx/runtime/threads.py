@@ -1,53 +1,22 @@
-"""The communicator a rank's train step talks to, and the in-process backend.
+"""The in-process backend of ``fsdpx.sharding.comm.Comm``: the ranks of a mesh as threads.
 
-A train step is written SPMD style: every rank runs the same function with its own ``Comm``
-and its own tensors, and calls ``comm.run(collective, local)`` where the algebra
-(``fsdpx.collectives.plan``) says a layout changes. Two backends implement it:
-
-* :class:`ThreadComm` (here): the ranks of a mesh are threads of one process. At each
-  collective the threads meet at a barrier, one of them runs ``SimulatedMesh.run`` on the list
-  of all ranks' tensors (sums in rank order: bit-reproducible), and each takes its own result.
-  Exact and fast: the property tests run every strategy through it.
-* ``fsdpx.dist_comm.DistComm``: real ``torch.distributed`` (gloo on CPU, NCCL on GPU).
-
-Both count the bytes of every collective by kind (``buffer_bytes`` convention of
-``fsdpx.collectives``); a step reports them and tests compare them with ``comm_per_step``.
+At each collective the threads meet at a barrier, one of them runs ``SimulatedMesh.run`` on
+the list of all ranks' tensors (sums in rank order: bit-reproducible), and each takes its own
+result. Exact and fast: the property tests run every strategy through it. Bytes are counted by
+the ``SimulatedMesh`` (the worst group's, per collective kind).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable
 
 from torch import Tensor
 
-from .collectives import Collective
-from .mesh import Mesh
-from .simulated import SimulatedMesh
-
-
-class RankFailure(RuntimeError):
-    """Another rank failed or stopped answering; ``ranks`` names it (them)."""
-
-    def __init__(self, ranks: Sequence[int], detail: str):
-        self.ranks = list(ranks)
-        super().__init__(f"rank(s) {self.ranks} failed or did not answer: {detail}")
-
-
-class Comm(Protocol):
-    rank: int
-    mesh: Mesh
-
-    def run(self, collective: Collective, local: Tensor) -> Tensor:
-        """This rank's result of ``collective`` applied to every rank's ``local``."""
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, index = rank (start-up checks, metrics)."""
-
-    def counts(self) -> dict[str, int]:
-        """Bytes per collective kind moved by ``run`` since the last ``reset_counts``."""
-
-    def reset_counts(self) -> None: ...
+from fsdpx.sharding.collectives import Collective
+from fsdpx.sharding.comm import RankFailure
+from fsdpx.sharding.mesh import Mesh
+from fsdpx.sharding.simulated import SimulatedMesh
 
 
 class _Exchange:

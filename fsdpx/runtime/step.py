@@ -4,7 +4,7 @@ Every rank runs ``step(state, batch)`` with its own ``Comm`` (threads of one pro
 ``torch.distributed`` processes) on the same GLOBAL batch; it takes its own share (``torch.chunk``
 of the batch over the strategy's data axes), and the strategy's layouts decide every collective:
 
-1. forward and backward with per-unit gathers (``fsdpx.gather``);
+1. forward and backward with per-unit gathers (``fsdpx.runtime.gather``);
    private: ghost clipping on this rank's examples (``privacy.clipping.clip_and_sum``: one
    backward, per-example norms need nothing beyond what the forward gathered);
 2. per unit in reverse order: reduce the raw gradient (``plan(raw_grad, grad)``), bring it and
@@ -31,20 +31,21 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ckpt.flatten import register_type
 from fsdpx.optim import Optimizer, update_fn
+from fsdpx.sharding.collectives import cached_plan as plan
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import chunk_bounds, local_box
+from fsdpx.sharding.mesh import Mesh
+from fsdpx.sharding.spec import Spec
+from fsdpx.sharding.strategies import Strategy
 from privacy.accounting import Accountant
 from privacy.clipping import clip_and_sum
 from privacy.noise import noise_slice
 from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn, _as_args
 
-from .collectives import cached_plan as plan
-from .comm import Comm
 from .gather import Gatherer
-from .layout import chunk_bounds, local_box
-from .mesh import Mesh
-from .spec import Spec
-from .strategies import Strategy
 from .units import Unit, make_units
 
 Params = dict[str, Tensor]
@@ -58,6 +59,11 @@ class ShardedState(NamedTuple):
     step: int
     key: int
     accountant: Accountant | None
+
+
+# ckpt stores states without pickle, by registered type; it sits below the runtime, so the
+# runtime registers its own state type.
+register_type("ShardedState", ShardedState, lambda s: dict(s._asdict()), lambda d: ShardedState(**d))
 
 
 def local_block(t: Tensor, spec: Spec, mesh: Mesh, rank: int) -> Tensor:

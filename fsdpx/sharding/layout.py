@@ -9,7 +9,7 @@ A dim sharded over a tuple of axes ``(a, b)`` is cut ONCE into ``size(a) * size(
 rank ``r`` holds chunk ``index_a(r) * size(b) + index_b(r)`` (JAX's flat rule). Note that this
 differs from DTensor's nested ``[Shard(0), Shard(0)]`` (chunk of a chunk) when sizes are
 uneven; ``chunks_nest`` says when the two agree, which is when a collective over the minor
-axes alone can change the layout (``fsdpx.collectives``).
+axes alone can change the layout (``fsdpx.sharding.collectives``).
 
 Partial axes: ``shard`` puts the whole value on the rank with coordinate 0 on every partial
 axis and zeros (same local shape) on the others; ``unshard`` sums them in rank order.

@@ -18,7 +18,7 @@ kind               layout change (``e`` = the dim's axes before)        adjoint
                    each rank writes its block into zeros (no communication)
 =================  ==================================================  ==================
 
-Each rank acts on its own block with ``torch.chunk`` semantics (``fsdpx.layout``), so a step is
+Each rank acts on its own block with ``torch.chunk`` semantics (``fsdpx.sharding.layout``), so a step is
 only valid when the chunks of the dim NEST (``layout.chunks_nest``); always true when ``e`` is
 empty or sizes divide. ``Collective`` refuses other steps, and ``plan`` routes around them.
 

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collectives import Collective
-from .comm import RankFailure
-from .layout import chunk_bounds, local_shape
-from .mesh import Mesh
-from .simulated import SimulatedMesh
+from fsdpx.sharding.collectives import Collective
+from fsdpx.sharding.comm import RankFailure
+from fsdpx.sharding.layout import chunk_bounds, local_shape
+from fsdpx.sharding.mesh import Mesh
+from fsdpx.sharding.simulated import SimulatedMesh
 
 
 def init_from_env(mesh: Mesh, *, timeout_s: float = 60.0) -> "DistComm":

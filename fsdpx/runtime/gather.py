@@ -23,10 +23,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from .collectives import Collective, cached_plan
-from .comm import Comm
-from .layout import local_shape
-from .strategies import Strategy
+from fsdpx.sharding.collectives import Collective, cached_plan
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import local_shape
+from fsdpx.sharding.strategies import Strategy
 from .units import Unit
 
 

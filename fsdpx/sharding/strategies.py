@@ -23,7 +23,7 @@ and the memory model shows it. (The ZeRO paper's stage 1 reduce-scatters instead
 kept at the reduced layout that would be zero2 here.)
 
 0-d parameters are always replicated (a scalar has no dim 0); a dim 0 smaller than the axis
-leaves some ranks with empty shards (``torch.chunk`` semantics, ``fsdpx.layout``).
+leaves some ranks with empty shards (``torch.chunk`` semantics, ``fsdpx.sharding.layout``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class Strategy:
     * ``data_axes``: the mesh axes the batch is split over.
 
     A runtime performs, per parameter, the ``Transition``s below and nothing else, running
-    ``fsdpx.plan(t.src, t.dst, ...)`` for each; ``fsdpx.cost_model`` derives bytes the same way.
+    ``fsdpx.plan(t.src, t.dst, ...)`` for each; ``fsdpx.sharding.cost_model`` derives bytes the same way.
     Phases: ``gather_for_forward``, ``gather_for_backward``, ``reduce_grad``, then around the
     optimizer step ``grad_to_update``, ``param_to_update`` (local slices here) and
     ``param_from_update``. Transitions with ``src == dst`` are omitted.

@@ -1,6 +1,6 @@
 """Run collectives on a list of per-rank tensors (index = rank), in one process.
 
-The reference executor for ``fsdpx.collectives``: the planner's claims (global value preserved,
+The reference executor for ``fsdpx.sharding.collectives``: the planner's claims (global value preserved,
 bytes as costed) are checked against what this class does to real tensors, and a later
 ``torch.distributed`` runtime is checked against this class.
 
@@ -24,7 +24,7 @@ its own tensor (no aliasing between ranks or with the inputs); inputs are never 
 
 Byte counting: ``counts`` has the shape of ``collectives.cost`` and is computed from the
 tensors actually moved (group by group, the worst group): inputs padded to equal size along
-the collective's dim, exactly the per-rank conventions of ``fsdpx.collectives``. Broadcast
+the collective's dim, exactly the per-rank conventions of ``fsdpx.sharding.collectives``. Broadcast
 counts ``buffer = send = recv = B`` (pipelined chain).
 """
 

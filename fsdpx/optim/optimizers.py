@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from fsdpx import adamw_loop
+from . import adamw_loop
 
 Params = dict[str, Tensor]
 OptState = dict[str, object]
@@ -127,7 +127,7 @@ def adamw_kernel(
 
     Returns ``(new_p, new_m, new_v)``; the arithmetic of ``torch.optim.AdamW`` (single-tensor
     path) with unfused operations. On CPU float32/float64 tensors the operations run as one
-    compiled pass (``fsdpx/adamw_loop.py``: same operations, a correctly rounded ``sqrt``, any
+    compiled pass (``fsdpx/optim/adamw_loop.py``: same operations, a correctly rounded ``sqrt``, any
     layout); elsewhere as tensor operations. ``count`` is a Python int on purpose: a vectorised ``pow`` over a
     tensor of counts rounds differently by lane, which would break elementwise exactness, so
     callers with per-column counts (ZenFlow) use ``adamw(...).update_columns``, which computes

@@ -7,7 +7,7 @@ the sum over ``dp`` of the local tensors (a gradient before its all-reduce).
 
 Every mesh axis therefore plays exactly one role for a tensor: it shards one dim, it is a
 partial (summed) axis, or it is replicated. How a sharded dim is cut (``torch.chunk``
-semantics) lives in ``fsdpx.layout``.
+semantics) lives in ``fsdpx.sharding.layout``.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Spec:
         sum of per-rank contributions along it, and conversely. ``dual(dual(s)) == s``.
 
         It is the layout pairing that makes ``sum over ranks of <x_r, y_r>`` equal to the
-        inner product of the global values (``fsdpx.collectives.adjoint``)."""
+        inner product of the global values (``fsdpx.sharding.collectives.adjoint``)."""
         self.validate_axes(mesh)
         return Spec(*self._dims, partial=self.replicated_axes(mesh))
 

@@ -1,0 +1,14 @@
+"""The runtime: executes a sharded train step on a communicator.
+
+``make_sharded_step`` / ``init_sharded`` (``step.py``: one train step for every layout, private
+or plain), the per-unit gathering (``gather.py``, ``units.py``), the plain unsharded baseline
+(``plain_step.py``) and two ``Comm`` backends: ``run_threads`` (ranks as threads of one process,
+``threads.py``) and ``dist_comm.init_from_env`` (``torch.distributed`` processes started by
+torchrun). It stands on the algebra and optimizers, and on ``privacy`` / ``offload`` / ``ckpt``;
+nothing below imports it.
+"""
+
+from .step import ShardedState, init_sharded, make_sharded_step
+from .threads import ThreadComm, run_threads
+
+__all__ = ["ShardedState", "ThreadComm", "init_sharded", "make_sharded_step", "run_threads"]

@@ -1,0 +1,49 @@
+"""The communicator interface a rank's train step talks to.
+
+A train step is written SPMD style: every rank runs the same function with its own ``Comm``
+and its own tensors, and calls ``comm.run(collective, local)`` where the algebra
+(``fsdpx.sharding.collectives.plan``) says a layout changes. Backends live in the runtime:
+
+* ``fsdpx.runtime.threads.ThreadComm``: the ranks of a mesh are threads of one process; at
+  each collective one thread runs ``SimulatedMesh.run`` on all ranks' tensors (sums in rank
+  order: bit-reproducible). Exact and fast: the property tests run every strategy through it.
+* ``fsdpx.runtime.dist_comm.DistComm``: real ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Both count the bytes of every collective by kind (``buffer_bytes`` convention of
+``fsdpx.sharding.collectives``); a step reports them and tests compare them with
+``comm_per_step``. The interface lives at the bottom layer so that ``offload`` and ``privacy``
+can talk to a communicator without importing the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+from torch import Tensor
+
+from .collectives import Collective
+from .mesh import Mesh
+
+
+class RankFailure(RuntimeError):
+    """Another rank failed or stopped answering; ``ranks`` names it (them)."""
+
+    def __init__(self, ranks: Sequence[int], detail: str):
+        self.ranks = list(ranks)
+        super().__init__(f"rank(s) {self.ranks} failed or did not answer: {detail}")
+
+
+class Comm(Protocol):
+    rank: int
+    mesh: Mesh
+
+    def run(self, collective: Collective, local: Tensor) -> Tensor:
+        """This rank's result of ``collective`` applied to every rank's ``local``."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, index = rank (start-up checks, metrics)."""
+
+    def counts(self) -> dict[str, int]:
+        """Bytes per collective kind moved by ``run`` since the last ``reset_counts``."""
+
+    def reset_counts(self) -> None: ...
