@@ -124,6 +124,16 @@ def clipped_grad(
     return result.grads, result.norms
 
 
+class ShardedNorms(NamedTuple):
+    """How each example's squared norm is completed when ranks hold disjoint parts of every
+    example's gradient (tensor parallelism): this rank adds the parameters in ``counted`` (a
+    parameter whose gradient every rank holds whole is counted on one rank only), and
+    ``all_reduce`` sums the ``[B]`` result over the ranks that share the examples."""
+
+    counted: frozenset[str]
+    all_reduce: Callable[[Tensor], Tensor]
+
+
 class ClipResult(NamedTuple):
     grads: dict[str, Tensor]  # sum_i c_i g_i
     norms: Tensor  # (B,) per-example gradient norms before clipping
@@ -141,11 +151,17 @@ def clip_and_sum(
     clipping: str = "flat",
     nonfinite: str = "raise",
     run_model: Callable[[tuple], Any] | None = None,
+    sharded_norms: ShardedNorms | None = None,
 ) -> ClipResult:
     """:func:`clipped_grad` plus the per-example losses the forward computed anyway.
 
     ``run_model`` replaces ``functional_call`` for the ghost/auto forward (see
-    ``privacy.tape.record``); the sharded runtime uses it to gather parameters per unit."""
+    ``privacy.tape.record``); the sharded runtime uses it to gather parameters per unit.
+    ``sharded_norms`` (ghost/auto only): ``params`` hold this rank's part of every example's
+    gradient; the norms are completed by ``sharded_norms.all_reduce`` before any clipping, so
+    every rank clips with the full norms and forms the clipped sum of its own part, still with
+    one backward (``property_tests/test_tensor_parallel_properties.py``). Streaming is off then
+    (it would need one all-reduce per example)."""
     _check_method(method)
     _check_clip_norm(clip_norm, clipping)
     if nonfinite not in ("raise", "zero"):
@@ -154,6 +170,8 @@ def clip_and_sum(
         zero = next(iter(params.values())).new_zeros(0)
         return ClipResult({k: torch.zeros_like(v) for k, v in params.items()}, zero, zero)
     sums: dict[str, Tensor] = {}  # clipped sums already formed by streaming
+    if sharded_norms is not None and method == "vmap":
+        raise PrivacyError("sharded norms need method 'ghost' or 'auto'")
     if method == "vmap":
         if run_model is not None:
             raise PrivacyError("method='vmap' cannot run with a custom run_model (sharded runs use ghost/auto)")
@@ -169,8 +187,11 @@ def clip_and_sum(
         del tape  # the contributions hold what is still needed; reuse below frees factors as it goes
         shapes = {n: p.shape for n, p in params.items()}
         parts = C.instantiate_for_reuse(parts, shapes)
-        streamed = choose_streamed(parts, shapes)
-        sq = _sq_norms({k: v for k, v in parts.items() if k not in streamed}, params, losses)
+        streamed = choose_streamed(parts, shapes) if sharded_norms is None else []
+        counted = sharded_norms.counted if sharded_norms is not None else parts
+        sq = _sq_norms({k: v for k, v in parts.items() if k not in streamed and k in counted}, params, losses)
+        if sharded_norms is not None:
+            sq = sharded_norms.all_reduce(sq)
         if streamed:  # these go last, one example at a time, once every other norm is known
             sums, sq = stream_clipped_sums({k: parts.pop(k) for k in streamed}, shapes, sq,
                                            lambda norm: clip_factors(norm, clip_norm, clipping))

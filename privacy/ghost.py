@@ -32,7 +32,7 @@ def contributions(model: nn.Module, params: Params, tape: Tape, *, method: str) 
         direct = table[call.module_name]
         rule = rule_for(call.module)
         if rule is not None and len(call.grads) == 1 and not call.kwargs:
-            for local, contrib in rule(call.module, call.args, call.grads[0]).items():
+            for local, contrib in rule(call.module, call.args, call.grads[0], call.weight_shapes).items():
                 if local in direct:
                     parts[direct[local]].extend(contrib if isinstance(contrib, list) else [contrib])
         elif method == "ghost":

@@ -1,7 +1,9 @@
 """Ghost rules: a layer's per-example gradient contributions from what one call of it saw.
 
-A rule gets the module, the positional inputs of one call (batch first) and the gradient of the
-summed loss with respect to that call's output, and returns, for each of the module's own
+A rule gets the module, the positional inputs of one call (batch first), the gradient of the
+summed loss with respect to that call's output, and the shapes of the module's own parameters
+during the call (a sharded runtime swaps in a rank's blocks for the call only, so the module's
+attributes describe the whole layer), and returns, for each of the module's own
 parameters, its per-example contribution in factored or dense form (see ``contributions.py``).
 No rule forms a per-example weight gradient; biases and norm weights (vectors) are dense.
 
@@ -14,7 +16,8 @@ weight``, like the GPT's RMSNorm) — declared on the model's side, so ``privacy
 
 from __future__ import annotations
 
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +25,9 @@ from torch import Tensor, nn
 
 from privacy.contributions import Contribution, Dense, Factored
 
-Rule = Callable[[nn.Module, tuple, Tensor], dict[str, Contribution]]
+Shapes = Mapping[str, torch.Size]
+NO_SHAPES: Shapes = MappingProxyType({})  # a rule called without shapes reads the module's own
+Rule = Callable[[nn.Module, tuple, Tensor, Shapes], dict[str, Contribution]]
 RULES: dict[type, Rule] = {}
 
 
@@ -51,18 +56,19 @@ def _steps(x: Tensor, features: int) -> Tensor:
 
 
 @rule(nn.Linear)
-def linear(module: nn.Linear, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
-    a = _steps(args[0], module.in_features)  # (B, T, in)
-    b = _steps(grad_out, module.out_features)  # (B, T, out)
-    out: dict[str, Contribution] = {"weight": Factored(b, a, module.out_features, (0, module.out_features))}
+def linear(module: nn.Linear, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
+    n_out, n_in = weights.get("weight", module.weight.shape)  # as called: a tensor-parallel block
+    a = _steps(args[0], n_in)  # (B, T, in)
+    b = _steps(grad_out, n_out)  # (B, T, out)
+    out: dict[str, Contribution] = {"weight": Factored(b, a, n_out, (0, n_out))}
     if module.bias is not None:
         out["bias"] = Dense(b.sum(1))
     return out
 
 
-def transposed_linear(module: nn.Module, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+def transposed_linear(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
     """Hugging Face's ``Conv1D`` (GPT-2): ``y = x @ W + b`` with ``W`` shaped ``[in, out]``."""
-    n_in, n_out = module.weight.shape
+    n_in, n_out = weights.get("weight", module.weight.shape)  # as called: a tensor-parallel block
     a = _steps(args[0], n_in)  # (B, T, in)
     b = _steps(grad_out, n_out)  # (B, T, out)
     out: dict[str, Contribution] = {"weight": Factored(a, b, n_in, (0, n_in))}
@@ -72,16 +78,17 @@ def transposed_linear(module: nn.Module, args: tuple, grad_out: Tensor) -> dict[
 
 
 @rule(nn.Embedding)
-def embedding(module: nn.Embedding, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+def embedding(module: nn.Embedding, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
     if module.max_norm is not None or module.scale_grad_by_freq:
         raise NotImplementedError(
             "ghost clipping of nn.Embedding with max_norm or scale_grad_by_freq is not per-example separable"
         )
+    rows, dim = weights.get("weight", module.weight.shape)  # as called: a vocab-parallel rank's rows
     ids = args[0].reshape(args[0].shape[0], -1)  # (B, T); reshape also handles expanded ids
-    b = _steps(grad_out, module.embedding_dim)  # (B, T, d)
+    b = _steps(grad_out, dim)  # (B, T, d)
     if module.padding_idx is not None:  # torch gives the padding row no gradient
         b = torch.where((ids == module.padding_idx)[..., None], torch.zeros_like(b), b)
-    return {"weight": Factored(ids, b, module.num_embeddings, (0, module.num_embeddings))}
+    return {"weight": Factored(ids, b, rows, (0, rows))}
 
 
 def _norm_rule(normalize: Callable[[Tensor], Tensor], module: nn.Module, args: tuple, grad_out: Tensor):
@@ -96,25 +103,25 @@ def _norm_rule(normalize: Callable[[Tensor], Tensor], module: nn.Module, args: t
 
 
 @rule(nn.LayerNorm)
-def layer_norm(module: nn.LayerNorm, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+def layer_norm(module: nn.LayerNorm, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
     shape = module.normalized_shape
     return _norm_rule(lambda x: F.layer_norm(x, shape, None, None, module.eps), module, args, grad_out)
 
 
 @rule(nn.RMSNorm)
-def rms_norm(module: nn.RMSNorm, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+def rms_norm(module: nn.RMSNorm, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
     shape = module.normalized_shape
     return _norm_rule(lambda x: F.rms_norm(x, shape, None, module.eps), module, args, grad_out)
 
 
-def normalize_then_scale(module: nn.Module, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+def normalize_then_scale(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
     """Any module declaring ``ghost_rule = "normalize_then_scale"``: its forward is
     ``module.normalize(x) * module.weight (+ module.bias)`` (the GPT's own RMSNorm)."""
     return _norm_rule(module.normalize, module, args, grad_out)
 
 
 @rule(nn.Conv1d, nn.Conv2d)
-def conv(module: nn.Conv1d | nn.Conv2d, args: tuple, grad_out: Tensor) -> dict[str, Contribution]:
+def conv(module: nn.Conv1d | nn.Conv2d, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
     patches = _unfold(module, args[0])  # (B, C_in * prod(k), L)
     B, out_ch, g = grad_out.shape[0], module.out_channels, module.groups
     b = grad_out.reshape(B, out_ch, -1).transpose(1, 2)  # (B, L, out)

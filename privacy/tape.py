@@ -38,6 +38,7 @@ class Call:
     positions: list[int]  # their indices among the flattened outputs
     grads: list[Tensor] = field(default_factory=list)
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=list)
+    weight_shapes: dict[str, torch.Size] = field(default_factory=dict)  # the module's own params during the call
 
 
 @dataclass
@@ -105,11 +106,15 @@ def record(
                 )
         # Edges, not tensors: holding the outputs would keep every layer's output alive through
         # the backward after autograd itself has released it.
+        # the parameter shapes as called: a sharded runtime swaps in its blocks for the call only
         calls.append(Call(name, module, call_args, call_kwargs, [get_gradient_edge(t) for t in outs], positions,
-                          shapes=[(t.shape, t.dtype, t.device) for t in outs]))
+                          shapes=[(t.shape, t.dtype, t.device) for t in outs],
+                          weight_shapes={k: p.shape for k, p in module.named_parameters(recurse=False)}))
 
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-    handles = [modules[n].register_forward_hook(hook, with_kwargs=True) for n in table]
+    # prepend: the tape records what the module itself returned, before any other hook (a
+    # tensor-parallel style's collective, say) rewrites its output
+    handles = [modules[n].register_forward_hook(hook, with_kwargs=True, prepend=True) for n in table]
     try:
         with torch.enable_grad():
             losses = loss_fn(run_model(args) if run_model else functional_call(model, live, args), targets)

@@ -58,16 +58,19 @@ class CausalSelfAttention(nn.Module):
         if config.n_embd % config.n_head:
             raise ValueError(f"n_embd={config.n_embd} is not divisible by n_head={config.n_head}")
         self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        # (B, nh, T, hs)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        B, T, _ = x.shape
+        # widths are read off the tensors, not the config: under tensor parallelism a rank holds
+        # whole heads of q, k and v, so C_r = C / tp and nh_r = nh / tp (``models.tp_plans``)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C_r)
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh_r, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh_r, T, hs)
+        return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
 
 
 class MLP(nn.Module):

@@ -9,7 +9,9 @@ Each ``Collective`` of the algebra becomes one call on the process group of its 
 * ``local_slice`` / ``local_pad``: no communication.
 
 Bytes are counted from the buffers handed to torch.distributed (``buffer_bytes`` convention),
-so a test can compare them with ``fsdpx.comm_per_step``.
+so a test can compare them with ``fsdpx.comm_per_step``. A collective on a sub-mesh
+(``Mesh.sub(axes)``) runs on this rank's process group of those axes, with this rank's index
+in the group as its rank: tensor-parallel activations, whose shapes differ between groups.
 
 Failure: if a collective fails (a peer died: gloo sees the closed connection; a peer hangs:
 the process group's timeout), every surviving rank marks itself in the rendezvous store, waits
@@ -66,7 +68,6 @@ class DistComm:
         if mesh.size != world:
             raise ValueError(f"mesh {mesh} has {mesh.size} ranks but the world has {world} processes")
         self.mesh, self.rank, self.grace_s = mesh, dist.get_rank(), grace_s
-        self._local = SimulatedMesh(mesh)  # for the communication-free kinds
         self._groups: dict[tuple[str, ...], tuple[Any, list[int]]] = {}
         self._counts: dict[str, int] = {}
         self._make_groups()
@@ -112,8 +113,15 @@ class DistComm:
     def _local_only(self, c: Collective, local: Tensor) -> Tensor:
         """Run a communication-free step: feed the simulated executor a list where only this
         rank's entry matters (each rank's output depends on its own input alone)."""
-        xs = [local] * self.mesh.size
-        return self._local.run(c, xs)[self.rank]
+        xs = [local] * c.mesh.size
+        return SimulatedMesh(c.mesh).run(c, xs)[self._rank_in(c)]
+
+    def _rank_in(self, c: Collective) -> int:
+        """This rank's rank on ``c.mesh``: itself on the whole mesh, its index in its group on a
+        sub-mesh (``Mesh.sub``: a collective of one group, e.g. over ``tp`` only)."""
+        if c.mesh == self.mesh:
+            return self.rank
+        return self.mesh.index(self.rank, self.mesh.sub_axes(c.mesh))
 
     def _sizes(self, c: Collective, n: int, k: int) -> list[int]:
         return [b - a for a, b in (chunk_bounds(n, k, j) for j in range(k))]
@@ -122,7 +130,7 @@ class DistComm:
         pg, members, _ = self._group(c.axes)
         (d,) = c.dims
         k = len(members)
-        full_n = local_shape(c.shape, c.dst, c.mesh, self.rank)[d]  # the dim's length after the gather
+        full_n = local_shape(c.shape, c.dst, c.mesh, self._rank_in(c))[d]  # the dim's length after the gather
         sizes = self._sizes(c, full_n, k)
         pad = max(sizes)
         block = _pad(local.contiguous(), d, pad)
@@ -155,7 +163,7 @@ class DistComm:
         k = len(members)
         blocks, layouts = [], []
         for c, local in zip(collectives, locals_):
-            sizes = self._sizes(c, local_shape(c.shape, c.dst, c.mesh, self.rank)[0], k)
+            sizes = self._sizes(c, local_shape(c.shape, c.dst, c.mesh, self._rank_in(c))[0], k)
             block = _pad(local.contiguous(), 0, max(sizes))
             blocks.append(block.reshape(-1))
             layouts.append((sizes, tuple(block.shape)))

@@ -26,23 +26,27 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 from fsdpx.sharding.collectives import Collective, cached_plan
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_shape
-from fsdpx.sharding.strategies import Strategy
+from fsdpx.sharding.plan import ShardingPlan
 from .units import Unit
 
 
 class Gatherer:
     """Gathers, frees and swaps in the parameters of each unit of one rank for one step."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], strategy: Strategy, comm: Comm,
-                 at_rest: dict[str, Tensor], shapes: dict[str, tuple[int, ...]], *, keep_after_backward: bool = False):
+    def __init__(self, model: nn.Module, units: list[Unit], plan: ShardingPlan, comm: Comm,
+                 at_rest: dict[str, Tensor], *, keep_after_backward: bool = False):
         self.model, self.units, self.comm, self.at_rest = model, units, comm, at_rest
         self.keep_after_backward = keep_after_backward
-        self.strategy = strategy
+        self.reshard_after_forward = plan.reshard_after_forward
+        self.layouts = plan.params
         self.plans: dict[str, tuple[Collective, ...]] = {
-            n: cached_plan(strategy.param_at_rest(len(s)), strategy.param_in_compute(len(s)), s, comm.mesh, at_rest[n].dtype)
-            for n, s in shapes.items()
+            n: cached_plan(lay.at_rest, lay.compute, lay.shape, comm.mesh, at_rest[n].dtype)
+            for n, lay in plan.params.items()
         }
-        self.full = {n: self._placeholder(n, comm, shapes[n]) for n in shapes}
+        # this rank's compute block of each parameter, in the layout's (view) shape
+        self.local_shapes = {n: local_shape(lay.shape, lay.compute, comm.mesh, comm.rank)
+                             for n, lay in plan.params.items()}
+        self.full = {n: self._placeholder(n) for n in plan.params}
         self.batched = {u.module: self._batchable(u) for u in units}  # decided once, used every gather
         self.live: set[str] = set()  # units whose storage is currently allocated
         self.backward_done: set[str] = set()
@@ -86,16 +90,17 @@ class Gatherer:
                 full.untyped_storage().resize_(math.prod(full.shape) * full.element_size())
                 stack.enter_context(torch.autograd._unsafe_preserve_version_counter(full))
             self.comm.gather_into([self.plans[n][0] for n in names], [self.at_rest[n] for n in names],
-                                  [self.full[n] for n in names])
+                                  [self.full[n].view(self.local_shapes[n]) for n in names])
 
-    def _placeholder(self, name: str, comm: Comm, shape: tuple[int, ...]) -> Tensor:
-        """The step's leaf for ``name`` in the compute layout: an alias of the at-rest tensor when
-        no gather is needed, else a tensor of the right shape whose storage is not allocated."""
+    def _placeholder(self, name: str) -> Tensor:
+        """The step's leaf for ``name`` in the compute layout, shaped as the module's parameter
+        (a fused view merged back): an alias of the at-rest tensor when no gather is needed,
+        else a tensor of the right shape whose storage is not allocated."""
         rest = self.at_rest[name]
+        shape = self.layouts[name].param_shape(self.local_shapes[name])
         if not self.plans[name]:
-            return rest.detach().requires_grad_(True)
-        spec = self.strategy.param_in_compute(len(shape))
-        full = torch.empty(local_shape(shape, spec, comm.mesh, comm.rank), dtype=rest.dtype, device=rest.device)
+            return rest.detach().view(shape).requires_grad_(True)
+        full = torch.empty(shape, dtype=rest.dtype, device=rest.device)
         full.untyped_storage().resize_(0)
         return full.requires_grad_(True)
 
@@ -106,7 +111,7 @@ class Gatherer:
         storage = full.untyped_storage()
         storage.resize_(math.prod(full.shape) * full.element_size())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
-            full.copy_(value)
+            full.view(value.shape).copy_(value)
 
     def free(self, unit: Unit) -> None:
         """Release the gathered storage of ``unit`` (kept when nothing was gathered)."""
@@ -124,7 +129,7 @@ class Gatherer:
         for unit in self.units:
             self.gather(unit)
         for unit in self.units:
-            if self.strategy.reshard_after_forward:
+            if self.reshard_after_forward:
                 self.free(unit)
         root, rest = self.units[0], self.units[1:]
         for unit in [root, *reversed(rest)]:
@@ -151,7 +156,7 @@ class Gatherer:
         def post(unit: Unit):
             def hook(module: nn.Module, args: tuple, output) -> None:
                 accessor.swap_tensors_dict(swapped.pop(unit.module), allow_missing=True)
-                if self.strategy.reshard_after_forward:
+                if self.reshard_after_forward:
                     self.free(unit)
                 for t in torch.utils._pytree.tree_leaves(output):
                     if isinstance(t, Tensor) and t.requires_grad:
@@ -190,7 +195,7 @@ class Gatherer:
         output never met the loss is gathered here so all ranks run the same collectives),
         then all storage is released."""
         for unit in reversed(self.units):
-            if self.strategy.reshard_after_forward and unit.module not in self.backward_done and unit.module not in self.live:
+            if self.reshard_after_forward and unit.module not in self.backward_done and unit.module not in self.live:
                 self.gather(unit)
             self.backward_done.add(unit.module)
         for unit in self.units:

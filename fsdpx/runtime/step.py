@@ -1,12 +1,17 @@
-"""The sharded train step: one code path for DDP, ZeRO-1/2/3 and HSDP, private or not.
+"""The sharded train step: one code path for every plan (DDP, ZeRO-1/2/3, HSDP, and tensor
+parallelism composed with any of them), private or not.
 
 Every rank runs ``step(state, batch)`` with its own ``Comm`` (threads of one process, or
 ``torch.distributed`` processes) on the same GLOBAL batch; it takes its own share (``torch.chunk``
-of the batch over the strategy's data axes), and the strategy's layouts decide every collective:
+of the batch over the plan's data axes: tensor-parallel ranks share theirs), and the plan's
+per-parameter layouts (``fsdpx.sharding.plan``) decide every parameter collective:
 
-1. forward and backward with per-unit gathers (``fsdpx.runtime.gather``);
+1. forward and backward with per-unit gathers (``fsdpx.runtime.gather``) and, with tensor
+   parallelism, the module styles' activation collectives (``fsdpx.runtime.tensor_parallel``);
    private: ghost clipping on this rank's examples (``privacy.clipping.clip_and_sum``: one
-   backward, per-example norms need nothing beyond what the forward gathered);
+   backward, per-example norms need nothing beyond what the forward gathered; with tensor
+   parallelism each rank's share of every squared norm is summed over ``tp`` by one all-reduce
+   of ``B`` floats, replicated parameters counted on one rank);
 2. per unit in reverse order: reduce the raw gradient (``plan(raw_grad, grad)``), bring it and
    the parameter to the optimizer-state layout;
 3. private: add the noise of exactly the elements this rank updates,
@@ -17,7 +22,8 @@ of the batch over the strategy's data axes), and the strategy's layouts decide e
 
 Guarantees: N sharded steps equal N unsharded steps (``make_private_step`` / ``make_plain_step``)
 on the whole batch, for every strategy and mesh, float64 to rel 1e-10
-(``property_tests/test_sharded_properties.py``); the bytes each step counts equal
+(``property_tests/test_sharded_properties.py``, and with tensor parallelism
+``property_tests/test_tensor_parallel_properties.py``); the bytes each step counts equal
 ``fsdpx.comm_per_step`` (``test_counted_bytes_equal_comm_per_step``).
 """
 
@@ -33,19 +39,21 @@ from torch import Tensor, nn
 
 from ckpt.flatten import register_type
 from fsdpx.optim import Optimizer, update_fn
-from fsdpx.sharding.collectives import cached_plan as plan
+from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import chunk_bounds, local_box
 from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.spec import Spec
-from fsdpx.sharding.strategies import Strategy
+from fsdpx.sharding.cost_model import PlanLike, as_plan
+from fsdpx.sharding.plan import ShardingPlan
 from privacy.accounting import Accountant
-from privacy.clipping import clip_and_sum
+from privacy.clipping import ShardedNorms, clip_and_sum
 from privacy.noise import noise_slice
 from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn, _as_args
 
 from .gather import Gatherer
+from .tensor_parallel import TensorParallelHooks
 from .units import Unit, make_units
 
 Params = dict[str, Tensor]
@@ -72,13 +80,16 @@ def local_block(t: Tensor, spec: Spec, mesh: Mesh, rank: int) -> Tensor:
     return t[tuple(slice(a, b) for a, b in box)].clone()
 
 
-def init_sharded(params: Params, optimizer: Optimizer, strategy: Strategy, comm: Comm, *, key: int,
+def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm: Comm, *, key: int,
                  config: DPConfig | None = None) -> ShardedState:
     """This rank's state before step 0, cut from the full ``params`` (every rank passes the same
-    full values): parameters at rest, optimizer state initialised on the opt_state layout."""
+    full values): parameters at rest, optimizer state initialised on the opt_state layout, each
+    in the plan's (view) shape. ``strategy``: a ``Strategy`` or a resolved ``ShardingPlan``."""
     mesh, rank = comm.mesh, comm.rank
-    at_rest = {n: local_block(p.detach(), strategy.param_at_rest(p.dim()), mesh, rank) for n, p in params.items()}
-    at_opt = {n: local_block(p.detach(), strategy.opt_state(p.dim()), mesh, rank) for n, p in params.items()}
+    plan = as_plan(strategy, {n: tuple(p.shape) for n, p in params.items()})
+    views = {n: p.detach().reshape(plan.params[n].shape) for n, p in params.items()}
+    at_rest = {n: local_block(v, plan.params[n].at_rest, mesh, rank) for n, v in views.items()}
+    at_opt = {n: local_block(v, plan.params[n].opt_state, mesh, rank) for n, v in views.items()}
     accountant = None
     if config is not None:
         accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)
@@ -111,13 +122,13 @@ def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, 
     return flat.view(tuple(b - a for a, b in box))
 
 
-def config_digest(strategy: Strategy, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
-                  config: DPConfig | None, units: list[Unit]) -> str:
-    """A hash every rank compares at start: strategy, mesh, parameter shapes and dtypes, units
-    and privacy config must agree."""
+def config_digest(plan: ShardingPlan, dtypes: dict[str, torch.dtype], config: DPConfig | None,
+                  units: list[Unit]) -> str:
+    """A hash every rank compares at start: plan (layouts, styles), mesh, parameter shapes and
+    dtypes, units and privacy config must agree."""
     blob = json.dumps({
-        "strategy": repr(strategy),
-        "params": {n: [list(s), str(dtypes[n])] for n, s in shapes.items()},
+        "plan": repr(plan),
+        "params": {n: [list(lay.shape), str(dtypes[n])] for n, lay in plan.params.items()},
         "units": [[u.module, list(u.params)] for u in units],
         "private": repr(config),
     }, sort_keys=True)
@@ -136,7 +147,7 @@ def make_sharded_step(
     model: nn.Module,
     loss_fn: LossFn,
     optimizer: Optimizer,
-    strategy: Strategy,
+    strategy: PlanLike,
     comm: Comm,
     *,
     param_shapes: dict[str, tuple[int, ...]],
@@ -146,47 +157,52 @@ def make_sharded_step(
     donate: bool = False,
 ) -> Callable[[ShardedState, tuple[Any, Tensor]], tuple[ShardedState, dict[str, Any]]]:
     """Returns this rank's ``step(state, global_batch) -> (state, metrics)`` (pure from the
-    caller's view: ``state`` is not modified). ``config`` makes it private (ghost clipping with
-    ``config.method`` "ghost" or "auto", noise, accounting; ``num_examples`` then required).
+    caller's view: ``state`` is not modified). ``strategy`` is a ``Strategy`` or a resolved
+    ``ShardingPlan`` (``fsdpx.sharding.tensor_parallel.resolve`` for tensor parallelism);
+    ``param_shapes`` are the parameters' own shapes. ``config`` makes it private (ghost clipping
+    with ``config.method`` "ghost" or "auto", noise, accounting; ``num_examples`` then
+    required).
 
     Metrics: loss (global mean), batch_size (global), comm (bytes per collective kind moved by
     this step), resident_bytes (this rank's parameters at rest + reduced gradients + optimizer
     state, to compare with ``fsdpx.memory_by_rank``), and for private runs clipped_fraction,
-    mean_norm. All but comm (ThreadComm: the mesh's; DistComm: this rank's) and resident_bytes
+    mean_norm. All but comm (ThreadComm: rank 0's; DistComm: this rank's) and resident_bytes
     are identical on every rank.
     ``donate=True`` (JAX's ``donate_argnums``): the caller gives up ``state``; its tensors may be
     overwritten by the update (``optimizer.update_inplace`` when the optimizer has one). Same
     bits as ``donate=False`` (``property_tests/test_sharded_properties.py::
     test_donated_state_gives_the_same_bits``); saves an allocation and a pass per tensor.
-    Raises ``ValueError`` if the mesh is not the strategy's, or (at the first step) if ranks
-    disagree on the configuration."""
+    Raises ``ValueError`` if the mesh lacks the plan's data axes, or (at the first step) if
+    ranks disagree on the configuration."""
     mesh = comm.mesh
-    for axis in strategy.data_axes:
+    plan = as_plan(strategy, param_shapes)
+    for axis in plan.data_axes:
         if axis not in mesh.axis_names:
-            raise ValueError(f"strategy {strategy.name} splits data over axis {axis!r}, not in {mesh}")
+            raise ValueError(f"strategy {plan.name} splits data over axis {axis!r}, not in {mesh}")
     if config is not None and (num_examples is None or config.method == "vmap"):
         raise ValueError("a private sharded step needs num_examples and method 'ghost' or 'auto'")
     units = make_units(model, param_shapes, unit_modules)
     keep = config is not None and needs_fallback(model, param_shapes)
-    shapes = {n: tuple(s) for n, s in param_shapes.items()}
+    tensor_parallel = TensorParallelHooks(model, plan, comm)
+    norms = _sharded_norms(plan, comm) if config is not None else None
     agreed: list[bool] = []
 
     def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
         if not agreed:
             dtypes = {n: t.dtype for n, t in state.params.items()}
-            check_agreement(comm, config_digest(strategy, shapes, dtypes, config, units))
+            check_agreement(comm, config_digest(plan, dtypes, config, units))
             agreed.append(True)
         if config is not None:
             check_budget(state.accountant, config)
         before = comm.counts()
-        local = _my_share(batch, strategy, comm)
-        gatherer = Gatherer(model, units, strategy, comm, state.params, shapes, keep_after_backward=keep)
-        raw, stats = _local_grads(model, loss_fn, gatherer, local, config)
+        local = _my_share(batch, plan, comm)
+        gatherer = Gatherer(model, units, plan, comm, state.params, keep_after_backward=keep)
+        raw, stats = _local_grads(model, loss_fn, gatherer, tensor_parallel, local, config, norms)
         gatherer.finish()
         update = update_fn(optimizer, donate=donate)
-        new_params, opt_state, resident = _reduce_and_update(raw, state, strategy, comm, shapes, units, update,
+        new_params, opt_state, resident = _reduce_and_update(raw, state, plan, comm, units, update,
                                                              _divisor(batch, config, num_examples),
-                                                             _owned_noise(state, strategy, comm, shapes, config)
+                                                             _owned_noise(state, plan, comm, config)
                                                              if config else None)
         metrics = _global_metrics(comm, stats, config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
@@ -195,6 +211,25 @@ def make_sharded_step(
         return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
 
     return step
+
+
+def _sharded_norms(plan: ShardingPlan, comm: Comm) -> ShardedNorms | None:
+    """With tensor parallelism, how this rank's share of each example's squared norm becomes
+    the whole: parameters split over ``tp`` count on every rank (their blocks are disjoint),
+    replicated ones on the rank with ``tp`` index 0 only; one all-reduce of the ``[B]`` squared
+    norms over the rank's ``tp`` group completes them. ``None`` without tensor parallelism."""
+    axis = plan.tp_axis
+    if axis is None or comm.mesh.axis_size(axis) == 1:
+        return None
+    first = comm.mesh.index(comm.rank, axis) == 0
+    counted = frozenset(n for n, lay in plan.params.items() if axis in lay.compute.sharding_axes or first)
+    sub = comm.mesh.sub(axis)
+
+    def all_reduce(sq: Tensor) -> Tensor:
+        (c,) = plan_collectives(Spec(None, partial=(axis,)), Spec(None), tuple(sq.shape), sub, sq.dtype)
+        return comm.run(c, sq.contiguous())
+
+    return ShardedNorms(counted, all_reduce)
 
 
 def needs_fallback(model: nn.Module, trainable) -> bool:
@@ -207,10 +242,10 @@ def needs_fallback(model: nn.Module, trainable) -> bool:
     return any(rule_for(modules[m]) is None for m in owners(model, dict.fromkeys(trainable)))
 
 
-def _my_share(batch: tuple[Any, Tensor], strategy: Strategy, comm: Comm) -> tuple[Any, Tensor]:
+def _my_share(batch: tuple[Any, Tensor], plan: ShardingPlan, comm: Comm) -> tuple[Any, Tensor]:
     inputs, targets = batch
-    k = comm.mesh.axis_size(strategy.data_axes)
-    i = comm.mesh.index(comm.rank, strategy.data_axes)
+    k = comm.mesh.axis_size(plan.data_axes)
+    i = comm.mesh.index(comm.rank, plan.data_axes)
     a, b = chunk_bounds(targets.shape[0], k, i)
     args = tuple(x[a:b] for x in _as_args(inputs))
     return (args if isinstance(inputs, (tuple, list)) else args[0]), targets[a:b]
@@ -222,64 +257,71 @@ def _divisor(batch: tuple[Any, Tensor], config: DPConfig | None, num_examples: i
     return float(max(batch[1].shape[0], 1))
 
 
-def _local_grads(model, loss_fn, gatherer: Gatherer, batch, config: DPConfig | None):
-    """Raw (unreduced, compute-layout) gradient sums over this rank's examples, and stats."""
+def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorParallelHooks, batch,
+                 config: DPConfig | None, norms: ShardedNorms | None):
+    """Raw (unreduced, compute-layout) gradient sums over this rank's examples, in each
+    layout's view shape, and stats."""
     n = batch[1].shape[0]
     if n == 0:
+        # every rank of a tensor-parallel group shares the (empty) batch: the group skips its
+        # activation collectives together, and the parameter collectives still run in order
         gatherer.dry_run()
-        zeros = {name: gatherer.full[name].new_zeros(gatherer.full[name].shape) for name in gatherer.plans}
+        zeros = {name: gatherer.full[name].new_zeros(gatherer.local_shapes[name]) for name in gatherer.plans}
         return zeros, (0.0, 0, 0, 0.0)
-    with gatherer.installed():
+    with gatherer.installed(), tensor_parallel.installed():
         if config is None:
             out = model(*_as_args(batch[0]))
             losses = loss_fn(out, batch[1])
             names = [p for u in gatherer.units for p in u.params]
             grads = torch.autograd.grad(losses.sum(), [gatherer.full[p] for p in names], allow_unused=True)
             raw = {p: g if g is not None else torch.zeros_like(gatherer.full[p]) for p, g in zip(names, grads)}
-            return raw, (float(losses.detach().sum()), n, 0, 0.0)
-        result = clip_and_sum(model, gatherer.full_view(), batch, loss_fn, clip_norm=config.clip_norm, method=config.method,
-                              clipping=config.clipping, nonfinite=config.nonfinite,
-                              run_model=lambda args: model(*args))
-    clipped = int((result.norms > config.clip_norm).sum())
-    return result.grads, (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
+            stats = (float(losses.detach().sum()), n, 0, 0.0)
+        else:
+            result = clip_and_sum(model, gatherer.full_view(), batch, loss_fn, clip_norm=config.clip_norm,
+                                  method=config.method, clipping=config.clipping, nonfinite=config.nonfinite,
+                                  run_model=lambda args: model(*args), sharded_norms=norms)
+            raw = result.grads
+            clipped = int((result.norms > config.clip_norm).sum())
+            stats = (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
+    return {p: g.reshape(gatherer.local_shapes[p]) for p, g in raw.items()}, stats
 
 
-def _owned_noise(state: ShardedState, strategy: Strategy, comm: Comm, shapes, config: DPConfig) -> Params:
+def _owned_noise(state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig) -> Params:
     """The noise of the elements this rank updates (its optimizer-state block of each
-    parameter): the unsharded run's draw for exactly those global indices."""
+    parameter): the unsharded run's draw for exactly those global indices (a fused view keeps
+    the parameter's flat order, so the indices are the parameter's own)."""
     out = {}
-    for name, shape in shapes.items():
-        box = local_box(shape, strategy.opt_state(len(shape)), comm.mesh, comm.rank)
-        out[name] = shard_noise(name, shape, box, key=state.key, step=state.step, std=config.noise_std,
+    for name, lay in plan.params.items():
+        box = local_box(lay.shape, lay.opt_state, comm.mesh, comm.rank)
+        out[name] = shard_noise(name, lay.shape, box, key=state.key, step=state.step, std=config.noise_std,
                                 dtype=state.params[name].dtype)
     return out
 
 
-def _reduce_and_update(raw: Params, state: ShardedState, strategy: Strategy, comm: Comm, shapes, units: list[Unit],
+def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm: Comm, units: list[Unit],
                        update: Callable, divisor: float, noise: Params | None):
     mesh = comm.mesh
     grads_upd, params_upd = {}, {}
     grad_bytes = 0
     for unit in reversed(units):
         for name in unit.params:
-            g = _run_plan(comm, plan(strategy.raw_grad(len(shapes[name])), strategy.grad(len(shapes[name])),
-                                     shapes[name], mesh, raw[name].dtype), raw.pop(name))  # freed once reduced
+            lay = plan.params[name]
+            g = _run_plan(comm, plan_collectives(lay.raw_grad, lay.grad, lay.shape, mesh, raw[name].dtype),
+                          raw.pop(name))  # freed once reduced
             grad_bytes += g.numel() * g.element_size()
-            nd = len(shapes[name])
-            g = _run_plan(comm, plan(strategy.grad(nd), strategy.opt_state(nd), shapes[name], mesh, g.dtype), g)
+            g = _run_plan(comm, plan_collectives(lay.grad, lay.opt_state, lay.shape, mesh, g.dtype), g)
             if noise is not None:
                 g = g + noise[name]
             grads_upd[name] = g / divisor
             p = state.params[name]
-            params_upd[name] = _run_plan(comm, plan(strategy.param_at_rest(nd), strategy.opt_state(nd), shapes[name],
-                                                    mesh, p.dtype), p)
+            params_upd[name] = _run_plan(comm, plan_collectives(lay.at_rest, lay.opt_state, lay.shape, mesh, p.dtype), p)
     order = list(state.params)
     new_upd, opt_state = update({n: grads_upd[n] for n in order}, state.opt_state, {n: params_upd[n] for n in order})
     new_params = {}
     for name in order:
-        nd = len(shapes[name])
-        new_params[name] = _run_plan(comm, plan(strategy.opt_state(nd), strategy.param_at_rest(nd), shapes[name], mesh,
-                                                new_upd[name].dtype), new_upd[name])
+        lay = plan.params[name]
+        new_params[name] = _run_plan(comm, plan_collectives(lay.opt_state, lay.at_rest, lay.shape, mesh,
+                                                            new_upd[name].dtype), new_upd[name])
     resident = grad_bytes + _tensor_bytes(new_params) + _tensor_bytes(opt_state)
     return new_params, opt_state, resident
 

@@ -19,34 +19,75 @@ from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.simulated import SimulatedMesh
 
 
-class _Exchange:
-    """Shared by the threads of one simulated mesh: a barrier and the slots it fills."""
+class _Rendezvous:
+    """A barrier of ``size`` threads and the slots it fills: the last to arrive runs ``work``
+    on everyone's value, then each takes its own result."""
 
-    def __init__(self, mesh: Mesh, timeout: float):
-        self.sim = SimulatedMesh(mesh)
-        self.slots: list[Any] = [None] * mesh.size
+    def __init__(self, members: list[int], timeout: float):
+        self.members = members
+        self.slots: list[Any] = [None] * len(members)
         self.results: list[Any] = []
         self.work: Callable[[list[Any]], list[Any]] | None = None
-        self.barrier = threading.Barrier(mesh.size, action=self._act, timeout=timeout)
-        self.release = threading.Barrier(mesh.size, timeout=timeout)
+        self.barrier = threading.Barrier(len(members), action=self._act, timeout=timeout)
+        self.release = threading.Barrier(len(members), timeout=timeout)
 
     def _act(self) -> None:
         self.results = self.work(self.slots) if self.work else list(self.slots)
 
-    def exchange(self, rank: int, value: Any, work: Callable[[list[Any]], list[Any]]) -> Any:
-        self.slots[rank] = value
-        self.work = work  # every rank sets the same work; the barrier's action runs it once
+    def exchange(self, index: int, value: Any, work: Callable[[list[Any]], list[Any]]) -> Any:
+        self.slots[index] = value
+        self.work = work  # every member sets the same work; the barrier's action runs it once
         try:
             self.barrier.wait()  # the last to arrive runs ``work`` on all slots
-            result = self.results[rank]
+            result = self.results[index]
             self.release.wait()  # nobody overwrites slots before everyone has read
         except threading.BrokenBarrierError:
-            raise RankFailure([r for r in range(len(self.slots)) if r != rank], "a peer thread failed") from None
+            me = self.members[index]
+            raise RankFailure([r for r in self.members if r != me], "a peer thread failed") from None
         return result
+
+    def abort(self) -> None:
+        self.barrier.abort()
+        self.release.abort()
+
+
+class _Exchange:
+    """Shared by the threads of one simulated mesh: the whole mesh's rendezvous and, created on
+    first use, one per group of a sub-mesh (a collective over some axes, run by that group only,
+    as a process group of those axes runs it)."""
+
+    def __init__(self, mesh: Mesh, timeout: float):
+        self.sim = SimulatedMesh(mesh)
+        self.timeout = timeout
+        self.full = _Rendezvous(list(range(mesh.size)), timeout)
+        self.groups: dict[tuple[int, ...], _Rendezvous] = {}
+        self.lock = threading.Lock()
+        self.aborted = False
+
+    def group(self, members: list[int]) -> _Rendezvous:
+        with self.lock:
+            key = tuple(members)
+            if key not in self.groups:
+                self.groups[key] = _Rendezvous(list(members), self.timeout)
+                if self.aborted:
+                    self.groups[key].abort()
+            return self.groups[key]
+
+    def abort(self) -> None:
+        with self.lock:
+            self.aborted = True
+            for r in [self.full, *self.groups.values()]:
+                r.abort()
 
 
 class ThreadComm:
-    """One rank of an in-process simulated mesh (see the module docstring)."""
+    """One rank of an in-process simulated mesh (see the module docstring).
+
+    A collective on ``mesh`` itself is a rendezvous of every rank (each group's result computed
+    by ``SimulatedMesh.run``, bytes counted for the worst group). A collective on a SUB-mesh
+    (``mesh.sub(axes)``: tensor-parallel activations, whose shapes differ between data-parallel
+    groups) is a rendezvous of this rank's group only, and its bytes are counted when the group
+    holds rank 0, the rank ``comm_per_step`` describes."""
 
     def __init__(self, rank: int, exchange: _Exchange):
         self.rank = rank
@@ -54,10 +95,23 @@ class ThreadComm:
         self._ex = exchange
 
     def run(self, collective: Collective, local: Tensor) -> Tensor:
-        return self._ex.exchange(self.rank, local, lambda xs: self._ex.sim.run(collective, xs))
+        if collective.mesh == self.mesh:
+            return self._ex.full.exchange(self.rank, local, lambda xs: self._ex.sim.run(collective, xs))
+        axes = self.mesh.sub_axes(collective.mesh)
+        members = next(g for g in self.mesh.groups(axes) if self.rank in g)
+        counted = 0 in members
+
+        def work(xs: list[Tensor]) -> list[Tensor]:
+            sim = SimulatedMesh(collective.mesh)
+            out = sim.run(collective, xs)
+            if counted:
+                self._ex.sim.add_counts(sim.counts)
+            return out
+
+        return self._ex.group(members).exchange(members.index(self.rank), local, work)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return self._ex.exchange(self.rank, obj, lambda xs: [list(xs)] * len(xs))
+        return self._ex.full.exchange(self.rank, obj, lambda xs: [list(xs)] * len(xs))
 
     def counts(self) -> dict[str, int]:
         return dict(self._ex.sim.counts)
@@ -80,8 +134,7 @@ def run_threads(mesh: Mesh, fn: Callable[[ThreadComm], Any], *, timeout: float =
             results[rank] = fn(ThreadComm(rank, exchange))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append((rank, e))
-            exchange.barrier.abort()
-            exchange.release.abort()
+            exchange.abort()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"rank{r}") for r in range(mesh.size)]
     for t in threads:

@@ -1,8 +1,9 @@
-"""Memory and communication of a strategy, derived from its layouts -- never hand-coded.
+"""Memory and communication of a sharding plan, derived from its layouts -- never hand-coded.
 
+Every function takes a ``ShardingPlan`` or a ``Strategy`` (resolved on ``param_shapes``).
 Memory reads ``local_box`` of each tensor's layout; communication is ``cost`` of the plans of
-the transitions the strategy performs (``Strategy.*_transitions``), listed by ``step_collectives``
-in the order a runtime runs them. A runtime that executes ``step_collectives`` on a
+the transitions each parameter's layout performs (``ParamLayout.*_transitions``), listed by
+``step_collectives`` in the order a runtime runs them. A runtime that executes ``step_collectives`` on a
 ``SimulatedMesh`` (or counts its real collectives the same way) must count exactly
 ``comm_per_step``.
 """
@@ -10,7 +11,7 @@ in the order a runtime runs them. A runtime that executes ``step_collectives`` o
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence, Union
 
 import torch
 
@@ -18,9 +19,22 @@ from .collectives import Collective, cost, plan
 from .layout import local_shape
 from .mesh import Mesh
 from .spec import Spec
+from .plan import ShardingPlan
 from .strategies import Strategy
 
 Shapes = Mapping[str, Sequence[int]]
+PlanLike = Union[ShardingPlan, Strategy]
+
+
+def as_plan(plan: PlanLike, param_shapes: Shapes) -> ShardingPlan:
+    """``plan`` itself, or a strategy resolved on ``param_shapes`` (``Strategy.resolve``); a
+    plan must cover exactly the parameters of ``param_shapes`` (``ValueError`` otherwise)."""
+    if isinstance(plan, Strategy):
+        return plan.resolve(param_shapes)
+    if set(plan.params) != set(param_shapes):
+        raise ValueError(f"the plan covers {sorted(set(plan.params) ^ set(param_shapes))} differently from"
+                         " param_shapes")
+    return plan
 
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 """Number of state tensors, each shaped like the parameter and of its dtype."""
@@ -39,7 +53,7 @@ def _local_numel(shape: Sequence[int], spec: Spec, mesh: Mesh, rank: int) -> int
 
 
 def memory_by_rank(
-    strategy: Strategy, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
+    strategy: PlanLike, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
 ) -> list[int]:
     """Resident bytes per rank (index = rank) between steps: each parameter at
     ``param_at_rest``, its gradient at ``grad`` (reduced), and ``OPTIMIZER_STATES[optimizer]``
@@ -55,20 +69,20 @@ def memory_by_rank(
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)}")
     states = OPTIMIZER_STATES[optimizer]
+    plan = as_plan(strategy, param_shapes)
     out = [0] * mesh.size
-    for shape in param_shapes.values():
-        n = len(shape)
+    for lay in plan.params.values():
         for r in range(mesh.size):
             out[r] += (
-                _local_numel(shape, strategy.param_at_rest(n), mesh, r)
-                + _local_numel(shape, strategy.grad(n), mesh, r)
-                + states * _local_numel(shape, strategy.opt_state(n), mesh, r)
+                _local_numel(lay.shape, lay.at_rest, mesh, r)
+                + _local_numel(lay.shape, lay.grad, mesh, r)
+                + states * _local_numel(lay.shape, lay.opt_state, mesh, r)
             ) * dtype.itemsize
     return out
 
 
 def memory_per_rank(
-    strategy: Strategy, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
+    strategy: PlanLike, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
 ) -> int:
     """The worst rank's ``memory_by_rank``."""
     return max(memory_by_rank(strategy, param_shapes, mesh, optimizer, dtype))
@@ -89,7 +103,7 @@ def _check_units(units: Sequence[Sequence[str]], param_shapes: Shapes) -> None:
 
 
 def step_collectives(
-    strategy: Strategy,
+    strategy: PlanLike,
     param_shapes: Shapes,
     mesh: Mesh,
     units: Sequence[Sequence[str]],
@@ -104,27 +118,28 @@ def step_collectives(
     bytes as long as it pads per parameter as ``layout`` does (FSDP2 does).
     """
     _check_units(units, param_shapes)
+    layouts = as_plan(strategy, param_shapes)
     out: list[StepCollective] = []
 
     def add(name: str, transitions: list) -> None:
-        shape = tuple(param_shapes[name])
+        shape = layouts.params[name].shape
         for t in transitions:
             out.extend(StepCollective(t.phase, name, c) for c in plan(t.src, t.dst, shape, mesh, dtype))
 
     for unit in units:
         for name in unit:
-            add(name, strategy.forward_transitions(len(param_shapes[name])))
+            add(name, layouts.params[name].forward_transitions())
     for unit in reversed(units):
         for name in unit:
-            add(name, strategy.backward_transitions(len(param_shapes[name])))
+            add(name, layouts.params[name].backward_transitions(layouts.reshard_after_forward))
     for unit in units:
         for name in unit:
-            add(name, strategy.update_transitions(len(param_shapes[name])))
+            add(name, layouts.params[name].update_transitions())
     return out
 
 
 def comm_per_step(
-    strategy: Strategy,
+    strategy: PlanLike,
     param_shapes: Shapes,
     mesh: Mesh,
     units: Sequence[Sequence[str]],
@@ -150,7 +165,7 @@ def comm_per_step(
 
 
 def peak_gathered_bytes(
-    strategy: Strategy,
+    strategy: PlanLike,
     param_shapes: Shapes,
     mesh: Mesh,
     units: Sequence[Sequence[str]],
@@ -160,13 +175,14 @@ def peak_gathered_bytes(
     layout differs from the at-rest one (the transient ``memory_per_rank`` leaves out), on the
     worst rank. 0 when nothing is gathered (ddp, zero1, zero2)."""
     _check_units(units, param_shapes)
+    layouts = as_plan(strategy, param_shapes)
     peak = 0
     for unit in units:
         for r in range(mesh.size):
             total = 0
             for name in unit:
-                n = len(param_shapes[name])
-                if strategy.param_in_compute(n) != strategy.param_at_rest(n):
-                    total += _local_numel(param_shapes[name], strategy.param_in_compute(n), mesh, r)
+                lay = layouts.params[name]
+                if lay.compute != lay.at_rest:
+                    total += _local_numel(lay.shape, lay.compute, mesh, r)
             peak = max(peak, total * dtype.itemsize)
     return peak

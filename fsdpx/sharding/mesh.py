@@ -143,6 +143,24 @@ class Mesh:
             by_rest.setdefault(rest, []).append(r)
         return [sorted(g, key=lambda r: self.index(r, names)) for g in by_rest.values()]
 
+    # ---- sub-meshes -------------------------------------------------------------------------
+
+    def sub(self, axes: Axes | Iterable[str]) -> "Mesh":
+        """The mesh of ``axes`` alone (in this mesh's order): what one group of
+        ``groups(axes)`` looks like to a collective that runs within it. Rank ``i`` of the
+        sub-mesh is the member with ``index(rank, axes) == i``."""
+        names = as_axes(axes)
+        self.check_axes(names)
+        shape = self.shape
+        return Mesh(**{a: shape[a] for a in self.axis_names if a in names})
+
+    def sub_axes(self, sub: "Mesh") -> tuple[str, ...]:
+        """The axes of ``sub`` if it is ``self.sub(those axes)``; ``ValueError`` otherwise."""
+        names = sub.axis_names
+        if not names or self.sub(names) != sub:
+            raise ValueError(f"{sub} is not a sub-mesh of {self}")
+        return names
+
     # ---- value semantics -------------------------------------------------------------------
 
     def __eq__(self, other: object) -> bool:

@@ -72,6 +72,11 @@ class SimulatedMesh:
     def reset_counts(self) -> None:
         self._counts = {"send_bytes": 0, "recv_bytes": 0}
 
+    def add_counts(self, counts: dict[str, int]) -> None:
+        """Add another mesh's counts (a sub-mesh's collective run by one group) to these."""
+        for k, v in counts.items():
+            self._counts[k] = self._counts.get(k, 0) + v
+
     def _count(self, kind: str, per_group: Iterable[tuple[int, int]], itemsize: int) -> None:
         tally = list(per_group)
         send = max((s for s, _ in tally), default=0)

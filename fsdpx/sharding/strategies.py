@@ -29,8 +29,9 @@ leaves some ranks with empty shards (``torch.chunk`` semantics, ``fsdpx.sharding
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
+from .plan import ParamLayout, ShardingPlan, Transition
 from .spec import Spec
 
 LayoutRule = Callable[[int], Spec]
@@ -47,21 +48,19 @@ class ShardDim0:
     axes: tuple[str, ...] = ()
 
     def __call__(self, ndim: int) -> Spec:
-        if ndim == 0 or not self.axes:
-            return Spec.replicated(ndim)
-        return Spec(self.axes, *([None] * (ndim - 1)))
+        return self.over(Spec.replicated(ndim))
+
+    def over(self, base: Spec, dim: int = 0) -> Spec:
+        """The rule applied on top of a layout that tensor parallelism already chose: ``axes``
+        appended as the MINOR end of dim ``dim``'s entry, so each tensor-parallel block is cut
+        again over the data axes (FSDP2's sharding of a tensor-parallel shard).
+        ``over(Spec.replicated(n)) == self(n)``; a 0-d ``base`` stays replicated."""
+        if base.ndim == 0 or not self.axes:
+            return base
+        return base.with_dim(dim, base.axes(dim) + self.axes)
 
 
 REPLICATED = ShardDim0(())
-
-
-@dataclass(frozen=True)
-class Transition:
-    """One change of layout in a train step: ``phase`` names when, for one tensor."""
-
-    phase: str
-    src: Spec
-    dst: Spec
 
 
 @dataclass(frozen=True)
@@ -76,11 +75,10 @@ class Strategy:
     * ``reshard_after_forward``: free gathered params after forward and gather again in backward.
     * ``data_axes``: the mesh axes the batch is split over.
 
-    A runtime performs, per parameter, the ``Transition``s below and nothing else, running
-    ``fsdpx.plan(t.src, t.dst, ...)`` for each; ``fsdpx.sharding.cost_model`` derives bytes the same way.
-    Phases: ``gather_for_forward``, ``gather_for_backward``, ``reduce_grad``, then around the
-    optimizer step ``grad_to_update``, ``param_to_update`` (local slices here) and
-    ``param_from_update``. Transitions with ``src == dst`` are omitted.
+    A strategy is a plan builder: ``resolve(param_shapes)`` gives every parameter the
+    ``ParamLayout`` of its dim count, and the runtime performs, per parameter, that layout's
+    ``Transition``s and nothing else (``fsdpx.sharding.plan``); ``fsdpx.sharding.cost_model``
+    derives bytes the same way. ``layout_over`` composes a strategy with tensor parallelism.
 
     Guarantees (``tests/test_strategies.py``):
       * every rule maps ``ndim == 0`` to ``Spec()``: scalars are replicated;
@@ -102,29 +100,46 @@ class Strategy:
         """Layout of the gradient backward produces, before any reduction."""
         return self.param_in_compute(ndim).with_partial(self.data_axes)
 
+    def layout(self, shape: Sequence[int]) -> ParamLayout:
+        """The layout this strategy gives a parameter of ``shape``: each rule at its dim count."""
+        n = len(shape)
+        return ParamLayout(tuple(shape), self.param_at_rest(n), self.param_in_compute(n), self.raw_grad(n),
+                           self.grad(n), self.opt_state(n))
+
+    def layout_over(self, shape: Sequence[int], compute: Spec, *, dim: int = 0, tp_partial: tuple[str, ...] = (),
+                    fused: tuple[int, int] | None = None) -> ParamLayout:
+        """The layout of a parameter that tensor parallelism computes in ``compute``: each rule
+        applied on top of it along ``dim`` (``ShardDim0.over``), the raw gradient partial over
+        the data axes and ``tp_partial``. With a replicated ``compute`` and ``dim=0`` this is
+        ``layout(shape)`` (``tests/test_tensor_parallel_plans.py::
+        test_a_strategy_over_replicated_compute_is_the_strategy``).
+
+        Raises ``ValueError`` for rules that are not ``ShardDim0`` (they cannot be composed)."""
+        rules = (self.param_at_rest, self.param_in_compute, self.grad, self.opt_state)
+        if not all(isinstance(r, ShardDim0) for r in rules):
+            raise ValueError(f"strategy {self.name}: only ShardDim0 rules compose with tensor parallelism")
+        at_rest, in_compute, grad, opt = (r.over(compute, dim) for r in rules)
+        raw = in_compute.with_partial(tuple(self.data_axes) + tuple(tp_partial))
+        return ParamLayout(tuple(shape), at_rest, in_compute, raw, grad, opt, fused)
+
+    def resolve(self, param_shapes: Mapping[str, Sequence[int]]) -> ShardingPlan:
+        """This strategy as a plan: ``layout(shape)`` for every parameter."""
+        return ShardingPlan({n: self.layout(s) for n, s in param_shapes.items()}, tuple(self.data_axes),
+                            self.reshard_after_forward, self.name)
+
     def forward_transitions(self, ndim: int) -> list[Transition]:
         """Per parameter, before the unit's forward (and again before its backward if
         ``reshard_after_forward``)."""
-        t = Transition("gather_for_forward", self.param_at_rest(ndim), self.param_in_compute(ndim))
-        return [t] if t.src != t.dst else []
+        return self.layout((1,) * ndim).forward_transitions()
 
     def backward_transitions(self, ndim: int) -> list[Transition]:
         """Per parameter, during the unit's backward: re-gather (if resharded) and reduce."""
-        out = []
-        if self.reshard_after_forward:
-            out += [Transition("gather_for_backward", t.src, t.dst) for t in self.forward_transitions(ndim)]
-        out.append(Transition("reduce_grad", self.raw_grad(ndim), self.grad(ndim)))
-        return out
+        return self.layout((1,) * ndim).backward_transitions(self.reshard_after_forward)
 
     def update_transitions(self, ndim: int) -> list[Transition]:
         """Per parameter, around the optimizer step: bring grad and param to the optimizer
         state's layout, step there, then return the param to its at-rest layout."""
-        steps = [
-            Transition("grad_to_update", self.grad(ndim), self.opt_state(ndim)),
-            Transition("param_to_update", self.param_at_rest(ndim), self.opt_state(ndim)),
-            Transition("param_from_update", self.opt_state(ndim), self.param_at_rest(ndim)),
-        ]
-        return [t for t in steps if t.src != t.dst]
+        return self.layout((1,) * ndim).update_transitions()
 
 
 def ddp(axis: str = "dp") -> Strategy:

@@ -1,0 +1,71 @@
+"""Ready tensor-parallel plans (Megatron's layout) for the models users bring.
+
+Each is data: ``{module-name pattern: style}`` (``fsdpx.sharding.tensor_parallel``), built from
+the model's config because heads must be known to be kept whole. Attention: q/k/v column-parallel
+(split by heads), output row-parallel; MLP: up (and gate) column-parallel, down row-parallel;
+embedding vocab-parallel; LM head vocab-parallel with the loss on the shards. A tied embedding and
+LM head share one layout (rows over ``tp``). Norms, position embeddings and biases of
+row-parallel layers stay replicated.
+
+Per block that is two all-reduces of the ``[B, T, C]`` activation forward (attention and MLP
+outputs) and two backward (their inputs), Megatron's count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdpx.sharding.tensor_parallel import (
+    ColumnParallel,
+    EnterParallel,
+    LocalAttributes,
+    RowParallel,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
+
+
+def gpt_plan(config: Any, axis: str = "tp") -> TensorParallel:
+    """The plan of ``fsdpx.models.gpt.GPT`` (fused ``qkv``, tied or untied head)."""
+    return TensorParallel({
+        "wte": VocabParallelEmbedding(),
+        "blocks.*.attn.qkv": ColumnParallel(fused=3, head_dim=config.n_embd // config.n_head),
+        "blocks.*.attn.proj": RowParallel(),
+        "blocks.*.mlp.fc": ColumnParallel(),
+        "blocks.*.mlp.proj": RowParallel(),
+        "lm_head": ColumnParallel(vocab=True),
+    }, axis)
+
+
+def gpt2_plan(config: Any, axis: str = "tp") -> TensorParallel:
+    """The plan of transformers' ``GPT2LMHeadModel`` (``Conv1D`` weights stored ``[in, out]``,
+    fused ``c_attn``; ``split_size`` counts the features a rank holds)."""
+    head_dim = config.n_embd // config.n_head
+    return TensorParallel({
+        "transformer.wte": VocabParallelEmbedding(),
+        "transformer.h.*.attn": LocalAttributes(("split_size",)),
+        "transformer.h.*.attn.c_attn": ColumnParallel(fused=3, head_dim=head_dim),
+        "transformer.h.*.attn.c_proj": RowParallel(),
+        "transformer.h.*.mlp.c_fc": ColumnParallel(),
+        "transformer.h.*.mlp.c_proj": RowParallel(),
+        "lm_head": ColumnParallel(vocab=True),
+    }, axis)
+
+
+def llama_plan(config: Any, axis: str = "tp") -> TensorParallel:
+    """The plan of transformers' ``LlamaForCausalLM``: the attention and MLP inputs enter the
+    region once (q/k/v, gate/up share it), grouped-query k/v split by their own heads."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return TensorParallel({
+        "model.embed_tokens": VocabParallelEmbedding(),
+        "model.layers.*.self_attn": EnterParallel("hidden_states"),
+        "model.layers.*.self_attn.q_proj": ColumnParallel(head_dim=head_dim, enter=False),
+        "model.layers.*.self_attn.k_proj": ColumnParallel(head_dim=head_dim, enter=False),
+        "model.layers.*.self_attn.v_proj": ColumnParallel(head_dim=head_dim, enter=False),
+        "model.layers.*.self_attn.o_proj": RowParallel(),
+        "model.layers.*.mlp": EnterParallel(0),
+        "model.layers.*.mlp.gate_proj": ColumnParallel(enter=False),
+        "model.layers.*.mlp.up_proj": ColumnParallel(enter=False),
+        "model.layers.*.mlp.down_proj": RowParallel(),
+        "lm_head": ColumnParallel(vocab=True),
+    }, axis)

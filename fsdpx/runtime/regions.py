@@ -1,0 +1,93 @@
+"""Entering and leaving a tensor-parallel region: activation collectives as autograd functions.
+
+Inside a region (between a column-parallel and the next row-parallel layer) every rank of a
+``tp`` group computes on its own slice of the features; outside, every rank holds the whole
+activation and computes the same thing (Megatron's convention: a replicated activation has a
+replicated gradient). Each boundary is a change of layout of one activation, executed with the
+algebra's ``plan`` on the group's sub-mesh, forward and backward alike:
+
+==========  ================================  ====================  =====================
+boundary    forward (layout change)           consumer's gradient   backward
+==========  ================================  ====================  =====================
+``enter``   replicated -> replicated (none)   partial over ``tp``   all-reduce (``f``)
+``leave``   partial -> replicated (AR)        replicated            none (``g``)
+==========  ================================  ====================  =====================
+
+The backward is ``plan(consumer's gradient layout, gradient layout of the source)``, where the
+gradient of a partial value is replicated (each summand receives the whole gradient) and the
+consumer of an entered activation is divergent compute, whose input gradient is partial. So the
+bytes of both directions come from the same ``plan`` the cost model reads; ``enter``'s backward
+is exactly ``leave``'s forward (the f/g pair).
+
+Collectives run on ``comm.mesh.sub(axis)``: activations of different data-parallel groups have
+different batch sizes, so each tensor-parallel group exchanges on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fsdpx.sharding.collectives import Collective, cached_plan
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.spec import Spec
+
+
+def _run(comm: Comm, steps: tuple[Collective, ...], x: Tensor) -> Tensor:
+    for c in steps:
+        x = comm.run(c, x.contiguous())
+    return x
+
+
+class _Redistribute(torch.autograd.Function):
+    """Forward runs ``forward_plan``, backward runs ``backward_plan`` on the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, comm: Comm, forward_plan: tuple, backward_plan: tuple) -> Tensor:
+        ctx.comm, ctx.backward_plan = comm, backward_plan
+        out = _run(comm, forward_plan, x)
+        return out.view_as(out) if out is x else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        out = _run(ctx.comm, ctx.backward_plan, grad)
+        return out, None, None, None
+
+
+def redistribute(x: Tensor, comm: Comm, axis: str, src: Spec, dst: Spec, *, divergent: bool) -> Tensor:
+    """``x`` (this rank's block, laid out as ``src`` on the ``axis`` group) laid out as ``dst``.
+
+    Returns a tensor whose backward sends the gradient from ``dst``'s consumer layout (partial
+    over ``axis`` if ``divergent``: the consumer computes on a slice of the features) to the
+    gradient layout of ``src`` (its partial axes replicated).
+
+    Guarantees: forward and backward are the exact layout changes (values are unchanged up to
+    the rank-order sums of ``SimulatedMesh``/the backend); every rank of the group runs the same
+    collectives in the same order (``tests/test_tensor_parallel.py::
+    test_region_boundaries_are_exact_and_move_the_planned_bytes``).
+
+    Edge cases: a group of one rank runs no communication but still counts its buffers (the
+    algebra's convention); specs must have ``x.dim()`` dims and use no axis but ``axis``."""
+    sub = comm.mesh.sub(axis)
+    shape = tuple(x.shape)  # activations are never sharded on a dim here: local == group-global
+    grad_src = dst.with_partial((axis,)) if divergent else dst
+    grad_dst = src.with_partial(())
+    forward = cached_plan(src, dst, shape, sub, x.dtype)
+    backward = cached_plan(grad_src, grad_dst, shape, sub, x.dtype)
+    return _Redistribute.apply(x, comm, forward, backward)
+
+
+def enter(x: Tensor, comm: Comm, axis: str) -> Tensor:
+    """Megatron's ``f``: identity forward; the input gradient, partial over ``axis`` because
+    each rank's layers saw a slice of the features, is all-reduced in the backward."""
+    r = Spec.replicated(x.dim())
+    return redistribute(x, comm, axis, r, r, divergent=True)
+
+
+def leave(x: Tensor, comm: Comm, axis: str) -> Tensor:
+    """Megatron's ``g``: the partial output summed over ``axis`` (all-reduce) forward;
+    identity backward (every rank already holds the whole gradient)."""
+    r = Spec.replicated(x.dim())
+    return redistribute(x, comm, axis, r.with_partial((axis,)), r, divergent=False)

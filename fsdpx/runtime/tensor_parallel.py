@@ -1,0 +1,181 @@
+"""Executing a tensor-parallel plan on an unmodified model: module hooks for one step.
+
+``fsdpx.sharding.tensor_parallel.resolve`` decided each parameter's compute layout; the
+``Gatherer`` swaps this rank's blocks into the modules. What is left is the activations, done
+here with forward hooks on the styled modules, installed only inside :meth:`TensorParallelHooks.installed`:
+
+* ``ColumnParallel``: the input enters the region (``regions.enter``) unless an enclosing
+  ``EnterParallel`` did; with ``vocab=True`` the output logits are marked vocabulary-sharded
+  (``vocab_parallel``).
+* ``RowParallel``: the bias is swapped for zeros during the call (the local product is one
+  summand of the output); after it the output leaves the region (``regions.leave``: summed
+  over ``tp``) and the bias is added once.
+* ``VocabParallelEmbedding``: ids outside the rank's rows become row 0 of its slice, and their
+  output rows are zeroed; the output leaves the region. ``padding_idx`` is made local.
+* ``EnterParallel``: the named input enters the region.
+* ``LocalAttributes``: the attributes are divided by ``tp`` during the call.
+
+A module keeps its own forward; only its inputs, parameters and attributes change for the call,
+so Hugging Face models run as they are. The private tape (``privacy.tape``) records each call's
+raw output (its hook runs first), whose gradient is the layer's own: the row-parallel partial
+sum's gradient is the whole output gradient, the embedding's is zero on masked rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils._named_member_accessor import swap_tensor
+
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import chunk_bounds
+from fsdpx.sharding.plan import ShardingPlan
+from fsdpx.sharding.tensor_parallel import (
+    ColumnParallel,
+    EnterParallel,
+    LocalAttributes,
+    ModuleStyle,
+    RowParallel,
+    VocabParallelEmbedding,
+)
+
+from .regions import enter, leave
+from .vocab_parallel import VocabShard, mark_vocab_sharded
+
+
+class TensorParallelHooks:
+    """The activation side of a plan's module styles, for one rank."""
+
+    def __init__(self, model: nn.Module, plan: ShardingPlan, comm: Comm):
+        self.model, self.plan, self.comm = model, plan, comm
+        self.axis = plan.tp_axis
+        self.tp = comm.mesh.axis_size(self.axis) if self.axis else 1
+        self.index = comm.mesh.index(comm.rank, self.axis) if self.axis else 0
+
+    def rows(self, style: ModuleStyle) -> tuple[int, int]:
+        """``[start, stop)`` of the style's split features held by this rank."""
+        return chunk_bounds(style.size, self.tp, self.index)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Hooks on every styled module while the block runs; attributes and parameters are
+        restored on exit, also when the forward raises."""
+        if not self.plan.modules:
+            yield
+            return
+        modules = dict(self.model.named_modules())
+        handles, restore = [], []
+        try:
+            for name, ms in self.plan.modules.items():
+                pre, post = self._hooks(ms, restore)
+                if pre is not None:
+                    handles.append(modules[name].register_forward_pre_hook(pre, with_kwargs=True))
+                if post is not None:
+                    handles.append(modules[name].register_forward_hook(post, with_kwargs=True))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            for undo in reversed(restore):
+                undo()
+
+    def _hooks(self, ms: ModuleStyle, restore: list):
+        style = ms.style
+        if isinstance(style, ColumnParallel):
+            return self._column(ms, style)
+        if isinstance(style, RowParallel):
+            return self._row(restore)
+        if isinstance(style, VocabParallelEmbedding):
+            return self._embedding(ms, restore)
+        if isinstance(style, EnterParallel):
+            return self._enter_at(style.arg), None
+        if isinstance(style, LocalAttributes):
+            return self._attributes(style, restore)
+        raise TypeError(f"unknown tensor-parallel style {style!r}")
+
+    # ---- styles ------------------------------------------------------------------------------
+
+    def _column(self, ms: ModuleStyle, style: ColumnParallel):
+        pre = self._enter_at(0) if style.enter else None
+        post = None
+        if style.vocab:
+            start, stop = self.rows(ms)
+            shard = VocabShard(self.comm, self.axis, start, stop, ms.size)
+
+            def post(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
+                return mark_vocab_sharded(out, shard)
+        return pre, post
+
+    def _row(self, restore: list):
+        held: list[tuple[nn.Module, Tensor]] = []  # (module, its bias) while a call runs
+        restore.append(lambda: [swap_tensor(m, "bias", b) for m, b in reversed(held)])
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                held.append((module, swap_tensor(module, "bias", torch.zeros_like(bias))))
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
+            out = leave(out, self.comm, self.axis)
+            if held and held[-1][0] is module:
+                _, bias = held.pop()
+                swap_tensor(module, "bias", bias)
+                out = out + bias
+            return out
+
+        return pre, post
+
+    def _embedding(self, ms: ModuleStyle, restore: list):
+        start, stop = self.rows(ms)
+        calls: list[tuple[nn.Module, Tensor, int | None]] = []  # (module, mask, its padding_idx)
+        restore.append(lambda: [setattr(m, "padding_idx", pad) for m, _, pad in reversed(calls)])
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict):
+            ids = args[0]
+            inside = (ids >= start) & (ids < stop)
+            pad = module.padding_idx
+            calls.append((module, inside, pad))
+            if pad is not None:
+                module.padding_idx = pad - start if start <= pad < stop else None
+            local = torch.where(inside, ids - start, torch.zeros_like(ids))
+            return (local, *args[1:]), kwargs
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
+            _, inside, pad = calls.pop()
+            module.padding_idx = pad
+            out = torch.where(inside.unsqueeze(-1), out, torch.zeros_like(out))
+            return leave(out, self.comm, self.axis)
+
+        return pre, post
+
+    def _enter_at(self, arg: int | str):
+        def pre(module: nn.Module, args: tuple, kwargs: dict):
+            if isinstance(arg, str) and arg in kwargs:
+                return args, {**kwargs, arg: enter(kwargs[arg], self.comm, self.axis)}
+            if isinstance(arg, int) and arg < len(args):
+                args = list(args)
+                args[arg] = enter(args[arg], self.comm, self.axis)
+                return tuple(args), kwargs
+            raise TypeError(f"{type(module).__name__} was called without its input {arg!r}, which the"
+                            " tensor-parallel plan enters the region at")
+        return pre
+
+    def _attributes(self, style: LocalAttributes, restore: list):
+        saved: list[tuple[nn.Module, dict[str, int]]] = []
+        restore.append(lambda: [setattr(m, n, v) for m, vs in reversed(saved) for n, v in vs.items()])
+
+        def pre(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            values = {n: getattr(module, n) for n in style.names}
+            saved.append((module, values))
+            for n, v in values.items():
+                setattr(module, n, v // self.tp)
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+            _, values = saved.pop()
+            for n, v in values.items():
+                setattr(module, n, v)
+
+        return pre, post
