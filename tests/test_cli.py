@@ -156,3 +156,39 @@ def test_nproc_without_strategy_is_refused(capsys):
         cli.main(["train", "--nproc", "2"])
     assert exit_.value.code == 2
     assert "--nproc needs --strategy" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tensor_parallel_main_job_on_four_gloo_processes_follows_the_single_process_run(tmp_path):
+    """``fsdpx train --tp 2 --strategy zero3 --nproc 4``: the same batches and noise as one
+    process, so the same losses (float32, rel 1e-5) at every step."""
+    import json
+    import subprocess
+    import sys
+
+    flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
+             "--no-progress"]
+    losses = {}
+    for name, extra in {"tp": ["--tp", "2", "--strategy", "zero3", "--nproc", "4"], "one": []}.items():
+        out = tmp_path / name
+        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records]
+        if name == "tp":
+            assert "zero3 on Mesh(dp=2, tp=2)" in done.stderr
+    assert losses["tp"] == pytest.approx(losses["one"], rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "2"], "tp needs a strategy"),
+    (["--tp", "3", "--strategy", "zero3", "--nproc", "4", "--n-head", "3", "--n-embd", "12"],
+     "tp=3 does not divide the 4 processes"),
+    (["--tp", "2", "--strategy", "zero3", "--n-head", "3", "--n-embd", "12"], "n_head=3 does not divide by tp=2"),
+])
+def test_tensor_parallel_flags_that_cannot_work_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -127,6 +127,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                        help="shard the run over --nproc local processes (torchrun is launched for you)")
     shard.add_argument("--nproc", type=_positive_int, metavar="N", default=None,
                        help="processes of a sharded run (default 2 with --strategy)")
+    shard.add_argument("--tp", type=_positive_int, metavar="N", default=d.tp,
+                       help="tensor-parallel degree: Megatron's layout of the GPT over N of the --nproc processes,"
+                            " the strategy over the rest (default %(default)s)")
 
     off = p.add_argument_group("optimizer offload")
     off.add_argument("--offload", choices=("none", "zenflow", "zero"), default=d.offload,
@@ -173,7 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = config_from_args(args)
         if config.strategy is not None and "WORLD_SIZE" not in os.environ:
-            sys.exit(_launch(argv, args.nproc or 2))  # re-run this very command on N processes
+            nproc = args.nproc or 2 * config.tp
+            run_mesh(config.strategy, nproc, config.tp)  # refuse a tp that does not divide nproc here
+            sys.exit(_launch(argv, nproc))  # re-run this very command on N processes
         comm = _communicator(config)
         if comm is None or comm.rank == 0:
             print(_plan_line(config, comm), file=sys.stderr)
@@ -215,7 +220,7 @@ def _communicator(config: RunConfig):
         return None
     from fsdpx.runtime.dist_comm import init_from_env
 
-    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"])))
+    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp))
 
 
 def _plan_line(config: RunConfig, comm=None) -> str:

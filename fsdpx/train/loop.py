@@ -43,12 +43,15 @@ from tqdm import tqdm
 
 import offload
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.optim import Optimizer, adamw
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding import strategies
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import unshard
 from fsdpx.sharding.mesh import Mesh
+from fsdpx.sharding.plan import ShardingPlan
+from fsdpx.sharding.tensor_parallel import resolve
 from privacy.accounting import Accountant, noise_multiplier
 from privacy.errors import BudgetExhaustedError
 from privacy.sampling import PoissonSampler
@@ -107,6 +110,9 @@ class RunConfig:
     # sharding: None = one process; else a strategy of fsdpx.sharding.strategies run by every rank that
     # torchrun started (``fsdpx train --nproc N --strategy S`` launches torchrun itself)
     strategy: str | None = None
+    # tensor parallelism: the GPT plan (fsdpx.models.tp_plans.gpt_plan) over a ``tp`` axis of this
+    # size; the strategy shards the rest over ``world / tp`` data-parallel ranks
+    tp: int = 1
     # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
     # ``resume`` continues from the newest intact one (same noise, batches and accountant)
     # optimizer offload: "none", "zenflow" (selected columns every step, the rest on the host
@@ -149,6 +155,16 @@ class RunConfig:
             raise ConfigError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
         if self.strategy is not None and self.strategy not in strategies.ALL:
             raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(strategies.ALL)}")
+        if self.tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.strategy is None:
+            raise ConfigError("tp needs a strategy: tensor parallelism runs on several processes")
+        if self.tp > 1 and self.n_head % self.tp:
+            raise ConfigError(f"n_head={self.n_head} does not divide by tp={self.tp}: a rank holds whole heads")
+        if self.tp > 1 and self.offload != "none":
+            raise ConfigError("offload with tensor parallelism is not supported yet")
+        if self.tp > 1 and self.ckpt_dir is not None:
+            raise ConfigError("checkpoints of tensor-parallel runs are not supported yet (issue 11)")
         if self.strategy is not None and self.private and self.method == "vmap":
             raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 
@@ -232,7 +248,7 @@ def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPC
                             epsilon_budget=config.epsilon_budget if config.private else None,
                             value_discretization_interval=config.accounting_interval)
     if comm is not None:
-        strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
+        strategy = sharding_plan(config, model, comm.mesh)
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, token_loss, optimizer, strategy, comm, param_shapes=shapes, config=dp,
                                  num_examples=num_examples, donate=True)
@@ -286,13 +302,26 @@ def strategy_axes(name: str) -> dict[str, str]:
     return {"replica_axis": "replica", "shard_axis": "shard"} if name == "hsdp" else {"axis": "dp"}
 
 
-def run_mesh(strategy: str, world: int) -> Mesh:
-    """The mesh of a sharded run over ``world`` processes: ``dp=world``; for hsdp, shards of 2
-    (or of the whole world when it is odd) replicated over the rest."""
+def run_mesh(strategy: str, world: int, tp: int = 1) -> Mesh:
+    """The mesh of a sharded run over ``world`` processes: ``dp=world / tp``; for hsdp, shards
+    of 2 (or of all data ranks when their count is odd) replicated over the rest; with ``tp > 1``
+    a last axis ``tp`` (tensor-parallel ranks adjacent, as Megatron places them). Raises
+    :class:`ConfigError` when ``tp`` does not divide ``world``."""
+    if world % tp:
+        raise ConfigError(f"tp={tp} does not divide the {world} processes")
+    data, extra = world // tp, ({"tp": tp} if tp > 1 else {})
     if strategy != "hsdp":
-        return Mesh(dp=world)
-    shard = 2 if world % 2 == 0 else world
-    return Mesh(replica=world // shard, shard=shard)
+        return Mesh(dp=data, **extra)
+    shard = 2 if data % 2 == 0 else data
+    return Mesh(replica=data // shard, shard=shard, **extra)
+
+
+def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> ShardingPlan:
+    """The run's per-parameter layouts: the strategy's, with the GPT's tensor-parallel plan
+    when ``config.tp > 1``."""
+    strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
+    tp = gpt_plan(model.config) if config.tp > 1 else None
+    return resolve(model, tp, strategy, mesh)
 
 
 def full_params(state: Any, config: RunConfig, comm: Comm | None) -> dict[str, Tensor]:
@@ -300,10 +329,11 @@ def full_params(state: Any, config: RunConfig, comm: Comm | None) -> dict[str, T
     blocks, gathered and unsharded (called on every rank)."""
     if comm is None:
         return state.params
-    strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
+    model, fresh = init_params(config)
+    plan = sharding_plan(config, model, comm.mesh)
     blocks = comm.all_gather_object(state.params)
-    return {k: unshard([b[k] for b in blocks], strategy.param_at_rest(v.dim()), comm.mesh)
-            for k, v in state.params.items()}
+    return {k: unshard([b[k] for b in blocks], plan.params[k].at_rest, comm.mesh).reshape(fresh[k].shape)
+            for k in state.params}
 
 
 def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool):

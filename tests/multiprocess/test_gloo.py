@@ -12,6 +12,9 @@ import torch
 from fsdpx import Mesh, comm_per_step, memory_by_rank, strategies, unshard
 from fsdpx.train.launch import spawn_ranks, torchrun_command
 from fsdpx.models.gpt import token_loss
+from fsdpx.models.tp_plans import gpt_plan
+from fsdpx.sharding.cost_model import as_plan
+from fsdpx.sharding.tensor_parallel import resolve
 from fsdpx.optim import sgd
 from fsdpx.runtime.plain_step import init_plain, make_plain_step
 from fsdpx.runtime.units import make_units
@@ -47,10 +50,12 @@ def _run_torchrun(nproc: int, tmp_path, *extra: str) -> list[dict]:
 
 
 def _assert_equals_unsharded(results: list[dict], strategy, mesh: Mesh, ref: dict) -> None:
-    """Every parameter, unsharded from the ranks' results, equals the unsharded run's."""
+    """Every parameter, unsharded from the ranks' results, equals the unsharded run's
+    (``strategy``: a Strategy or a resolved ShardingPlan, whose blocks may be fused views)."""
+    plan = as_plan(strategy, {k: tuple(v.shape) for k, v in ref.items()})
     for name, want in ref.items():
-        got = unshard([r["params"][name] for r in results], strategy.param_at_rest(want.dim()), mesh)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        got = unshard([r["params"][name] for r in results], plan.params[name].at_rest, mesh)
+        torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-10, atol=1e-12)
 
 
 def _predicted_comm(strategy, ref: dict, mesh: Mesh) -> dict[str, int]:
@@ -98,6 +103,18 @@ def test_hsdp_on_four_gloo_ranks_equals_the_unsharded_run(tmp_path, private):
             assert all(m["comm"][k] <= v for k, v in predicted.items()), (rank, m["comm"], predicted)
             assert (m["comm"]["all_gather"], m["comm"]["reduce_scatter"]) == \
                 (predicted["all_gather"], predicted["reduce_scatter"])
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_zero3_with_tensor_parallelism_on_four_gloo_ranks_equals_the_unsharded_run(tmp_path, private):
+    """dp=2 x tp=2: the GPT plan (vocab-parallel embedding and loss, column/row layers) over
+    ZeRO-3; one batch leaves a data-parallel group without examples."""
+    results = _run_torchrun(4, tmp_path, "--strategy", "zero3", "--tp", "2", *(["--private"] if private else []))
+    mesh = Mesh(dp=2, tp=2)
+    plan = resolve(make_model(), gpt_plan(make_model().config), strategies.zero3(), mesh)
+    _assert_equals_unsharded(results, plan, mesh, _baseline(private))
+    losses = {round(m["loss"], 12) for r in results for m in r["metrics"][:1]}
+    assert len(losses) == 1  # every rank reports the same global loss
 
 
 def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):

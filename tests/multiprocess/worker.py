@@ -14,7 +14,9 @@ import torch
 from fsdpx import Mesh, strategies
 from fsdpx.sharding.comm import RankFailure
 from fsdpx.runtime.dist_comm import init_from_env, shutdown
+from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.optim import sgd
+from fsdpx.sharding.tensor_parallel import resolve
 from fsdpx.runtime import init_sharded, make_sharded_step
 from privacy.step import DPConfig
 
@@ -31,10 +33,10 @@ def main() -> None:
     ap.add_argument("--die-rank", type=int, default=-1)
     ap.add_argument("--die-after", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the GPT plan); the rest is data")
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
-    # hsdp: replicas of 2-way shards (its axes); every other strategy: one data-parallel axis
-    mesh = Mesh(replica=world // 2, shard=2) if args.strategy == "hsdp" else Mesh(dp=args.mesh_size or world)
+    mesh = _mesh(args, world)
     try:
         comm = init_from_env(mesh, timeout_s=args.timeout)
     except ValueError as e:
@@ -47,6 +49,8 @@ def main() -> None:
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     config: DPConfig | None = private_config() if args.private else None
     strategy = strategies.ALL[args.strategy]()
+    if args.tp > 1:
+        strategy = resolve(model, gpt_plan(model.config), strategy, mesh)
     optimizer = sgd(0.1, momentum=0.9)
     step = make_sharded_step(model, _loss, optimizer, strategy, comm, param_shapes=shapes, config=config,
                              num_examples=NUM_EXAMPLES)
@@ -62,6 +66,16 @@ def main() -> None:
     torch.save(result, f"{args.out}/rank{comm.rank}.pt")
     if "failure" not in result:  # after a rank failure there is nobody to meet at a barrier
         shutdown()
+
+
+def _mesh(args, world: int) -> Mesh:
+    """hsdp: replicas of 2-way shards (its axes); every other strategy: one data-parallel axis;
+    with ``--tp`` a tensor-parallel axis last (its ranks adjacent, as Megatron places them)."""
+    data = (args.mesh_size or world) // args.tp
+    tp = {"tp": args.tp} if args.tp > 1 else {}
+    if args.strategy == "hsdp":
+        return Mesh(replica=data // 2, shard=2, **tp)
+    return Mesh(dp=data, **tp)
 
 
 def _loss(logits, targets):
