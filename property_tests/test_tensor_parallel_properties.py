@@ -18,9 +18,12 @@ from test_sharded_properties import _assert_close_to_reference, _baseline, _dp_c
 
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.models.tp_plans import gpt_plan
+from fsdpx.optim import sgd
 from fsdpx.runtime import init_sharded, make_sharded_step
+from fsdpx.runtime.activation_cost import activation_collectives
 from fsdpx.runtime.threads import run_threads
-from fsdpx.sharding import Mesh, strategies, unshard
+from fsdpx.runtime.units import make_units
+from fsdpx.sharding import Mesh, comm_per_step, memory_by_rank, strategies, unshard
 from fsdpx.sharding.tensor_parallel import resolve
 
 MESHES = [  # (strategy, mesh): tp 1..4 over dp 1..2, the other strategies, HSDP x TP
@@ -82,3 +85,22 @@ def test_tensor_parallel_steps_equal_unsharded_steps(data, case, private):
     got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh)
     _assert_close_to_reference(got, ref, model, TOL[dtype])
     assert len({m["loss"] for m in metrics if m["batch_size"]}) <= 1  # every rank reports the same loss
+
+
+@settings(max_examples=15)
+@given(st.data(), st.sampled_from(MESHES), st.booleans())
+def test_counted_bytes_and_resident_memory_equal_the_cost_model(data, case, private):
+    """Rank 0 counts exactly ``comm_per_step`` (parameter collectives from the layouts plus the
+    activation collectives read off the model), and every rank holds ``memory_by_rank``."""
+    name, mesh = case
+    model, batches, dtype = data.draw(problems(mesh.axis_size("tp")))
+    config = _dp_config(private)
+    plan = resolve(model, gpt_plan(model.config), strategies.ALL[name](), mesh)
+    _, metrics = _tensor_parallel(model, batches[:1], sgd(0.1, momentum=0.9), config, plan, mesh)
+    shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    units = [list(u.params) for u in make_units(model, shapes)]
+    x, y = batches[0]
+    acts = activation_collectives(model, plan, mesh, token_loss, x.shape, y.shape, dtype=dtype, private=private)
+    assert metrics[0]["comm"] == comm_per_step(plan, shapes, mesh, units, dtype=dtype, activations=acts)
+    memory = memory_by_rank(plan, shapes, mesh, optimizer="sgd_momentum", dtype=dtype)
+    assert [m["resident_bytes"] for m in metrics] == memory

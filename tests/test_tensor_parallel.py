@@ -87,3 +87,26 @@ def test_region_boundaries_are_exact_and_move_the_planned_bytes():
         torch.testing.assert_close(y, x * w, rtol=1e-14, atol=1e-14)
         torch.testing.assert_close(grad, xf.grad, rtol=1e-14, atol=1e-14)
         assert fwd == bwd == x.numel() * 8  # one all-reduce of the activation each way
+
+
+@pytest.mark.parametrize("n_layer, tp, dp, batch", [(1, 2, 1, 3), (2, 2, 2, 5), (3, 4, 1, 2)])
+def test_activation_bytes_follow_the_megatron_formula(n_layer, tp, dp, batch):
+    """Per block 2 all-reduces of B T C forward and 2 backward, one more each way for the
+    embedding and the LM head, and the loss's all-gather of 2 B T values per rank (B: rank 0's
+    share), exactly as ``activation_collectives`` reads them off the model."""
+    from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+    from fsdpx.models.tp_plans import gpt_plan
+    from fsdpx.runtime.activation_cost import activation_collectives
+    from fsdpx.sharding import cost, strategies
+    from fsdpx.sharding.tensor_parallel import resolve
+
+    C, T, V, s = 8, 6, 13, 4
+    config = GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=4, n_embd=C)
+    model, mesh = GPT(config), Mesh(dp=dp, tp=tp)
+    plan = resolve(model, gpt_plan(config), strategies.zero3(), mesh)
+    b = -(-batch // dp)
+    got = cost(activation_collectives(model, plan, mesh, token_loss, (batch, T), (batch, T)))
+    assert got["all_reduce"] == (4 * n_layer + 2) * b * T * C * s
+    assert got["all_gather"] == tp * 2 * b * T * s
+    private = cost(activation_collectives(model, plan, mesh, token_loss, (batch, T), (batch, T), private=True))
+    assert private["all_reduce"] - got["all_reduce"] == b * s  # the squared norms, once

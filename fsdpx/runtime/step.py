@@ -184,7 +184,7 @@ def make_sharded_step(
     units = make_units(model, param_shapes, unit_modules)
     keep = config is not None and needs_fallback(model, param_shapes)
     tensor_parallel = TensorParallelHooks(model, plan, comm)
-    norms = _sharded_norms(plan, comm) if config is not None else None
+    norms = sharded_norms(plan, comm) if config is not None else None
     agreed: list[bool] = []
 
     def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
@@ -213,7 +213,7 @@ def make_sharded_step(
     return step
 
 
-def _sharded_norms(plan: ShardingPlan, comm: Comm) -> ShardedNorms | None:
+def sharded_norms(plan: ShardingPlan, comm: Comm) -> ShardedNorms | None:
     """With tensor parallelism, how this rank's share of each example's squared norm becomes
     the whole: parameters split over ``tp`` count on every rank (their blocks are disjoint),
     replicated ones on the rank with ``tp`` index 0 only; one all-reduce of the ``[B]`` squared

@@ -11,7 +11,7 @@ the transitions each parameter's layout performs (``ParamLayout.*_transitions``)
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence, Union
+from typing import Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 
@@ -144,6 +144,8 @@ def comm_per_step(
     mesh: Mesh,
     units: Sequence[Sequence[str]],
     dtype: torch.dtype = torch.float32,
+    *,
+    activations: Iterable[Collective] = (),
 ) -> dict[str, int]:
     """Bytes per rank per train step: ``cost`` of ``step_collectives`` -- ``{kind: buffer_bytes}``
     plus ``send_bytes``/``recv_bytes`` (conventions in ``fsdpx.sharding.collectives``), for the rank
@@ -151,6 +153,10 @@ def comm_per_step(
     move padded buffers, equal on every rank; with uneven shards, a rank with a smaller block
     all-reduces (and ``DistComm`` counts) its own smaller buffer
     (``tests/multiprocess/test_gloo.py::test_hsdp_on_four_gloo_ranks_equals_the_unsharded_run``).
+
+    ``activations``: the step's activation collectives (tensor parallelism), which depend on the
+    model's forward and are listed by ``fsdpx.runtime.activation_cost.activation_collectives``;
+    their bytes are added.
 
     Guarantees:
       * Running ``step_collectives`` on a ``SimulatedMesh`` counts exactly this dict
@@ -161,7 +167,8 @@ def comm_per_step(
         params: all_gather ~391.3 MB (forward + backward), reduce_scatter ~195.7 MB; ddp:
         all_reduce ~195.7 MB.
     """
-    return cost(s.collective for s in step_collectives(strategy, param_shapes, mesh, units, dtype))
+    params = [s.collective for s in step_collectives(strategy, param_shapes, mesh, units, dtype)]
+    return cost([*params, *activations])
 
 
 def peak_gathered_bytes(
