@@ -97,6 +97,7 @@ class TensorRecord:
     dtype: str
     spec: Spec
     boxes: tuple[BoxRecord, ...]
+    param_shape: tuple[int, ...] | None = None  # set when ``shape`` is a view of a parameter of this shape
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Manifest:
     step: int | None = None
     created_unix: float = field(default=0.0, compare=False)
     format_version: int = FORMAT_VERSION
+    plan: Any = None  # the sharding plan's layouts (``ckpt.rules.layout_meta``), when saved with one
 
 
 # ---- encoding --------------------------------------------------------------------------------
@@ -150,12 +152,17 @@ def _body(m: Manifest) -> dict[str, Any]:
         "private": m.private,
         "created_unix": m.created_unix,
         "files": {name: {"rank": f.rank, "size": f.size, "checksum": f.checksum} for name, f in m.files.items()},
-        "tensors": {
-            path: {"shape": list(t.shape), "dtype": t.dtype, "spec": repr(t.spec), "boxes": [_box_json(b) for b in t.boxes]}
-            for path, t in m.tensors.items()
-        },
+        "tensors": {path: _tensor_json(t) for path, t in m.tensors.items()},
         "state": m.state,
+        **({"plan": m.plan} if m.plan is not None else {}),
     }
+
+
+def _tensor_json(t: TensorRecord) -> dict[str, Any]:
+    out = {"shape": list(t.shape), "dtype": t.dtype, "spec": repr(t.spec), "boxes": [_box_json(b) for b in t.boxes]}
+    if t.param_shape is not None:
+        out["param_shape"] = list(t.param_shape)
+    return out
 
 
 def _canonical(body: Mapping[str, Any]) -> bytes:
@@ -237,7 +244,13 @@ def _parse_tensor(t_path: str, raw: Any, files: Mapping[str, FileRecord], path: 
     _need(spec.ndim == len(shape), path, f"tensor {t_path!r}: spec {spec} does not fit shape {shape}")
     boxes = _parse_boxes(raw["boxes"], t_path, shape, raw["dtype"], files, path)
     _check_tiling(t_path, shape, boxes, path)
-    return TensorRecord(shape, raw["dtype"], spec, boxes)
+    param_shape = raw.get("param_shape")
+    if param_shape is not None:
+        _need(isinstance(param_shape, list) and all(_int(n) and n >= 0 for n in param_shape)
+              and math.prod(param_shape) == math.prod(shape), path,
+              f"tensor {t_path!r}: param_shape {param_shape} is not a view of {list(shape)}")
+        param_shape = tuple(param_shape)
+    return TensorRecord(shape, raw["dtype"], spec, boxes, param_shape)
 
 
 def decode(data: bytes, path: str = MANIFEST) -> Manifest:
@@ -272,5 +285,5 @@ def decode(data: bytes, path: str = MANIFEST) -> Manifest:
     return Manifest(
         library_version=str(raw["library_version"]), mesh=mesh, strategy=raw["strategy"], files=files,
         tensors=tensors, state=raw["state"], private=bool(raw["private"]), step=raw["step"],
-        created_unix=float(raw["created_unix"]), format_version=version,
+        created_unix=float(raw["created_unix"]), format_version=version, plan=raw.get("plan"),
     )

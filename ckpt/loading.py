@@ -2,8 +2,10 @@
 
     state = ckpt.load("ckpt/step_100", mesh=Mesh(dp=2), strategy=zero2(), rank=dist.get_rank())
 
-For every tensor of the manifest the target spec comes from ``ckpt.rules`` (the strategy you
-load with, or ``specs``), the global shape from the manifest, and the rank's box from
+For every tensor of the manifest the target spec comes from ``ckpt.rules`` (the strategy or
+sharding plan you load with, or ``specs``), the global shape from the manifest (or the plan's
+view of the parameter: a tensor stored in one view and loaded in another is read whole and
+re-cut), and the rank's box from
 ``fsdpx.sharding.layout.local_box``; ``ckpt.reader`` reads the overlapping stored bytes. Non-tensor state
 comes from the manifest's JSON tree. Tensors come back on the CPU, as plain tensors.
 
@@ -29,13 +31,12 @@ from typing import Any, Mapping, Sequence
 
 from fsdpx.sharding import Mesh
 from fsdpx.sharding.layout import local_box
-from fsdpx.sharding.strategies import Strategy
 
 from . import format as fmt
 from .errors import LayoutError, ManifestError, MissingAccountantError, MissingShardError, ShapeMismatchError, TruncatedShardError
 from .flatten import contains_type, top_level, unflatten
 from .reader import Files, ReadStats, read_box
-from .rules import Specs, make_rule
+from .rules import Layouts, Specs, make_rule
 
 
 def read_manifest(directory: str | Path, stats: ReadStats | None = None) -> fmt.Manifest:
@@ -67,8 +68,9 @@ def check_shapes(manifest: fmt.Manifest, expected: Mapping[str, Sequence[int]]) 
     for path, shape in expected.items():
         if path not in manifest.tensors:
             raise ShapeMismatchError(f"{path}: expected shape {tuple(shape)}, the checkpoint has no such tensor")
-        if tuple(shape) != manifest.tensors[path].shape:
-            raise ShapeMismatchError(f"{path}: expected shape {tuple(shape)}, the checkpoint has {manifest.tensors[path].shape}")
+        rec = manifest.tensors[path]
+        if tuple(shape) not in (rec.shape, rec.param_shape):  # a parameter may be stored in a view of its shape
+            raise ShapeMismatchError(f"{path}: expected shape {tuple(shape)}, the checkpoint has {rec.shape}")
     tops = {p.split("/", 1)[0] for p in expected}
     extra = sorted(p for p in manifest.tensors if p.split("/", 1)[0] in tops and p not in expected)
     if extra:
@@ -98,7 +100,7 @@ def load(
     directory: str | Path,
     *,
     mesh: Mesh,
-    strategy: Strategy | None,
+    strategy: Layouts,
     rank: int = 0,
     specs: Specs = None,
     expected_shapes: Mapping[str, Sequence[int]] | None = None,
@@ -119,18 +121,24 @@ def load(
     tensors = {}
     try:
         for path, rec in manifest.tensors.items():
-            spec = rule(path, len(rec.shape))
+            shape = rule.target_shape(path, rec.shape, rec.param_shape)
+            spec = rule(path, len(shape))
             try:
-                box = local_box(rec.shape, spec, mesh, rank)
+                box = local_box(shape, spec, mesh, rank)
             except ValueError as e:
-                raise LayoutError(f"{path}: cannot lay out {rec.shape} as {spec} on {mesh}: {e}") from None
-            tensors[path] = read_box(rec, box, files, stats, verify=verify)
+                raise LayoutError(f"{path}: cannot lay out {shape} as {spec} on {mesh}: {e}") from None
+            if shape == rec.shape:
+                tensors[path] = read_box(rec, box, files, stats, verify=verify)
+            else:  # another view of the same parameter: re-cut the whole stored tensor
+                whole = read_box(rec, tuple((0, n) for n in rec.shape), files, stats, verify=verify)
+                block = whole.reshape(shape)[tuple(slice(a, b) for a, b in box)]
+                tensors[path] = block.clone()
     finally:
         files.close()
     return unflatten(manifest.state, tensors.__getitem__)
 
 
-def load_ranks(directory: str | Path, *, mesh: Mesh, strategy: Strategy | None, specs: Specs = None,
+def load_ranks(directory: str | Path, *, mesh: Mesh, strategy: Layouts, specs: Specs = None,
                stats: list[ReadStats] | None = None, **kwargs: Any) -> list[Any]:
     """``load`` for every rank of a simulated mesh: entry r is rank r's local state."""
     stats = stats if stats is not None else [ReadStats() for _ in range(mesh.size)]

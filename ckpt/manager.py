@@ -38,14 +38,13 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fsdpx.sharding import Mesh
-from fsdpx.sharding.strategies import Strategy
 
 from . import commit
 from .async_save import SaveHandle, saver_for
 from .coordinator import Coordinator, SingleProcess
 from .errors import CheckpointExistsError, CorruptCheckpointError
 from .loading import load
-from .rules import Specs
+from .rules import Layouts, Specs
 from .saving import save
 from .verify import verify
 
@@ -75,7 +74,7 @@ def to_delete(steps: Sequence[int], just_saved: int, keep_last: int) -> list[int
 
 
 class CheckpointManager:
-    def __init__(self, root: str | Path, *, mesh: Mesh | None = None, strategy: Strategy | None = None,
+    def __init__(self, root: str | Path, *, mesh: Mesh | None = None, strategy: Layouts = None,
                  coordinator: Coordinator | None = None, keep_last: int = 3, every_n_steps: int = 1,
                  specs: Specs = None, private: bool = False) -> None:
         if keep_last < 1 or every_n_steps < 1:
@@ -150,7 +149,7 @@ class CheckpointManager:
             return path
         return None
 
-    def restore(self, *, mesh: Mesh | None = None, strategy: Strategy | None | str = "same",
+    def restore(self, *, mesh: Mesh | None = None, strategy: Layouts | str = "same",
                 expected_shapes: Mapping[str, Sequence[int]] | None = None, specs: Specs | str = "same") -> Any:
         """Rank's local state from the newest intact checkpoint (rank 0 chooses it, verifying
         it once, and tells the others), in ``mesh``/``strategy`` (default: the manager's).

@@ -1,27 +1,72 @@
-"""Which ``Spec`` a state tensor has, from its path: the one place save and load decide it.
+"""Which ``Spec`` a state tensor has, and in which global shape: the one place save and load decide it.
 
-``strategy_rule(strategy)`` is the default: under ``params/`` a tensor follows
-``strategy.param_at_rest``, under ``opt_state/`` ``strategy.opt_state`` (the optimizer's
+``strategy_rule(strategy)`` is the default. With a ``Strategy``: under ``params/`` a tensor
+follows ``strategy.param_at_rest``, under ``opt_state/`` ``strategy.opt_state`` (the optimizer's
 tensors are shaped like the parameters: ``fsdpx.optim``), everything else is replicated; with
-``strategy=None`` everything is replicated (an unsharded run). ``make_rule`` lets a mapping
-``{path: Spec}`` override it for some paths, or a callable replace it.
+``strategy=None`` everything is replicated (an unsharded run). With a ``ShardingPlan``
+(``fsdpx.sharding.plan``: per-parameter layouts, tensor parallelism included) a tensor whose
+path ends in a parameter's name follows that parameter's ``at_rest`` / ``opt_state``, in the
+layout's shape, which may be a VIEW of the parameter (q|k|v split by heads): the manifest then
+records the parameter's own shape too, and a load into another view (or none) re-cuts the
+whole stored tensor. ``make_rule`` lets a mapping ``{path: Spec}`` override it for some paths,
+or a callable replace it.
 
 The GLOBAL shape is never a rule: ``save`` infers it from all ranks' local shapes
-(``ckpt.boxes.global_shape``) and ``load`` reads it from the manifest.
+(``ckpt.boxes.global_shape``) and ``load`` reads it from the manifest (or the target view).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Union
+import math
+from typing import Callable, Mapping, Sequence, Union
+from urllib.parse import unquote
 
 from fsdpx.sharding import Spec
+from fsdpx.sharding.plan import ParamLayout, ShardingPlan
 from fsdpx.sharding.strategies import Strategy
 
 SpecRule = Callable[[str, int], Spec]
 Specs = Union[None, Mapping[str, Spec], SpecRule]
+Layouts = Union[Strategy, ShardingPlan, None]
 
 
-def strategy_rule(strategy: Strategy | None) -> SpecRule:
+class Rule:
+    """``rule(path, ndim) -> Spec``, plus the shapes a plan's views imply (see module doc)."""
+
+    def __init__(self, spec: SpecRule, plan: ShardingPlan | None = None):
+        self._spec, self.plan = spec, plan
+
+    def __call__(self, path: str, ndim: int) -> Spec:
+        return self._spec(path, ndim)
+
+    def layout(self, path: str) -> ParamLayout | None:
+        """The plan's layout of the parameter ``path`` belongs to, if any."""
+        if self.plan is None:
+            return None
+        parts = path.split("/")
+        if parts[0] not in ("params", "opt_state") or len(parts) < 2:
+            return None
+        return self.plan.params.get(unquote(parts[-1]))
+
+    def param_shape(self, path: str) -> tuple[int, ...] | None:
+        """The parameter's own shape when the plan stores ``path`` in a view of it, else None."""
+        lay = self.layout(path)
+        return None if lay is None or lay.fused is None else lay.param_shape(lay.shape)
+
+    def target_shape(self, path: str, stored: Sequence[int], param_shape: Sequence[int] | None) -> tuple[int, ...]:
+        """The global shape a load lays ``path`` out in: the plan's view when it has one for
+        the path's parameter, else the parameter's own shape (``param_shape``, recorded when
+        the checkpoint stored a view), else the stored shape."""
+        lay = self.layout(path)
+        if lay is not None and math.prod(lay.shape) == math.prod(stored):  # shaped like the parameter
+            return lay.shape
+        return tuple(param_shape) if param_shape is not None else tuple(stored)
+
+
+def strategy_rule(strategy: Layouts) -> Rule:
+    if isinstance(strategy, ShardingPlan):
+        return _plan_rule(strategy)
+
     def rule(path: str, ndim: int) -> Spec:
         if strategy is None:
             return Spec.replicated(ndim)
@@ -32,16 +77,45 @@ def strategy_rule(strategy: Strategy | None) -> SpecRule:
             return strategy.opt_state(ndim)
         return Spec.replicated(ndim)
 
-    return rule
+    return Rule(rule)
 
 
-def make_rule(strategy: Strategy | None, specs: Specs = None) -> SpecRule:
-    """The strategy's rule, overridden by ``specs`` (a mapping: for the paths it lists; a
-    callable: for every path)."""
-    if callable(specs):
-        return specs
+def _plan_rule(plan: ShardingPlan) -> Rule:
+    def rule(path: str, ndim: int) -> Spec:
+        lay = holder.layout(path)
+        if lay is None or len(lay.shape) != ndim:
+            return Spec.replicated(ndim)  # non-parameter state, or a tensor not shaped like one
+        # (a load asks for the target shape's ndim: the view's when the tensor is parameter-shaped)
+        return lay.at_rest if path.startswith("params/") else lay.opt_state
+
+    holder = Rule(rule, plan)
+    return holder
+
+
+def make_rule(strategy: Layouts, specs: Specs = None) -> Rule:
+    """The strategy's (or plan's) rule, overridden by ``specs`` (a mapping: for the paths it
+    lists; a callable: for every path)."""
     default = strategy_rule(strategy)
+    if callable(specs):
+        return Rule(specs, default.plan)
     if specs is None:
         return default
     table = dict(specs)
-    return lambda path, ndim: table[path] if path in table else default(path, ndim)
+    return Rule(lambda path, ndim: table[path] if path in table else default(path, ndim), default.plan)
+
+
+def layout_meta(strategy: Layouts) -> dict | None:
+    """What the manifest records of a plan: its name, data and tensor-parallel axes, each
+    parameter's layout (shape, view, specs) and the module styles; None for a strategy."""
+    if not isinstance(strategy, ShardingPlan):
+        return None
+    return {
+        "name": strategy.name,
+        "data_axes": list(strategy.data_axes),
+        "tp_axis": strategy.tp_axis,
+        "params": {n: {"shape": list(lay.shape), "param_shape": list(lay.param_shape(lay.shape)),
+                       "at_rest": repr(lay.at_rest), "compute": repr(lay.compute), "grad": repr(lay.grad),
+                       "opt_state": repr(lay.opt_state)}
+                   for n, lay in strategy.params.items()},
+        "modules": {n: repr(ms.style) for n, ms in strategy.modules.items()},
+    }

@@ -48,7 +48,6 @@ from torch import Tensor
 
 from fsdpx.sharding import Mesh, Spec
 from fsdpx.sharding.layout import local_box
-from fsdpx.sharding.strategies import Strategy
 
 from . import commit
 from . import format as fmt
@@ -57,7 +56,7 @@ from .boxes import global_shape, is_writer
 from .coordinator import Coordinator, SingleProcess, ThreadGroup
 from .errors import LayoutError, MissingAccountantError, SaveError
 from .flatten import Tree, contains_type, flatten
-from .rules import Specs, SpecRule, make_rule
+from .rules import Layouts, Rule, Specs, layout_meta, make_rule
 from .writer import file_name, write_shard
 
 _SINGLE = SingleProcess()
@@ -75,7 +74,7 @@ def save(
     state: Any,
     *,
     mesh: Mesh,
-    strategy: Strategy | None,
+    strategy: Layouts,
     coordinator: Coordinator | None = None,
     specs: Specs = None,
     private: bool = False,
@@ -92,7 +91,8 @@ def save(
     if coordinator.world != mesh.size:
         raise ValueError(f"{mesh} has {mesh.size} ranks but the coordinator has {coordinator.world}")
     rule = make_rule(strategy, specs)
-    meta = {"strategy": None if strategy is None else strategy.name, "private": private, "step": step}
+    meta = {"strategy": None if strategy is None else strategy.name, "private": private, "step": step,
+            "plan": layout_meta(strategy)}
 
     saver = saver_for(coordinator)
 
@@ -110,7 +110,7 @@ def save(
     return handle
 
 
-def save_ranks(directory: str | Path, states: Sequence[Any], *, mesh: Mesh, strategy: Strategy | None,
+def save_ranks(directory: str | Path, states: Sequence[Any], *, mesh: Mesh, strategy: Layouts,
                specs: Specs = None, private: bool = False, step: int | None = None) -> Path:
     """``save`` for a simulated mesh: ``states[r]`` is rank r's local state. Blocking."""
     if len(states) != mesh.size:
@@ -139,7 +139,7 @@ def save_ranks(directory: str | Path, states: Sequence[Any], *, mesh: Mesh, stra
 # ---- one rank's side of the protocol -----------------------------------------------------------
 
 
-def _save_rank(directory: Path, tree: Tree, tensors: dict[str, Tensor], rule: SpecRule, mesh: Mesh,
+def _save_rank(directory: Path, tree: Tree, tensors: dict[str, Tensor], rule: Rule, mesh: Mesh,
                coord: Coordinator, meta: dict, on_commit: Callable[[Path], None] | None) -> Path:
     rank = coord.rank
     local_error: BaseException | None = None
@@ -189,7 +189,7 @@ def _decide(reports: list[dict], tmp: Path, directory: Path, mesh: Mesh, meta: d
     return {"path": str(path)}
 
 
-def rank_report(tmp: Path, rank: int, tree: Tree, tensors: dict[str, Tensor], rule: SpecRule, mesh: Mesh) -> dict:
+def rank_report(tmp: Path, rank: int, tree: Tree, tensors: dict[str, Tensor], rule: Rule, mesh: Mesh) -> dict:
     """Write this rank's shard file into ``tmp`` (if it is first replica of any non-empty
     block) and describe every local tensor for rank 0."""
     specs: dict[str, Spec] = {}
@@ -208,13 +208,15 @@ def rank_report(tmp: Path, rank: int, tree: Tree, tensors: dict[str, Tensor], ru
         "file": None if result is None else {"name": name, "size": result.size, "checksum": result.checksum},
         "tensors": {
             p: {"shape": list(t.shape), "dtype": fmt.dtype_name(t.dtype), "spec": repr(specs[p]),
+                "param_shape": rule.param_shape(p),
                 "stored": None if result is None or p not in result.stored else vars(result.stored[p])}
             for p, t in tensors.items()
         },
     }
 
 
-def assemble(reports: list[dict], mesh: Mesh, *, strategy: str | None, private: bool, step: int | None) -> fmt.Manifest:
+def assemble(reports: list[dict], mesh: Mesh, *, strategy: str | None, private: bool, step: int | None,
+             plan: dict | None = None) -> fmt.Manifest:
     """Rank 0's pure step: all ranks' reports -> the manifest (``LayoutError`` if they do not
     describe one consistent state)."""
     first = reports[0]
@@ -236,9 +238,10 @@ def assemble(reports: list[dict], mesh: Mesh, *, strategy: str | None, private: 
             fmt.BoxRecord(local_box(shape, spec, mesh, r), reports[r]["file"]["name"], **t["stored"])
             for r, t in enumerate(per_rank) if t["stored"] is not None
         )
-        tensors[path] = fmt.TensorRecord(shape, t0["dtype"], spec, boxes)
+        view_of = t0.get("param_shape")
+        tensors[path] = fmt.TensorRecord(shape, t0["dtype"], spec, boxes, None if view_of is None else tuple(view_of))
     files = {rep["file"]["name"]: fmt.FileRecord(rep["rank"], rep["file"]["size"], rep["file"]["checksum"])
              for rep in reports if rep["file"] is not None}
     return fmt.Manifest(library_version=library_version(), mesh=mesh, strategy=strategy, files=files,
                         tensors=tensors, state=first["tree"], private=private, step=step,
-                        created_unix=time.time())
+                        created_unix=time.time(), plan=plan)

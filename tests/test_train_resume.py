@@ -75,3 +75,26 @@ def test_zenflow_run_resumes_bit_for_bit_with_its_host_window(tmp_path):
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
     assert "offload_d2h_bytes" in a[-1]
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_resumes_into_plain_zero3(tmp_path):
+    """Saved at dp=2 x tp=2 after 2 steps, resumed at dp=2 without tensor parallelism: the same
+    losses as the tensor-parallel run straight through (float32, rel 1e-5: the layouts sum in
+    other orders), the same epsilon."""
+    args = ["--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2", "--seed", "3",
+            "--noise-multiplier", "1.0", "--no-progress", "--strategy", "zero3", "--out", str(tmp_path)]
+    ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2"]
+
+    def fsdpx(*extra):
+        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *args, *extra], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    fsdpx("--steps", "4", "--name", "straight", "--tp", "2", "--nproc", "4")
+    fsdpx("--steps", "2", "--name", "resumed", "--tp", "2", "--nproc", "4", *ck)
+    fsdpx("--steps", "4", "--name", "resumed", "--nproc", "2", *ck, "--resume")
+    a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
+    assert [r["epsilon"] for r in b] == [r["epsilon"] for r in a]

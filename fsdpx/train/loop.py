@@ -163,8 +163,6 @@ class RunConfig:
             raise ConfigError(f"n_head={self.n_head} does not divide by tp={self.tp}: a rank holds whole heads")
         if self.tp > 1 and self.offload != "none":
             raise ConfigError("offload with tensor parallelism is not supported yet")
-        if self.tp > 1 and self.ckpt_dir is not None:
-            raise ConfigError("checkpoints of tensor-parallel runs are not supported yet (issue 11)")
         if self.strategy is not None and self.private and self.method == "vmap":
             raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 
@@ -345,8 +343,8 @@ def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool):
 
     if comm is None:
         return ckpt.CheckpointManager(config.ckpt_dir, keep_last=3, every_n_steps=config.ckpt_every, private=private)
-    strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
-    return ckpt.CheckpointManager(config.ckpt_dir, mesh=comm.mesh, strategy=strategy,
+    plan = sharding_plan(config, init_params(config)[0], comm.mesh)  # tensors saved in this run's layouts
+    return ckpt.CheckpointManager(config.ckpt_dir, mesh=comm.mesh, strategy=plan,
                                   coordinator=ckpt.TorchDistCoordinator(), keep_last=3,
                                   every_n_steps=config.ckpt_every, private=private)
 
