@@ -6,7 +6,8 @@ here with forward hooks on the styled modules, installed only inside :meth:`Tens
 
 * ``ColumnParallel``: the input enters the region (``regions.enter``) unless an enclosing
   ``EnterParallel`` did; with ``vocab=True`` the output logits are marked vocabulary-sharded
-  (``vocab_parallel``).
+  (``vocab_parallel``). transformers' ``Conv1D`` reshapes its output with its ``nf`` (the full
+  width), which is set to the rank's width for the call.
 * ``RowParallel``: the bias is swapped for zeros during the call (the local product is one
   summand of the output); after it the output leaves the region (``regions.leave``: summed
   over ``tp``) and the bias is added once.
@@ -40,6 +41,7 @@ from fsdpx.sharding.tensor_parallel import (
     ModuleStyle,
     RowParallel,
     VocabParallelEmbedding,
+    is_conv1d,
 )
 
 from .regions import enter, leave
@@ -85,7 +87,7 @@ class TensorParallelHooks:
     def _hooks(self, ms: ModuleStyle, restore: list):
         style = ms.style
         if isinstance(style, ColumnParallel):
-            return self._column(ms, style)
+            return self._column(ms, style, restore)
         if isinstance(style, RowParallel):
             return self._row(restore)
         if isinstance(style, VocabParallelEmbedding):
@@ -98,15 +100,26 @@ class TensorParallelHooks:
 
     # ---- styles ------------------------------------------------------------------------------
 
-    def _column(self, ms: ModuleStyle, style: ColumnParallel):
-        pre = self._enter_at(0) if style.enter else None
-        post = None
+    def _column(self, ms: ModuleStyle, style: ColumnParallel, restore: list):
+        enter = self._enter_at(0) if style.enter else None
+        widths: list[tuple[nn.Module, int]] = []  # transformers' Conv1D: (module, its full ``nf``)
+        restore.append(lambda: [setattr(m, "nf", nf) for m, nf in reversed(widths)])
+        shard = None
         if style.vocab:
             start, stop = self.rows(ms)
             shard = VocabShard(self.comm, self.axis, start, stop, ms.size)
 
-            def post(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
-                return mark_vocab_sharded(out, shard)
+        def pre(module: nn.Module, args: tuple, kwargs: dict):
+            if is_conv1d(module):  # its forward views the output as ``(..., nf)``: the rank's width
+                widths.append((module, module.nf))
+                module.nf = module.weight.shape[-1]
+            return enter(module, args, kwargs) if enter is not None else None
+
+        def post(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor | None:
+            if widths and widths[-1][0] is module:
+                module.nf = widths.pop()[1]
+            return mark_vocab_sharded(out, shard) if shard is not None else None
+
         return pre, post
 
     def _row(self, restore: list):

@@ -154,7 +154,7 @@ def match_modules(model: nn.Module, plan: TensorParallel) -> dict[str, tuple[str
     return out
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (``y = x @ W + b``, ``W`` stored ``[in, out]``), matched by name
     so that transformers stays optional."""
     cls = type(module)
@@ -163,11 +163,11 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 def _out_dim(module: nn.Module) -> int:
     """The weight dim that indexes output features."""
-    return 1 if _is_conv1d(module) else 0
+    return 1 if is_conv1d(module) else 0
 
 
 def _check_linear(name: str, module: nn.Module, style: Style) -> None:
-    if not (isinstance(module, nn.Linear) or _is_conv1d(module)):
+    if not (isinstance(module, nn.Linear) or is_conv1d(module)):
         raise TensorParallelPlanError(
             f"module {name!r} ({type(module).__name__}) cannot be {type(style).__name__}: it needs an nn.Linear"
             " or transformers' Conv1D")
@@ -211,7 +211,7 @@ def _column_specs(name: str, module: nn.Module, style: ColumnParallel, axis: str
 
 def _row_specs(name: str, module: nn.Module, style: RowParallel, axis: str) -> dict[str, tuple]:
     _check_linear(name, module, style)
-    in_dim = 0 if _is_conv1d(module) else 1
+    in_dim = 0 if is_conv1d(module) else 1
     dims: list = [None, None]
     dims[in_dim] = axis
     specs = {"weight": (Spec(*dims), tuple(module.weight.shape), None, 0)}

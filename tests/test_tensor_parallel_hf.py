@@ -1,0 +1,157 @@
+"""Tensor parallelism on transformers' own models, unmodified: ``GPT2LMHeadModel`` under
+``gpt2_plan`` and ``LlamaForCausalLM`` under ``llama_plan`` (tiny configs built here, nothing
+downloaded), on the simulated mesh, equal the unsharded run.
+
+Two AdamW steps of ``make_sharded_step`` with ZeRO-3 over ``dp`` and Megatron tensor parallelism
+over ``tp`` (``Mesh(dp=1, tp=2)``, ``Mesh(dp=2, tp=2)``) give the parameters of two unsharded
+steps, plain and private (same key), float64 to rel 1e-10, judged as
+``property_tests/test_sharded_properties.py::_assert_close_to_reference`` judges them. The
+vocabulary (37) does not divide by ``tp`` (ranks hold 19 and 18 rows); GPT-2 ties its LM head to
+``wte``; Llama's attention is grouped-query (4 heads, 2 k/v heads: one k/v head per rank).
+
+The loss is what a user writes for a Hugging Face causal LM: the per-example mean of
+``F.cross_entropy`` on ``out.logits`` (the model's own output object), unchanged under tensor
+parallelism, where the logits are vocabulary-sharded.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fsdpx.models.tp_plans import gpt2_plan, llama_plan
+from fsdpx.runtime import init_sharded, make_sharded_step
+from fsdpx.runtime.plain_step import init_plain, make_plain_step
+from fsdpx.runtime.threads import run_threads
+from fsdpx.sharding import Mesh, strategies, unshard
+from fsdpx.sharding.tensor_parallel import resolve
+from privacy.step import DPConfig, init_state, make_private_step
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
+from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402
+
+VOCAB, T, B = 37, 8, 4
+TOL = 1e-10
+NUM_EXAMPLES = 50
+
+def hf_loss(out, targets: torch.Tensor) -> torch.Tensor:
+    """Per-example loss ``(B,)`` from a transformers ``CausalLMOutput``, as a user writes it."""
+    logits = out.logits
+    b, t, v = logits.shape
+    return F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t).mean(1)
+
+
+def _gpt2(attn: str):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation=attn)
+    model = transformers.GPT2LMHeadModel(config).double()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    return model
+
+
+def _llama(attn: str, tied: bool = False):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=24, num_hidden_layers=2,
+                                      max_position_embeddings=T, bos_token_id=0, eos_token_id=0,
+                                      tie_word_embeddings=tied, use_cache=False, attn_implementation=attn)
+    model = transformers.LlamaForCausalLM(config).double()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    return model
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g))
+            for _ in range(2)]
+
+
+def _dp_config(method: str) -> DPConfig:
+    """``property_tests/test_sharded_properties.py::_dp_config``'s knobs, with the clipping method."""
+    return DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method=method)
+
+
+def _reference(model, batches, optimizer, config, trainable):
+    """The unsharded steps (plain or private, key 7); parameters outside ``trainable`` frozen."""
+    params = {k: p for k, p in model.named_parameters() if k in trainable}
+    if config is None:
+        state, step = init_plain(params, optimizer), make_plain_step(model, hf_loss, optimizer)
+    else:
+        state = init_state(params, optimizer, key=7, config=config)
+        step = make_private_step(model, hf_loss, optimizer, config, num_examples=NUM_EXAMPLES)
+    for b in batches:
+        state, _ = step(state, b)
+    return state.params
+
+
+def _tensor_parallel(model, batches, optimizer, config, plan, mesh, trainable):
+    params = {k: v.detach() for k, v in model.named_parameters() if k in trainable}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+
+    def rank(comm):
+        m = copy.deepcopy(model)
+        step = make_sharded_step(m, hf_loss, optimizer, plan, comm, param_shapes=shapes, config=config,
+                                 num_examples=NUM_EXAMPLES)
+        state = init_sharded(params, optimizer, plan, comm, key=7, config=config)
+        for b in batches:
+            state, metrics = step(state, b)
+        return state, metrics
+
+    results = run_threads(mesh, rank)
+    full = {k: unshard([r[0].params[k] for r in results], lay.at_rest, mesh).reshape(shapes[k])
+            for k, lay in plan.params.items()}
+    return full, [r[1] for r in results]
+
+
+def _check(model, tp_plan, mesh, config, frozen=()):
+    trainable = [n for n, _ in model.named_parameters() if n not in frozen]
+    plan = resolve(model, tp_plan, strategies.zero3(), mesh, trainable=trainable)
+    assert set(plan.params) == set(trainable)
+    batches = _batches()
+    optimizer = _optimizer(torch.float64)
+    ref = _reference(model, batches, optimizer, config, trainable)
+    got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh, trainable)
+    _assert_close_to_reference(got, ref, model, TOL)
+    assert len({m["loss"] for m in metrics}) == 1  # every rank reports the same loss
+
+
+MESHES = {"dp1_tp2": Mesh(dp=1, tp=2), "dp2_tp2": Mesh(dp=2, tp=2)}
+
+
+@pytest.mark.parametrize("mesh, attn", [("dp1_tp2", "eager"), ("dp2_tp2", "sdpa")])
+def test_hf_gpt2_tensor_parallel_steps_equal_unsharded_steps(mesh, attn):
+    model = _gpt2(attn)
+    _check(model, gpt2_plan(model.config), MESHES[mesh], None)
+
+
+@pytest.mark.parametrize("mesh, attn", [("dp1_tp2", "sdpa"), ("dp2_tp2", "eager")])
+def test_hf_gpt2_private_tensor_parallel_steps_equal_unsharded_steps(mesh, attn):
+    """Ghost clipping (every GPT-2 layer has a rule). ``wpe`` is frozen: ``GPT2Model`` looks up
+    positions of shape ``[1, T]`` broadcast over the batch, which has no per-example gradient
+    (``privacy.tape.record`` refuses it, sharded or not); everything else trains."""
+    model = _gpt2(attn)
+    _check(model, gpt2_plan(model.config), MESHES[mesh], _dp_config("ghost"), frozen=("transformer.wpe.weight",))
+
+
+@pytest.mark.parametrize("mesh, attn, tied", [("dp1_tp2", "eager", False), ("dp2_tp2", "sdpa", False),
+                                              ("dp2_tp2", "sdpa", True)])
+def test_hf_llama_tensor_parallel_steps_equal_unsharded_steps(mesh, attn, tied):
+    model = _llama(attn, tied)
+    _check(model, llama_plan(model.config), MESHES[mesh], None)
+
+
+@pytest.mark.parametrize("mesh, attn, tied", [("dp1_tp2", "sdpa", False), ("dp2_tp2", "eager", False),
+                                              ("dp2_tp2", "sdpa", True)])
+def test_hf_llama_private_tensor_parallel_steps_equal_unsharded_steps(mesh, attn, tied):
+    """``method="auto"``: ``LlamaRMSNorm`` has no ghost rule, so its per-example norms come from a
+    per-module vmap (its weight is replicated over ``tp``); every other layer is ghost-clipped."""
+    model = _llama(attn, tied)
+    _check(model, llama_plan(model.config), MESHES[mesh], _dp_config("auto"))
