@@ -110,3 +110,72 @@ def test_activation_bytes_follow_the_megatron_formula(n_layer, tp, dp, batch):
     assert got["all_gather"] == tp * 2 * b * T * s
     private = cost(activation_collectives(model, plan, mesh, token_loss, (batch, T), (batch, T), private=True))
     assert private["all_reduce"] - got["all_reduce"] == b * s  # the squared norms, once
+
+
+class _LargestTensor:
+    """Records the element count of the largest tensor any operation creates (this thread)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        probe = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        probe.largest = max(probe.largest, t.numel())
+                return out
+
+        self.largest, self.mode = 0, Mode()
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_no_rank_allocates_the_full_logits(private):
+    """With the vocabulary split over tp=2 no rank creates a tensor of B T V elements, forward,
+    loss or backward (private: tape, norms, clipped sums); the unsharded step does."""
+    import copy
+
+    from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+    from fsdpx.models.tp_plans import gpt_plan
+    from fsdpx.optim import sgd
+    from fsdpx.runtime import init_sharded, make_sharded_step
+    from fsdpx.runtime.plain_step import init_plain, make_plain_step
+    from fsdpx.sharding import strategies
+    from fsdpx.sharding.tensor_parallel import resolve
+    from privacy.step import DPConfig, init_state, make_private_step
+
+    B, T, V = 4, 8, 512
+    config = GPTConfig(vocab_size=V, block_size=T, n_layer=1, n_head=2, n_embd=16, tie_weights=False)
+    model = GPT(config)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    batch = (torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T)))
+    dp = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1, method="ghost") if private else None
+    opt = sgd(0.1)
+
+    probe = _LargestTensor()
+    if private:
+        state, step = init_state(params, opt, key=0, config=dp), make_private_step(model, token_loss, opt, dp,
+                                                                                   num_examples=40)
+    else:
+        state, step = init_plain(params, opt), make_plain_step(model, token_loss, opt)
+    with probe.mode:
+        step(state, batch)
+    assert probe.largest >= B * T * V  # the unsharded step holds the full logits: the probe sees them
+
+    mesh = Mesh(dp=1, tp=2)
+    plan = resolve(model, gpt_plan(config), strategies.ddp(), mesh)
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+
+    def rank(comm):
+        run = make_sharded_step(copy.deepcopy(model), token_loss, opt, plan, comm, param_shapes=shapes, config=dp,
+                                num_examples=40)
+        s = init_sharded(params, opt, plan, comm, key=0, config=dp)
+        p = _LargestTensor()
+        with p.mode:
+            run(s, batch)
+        return p.largest
+
+    for largest in run_threads(mesh, rank):
+        assert largest <= B * T * V // 2  # the rank's own slice of the logits at most
