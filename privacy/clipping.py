@@ -128,10 +128,15 @@ class ShardedNorms(NamedTuple):
     """How each example's squared norm is completed when ranks hold disjoint parts of every
     example's gradient (tensor parallelism): this rank adds the parameters in ``counted`` (a
     parameter whose gradient every rank holds whole is counted on one rank only), and
-    ``all_reduce`` sums the ``[B]`` result over the ranks that share the examples."""
+    ``all_reduce`` sums a ``[B, ...]`` tensor over the ranks that share the examples. The
+    per-example gradients of the parameters in ``partial`` are themselves sums over those ranks
+    (sequence parallelism: each saw a chunk of the sequence); they are summed (one
+    ``all_reduce`` of all of them at once) before their norms, while each rank's clipped sum
+    keeps its own part."""
 
     counted: frozenset[str]
     all_reduce: Callable[[Tensor], Tensor]
+    partial: frozenset[str] = frozenset()
 
 
 class ClipResult(NamedTuple):
@@ -189,9 +194,11 @@ def clip_and_sum(
         parts = C.instantiate_for_reuse(parts, shapes)
         streamed = choose_streamed(parts, shapes) if sharded_norms is None else []
         counted = sharded_norms.counted if sharded_norms is not None else parts
-        sq = _sq_norms({k: v for k, v in parts.items() if k not in streamed and k in counted}, params, losses)
+        summed = sharded_norms.partial if sharded_norms is not None else frozenset()
+        sq = _sq_norms({k: v for k, v in parts.items() if k not in streamed and k in counted and k not in summed},
+                       params, losses)
         if sharded_norms is not None:
-            sq = sharded_norms.all_reduce(sq)
+            sq = sharded_norms.all_reduce(sq + _summed_sq_norms(parts, shapes, sharded_norms, losses))
         if streamed:  # these go last, one example at a time, once every other norm is known
             sums, sq = stream_clipped_sums({k: parts.pop(k) for k in streamed}, shapes, sq,
                                            lambda norm: clip_factors(norm, clip_norm, clipping))
@@ -205,6 +212,25 @@ def clip_and_sum(
         else:
             grads[name] = C.weighted_sum(plist, factors, p.shape) if plist else torch.zeros_like(p)
     return ClipResult(grads, norms, losses)
+
+
+def _summed_sq_norms(parts: dict[str, list[C.Contribution]], shapes: dict, sharded: ShardedNorms,
+                     losses: Tensor) -> Tensor:
+    """Per-example squared norms of the ``sharded.partial`` parameters' gradients summed over the
+    ranks (ONE all-reduce of all their instantiated ``[B, n]`` gradients), added for the
+    parameters this rank counts (every rank holds the same sums; the caller all-reduces)."""
+    sq = losses.new_zeros(losses.shape[0])
+    names = sorted(n for n in sharded.partial if n in parts)
+    if not names:
+        return sq
+    blocks = [C.instantiate_sum(parts[n], shapes[n]).reshape(losses.shape[0], -1) for n in names]
+    whole = sharded.all_reduce(torch.cat(blocks, 1))
+    start = 0
+    for name, block in zip(names, blocks):
+        if name in sharded.counted:
+            sq = sq + whole[:, start:start + block.shape[1]].square().sum(1)
+        start += block.shape[1]
+    return sq
 
 
 def _factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str):

@@ -194,12 +194,11 @@ def instantiate_sum(parts: list[Contribution], param_shape: torch.Size) -> Tenso
     """``[B, *param_shape]``: the per-example gradient summed over all contributions."""
     factored = [p for p in parts if isinstance(p, Factored)]
     dense = [p.grads for p in parts if isinstance(p, Dense)]
-    num_rows = param_shape[0]
-    g = instantiate(factored[0], num_rows)
-    for p in factored[1:]:
-        g = g + instantiate(p, num_rows)
-    g = g.view(-1, *param_shape)
-    for d in dense:
+    g = dense[0] if not factored else None  # Dense only (a norm weight, a bias): no matmul
+    for p in factored:
+        one = instantiate(p, param_shape[0]).view(-1, *param_shape)
+        g = one if g is None else g + one
+    for d in (dense[1:] if not factored else dense):
         g = g + d
     return g
 

@@ -1,7 +1,7 @@
 """Tensor parallelism (composed with every data-parallel strategy) equals unsharded training.
 
 The invariant: for tp in 1..4 and dp in 1..2 (and HSDP x TP on three axes) on the simulated
-mesh, random small GPTs (uneven vocabularies, several heads per rank or one, tied or untied
+mesh, with and without sequence parallelism, random small GPTs (uneven vocabularies, several heads per rank or one, tied or untied
 LM head, with or without biases, LayerNorm or RMSNorm, empty and tiny batches), N sharded steps
 equal N unsharded steps, plain and private (same key), float64 to rel 1e-10 and float32 to
 1e-5, judged as ``test_sharded_properties`` judges them.
@@ -73,29 +73,29 @@ def _tensor_parallel(model, batches, optimizer, config, plan, mesh):
     return full, [r[1] for r in results]
 
 
-@settings(max_examples=30)
-@given(st.data(), st.sampled_from(MESHES), st.booleans())
-def test_tensor_parallel_steps_equal_unsharded_steps(data, case, private):
+@settings(max_examples=40)
+@given(st.data(), st.sampled_from(MESHES), st.booleans(), st.booleans())
+def test_tensor_parallel_steps_equal_unsharded_steps(data, case, private, sequence_parallel):
     name, mesh = case
     model, batches, dtype = data.draw(problems(mesh.axis_size("tp")))
     config = _dp_config(private)
     optimizer = _optimizer(dtype)
-    plan = resolve(model, gpt_plan(model.config), strategies.ALL[name](), mesh)
+    plan = resolve(model, gpt_plan(model.config, sequence_parallel=sequence_parallel), strategies.ALL[name](), mesh)
     ref = _baseline(model, batches, optimizer, config)
     got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh)
     _assert_close_to_reference(got, ref, model, TOL[dtype])
     assert len({m["loss"] for m in metrics if m["batch_size"]}) <= 1  # every rank reports the same loss
 
 
-@settings(max_examples=15)
-@given(st.data(), st.sampled_from(MESHES), st.booleans())
-def test_counted_bytes_and_resident_memory_equal_the_cost_model(data, case, private):
+@settings(max_examples=20)
+@given(st.data(), st.sampled_from(MESHES), st.booleans(), st.booleans())
+def test_counted_bytes_and_resident_memory_equal_the_cost_model(data, case, private, sequence_parallel):
     """Rank 0 counts exactly ``comm_per_step`` (parameter collectives from the layouts plus the
     activation collectives read off the model), and every rank holds ``memory_by_rank``."""
     name, mesh = case
     model, batches, dtype = data.draw(problems(mesh.axis_size("tp")))
     config = _dp_config(private)
-    plan = resolve(model, gpt_plan(model.config), strategies.ALL[name](), mesh)
+    plan = resolve(model, gpt_plan(model.config, sequence_parallel=sequence_parallel), strategies.ALL[name](), mesh)
     _, metrics = _tensor_parallel(model, batches[:1], sgd(0.1, momentum=0.9), config, plan, mesh)
     shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
     units = [list(u.params) for u in make_units(model, shapes)]

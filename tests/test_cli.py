@@ -160,8 +160,8 @@ def test_nproc_without_strategy_is_refused(capsys):
 
 @pytest.mark.slow
 def test_tensor_parallel_main_job_on_four_gloo_processes_follows_the_single_process_run(tmp_path):
-    """``fsdpx train --tp 2 --strategy zero3 --nproc 4``: the same batches and noise as one
-    process, so the same losses (float32, rel 1e-5) at every step."""
+    """``fsdpx train --tp 2 --sequence-parallel --strategy zero3 --nproc 4``: the same batches
+    and noise as one process, so the same losses (float32, rel 1e-5) at every step."""
     import json
     import subprocess
     import sys
@@ -169,7 +169,8 @@ def test_tensor_parallel_main_job_on_four_gloo_processes_follows_the_single_proc
     flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
              "--no-progress"]
     losses = {}
-    for name, extra in {"tp": ["--tp", "2", "--strategy", "zero3", "--nproc", "4"], "one": []}.items():
+    for name, extra in {"tp": ["--tp", "2", "--sequence-parallel", "--strategy", "zero3", "--nproc", "4"],
+                        "one": []}.items():
         out = tmp_path / name
         done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
                               capture_output=True, text=True, timeout=300)
@@ -186,6 +187,7 @@ def test_tensor_parallel_main_job_on_four_gloo_processes_follows_the_single_proc
     (["--tp", "3", "--strategy", "zero3", "--nproc", "4", "--n-head", "3", "--n-embd", "12"],
      "tp=3 does not divide the 4 processes"),
     (["--tp", "2", "--strategy", "zero3", "--n-head", "3", "--n-embd", "12"], "n_head=3 does not divide by tp=2"),
+    (["--sequence-parallel", "--strategy", "zero3"], "sequence_parallel needs tp > 1"),
 ])
 def test_tensor_parallel_flags_that_cannot_work_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -179,3 +179,24 @@ def test_no_rank_allocates_the_full_logits(private):
 
     for largest in run_threads(mesh, rank):
         assert largest <= B * T * V // 2  # the rank's own slice of the logits at most
+
+
+@pytest.mark.parametrize("n_layer, tp, batch", [(1, 2, 3), (2, 4, 2)])
+def test_sequence_parallel_moves_the_same_activation_bytes_as_reduce_scatters_and_all_gathers(n_layer, tp, batch):
+    """Sequence parallelism: each all-reduce of B T C becomes a reduce-scatter and an all-gather
+    of the same buffer, (4L + 2) of each; the row-parallel biases' gradients (added to each
+    rank's chunk) are all-reduced, C values per bias."""
+    from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+    from fsdpx.models.tp_plans import gpt_plan
+    from fsdpx.runtime.activation_cost import activation_collectives
+    from fsdpx.sharding import cost, strategies
+    from fsdpx.sharding.tensor_parallel import resolve
+
+    C, T, V, s = 8, 8, 13, 4
+    config = GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=4, n_embd=C, bias=True)
+    model, mesh = GPT(config), Mesh(dp=1, tp=tp)
+    plan = resolve(model, gpt_plan(config, sequence_parallel=True), strategies.zero3(), mesh)
+    got = cost(activation_collectives(model, plan, mesh, token_loss, (batch, T), (batch, T)))
+    assert got["reduce_scatter"] == (4 * n_layer + 2) * batch * T * C * s
+    assert got["all_gather"] == (4 * n_layer + 2) * batch * T * C * s + tp * 2 * batch * T * s  # + the loss's
+    assert got["all_reduce"] == 2 * n_layer * C * s

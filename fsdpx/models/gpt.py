@@ -63,11 +63,12 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, _ = x.shape
-        # widths are read off the tensors, not the config: under tensor parallelism a rank holds
-        # whole heads of q, k and v, so C_r = C / tp and nh_r = nh / tp (``models.tp_plans``)
+        # shapes are read off q, not x or the config: under tensor parallelism a rank holds whole
+        # heads of q, k and v (C_r = C / tp, nh_r = nh / tp), and with sequence parallelism x is
+        # the rank's chunk of the sequence while q covers all of it (``models.tp_plans``)
         q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, T, C_r)
-        heads = q.shape[-1] // self.head_dim
+        B, T, width = q.shape
+        heads = width // self.head_dim
         q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh_r, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh_r, T, hs)
         return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))

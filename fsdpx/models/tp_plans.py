@@ -8,7 +8,9 @@ LM head share one layout (rows over ``tp``). Norms, position embeddings and bias
 row-parallel layers stay replicated.
 
 Per block that is two all-reduces of the ``[B, T, C]`` activation forward (attention and MLP
-outputs) and two backward (their inputs), Megatron's count.
+outputs) and two backward (their inputs), Megatron's count. Sequence parallelism (our GPT only:
+transformers' GPT-2 and Llama derive positions and masks from the embedding output's length,
+which would then be a chunk) turns each into a reduce-scatter or all-gather of the same bytes.
 """
 
 from __future__ import annotations
@@ -20,21 +22,27 @@ from fsdpx.sharding.tensor_parallel import (
     EnterParallel,
     LocalAttributes,
     RowParallel,
+    SequenceParallel,
     TensorParallel,
     VocabParallelEmbedding,
 )
 
 
-def gpt_plan(config: Any, axis: str = "tp") -> TensorParallel:
-    """The plan of ``fsdpx.models.gpt.GPT`` (fused ``qkv``, tied or untied head)."""
-    return TensorParallel({
+def gpt_plan(config: Any, axis: str = "tp", *, sequence_parallel: bool = False) -> TensorParallel:
+    """The plan of ``fsdpx.models.gpt.GPT`` (fused ``qkv``, tied or untied head). With
+    ``sequence_parallel`` the activations between regions are split along the sequence, and
+    the position embedding looks up only the rank's positions."""
+    styles = {
         "wte": VocabParallelEmbedding(),
         "blocks.*.attn.qkv": ColumnParallel(fused=3, head_dim=config.n_embd // config.n_head),
         "blocks.*.attn.proj": RowParallel(),
         "blocks.*.mlp.fc": ColumnParallel(),
         "blocks.*.mlp.proj": RowParallel(),
         "lm_head": ColumnParallel(vocab=True),
-    }, axis)
+    }
+    if sequence_parallel:
+        styles["wpe"] = SequenceParallel()
+    return TensorParallel(styles, axis, sequence_parallel=sequence_parallel)
 
 
 def gpt2_plan(config: Any, axis: str = "tp") -> TensorParallel:

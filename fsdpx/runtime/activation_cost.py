@@ -28,6 +28,7 @@ from fsdpx.sharding.collectives import Collective
 from fsdpx.sharding.layout import chunk_bounds, local_shape
 from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.plan import ShardingPlan
+from privacy.tape import record
 
 from .step import sharded_norms
 from .tensor_parallel import TensorParallelHooks
@@ -63,8 +64,10 @@ def activation_collectives(model: nn.Module, plan: ShardingPlan, mesh: Mesh, los
 
     Returns ``[]`` without tensor parallelism. Rank 0's batch share is ``torch.chunk`` piece 0
     over the plan's data axes, as the runtime cuts it; ``private`` adds the all-reduce of the
-    squared norms. Guarantee: the runtime's counted activation bytes on rank 0 equal ``cost`` of
-    this list (``property_tests/test_tensor_parallel_properties.py::
+    squared norms (and, with sequence parallelism, of the per-example gradients of the parameters
+    every rank sees a chunk of the sequence for: all of them are assumed to take part in the
+    forward, as in every model here). Guarantee: the runtime's counted activation bytes on rank 0
+    equal ``cost`` of this list (``property_tests/test_tensor_parallel_properties.py::
     test_counted_bytes_and_resident_memory_equal_the_cost_model``).
 
     Edge cases: an empty share (a batch smaller than the data axes) still has rank 0 first, so
@@ -81,11 +84,18 @@ def activation_collectives(model: nn.Module, plan: ShardingPlan, mesh: Mesh, los
         params[name] = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
     x = torch.zeros((b0, *inputs[1:]), dtype=input_dtype, device="meta")
     y = torch.zeros((b0, *targets[1:]), dtype=torch.long, device="meta")
-    with TensorParallelHooks(model, plan, comm).installed():
-        losses = loss_fn(functional_call(model, params, (x,)), y)
-        torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
+    seq_len = inputs[plan.sequence_dim] if plan.sequence_dim is not None else 0
+    with TensorParallelHooks(model, plan, comm).installed(seq_len):
+        if private:  # the private backward asks for the layers' output gradients, not the weights'
+            record(model, params, (x, y), loss_fn)
+        else:
+            losses = loss_fn(functional_call(model, params, (x,)), y)
+            torch.autograd.grad(losses.sum(), list(params.values()), allow_unused=True)
     if private:
         norms = sharded_norms(plan, comm)
         if norms is not None:
+            summed = sum(plan.numel(n) for n in norms.partial)  # sequence parallelism's chunked gradients
+            if summed:
+                norms.all_reduce(torch.empty(b0, summed, dtype=dtype, device="meta"))
             norms.all_reduce(torch.empty(b0, dtype=dtype, device="meta"))
     return comm.recorded

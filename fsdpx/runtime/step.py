@@ -217,19 +217,24 @@ def sharded_norms(plan: ShardingPlan, comm: Comm) -> ShardedNorms | None:
     """With tensor parallelism, how this rank's share of each example's squared norm becomes
     the whole: parameters split over ``tp`` count on every rank (their blocks are disjoint),
     replicated ones on the rank with ``tp`` index 0 only; one all-reduce of the ``[B]`` squared
-    norms over the rank's ``tp`` group completes them. ``None`` without tensor parallelism."""
+    norms over the rank's ``tp`` group completes them. Parameters whose raw gradient is partial
+    over ``tp`` (sequence parallelism: each rank saw a chunk of the sequence) first have their
+    per-example gradients summed over the group, one all-reduce of ``[B, their elements]``.
+    ``None`` without tensor parallelism."""
     axis = plan.tp_axis
     if axis is None or comm.mesh.axis_size(axis) == 1:
         return None
     first = comm.mesh.index(comm.rank, axis) == 0
     counted = frozenset(n for n, lay in plan.params.items() if axis in lay.compute.sharding_axes or first)
+    partial = frozenset(n for n, lay in plan.params.items() if axis in lay.raw_grad.partial)
     sub = comm.mesh.sub(axis)
 
-    def all_reduce(sq: Tensor) -> Tensor:
-        (c,) = plan_collectives(Spec(None, partial=(axis,)), Spec(None), tuple(sq.shape), sub, sq.dtype)
-        return comm.run(c, sq.contiguous())
+    def all_reduce(t: Tensor) -> Tensor:
+        src = Spec.replicated(t.dim())
+        (c,) = plan_collectives(src.with_partial((axis,)), src, tuple(t.shape), sub, t.dtype)
+        return comm.run(c, t.contiguous())
 
-    return ShardedNorms(counted, all_reduce)
+    return ShardedNorms(counted, all_reduce, partial)
 
 
 def needs_fallback(model: nn.Module, trainable) -> bool:
@@ -268,7 +273,9 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
         gatherer.dry_run()
         zeros = {name: gatherer.full[name].new_zeros(gatherer.local_shapes[name]) for name in gatherer.plans}
         return zeros, (0.0, 0, 0, 0.0)
-    with gatherer.installed(), tensor_parallel.installed():
+    seq_dim = tensor_parallel.seq_dim
+    seq_len = _as_args(batch[0])[0].shape[seq_dim] if seq_dim is not None else 0
+    with gatherer.installed(), tensor_parallel.installed(seq_len):
         if config is None:
             out = model(*_as_args(batch[0]))
             losses = loss_fn(out, batch[1])

@@ -15,6 +15,10 @@ here with forward hooks on the styled modules, installed only inside :meth:`Tens
   output rows are zeroed; the output leaves the region. ``padding_idx`` is made local.
 * ``EnterParallel``: the named input enters the region.
 * ``LocalAttributes``: the attributes are divided by ``tp`` during the call.
+* ``SequenceParallel``: the first input (the whole sequence) is cut to the rank's chunk.
+
+With sequence parallelism every ``enter`` all-gathers along the sequence and every ``leave``
+reduce-scatters along it (``regions``).
 
 A module keeps its own forward; only its inputs, parameters and attributes change for the call,
 so Hugging Face models run as they are. The private tape (``privacy.tape``) records each call's
@@ -40,11 +44,12 @@ from fsdpx.sharding.tensor_parallel import (
     LocalAttributes,
     ModuleStyle,
     RowParallel,
+    SequenceParallel,
     VocabParallelEmbedding,
     is_conv1d,
 )
 
-from .regions import enter, leave
+from .regions import enter, leave, sequence_chunk
 from .vocab_parallel import VocabShard, mark_vocab_sharded
 
 
@@ -56,15 +61,19 @@ class TensorParallelHooks:
         self.axis = plan.tp_axis
         self.tp = comm.mesh.axis_size(self.axis) if self.axis else 1
         self.index = comm.mesh.index(comm.rank, self.axis) if self.axis else 0
+        self.seq_dim = plan.sequence_dim  # sequence parallelism, or None
+        self.seq_len = 0  # the step's sequence length (sequence parallelism), set by ``installed``
 
     def rows(self, style: ModuleStyle) -> tuple[int, int]:
         """``[start, stop)`` of the style's split features held by this rank."""
         return chunk_bounds(style.size, self.tp, self.index)
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self, seq_len: int = 0) -> Iterator[None]:
         """Hooks on every styled module while the block runs; attributes and parameters are
-        restored on exit, also when the forward raises."""
+        restored on exit, also when the forward raises. ``seq_len``: the step's sequence length
+        (needed with sequence parallelism, where a rank holds a chunk of it)."""
+        self.seq_len = seq_len
         if not self.plan.modules:
             yield
             return
@@ -96,12 +105,23 @@ class TensorParallelHooks:
             return self._enter_at(style.arg), None
         if isinstance(style, LocalAttributes):
             return self._attributes(style, restore)
+        if isinstance(style, SequenceParallel):
+            return self._sequence_chunk, None
         raise TypeError(f"unknown tensor-parallel style {style!r}")
+
+    def _enter(self, x: Tensor) -> Tensor:
+        return enter(x, self.comm, self.axis, seq_dim=self.seq_dim, seq_len=self.seq_len)
+
+    def _leave(self, x: Tensor) -> Tensor:
+        return leave(x, self.comm, self.axis, seq_dim=self.seq_dim)
+
+    def _sequence_chunk(self, module: nn.Module, args: tuple, kwargs: dict):
+        return (sequence_chunk(args[0], self.comm, self.axis, self.seq_dim), *args[1:]), kwargs
 
     # ---- styles ------------------------------------------------------------------------------
 
     def _column(self, ms: ModuleStyle, style: ColumnParallel, restore: list):
-        enter = self._enter_at(0) if style.enter else None
+        entry = self._enter_at(0) if style.enter else None
         widths: list[tuple[nn.Module, int]] = []  # transformers' Conv1D: (module, its full ``nf``)
         restore.append(lambda: [setattr(m, "nf", nf) for m, nf in reversed(widths)])
         shard = None
@@ -113,7 +133,7 @@ class TensorParallelHooks:
             if is_conv1d(module):  # its forward views the output as ``(..., nf)``: the rank's width
                 widths.append((module, module.nf))
                 module.nf = module.weight.shape[-1]
-            return enter(module, args, kwargs) if enter is not None else None
+            return entry(module, args, kwargs) if entry is not None else None
 
         def post(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor | None:
             if widths and widths[-1][0] is module:
@@ -132,11 +152,14 @@ class TensorParallelHooks:
                 held.append((module, swap_tensor(module, "bias", torch.zeros_like(bias))))
 
         def post(module: nn.Module, args: tuple, kwargs: dict, out: Tensor) -> Tensor:
-            out = leave(out, self.comm, self.axis)
+            out = self._leave(out)
             if held and held[-1][0] is module:
                 _, bias = held.pop()
                 swap_tensor(module, "bias", bias)
-                out = out + bias
+                # with sequence parallelism each rank adds it to its chunk: entering the bias
+                # all-reduces its gradient, so it is whole (replicated) as without, and as the
+                # private tape computes it from the layer's whole output gradient
+                out = out + (bias if self.seq_dim is None else enter(bias, self.comm, self.axis))
             return out
 
         return pre, post
@@ -160,17 +183,17 @@ class TensorParallelHooks:
             _, inside, pad = calls.pop()
             module.padding_idx = pad
             out = torch.where(inside.unsqueeze(-1), out, torch.zeros_like(out))
-            return leave(out, self.comm, self.axis)
+            return self._leave(out)
 
         return pre, post
 
     def _enter_at(self, arg: int | str):
         def pre(module: nn.Module, args: tuple, kwargs: dict):
             if isinstance(arg, str) and arg in kwargs:
-                return args, {**kwargs, arg: enter(kwargs[arg], self.comm, self.axis)}
+                return args, {**kwargs, arg: self._enter(kwargs[arg])}
             if isinstance(arg, int) and arg < len(args):
                 args = list(args)
-                args[arg] = enter(args[arg], self.comm, self.axis)
+                args[arg] = self._enter(args[arg])
                 return tuple(args), kwargs
             raise TypeError(f"{type(module).__name__} was called without its input {arg!r}, which the"
                             " tensor-parallel plan enters the region at")

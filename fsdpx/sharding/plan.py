@@ -126,7 +126,8 @@ class ShardingPlan:
       again for its backward (ZeRO-3 / FSDP FULL_SHARD).
     * ``name``: for messages and the run's config digest.
     * ``modules``: the tensor-parallel styles by module name (empty without tensor
-      parallelism), and ``tp_axis``, the mesh axis they split over.
+      parallelism), and ``tp_axis``, the mesh axis they split over; ``sequence_dim``: with
+      sequence parallelism, the activation dim split over ``tp`` outside the regions.
     """
 
     params: Mapping[str, ParamLayout]
@@ -135,6 +136,7 @@ class ShardingPlan:
     name: str
     modules: Mapping[str, object] = field(default_factory=dict)
     tp_axis: str | None = None
+    sequence_dim: int | None = None  # sequence parallelism: activations between regions split on this dim
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The global shape every spec of each parameter applies to (its view)."""

@@ -28,6 +28,9 @@ style                      parameters (compute layout)    activations
 ``LocalAttributes``        none                           integer attributes that count
                                                           output features are divided by
                                                           ``tp`` during the step
+``SequenceParallel``       none                           (sequence parallelism) the first
+                                                          input is cut to the rank's chunk
+                                                          of the sequence
 =========================  =============================  ================================
 
 ``ColumnParallel(vocab=True)`` is the LM head: its output logits stay split over the vocabulary
@@ -98,6 +101,13 @@ class EnterParallel:
 
 
 @dataclass(frozen=True)
+class SequenceParallel:
+    """With sequence parallelism: the module's first input is the whole sequence (position
+    ids) while its output joins activations split along the sequence, so each rank takes its
+    chunk of the input before the call (a position embedding)."""
+
+
+@dataclass(frozen=True)
 class LocalAttributes:
     """Integer attributes of the module that count features a rank holds only ``1/tp`` of
     (GPT-2 attention's ``split_size``): divided by ``tp`` while the step runs, restored after."""
@@ -105,15 +115,24 @@ class LocalAttributes:
     names: tuple[str, ...]
 
 
-Style = Union[ColumnParallel, RowParallel, VocabParallelEmbedding, EnterParallel, LocalAttributes]
+Style = Union[ColumnParallel, RowParallel, VocabParallelEmbedding, EnterParallel, LocalAttributes, SequenceParallel]
 
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """A tensor-parallel plan: ``{module-name pattern: style}`` over mesh axis ``axis``."""
+    """A tensor-parallel plan: ``{module-name pattern: style}`` over mesh axis ``axis``.
+
+    ``sequence_parallel`` (Korthikanti et al.): between regions the activations are split over
+    ``tp`` along ``sequence_dim`` instead of replicated; entering a region all-gathers them
+    along it (backward: reduce-scatter), leaving reduce-scatters (backward: all-gather), the
+    same bytes as the all-reduces they replace. Every parameter used outside the regions (norms,
+    row-parallel biases, position embeddings) then sees one chunk of the sequence per rank, so
+    its raw gradient is partial over ``tp``."""
 
     styles: Mapping[str, Style]
     axis: str = "tp"
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "styles", dict(self.styles))
@@ -216,7 +235,9 @@ def _row_specs(name: str, module: nn.Module, style: RowParallel, axis: str) -> d
     dims[in_dim] = axis
     specs = {"weight": (Spec(*dims), tuple(module.weight.shape), None, 0)}
     if getattr(module, "bias", None) is not None:
-        specs["bias"] = (Spec(None), tuple(module.bias.shape), None, 0)
+        # added once after the sum; with sequence parallelism to each rank's chunk, and its
+        # gradient then all-reduced at once (``regions.enter``): replicated, never partial
+        specs["bias"] = (Spec(None), tuple(module.bias.shape), None, 0, False)
     return specs
 
 
@@ -250,7 +271,7 @@ def _param_specs(name: str, module: nn.Module, style: Style, axis: str, tp: int)
             if value % tp:
                 raise TensorParallelPlanError(f"module {name!r}: {attr}={value} does not divide by tp={tp}")
         return {}
-    if isinstance(style, EnterParallel):
+    if isinstance(style, (EnterParallel, SequenceParallel)):
         return {}
     raise TensorParallelPlanError(f"module {name!r}: unknown tensor-parallel style {style!r}")
 
@@ -293,6 +314,9 @@ def resolve(model: nn.Module, plan: TensorParallel | None, strategy: Strategy, m
     if plan.axis in strategy.data_axes:
         raise TensorParallelPlanError(f"axis {plan.axis!r} cannot carry both data and tensor parallelism")
     tp = mesh.axis_size(plan.axis)
+    if any(isinstance(st, SequenceParallel) for st in plan.styles.values()) and not plan.sequence_parallel:
+        raise TensorParallelPlanError("a SequenceParallel style needs TensorParallel(sequence_parallel=True)")
+    partial = (plan.axis,) if plan.sequence_parallel else ()  # replicated params see a sequence chunk
     canonical = {id(p): n for n, p in model.named_parameters()}
     modules = dict(model.named_modules())
     chosen: dict[str, tuple[ParamLayout, str]] = {}
@@ -300,12 +324,14 @@ def resolve(model: nn.Module, plan: TensorParallel | None, strategy: Strategy, m
     for mod_name, (pattern, style) in match_modules(model, plan).items():
         module = modules[mod_name]
         matched[mod_name] = ModuleStyle(style, pattern, _split_size(module, style))
-        for local, (compute, view, fused, dp_dim) in _param_specs(mod_name, module, style, plan.axis, tp).items():
+        for local, (compute, view, fused, dp_dim, *flag) in _param_specs(mod_name, module, style, plan.axis,
+                                                                         tp).items():
             p = getattr(module, local)
             name = canonical[id(p)]
             if name not in names:
                 continue
-            lay = strategy.layout_over(view, compute, dim=dp_dim, fused=fused)
+            chunked = plan.axis not in compute.sharding_axes and (flag[0] if flag else True)
+            lay = strategy.layout_over(view, compute, dim=dp_dim, fused=fused, tp_partial=partial if chunked else ())
             if name in chosen and chosen[name][0] != lay:
                 raise TensorParallelPlanError(
                     f"tied parameter {name!r} gets two layouts: {chosen[name][0].compute} from module"
@@ -316,6 +342,8 @@ def resolve(model: nn.Module, plan: TensorParallel | None, strategy: Strategy, m
         if n in chosen:
             layouts[n] = chosen[n][0]
         else:
-            layouts[n] = strategy.layout(tuple(params[n].shape))
-    return ShardingPlan(layouts, tuple(strategy.data_axes), strategy.reshard_after_forward,
-                        f"{strategy.name}+tp", matched, plan.axis)
+            shape = tuple(params[n].shape)
+            layouts[n] = strategy.layout_over(shape, Spec.replicated(len(shape)), tp_partial=partial)
+    name = f"{strategy.name}+tp" + ("+sp" if plan.sequence_parallel else "")
+    return ShardingPlan(layouts, tuple(strategy.data_axes), strategy.reshard_after_forward, name, matched,
+                        plan.axis, plan.sequence_dim if plan.sequence_parallel else None)

@@ -130,6 +130,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     shard.add_argument("--tp", type=_positive_int, metavar="N", default=d.tp,
                        help="tensor-parallel degree: Megatron's layout of the GPT over N of the --nproc processes,"
                             " the strategy over the rest (default %(default)s)")
+    shard.add_argument("--sequence-parallel", action="store_true",
+                       help="with --tp: split the activations between tensor-parallel regions along the sequence")
 
     off = p.add_argument_group("optimizer offload")
     off.add_argument("--offload", choices=("none", "zenflow", "zero"), default=d.offload,

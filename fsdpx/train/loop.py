@@ -113,6 +113,7 @@ class RunConfig:
     # tensor parallelism: the GPT plan (fsdpx.models.tp_plans.gpt_plan) over a ``tp`` axis of this
     # size; the strategy shards the rest over ``world / tp`` data-parallel ranks
     tp: int = 1
+    sequence_parallel: bool = False  # with tp: activations between regions split along the sequence
     # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
     # ``resume`` continues from the newest intact one (same noise, batches and accountant)
     # optimizer offload: "none", "zenflow" (selected columns every step, the rest on the host
@@ -161,6 +162,8 @@ class RunConfig:
             raise ConfigError("tp needs a strategy: tensor parallelism runs on several processes")
         if self.tp > 1 and self.n_head % self.tp:
             raise ConfigError(f"n_head={self.n_head} does not divide by tp={self.tp}: a rank holds whole heads")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel needs tp > 1: it splits the sequence over the tensor-parallel ranks")
         if self.tp > 1 and self.offload != "none":
             raise ConfigError("offload with tensor parallelism is not supported yet")
         if self.strategy is not None and self.private and self.method == "vmap":
@@ -318,7 +321,7 @@ def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> Shar
     """The run's per-parameter layouts: the strategy's, with the GPT's tensor-parallel plan
     when ``config.tp > 1``."""
     strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
-    tp = gpt_plan(model.config) if config.tp > 1 else None
+    tp = gpt_plan(model.config, sequence_parallel=config.sequence_parallel) if config.tp > 1 else None
     return resolve(model, tp, strategy, mesh)
 
 
