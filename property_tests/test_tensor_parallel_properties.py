@@ -54,13 +54,16 @@ def problems(draw, tp: int):
     return model, batches, dtype
 
 
-def _tensor_parallel(model, batches, optimizer, config, plan, mesh):
-    params = {k: v.detach() for k, v in model.named_parameters()}
+def _tensor_parallel(model, batches, optimizer, config, plan, mesh, *, loss_fn=token_loss, trainable=None):
+    """Every rank's steps on the simulated mesh (each with its own copy of ``model``); returns
+    the trained parameters unsharded in their own shapes, and every rank's last metrics.
+    ``trainable`` (default all) limits the parameters; the rest stay frozen."""
+    params = {k: v.detach() for k, v in model.named_parameters() if trainable is None or k in trainable}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
 
     def rank(comm):
         m = copy.deepcopy(model)
-        step = make_sharded_step(m, token_loss, optimizer, plan, comm, param_shapes=shapes, config=config,
+        step = make_sharded_step(m, loss_fn, optimizer, plan, comm, param_shapes=shapes, config=config,
                                  num_examples=50)
         state = init_sharded(params, optimizer, plan, comm, key=7, config=config)
         for b in batches:

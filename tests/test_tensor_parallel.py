@@ -9,7 +9,7 @@ from fsdpx.runtime.regions import enter, leave
 from fsdpx.runtime.threads import run_threads
 from fsdpx.runtime.vocab_parallel import VocabParallelError, VocabShard, mark_vocab_sharded
 from fsdpx.sharding import Mesh
-from fsdpx.sharding.layout import chunk, chunk_bounds
+from fsdpx.sharding.layout import chunk_bounds
 
 
 def _shards(tp: int, vocab: int):

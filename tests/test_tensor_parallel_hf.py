@@ -16,7 +16,6 @@ parallelism, where the logits are vocabulary-sharded.
 
 from __future__ import annotations
 
-import copy
 import sys
 from pathlib import Path
 
@@ -25,16 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from fsdpx.models.tp_plans import gpt2_plan, llama_plan
-from fsdpx.runtime import init_sharded, make_sharded_step
 from fsdpx.runtime.plain_step import init_plain, make_plain_step
-from fsdpx.runtime.threads import run_threads
-from fsdpx.sharding import Mesh, strategies, unshard
+from fsdpx.sharding import Mesh, strategies
 from fsdpx.sharding.tensor_parallel import resolve
 from privacy.step import DPConfig, init_state, make_private_step
 
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
 from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402
+from test_tensor_parallel_properties import _tensor_parallel  # noqa: E402
 
 VOCAB, T, B = 37, 8, 4
 TOL = 1e-10
@@ -92,25 +90,6 @@ def _reference(model, batches, optimizer, config, trainable):
     return state.params
 
 
-def _tensor_parallel(model, batches, optimizer, config, plan, mesh, trainable):
-    params = {k: v.detach() for k, v in model.named_parameters() if k in trainable}
-    shapes = {k: tuple(v.shape) for k, v in params.items()}
-
-    def rank(comm):
-        m = copy.deepcopy(model)
-        step = make_sharded_step(m, hf_loss, optimizer, plan, comm, param_shapes=shapes, config=config,
-                                 num_examples=NUM_EXAMPLES)
-        state = init_sharded(params, optimizer, plan, comm, key=7, config=config)
-        for b in batches:
-            state, metrics = step(state, b)
-        return state, metrics
-
-    results = run_threads(mesh, rank)
-    full = {k: unshard([r[0].params[k] for r in results], lay.at_rest, mesh).reshape(shapes[k])
-            for k, lay in plan.params.items()}
-    return full, [r[1] for r in results]
-
-
 def _check(model, tp_plan, mesh, config, frozen=()):
     trainable = [n for n, _ in model.named_parameters() if n not in frozen]
     plan = resolve(model, tp_plan, strategies.zero3(), mesh, trainable=trainable)
@@ -118,7 +97,8 @@ def _check(model, tp_plan, mesh, config, frozen=()):
     batches = _batches()
     optimizer = _optimizer(torch.float64)
     ref = _reference(model, batches, optimizer, config, trainable)
-    got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh, trainable)
+    got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh, loss_fn=hf_loss,
+                                    trainable=trainable)
     _assert_close_to_reference(got, ref, model, TOL)
     assert len({m["loss"] for m in metrics}) == 1  # every rank reports the same loss
 
