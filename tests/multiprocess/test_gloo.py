@@ -11,7 +11,6 @@ import torch
 
 from fsdpx import Mesh, comm_per_step, memory_by_rank, strategies, unshard
 from fsdpx.train.launch import spawn_ranks, torchrun_command
-from fsdpx.models.gpt import token_loss
 from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.sharding.cost_model import as_plan
 from fsdpx.sharding.tensor_parallel import resolve
@@ -22,21 +21,21 @@ from privacy.step import init_state, make_private_step
 
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
-from problem import BATCHES, NUM_EXAMPLES, make_model, private_config  # noqa: E402
+from problem import BATCHES, NUM_EXAMPLES, loss_for, make_model, private_config, tp_plan  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(HERE, "worker.py")
 
 
-def _baseline(private: bool):
-    model = make_model()
+def _baseline(private: bool, kind: str = "gpt"):
+    model = make_model(kind)
     params = dict(model.named_parameters())
     optimizer = sgd(0.1, momentum=0.9)
     if private:
         state = init_state(params, optimizer, key=11, config=private_config())
-        step = make_private_step(model, token_loss, optimizer, private_config(), num_examples=NUM_EXAMPLES)
+        step = make_private_step(model, loss_for(kind), optimizer, private_config(), num_examples=NUM_EXAMPLES)
     else:
-        state, step = init_plain(params, optimizer), make_plain_step(model, token_loss, optimizer)
+        state, step = init_plain(params, optimizer), make_plain_step(model, loss_for(kind), optimizer)
     for b in BATCHES:
         state, _ = step(state, b)
     return state.params
@@ -115,6 +114,17 @@ def test_zero3_with_tensor_parallelism_on_four_gloo_ranks_equals_the_unsharded_r
     _assert_equals_unsharded(results, plan, mesh, _baseline(private))
     losses = {round(m["loss"], 12) for r in results for m in r["metrics"][:1]}
     assert len(losses) == 1  # every rank reports the same global loss
+
+
+@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-llama"])
+def test_transformers_plans_on_two_gloo_ranks_equal_the_unsharded_run(tmp_path, kind):
+    """transformers' GPT-2 (fused Conv1D c_attn, tied head) and Llama, unmodified, under their
+    ready plans at tp=2 (one of the batches has a single example)."""
+    results = _run_torchrun(2, tmp_path, "--strategy", "zero3", "--tp", "2", "--model", kind)
+    mesh = Mesh(dp=1, tp=2)
+    model = make_model(kind)
+    plan = resolve(model, tp_plan(kind, model), strategies.zero3(), mesh)
+    _assert_equals_unsharded(results, plan, mesh, _baseline(False, kind))
 
 
 def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):

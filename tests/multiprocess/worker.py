@@ -14,14 +14,13 @@ import torch
 from fsdpx import Mesh, strategies
 from fsdpx.sharding.comm import RankFailure
 from fsdpx.runtime.dist_comm import init_from_env, shutdown
-from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.optim import sgd
 from fsdpx.sharding.tensor_parallel import resolve
 from fsdpx.runtime import init_sharded, make_sharded_step
 from privacy.step import DPConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
-from problem import BATCHES, NUM_EXAMPLES, make_model, private_config  # noqa: E402
+from problem import BATCHES, NUM_EXAMPLES, loss_for, make_model, private_config, tp_plan  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +32,8 @@ def main() -> None:
     ap.add_argument("--die-rank", type=int, default=-1)
     ap.add_argument("--die-after", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the GPT plan); the rest is data")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the model's plan); the rest is data")
+    ap.add_argument("--model", default="gpt", choices=("gpt", "hf-gpt2", "hf-llama"))
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     mesh = _mesh(args, world)
@@ -44,16 +44,16 @@ def main() -> None:
         return
     if comm.rank == args.die_rank:
         _die_after(comm, args.die_after)
-    model = make_model()
+    model = make_model(args.model)
     params = {k: v.detach() for k, v in model.named_parameters()}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     config: DPConfig | None = private_config() if args.private else None
     strategy = strategies.ALL[args.strategy]()
     if args.tp > 1:
-        strategy = resolve(model, gpt_plan(model.config), strategy, mesh)
+        strategy = resolve(model, tp_plan(args.model, model), strategy, mesh)
     optimizer = sgd(0.1, momentum=0.9)
-    step = make_sharded_step(model, _loss, optimizer, strategy, comm, param_shapes=shapes, config=config,
-                             num_examples=NUM_EXAMPLES)
+    step = make_sharded_step(model, loss_for(args.model), optimizer, strategy, comm, param_shapes=shapes,
+                             config=config, num_examples=NUM_EXAMPLES)
     state = init_sharded(params, optimizer, strategy, comm, key=11, config=config)
     result: dict = {"metrics": []}
     try:
@@ -76,12 +76,6 @@ def _mesh(args, world: int) -> Mesh:
     if args.strategy == "hsdp":
         return Mesh(replica=data // 2, shard=2, **tp)
     return Mesh(dp=data, **tp)
-
-
-def _loss(logits, targets):
-    from fsdpx.models.gpt import token_loss
-
-    return token_loss(logits, targets)
 
 
 def _die_after(comm, k: int) -> None:
