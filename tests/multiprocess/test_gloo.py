@@ -11,7 +11,9 @@ import torch
 
 from fsdpx import Mesh, comm_per_step, memory_by_rank, strategies, unshard
 from fsdpx.train.launch import spawn_ranks, torchrun_command
+from fsdpx.models.gpt import token_loss
 from fsdpx.models.tp_plans import gpt_plan
+from fsdpx.runtime.activation_cost import activation_collectives
 from fsdpx.sharding.cost_model import as_plan
 from fsdpx.sharding.tensor_parallel import resolve
 from fsdpx.optim import sgd
@@ -110,10 +112,18 @@ def test_zero3_with_tensor_parallelism_on_four_gloo_ranks_equals_the_unsharded_r
     ZeRO-3; one batch leaves a data-parallel group without examples."""
     results = _run_torchrun(4, tmp_path, "--strategy", "zero3", "--tp", "2", *(["--private"] if private else []))
     mesh = Mesh(dp=2, tp=2)
-    plan = resolve(make_model(), gpt_plan(make_model().config), strategies.zero3(), mesh)
-    _assert_equals_unsharded(results, plan, mesh, _baseline(private))
+    model = make_model()
+    plan = resolve(model, gpt_plan(model.config), strategies.zero3(), mesh)
+    ref = _baseline(private)
+    _assert_equals_unsharded(results, plan, mesh, ref)
     losses = {round(m["loss"], 12) for r in results for m in r["metrics"][:1]}
     assert len(losses) == 1  # every rank reports the same global loss
+    shapes = {k: tuple(v.shape) for k, v in ref.items()}
+    units = [list(u.params) for u in make_units(model, shapes)]
+    for (x, y), metrics in zip(BATCHES, results[0]["metrics"]):  # rank 0: the largest blocks and batch share
+        acts = activation_collectives(model, plan, mesh, token_loss, x.shape, y.shape, dtype=torch.float64,
+                                      private=private)
+        assert metrics["comm"] == comm_per_step(plan, shapes, mesh, units, dtype=torch.float64, activations=acts)
 
 
 @pytest.mark.parametrize("kind", ["hf-gpt2", "hf-llama"])
