@@ -1,0 +1,252 @@
+"""Run a pipeline ``Schedule`` on a clock: when each action starts and ends, the bubble, memory.
+
+``simulate(schedule, costs)`` is pure: no process, thread or real clock. Each rank runs its list
+in order, one action at a time; an action starts when its rank is free and its inputs exist:
+
+=========================  =====================================================================
+action                     waits for
+=========================  =====================================================================
+``F(mb, s)``               ``F(mb, s - 1)``, and ``RECV_F(mb, s, .)`` when stage ``s - 1`` is
+                           remote
+``B(mb, s)``               ``F(mb, s)``; ``B(mb, s + 1)``, and ``RECV_B(mb, s, .)`` when remote
+``W(mb, s)``               ``B(mb, s)``
+``SEND_F`` / ``SEND_B``    the ``F`` / ``B`` whose data it sends (buffered: it never waits for
+                           the receiver)
+``RECV_F`` / ``RECV_B``    the end of the matching send
+=========================  =====================================================================
+
+A well-formed list already orders most of these (a receive sits before its consumer); the
+explicit waits make a malformed one (a receive listed after its consumer) deadlock instead of
+running on data that is not there yet.
+
+Costs (``DEFAULT_COSTS``): ``F = B = W = 1``, every transfer ``0``. With gpipe's and 1f1b's
+fused backward (``B, W`` then the send, see ``fsdpx.sharding.schedule``) the backward costs
+``B + W = 2``, twice the forward, and the bubble is exactly ``(p - 1) / (m + p - 1)``.
+
+Definitions (``Timeline``):
+  * ``makespan``: the last action's end (all ranks start at 0).
+  * ``idle_time``: rank-time not spent in ``F``/``B``/``W``, ``p * makespan - compute``; time
+    in transfers counts as idle. ``bubble = idle_time / (p * makespan)``, ``0`` when the
+    makespan is ``0``.
+  * ``peak_in_flight[s]``: the most microbatches stage ``s`` holds at once, a microbatch being
+    held from the start of its ``F`` to the end of its ``W`` (the activations a ``W`` still
+    reads). One rank runs all of a stage's actions one after another, so this is counted in
+    list order and does not depend on costs. ``peak_in_flight_by_rank`` counts a rank's
+    stages together.
+
+A schedule where no rank can move raises ``Deadlock`` naming each blocked rank, the action it
+is stuck at and what that action waits for. ``plot(timeline, path)`` draws the Gantt chart.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
+
+from .schedule import ACTION_KINDS, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, W, check, matching
+
+DEFAULT_COSTS: Mapping[str, float] = MappingProxyType(
+    {"F": 1, "B": 1, "W": 1, "SEND_F": 0, "RECV_F": 0, "SEND_B": 0, "RECV_B": 0}
+)
+
+
+class Deadlock(RuntimeError):
+    """No rank can run its next action; the message names each blocked rank and its wait."""
+
+
+class Entry(NamedTuple):
+    """One action as run: ``(start, end, action)``."""
+
+    start: float
+    end: float
+    action: Action
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A schedule as run on the clock (definitions in the module docstring).
+
+    * ``ranks[r]``: rank ``r``'s ``Entry``s in the order it ran them.
+    * ``makespan``, ``compute_time`` (sum of ``F``/``B``/``W`` durations over ranks).
+    * ``peak_in_flight``: per stage; ``peak_in_flight_by_rank``: per rank."""
+
+    schedule: Schedule
+    ranks: tuple[tuple[Entry, ...], ...]
+    makespan: float
+    compute_time: float
+    peak_in_flight: tuple[int, ...]
+    peak_in_flight_by_rank: tuple[int, ...]
+
+    @property
+    def idle_time(self) -> float:
+        return self.schedule.num_ranks * self.makespan - self.compute_time
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of all rank-time, ``idle_time / (p * makespan)``; 0 for a zero makespan."""
+        total = self.schedule.num_ranks * self.makespan
+        return self.idle_time / total if total else 0.0
+
+    def by_action(self) -> dict[Action, Entry]:
+        """Every action's ``Entry``, keyed by the action."""
+        return {e.action: e for entries in self.ranks for e in entries}
+
+
+def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timeline:
+    """Run ``schedule`` with durations ``costs`` (by action kind, merged over
+    ``DEFAULT_COSTS``) and return its ``Timeline``.
+
+    Guarantees (``property_tests/test_schedule_properties.py``):
+      * every action runs once; a rank's entries follow its list and never overlap; each
+        action starts no earlier than what it waits for ends (module table), so each
+        ``F`` ends before its ``B`` starts and each ``B`` before its ``W``
+        (``test_simulation_never_deadlocks_and_orders_forward_backward_weight``);
+      * with ``DEFAULT_COSTS`` gpipe and 1f1b have ``bubble == (p - 1) / (m + p - 1)``
+        (``test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1``).
+
+    Times are exact when the costs are ints (or ``Fraction``s).
+
+    Raises ``ValueError`` for a cost key not in ``ACTION_KINDS`` or a negative cost, and for a
+    schedule ``check`` rejects; ``Deadlock`` when the ranks block each other."""
+    cost = _costs(costs)
+    check(schedule)
+    p = schedule.num_ranks
+    ends: dict[Action, float] = {}
+    entries: list[list[Entry]] = [[] for _ in range(p)]
+    free = [0] * p
+    runnable = deque(range(p))
+    blocked_on: dict[Action, list[int]] = {}  # a missing input -> the ranks stuck waiting for it
+    while runnable:
+        r = runnable.popleft()
+        actions = schedule.ranks[r]
+        while len(entries[r]) < len(actions):
+            a = actions[len(entries[r])]
+            deps = _waits_for(a, schedule)
+            missing = next((d for d in deps if d not in ends), None)
+            if missing is not None:
+                blocked_on.setdefault(missing, []).append(r)
+                break
+            start = max([free[r], *(ends[d] for d in deps)])
+            end = start + cost[a.kind]
+            entries[r].append(Entry(start, end, a))
+            ends[a] = free[r] = end
+            runnable.extend(blocked_on.pop(a, ()))
+    if any(len(e) < len(a) for e, a in zip(entries, schedule.ranks)):
+        raise Deadlock(_deadlock_message(schedule, entries, ends))
+    compute = sum(e.end - e.start for rank in entries for e in rank if isinstance(e.action, COMPUTE))
+    return Timeline(
+        schedule=schedule,
+        ranks=tuple(tuple(e) for e in entries),
+        makespan=max(free),
+        compute_time=compute,
+        peak_in_flight=peak_in_flight(schedule),
+        peak_in_flight_by_rank=tuple(_peak(schedule.ranks[r], lambda a: True) for r in range(p)),
+    )
+
+
+def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
+    out = dict(DEFAULT_COSTS)
+    for k, c in (costs or {}).items():
+        if k not in ACTION_KINDS:
+            raise ValueError(f"unknown action kind {k!r} in costs; kinds are {ACTION_KINDS}")
+        if c < 0:
+            raise ValueError(f"cost of {k} must be >= 0, got {c}")
+        out[k] = c
+    return out
+
+
+def _waits_for(a: Action, schedule: Schedule) -> list[Action]:
+    """What ``a`` waits for besides its rank (module table)."""
+    s, mb, p = a.stage, a.mb, schedule.num_ranks
+    here = schedule.rank_of(s)
+    if isinstance(a, F):
+        if s == 0:
+            return []
+        prev = schedule.rank_of(s - 1)
+        return [F(mb, s - 1)] + ([RECV_F(mb, s, prev)] if prev != here else [])
+    if isinstance(a, B):
+        if s == schedule.num_stages - 1:
+            return [F(mb, s)]
+        nxt = schedule.rank_of(s + 1)
+        return [F(mb, s), B(mb, s + 1)] + ([RECV_B(mb, s, nxt)] if nxt != here else [])
+    if isinstance(a, W):
+        return [B(mb, s)]
+    if isinstance(a, SEND_F):
+        return [F(mb, s)]
+    if isinstance(a, SEND_B):
+        return [B(mb, s)]
+    return [matching(a, p)]  # a receive
+
+
+def _deadlock_message(schedule: Schedule, entries: list[list[Entry]], ends: Mapping[Action, float]) -> str:
+    lines = []
+    for r, actions in enumerate(schedule.ranks):
+        if len(entries[r]) < len(actions):
+            a = actions[len(entries[r])]
+            missing = ", ".join(repr(d) for d in _waits_for(a, schedule) if d not in ends)
+            lines.append(f"rank {r} is stuck at {a!r} (action {len(entries[r])} of {len(actions)}),"
+                         f" waiting for {missing}")
+    return "deadlock, no rank can move:\n  " + "\n  ".join(lines)
+
+
+def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose ``F`` has started and whose ``W`` has not ended
+    (see the module docstring); a pure function of the schedule. 1f1b keeps at most
+    ``p - s`` at stage ``s``, gpipe all ``m``, zero_bubble at most ``p``
+    (``test_in_flight_microbatches``)."""
+    return tuple(
+        _peak(schedule.ranks[schedule.rank_of(s)], lambda a, s=s: a.stage == s) for s in range(schedule.num_stages)
+    )
+
+
+def _peak(actions: tuple[Action, ...], counted) -> int:
+    held = peak = 0
+    for a in actions:
+        if counted(a):
+            held += isinstance(a, F) - isinstance(a, W)
+            peak = max(peak, held)
+    return peak
+
+
+# ---- drawing ---------------------------------------------------------------------------------
+
+_COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#54a24b", "SEND_F": "#bab0ac", "RECV_F": "#bab0ac",
+           "SEND_B": "#bab0ac", "RECV_B": "#bab0ac"}
+
+
+def plot(timeline: Timeline, path: str | Path) -> None:
+    """Write a Gantt chart of ``timeline`` to the PNG ``path``: one row per rank (rank 0 on
+    top), a box per action of non-zero duration coloured by kind, labelled with its microbatch
+    (``mb.chunk`` when a rank holds several stages; chunk ``c`` of rank ``r`` is stage
+    ``c * p + r``). Draws on matplotlib's Agg canvas directly, so pyplot's global state and
+    the caller's backend are left alone."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    sched = timeline.schedule
+    p = sched.num_ranks
+    fig = Figure(figsize=(max(6.0, 0.35 * float(timeline.makespan) + 1.5), 0.55 * p + 1.4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r, entries in enumerate(timeline.ranks):
+        for start, end, a in entries:
+            if end <= start:
+                continue
+            ax.barh(r, float(end - start), left=float(start), height=0.8, color=_COLORS[a.kind], edgecolor="black",
+                    linewidth=0.4)
+            label = f"{a.mb}.{a.stage // p}" if sched.virtual_stages > 1 else f"{a.mb}"
+            ax.text(float(start + end) / 2, r, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlim(0, max(float(timeline.makespan), 1.0))
+    ax.set_xlabel("time")
+    ax.set_title(f"{sched.kind}: p={p}, v={sched.virtual_stages}, m={sched.num_microbatches},"
+                 f" bubble {timeline.bubble:.1%}", loc="left")
+    ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in ("F", "B", "W")], loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), ncols=3, fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)

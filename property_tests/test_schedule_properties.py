@@ -1,0 +1,149 @@
+"""Properties of pipeline schedules and their simulated runs, over every kind on 1-8 ranks, 1-16
+microbatches and 1-3 virtual stages: the step is complete and matched, never deadlocks, keeps
+each microbatch's F before its B before its W, and has the textbook bubbles and memory with unit
+costs (F = B = W = 1, transfers free; a fused backward costs B + W = 2)."""
+
+from collections import Counter
+from fractions import Fraction
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fsdpx.sharding.schedule import (
+    COMPUTE, INTERLEAVED, KINDS, P2P, RECV_B, RECV_F, SEND_B, SEND_F, B, F, W, check, matching,
+)
+from fsdpx.sharding.schedule import schedule as make_schedule
+from fsdpx.sharding.schedule_sim import simulate
+
+MAX_RANKS, MAX_MICROBATCHES, MAX_VIRTUAL = 8, 16, 3
+
+
+@st.composite
+def schedules(draw, kinds=KINDS, min_ranks=1, at_least_one_round=False):
+    """A valid schedule: interleaved gets ``m`` a multiple of ``p``, the others any ``m``
+    (at least ``p`` with ``at_least_one_round``)."""
+    kind = draw(st.sampled_from(kinds))
+    p = draw(st.integers(min_ranks, MAX_RANKS))
+    if kind in INTERLEAVED:
+        v = draw(st.integers(1, MAX_VIRTUAL))
+        m = p * draw(st.integers(1, MAX_MICROBATCHES // p))
+    else:
+        v = 1
+        m = draw(st.integers(p if at_least_one_round else 1, MAX_MICROBATCHES))
+    return make_schedule(kind, p, m, virtual_stages=v)
+
+
+costs = st.fixed_dictionaries({
+    "F": st.integers(1, 3), "B": st.integers(1, 3), "W": st.integers(0, 3),
+    "SEND_F": st.integers(0, 2), "RECV_F": st.integers(0, 2), "SEND_B": st.integers(0, 2), "RECV_B": st.integers(0, 2),
+})
+
+
+def exact_bubble(timeline) -> Fraction:
+    """The bubble as a fraction (unit costs keep every time an int)."""
+    return Fraction(timeline.idle_time, timeline.schedule.num_ranks * timeline.makespan)
+
+
+@given(schedules())
+def test_every_microbatch_and_stage_has_exactly_one_forward_backward_and_weight_pass(sched):
+    check(sched)
+    placed = Counter((type(a), a.mb, a.stage, r) for r, actions in enumerate(sched.ranks) for a in actions
+                     if isinstance(a, COMPUTE))
+    expected = Counter((cls, mb, s, s % sched.num_ranks) for cls in COMPUTE for mb in range(sched.num_microbatches)
+                       for s in range(sched.num_stages))
+    assert placed == expected
+
+
+@given(schedules())
+def test_every_send_has_exactly_one_matching_receive(sched):
+    p = sched.num_ranks
+    transfers = Counter(a for actions in sched.ranks for a in actions if isinstance(a, P2P))
+    sends = [a for a in transfers if isinstance(a, (SEND_F, SEND_B))]
+    receives = [a for a in transfers if isinstance(a, (RECV_F, RECV_B))]
+    assert all(n == 1 for n in transfers.values())
+    assert len(sends) == len(receives)
+    for send in sends:
+        assert transfers[matching(send, p)] == 1
+        assert matching(matching(send, p), p) == send
+    # one activation and one gradient per microbatch across each boundary between ranks, none within a rank
+    boundaries = sum(1 for s in range(sched.num_stages - 1) if s % p != (s + 1) % p)
+    assert len(sends) == 2 * boundaries * sched.num_microbatches
+
+
+@given(schedules(), costs)
+def test_simulation_never_deadlocks_and_orders_forward_backward_weight(sched, cost):
+    timeline = simulate(sched, cost)
+    at = timeline.by_action()
+    assert [tuple(e.action for e in entries) for entries in timeline.ranks] == list(sched.ranks)
+    for entries in timeline.ranks:
+        for before, after in zip(entries, entries[1:]):
+            assert before.end <= after.start  # one action at a time, in list order
+    for mb in range(sched.num_microbatches):
+        for s in range(sched.num_stages):
+            f, b, w = at[F(mb, s)], at[B(mb, s)], at[W(mb, s)]
+            assert f.end <= b.start and b.end <= w.start
+            if s > 0:
+                assert at[F(mb, s - 1)].end <= f.start
+            if s + 1 < sched.num_stages:
+                assert at[B(mb, s + 1)].end <= b.start
+    for a, e in at.items():
+        if isinstance(a, (RECV_F, RECV_B)):
+            assert at[matching(a, sched.num_ranks)].end <= e.start
+    assert timeline.makespan == max(e.end for e in at.values())
+
+
+@given(schedules(kinds=("gpipe", "1f1b")))
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(sched):
+    p, m = sched.num_ranks, sched.num_microbatches
+    timeline = simulate(sched)
+    assert exact_bubble(timeline) == Fraction(p - 1, m + p - 1)
+    assert abs(timeline.bubble - (p - 1) / (m + p - 1)) < 1e-12
+
+
+@given(schedules(kinds=("interleaved_1f1b",)))
+def test_interleaved_bubble_is_p_minus_1_over_vm_plus_p_minus_1(sched):
+    p, m, v = sched.num_ranks, sched.num_microbatches, sched.virtual_stages
+    assert exact_bubble(simulate(sched)) == Fraction(p - 1, v * m + p - 1)
+
+
+@given(schedules(kinds=("zero_bubble",), at_least_one_round=True))
+def test_zero_bubble_idles_p_minus_1_units_per_rank_when_m_at_least_p(sched):
+    """ZB-H1's bubble (p - 1)(F + B - W): a third of 1F1B's 3 (p - 1) with unit costs."""
+    p, m = sched.num_ranks, sched.num_microbatches
+    timeline = simulate(sched)
+    assert timeline.makespan == 3 * m + p - 1
+    assert exact_bubble(timeline) == Fraction(p - 1, 3 * m + p - 1)
+
+
+@given(st.integers(1, MAX_RANKS), st.integers(1, MAX_MICROBATCHES))
+def test_in_flight_microbatches(p, m):
+    """1F1B holds at most p - s microbatches at stage s (so at most p), GPipe all m, and
+    ZB-H1 min(p, m) everywhere: never more than 1F1B's peak."""
+    one_f_one_b = simulate(make_schedule("1f1b", p, m)).peak_in_flight
+    gpipe = simulate(make_schedule("gpipe", p, m)).peak_in_flight
+    zero_bubble = simulate(make_schedule("zero_bubble", p, m)).peak_in_flight
+    assert one_f_one_b == tuple(min(p - s, m) for s in range(p))
+    assert max(one_f_one_b) <= p
+    assert gpipe == (m,) * p
+    assert zero_bubble == (min(p, m),) * p
+    assert max(zero_bubble) <= max(one_f_one_b)
+
+
+@given(schedules(kinds=("interleaved_1f1b",)))
+def test_interleaved_in_flight_chunks_per_rank(sched):
+    """Rank r holds at most its warm-up + 1 microbatch-chunks, Megatron's (v - 1) p + 2 (p - 1 - r)
+    warm-up (p - 1 - r with v = 1, as 1F1B), and never more than all v m of them."""
+    p, m, v = sched.num_ranks, sched.num_microbatches, sched.virtual_stages
+    warmup = [(v - 1) * p + 2 * (p - 1 - r) if v > 1 else p - 1 - r for r in range(p)]
+    assert simulate(sched).peak_in_flight_by_rank == tuple(min(w + 1, v * m) for w in warmup)
+
+
+@given(st.integers(2, MAX_RANKS), st.data())
+def test_interleaved_and_zero_bubble_bubbles_are_strictly_smaller_than_1f1b(p, data):
+    m = data.draw(st.integers(p, MAX_MICROBATCHES), label="m")
+    v = data.draw(st.integers(2, MAX_VIRTUAL), label="v")
+    one_f_one_b = exact_bubble(simulate(make_schedule("1f1b", p, m)))
+    assert exact_bubble(simulate(make_schedule("zero_bubble", p, m))) < one_f_one_b
+    m_rounds = m - m % p  # interleaving needs whole rounds of p microbatches
+    interleaved = exact_bubble(simulate(make_schedule("interleaved_1f1b", p, m_rounds, virtual_stages=v)))
+    assert interleaved < exact_bubble(simulate(make_schedule("1f1b", p, m_rounds)))
