@@ -242,6 +242,30 @@ class DistComm:
             out[r] = tuple(s)
         return out
 
+    def exchange_p2p(self, sends, recvs) -> list[Tensor]:
+        """``fsdpx.sharding.comm.Comm.exchange_p2p`` as one ``batch_isend_irecv`` (receives
+        posted with the sends, so two stages exchanging both ways never wait on each other),
+        each request waited for at most the process group's timeout."""
+        ops, out = [], []
+        for peer, t in sends:
+            ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), peer))
+        for peer, shape, dtype in recvs:
+            buf = torch.empty(shape, dtype=dtype)
+            out.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+        sent = sum(t.numel() * t.element_size() for _, t in sends)
+        self._counts["p2p"] = self._counts.get("p2p", 0) + sent
+        self._counts["send_bytes"] = self._counts.get("send_bytes", 0) + sent
+        self._counts["recv_bytes"] = self._counts.get("recv_bytes", 0) + sum(b.numel() * b.element_size() for b in out)
+        if not ops:
+            return out
+        try:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+        except RuntimeError as e:
+            raise self._failure(e) from e
+        return out
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.mesh.size
         try:

@@ -8,6 +8,7 @@ the ``SimulatedMesh`` (the worst group's, per collective kind).
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Any, Callable
 
@@ -61,8 +62,16 @@ class _Exchange:
         self.timeout = timeout
         self.full = _Rendezvous(list(range(mesh.size)), timeout)
         self.groups: dict[tuple[int, ...], _Rendezvous] = {}
+        self.mailboxes: dict[tuple[int, int], queue.Queue] = {}  # (src, dst) -> messages in order
         self.lock = threading.Lock()
         self.aborted = False
+
+    def mailbox(self, src: int, dst: int) -> queue.Queue:
+        with self.lock:
+            box = self.mailboxes.setdefault((src, dst), queue.Queue())
+            if self.aborted:
+                box.put(_ABORTED)
+            return box
 
     def group(self, members: list[int]) -> _Rendezvous:
         with self.lock:
@@ -78,6 +87,11 @@ class _Exchange:
             self.aborted = True
             for r in [self.full, *self.groups.values()]:
                 r.abort()
+            for box in self.mailboxes.values():
+                box.put(_ABORTED)  # wakes a receiver waiting on a peer that failed
+
+
+_ABORTED = object()
 
 
 class ThreadComm:
@@ -112,6 +126,31 @@ class ThreadComm:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self._ex.full.exchange(self.rank, obj, lambda xs: [list(xs)] * len(xs))
+
+    def exchange_p2p(self, sends, recvs) -> list[Tensor]:
+        """``fsdpx.sharding.comm.Comm.exchange_p2p``: each send is a copy put in the
+        ``(self, peer)`` mailbox (sends never wait); each receive waits for its mailbox, at
+        most the timeout. Bytes are counted for rank 0, as for group collectives."""
+        sent = 0
+        for peer, t in sends:
+            self._ex.mailbox(self.rank, peer).put(t.detach().clone())
+            sent += t.numel() * t.element_size()
+        out, received = [], 0
+        for peer, shape, dtype in recvs:
+            try:
+                msg = self._ex.mailbox(peer, self.rank).get(timeout=self._ex.timeout)
+            except queue.Empty:
+                raise RankFailure([peer], f"no message from rank {peer} within {self._ex.timeout:g} s") from None
+            if msg is _ABORTED:
+                raise RankFailure([peer], "a peer thread failed")
+            if tuple(msg.shape) != tuple(shape) or msg.dtype != dtype:
+                raise ValueError(f"rank {self.rank} expected {tuple(shape)} {dtype} from rank {peer}, got"
+                                 f" {tuple(msg.shape)} {msg.dtype}")
+            out.append(msg)
+            received += msg.numel() * msg.element_size()
+        if self.rank == 0:
+            self._ex.sim.add_counts({"p2p": sent, "send_bytes": sent, "recv_bytes": received})
+        return out
 
     def counts(self) -> dict[str, int]:
         return dict(self._ex.sim.counts)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, Sequence
 
+import torch
 from torch import Tensor
 
 from .collectives import Collective
@@ -42,6 +43,14 @@ class Comm(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, index = rank (start-up checks, metrics)."""
+
+    def exchange_p2p(self, sends: Sequence[tuple[int, Tensor]],
+                     recvs: Sequence[tuple[int, tuple[int, ...], torch.dtype]]) -> list[Tensor]:
+        """Point to point, all at once (pipeline stages): send each ``(peer, tensor)`` and
+        receive one tensor of ``(peer, shape, dtype)`` from each; returns the received tensors
+        in the order of ``recvs``. Messages between two ranks arrive in the order sent. Bytes
+        count as kind ``p2p`` (what this rank sends) and in ``send_bytes`` / ``recv_bytes``.
+        A peer that never sends raises ``RankFailure`` naming it within the timeout."""
 
     def counts(self) -> dict[str, int]:
         """Bytes per collective kind moved by ``run`` since the last ``reset_counts``."""

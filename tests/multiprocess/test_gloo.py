@@ -157,3 +157,26 @@ def test_mesh_size_that_differs_from_the_world_size_is_refused(tmp_path):
         p.communicate(timeout=60)
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert "mesh" in result["error"] and "3 ranks" in result["error"] and "2 processes" in result["error"]
+
+
+P2P_WORKER = os.path.join(HERE, "p2p_worker.py")
+
+
+def test_point_to_point_exchanges_on_gloo_arrive_in_order_and_are_counted(tmp_path):
+    cmd = torchrun_command(2, [P2P_WORKER, "--out", str(tmp_path)])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    assert torch.equal(r0["got"][0], torch.ones(3, 2)) and torch.equal(r0["got"][1], torch.arange(5.0) * 2)
+    assert torch.equal(r1["got"][0], torch.zeros(3, 2)) and torch.equal(r1["got"][1], torch.arange(5.0))
+    assert r0["counts"]["p2p"] == r0["counts"]["send_bytes"] == r0["counts"]["recv_bytes"] == (6 + 5) * 4
+
+
+def test_a_stage_that_dies_before_sending_is_named_by_its_peer(tmp_path):
+    start = time.monotonic()
+    procs = spawn_ranks(2, [P2P_WORKER, "--out", str(tmp_path), "--die"])
+    for p in procs:
+        p.communicate(timeout=120)
+    assert procs[1].returncode == 3
+    assert torch.load(tmp_path / "rank0.pt", weights_only=False)["failure"] == [1]
+    assert time.monotonic() - start < 90
