@@ -83,3 +83,21 @@ def test_a_strategy_whose_axis_is_not_in_the_mesh_is_refused():
 ])
 def test_flat_runs_list_the_global_indices_of_a_box(shape, box, runs):
     assert flat_runs(shape, box) == runs
+
+
+@pytest.mark.parametrize("shape, box", [
+    ((300, 700), ((0, 300), (350, 700))),  # a row-parallel column block: one short run per row
+    ((300, 700), ((100, 200), (0, 700))),  # a row block: one run
+    ((3, 70000), ((0, 3), (10, 20))),  # runs a block apart: drawn one by one
+    ((5, 3), ((2, 2), (0, 3))),  # empty
+    ((), ()),
+])
+def test_shard_noise_equals_the_unsharded_draw_of_its_box(shape, box):
+    from fsdpx.runtime.step import shard_noise
+    from privacy.noise import noise_slice
+
+    numel = max(1, int(torch.tensor(shape).prod())) if shape else 1
+    full = noise_slice("w", numel, 0, numel, key=3, step=2, std=0.5, dtype=torch.float64).view(shape)
+    want = full[tuple(slice(a, b) for a, b in box)]
+    got = shard_noise("w", shape, box, key=3, step=2, std=0.5, dtype=torch.float64)
+    assert got.shape == want.shape and torch.equal(got, want)

@@ -70,6 +70,7 @@ class DistComm:
         self.mesh, self.rank, self.grace_s = mesh, dist.get_rank(), grace_s
         self._groups: dict[tuple[str, ...], tuple[Any, list[int]]] = {}
         self._counts: dict[str, int] = {}
+        self._pending_sends: list = []  # (request, tensor) of isends not yet waited for (flush_p2p)
         self._make_groups()
 
     def _make_groups(self) -> None:
@@ -244,11 +245,14 @@ class DistComm:
 
     def exchange_p2p(self, sends, recvs) -> list[Tensor]:
         """``fsdpx.sharding.comm.Comm.exchange_p2p`` as one ``batch_isend_irecv`` (receives
-        posted with the sends, so two stages exchanging both ways never wait on each other),
-        each request waited for at most the process group's timeout."""
-        ops, out = [], []
+        posted with the sends, so two stages exchanging both ways never wait on each other).
+        The receives are waited for here, at most the process group's timeout; the sends are
+        kept (with their tensors) until ``flush_p2p``, so a send never waits for its receive."""
+        ops, out, kept = [], [], []
         for peer, t in sends:
-            ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), peer))
+            t = t.detach().contiguous()
+            kept.append(t)
+            ops.append(dist.P2POp(dist.isend, t, peer))
         for peer, shape, dtype in recvs:
             buf = torch.empty(shape, dtype=dtype)
             out.append(buf)
@@ -260,11 +264,22 @@ class DistComm:
         if not ops:
             return out
         try:
-            for req in dist.batch_isend_irecv(ops):
+            reqs = dist.batch_isend_irecv(ops)
+            self._pending_sends += list(zip(reqs[:len(kept)], kept))
+            for req in reqs[len(kept):]:
                 req.wait()
         except RuntimeError as e:
             raise self._failure(e) from e
         return out
+
+    def flush_p2p(self) -> None:
+        """Wait for every send still in flight (each at most the process group's timeout)."""
+        pending, self._pending_sends = self._pending_sends, []
+        try:
+            for req, _ in pending:
+                req.wait()
+        except RuntimeError as e:
+            raise self._failure(e) from e
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.mesh.size

@@ -45,10 +45,11 @@ from fsdpx.sharding.layout import chunk_bounds, local_box
 from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.spec import Spec
 from fsdpx.sharding.cost_model import PlanLike, as_plan
+from fsdpx.sharding.pipeline import rank_plan
 from fsdpx.sharding.plan import ShardingPlan
 from privacy.accounting import Accountant
 from privacy.clipping import ShardedNorms, clip_and_sum
-from privacy.noise import noise_slice
+from privacy.noise import BLOCK, noise_slice
 from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn, _as_args
 
@@ -84,10 +85,11 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
                  config: DPConfig | None = None) -> ShardedState:
     """This rank's state before step 0, cut from the full ``params`` (every rank passes the same
     full values): parameters at rest, optimizer state initialised on the opt_state layout, each
-    in the plan's (view) shape. ``strategy``: a ``Strategy`` or a resolved ``ShardingPlan``."""
+    in the plan's (view) shape. ``strategy``: a ``Strategy`` or a resolved ``ShardingPlan``; with
+    a pipeline, only the parameters of this rank's stages (``fsdpx.sharding.pipeline.rank_plan``)."""
     mesh, rank = comm.mesh, comm.rank
-    plan = as_plan(strategy, {n: tuple(p.shape) for n, p in params.items()})
-    views = {n: p.detach().reshape(plan.params[n].shape) for n, p in params.items()}
+    plan = rank_plan(as_plan(strategy, {n: tuple(p.shape) for n, p in params.items()}), mesh, rank)
+    views = {n: params[n].detach().reshape(lay.shape) for n, lay in plan.params.items()}
     at_rest = {n: local_block(v, plan.params[n].at_rest, mesh, rank) for n, v in views.items()}
     at_opt = {n: local_block(v, plan.params[n].opt_state, mesh, rank) for n, v in views.items()}
     accountant = None
@@ -114,22 +116,48 @@ def flat_runs(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> list[
 
 def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, std: float, dtype) -> Tensor:
     """The unsharded run's noise for the elements of ``box`` of parameter ``name``, shaped like
-    the box: the concatenation of ``noise_slice`` over the box's flat runs."""
+    the box: ``noise_slice`` of each of the box's flat runs, concatenated.
+
+    Runs closer than ``privacy.noise.BLOCK`` are drawn as one covering slice and cut out of it
+    (partition invariance makes the bits the same): a column block of a row-parallel weight is
+    one short run per row, and drawing each alone would restart its noise block every time, up
+    to ``BLOCK`` draws per run; covering costs at most the gaps, never more than the parameter
+    (``tests/test_runtime.py::test_shard_noise_equals_the_unsharded_draw_of_its_box``)."""
     numel = math.prod(shape)
-    runs = flat_runs(shape, box)
-    parts = [noise_slice(name, numel, a, b, key=key, step=step, std=std, dtype=dtype) for a, b in runs]
-    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
-    return flat.view(tuple(b - a for a, b in box))
+    parts = []
+    for lo, hi, runs in _clusters(flat_runs(shape, box), BLOCK):
+        drawn = noise_slice(name, numel, lo, hi, key=key, step=step, std=std, dtype=dtype)
+        parts += [drawn] if len(runs) == 1 else [drawn[a - lo:b - lo] for a, b in runs]
+    size = tuple(b - a for a, b in box)
+    if not parts:
+        return torch.zeros(size, dtype=dtype)
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).view(size)
+
+
+def _clusters(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Consecutive ``runs`` grouped while the space between them is at most ``gap``: each group
+    as ``(first start, last stop, its runs)``."""
+    out: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for a, b in runs:
+        if out and a - out[-1][1] <= gap:
+            lo, _, members = out[-1]
+            members.append((a, b))
+            out[-1] = (lo, b, members)
+        else:
+            out.append((a, b, [(a, b)]))
+    return out
 
 
 def config_digest(plan: ShardingPlan, dtypes: dict[str, torch.dtype], config: DPConfig | None,
-                  units: list[Unit]) -> str:
+                  units: list[Unit], *, exclude_rank_local: bool = False) -> str:
     """A hash every rank compares at start: plan (layouts, styles), mesh, parameter shapes and
-    dtypes, units and privacy config must agree."""
+    dtypes, units and privacy config must agree. ``exclude_rank_local``: leave out what differs
+    by rank by design (a pipeline rank holds only its stages' parameters and units)."""
     blob = json.dumps({
         "plan": repr(plan),
-        "params": {n: [list(lay.shape), str(dtypes[n])] for n, lay in plan.params.items()},
-        "units": [[u.module, list(u.params)] for u in units],
+        "params": {n: [list(lay.shape)] + ([] if exclude_rank_local else [str(dtypes[n])])
+                   for n, lay in plan.params.items()},
+        "units": [] if exclude_rank_local else [[u.module, list(u.params)] for u in units],
         "private": repr(config),
     }, sort_keys=True)
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
@@ -181,6 +209,8 @@ def make_sharded_step(
             raise ValueError(f"strategy {plan.name} splits data over axis {axis!r}, not in {mesh}")
     if config is not None and (num_examples is None or config.method == "vmap"):
         raise ValueError("a private sharded step needs num_examples and method 'ghost' or 'auto'")
+    if plan.pipeline is not None:
+        return _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate)
     units = make_units(model, param_shapes, unit_modules)
     keep = config is not None and needs_fallback(model, param_shapes)
     tensor_parallel = TensorParallelHooks(model, plan, comm)
@@ -209,6 +239,22 @@ def make_sharded_step(
         metrics["resident_bytes"] = resident
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else None
         return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
+
+    return step
+
+
+def _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate):
+    """The step of a plan with a pipeline (``fsdpx.runtime.pipeline``), agreement checked first."""
+    from .pipeline import PipelineStep
+
+    run = PipelineStep(model, loss_fn, optimizer, plan, comm, config=config, num_examples=num_examples, donate=donate)
+    agreed: list[bool] = []
+
+    def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
+        if not agreed:
+            check_agreement(comm, config_digest(plan, {}, config, [], exclude_rank_local=True))
+            agreed.append(True)
+        return run(state, batch)
 
     return step
 

@@ -50,7 +50,12 @@ class Comm(Protocol):
         receive one tensor of ``(peer, shape, dtype)`` from each; returns the received tensors
         in the order of ``recvs``. Messages between two ranks arrive in the order sent. Bytes
         count as kind ``p2p`` (what this rank sends) and in ``send_bytes`` / ``recv_bytes``.
-        A peer that never sends raises ``RankFailure`` naming it within the timeout."""
+        A peer that never sends raises ``RankFailure`` naming it within the timeout. Sends may
+        complete after the call returns (never wait for their receive): the tensors must not
+        change until ``flush_p2p``."""
+
+    def flush_p2p(self) -> None:
+        """Wait until every send of ``exchange_p2p`` so far has completed (end of a step)."""
 
     def counts(self) -> dict[str, int]:
         """Bytes per collective kind moved by ``run`` since the last ``reset_counts``."""

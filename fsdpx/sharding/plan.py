@@ -128,6 +128,9 @@ class ShardingPlan:
     * ``modules``: the tensor-parallel styles by module name (empty without tensor
       parallelism), and ``tp_axis``, the mesh axis they split over; ``sequence_dim``: with
       sequence parallelism, the activation dim split over ``tp`` outside the regions.
+    * ``pipeline``: with pipeline parallelism, the ``fsdpx.sharding.pipeline.PipelineLayout``
+      (stages, the parameters each holds, schedule); a rank holds only its stages' parameters
+      (``fsdpx.sharding.pipeline.rank_plan``), each in the layout given here.
     """
 
     params: Mapping[str, ParamLayout]
@@ -137,6 +140,7 @@ class ShardingPlan:
     modules: Mapping[str, object] = field(default_factory=dict)
     tp_axis: str | None = None
     sequence_dim: int | None = None  # sequence parallelism: activations between regions split on this dim
+    pipeline: object | None = None  # fsdpx.sharding.pipeline.PipelineLayout: stages over a pipeline axis
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The global shape every spec of each parameter applies to (its view)."""

@@ -1,0 +1,407 @@
+"""The pipeline-parallel train step: a schedule (``fsdpx.sharding.schedule``) executed on one
+rank, composed with data and tensor parallelism.
+
+Each rank holds the stages of its pipeline index (``PipelineLayout.stages_on``) and only their
+parameters (``rank_plan``), each in the plan's data/tensor-parallel layout. One step:
+
+1. this rank's share of the global batch (split over the data axes, as without a pipeline) is
+   cut into the layout's microbatches (``microbatch_bounds``: sizes differ by at most one);
+2. the rank's actions run in schedule order: ``F`` runs the stage's forward through the model
+   (``fsdpx.runtime.stages``) with per-unit gathers (``Gatherer``, one per microbatch and stage)
+   and tensor-parallel hooks; the last stage applies the loss. ``B`` back-propagates from the
+   stage's output (the loss on the last stage, the received gradient elsewhere); fused schedules
+   get the input and weight gradients in one pass, split ones (``zero_bubble``) the input
+   gradient in ``B`` and the weight gradients in ``W``. Transfers are ``Comm.exchange_p2p``;
+   sends never wait (``Comm.flush_p2p`` at the end of the step), which is what the simulator
+   assumes and why no schedule that simulates can deadlock here;
+3. a parameter held by two stages on different ranks (a tied embedding and LM head) has its
+   gradient summed between them, in stage order on both, so both copies stay bit-identical;
+4. reduction over the data axes, noise (private), and the optimizer: exactly the non-pipelined
+   step's ``_reduce_and_update`` on the rank's parameters.
+
+A microbatch that is empty on this data-parallel rank (a batch smaller than ``dp`` times the
+microbatch count) still runs its parameter collectives, in the order a real one would, so the
+rank's data-parallel peers never wait; it moves no activations (both ends know it is empty).
+
+Guarantee: N pipelined steps equal N unsharded steps, every schedule, with data and tensor
+parallelism, float64 to rel 1e-10 (``property_tests/test_pipeline_properties.py``); the bytes
+counted equal ``fsdpx.runtime.pipeline.pipeline_p2p_bytes`` plus the plan's collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from fsdpx.optim import Optimizer, update_fn
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.pipeline import PipelineLayout, pipeline_index, rank_plan
+from fsdpx.sharding.plan import ShardingPlan
+from fsdpx.sharding.schedule import B, F, P2P, RECV_F, SEND_B, SEND_F, SPLIT_BACKWARD, W, Schedule, schedule
+from privacy.step import DPConfig, check_budget
+from privacy.tape import LossFn, _as_args
+
+from .gather import Gatherer
+from .stages import StageExit, StageForward
+from .step import ShardedState, _divisor, _global_metrics, _my_share, _reduce_and_update
+from .tensor_parallel import TensorParallelHooks
+from .units import Unit, make_units
+
+
+class StageGroupComm:
+    """``comm`` seen from the ranks of one pipeline index: ``mesh`` is the full mesh without the
+    pipeline axis and ``rank`` this rank's place in it. Parameter and tensor-parallel
+    collectives planned on it run within the rank's own stage group (both communicators run a
+    collective of a sub-mesh on the caller's group), so stages never wait on each other's
+    parameter traffic; everything else is the underlying communicator's."""
+
+    def __init__(self, comm: Comm, axis: str):
+        self.base = comm
+        self.mesh = comm.mesh.sub(tuple(a for a in comm.mesh.axis_names if a != axis))
+        coords = comm.mesh.coords(comm.rank)
+        self.rank = self.mesh.rank_of({a: coords[a] for a in self.mesh.axis_names})
+        if hasattr(comm, "gather_into"):
+            self.gather_into = comm.gather_into
+
+    def run(self, collective, local: Tensor) -> Tensor:
+        return self.base.run(collective, local)
+
+    def counts(self) -> dict[str, int]:
+        return self.base.counts()
+
+
+def microbatch_bounds(n: int, m: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``m`` microbatches of ``n`` examples: the first ``n % m``
+    hold ``ceil(n / m)``, the rest ``floor(n / m)`` (``torch.tensor_split``); some are empty
+    when ``n < m``."""
+    base, extra = divmod(n, m)
+    out, start = [], 0
+    for i in range(m):
+        size = base + (i < extra)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+@dataclasses.dataclass
+class _Stage:
+    """What one stage of this rank needs every step (built once)."""
+
+    index: int
+    names: list[str]  # parameters this stage holds, plan order
+    plan: ShardingPlan  # restricted to them
+    units: list[Unit]
+    forward: StageForward
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """One microbatch between its F and its last backward action at one stage."""
+
+    gatherer: Gatherer
+    inject: Tensor | None  # the stage's input leaf (None at stage 0)
+    root: Tensor | None  # what B starts from: the output, or the loss sum at the last stage
+    size: int
+    grad_out: Tensor | None = None  # the output's gradient, kept from B for a split W
+
+
+class PipelineStep:
+    """One rank's pipelined ``step(state, batch)`` (built by ``make_sharded_step``)."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, plan: ShardingPlan, comm: Comm, *,
+                 config: DPConfig | None, num_examples: int | None, donate: bool):
+        if config is not None:
+            raise NotImplementedError("private pipelines are not built yet (issue 12): run the pipeline without"
+                                      " privacy, or privately without pp")
+        self.model, self.loss_fn, self.optimizer, self.comm = model, loss_fn, optimizer, comm
+        self.plan, self.config, self.num_examples, self.donate = plan, config, num_examples, donate
+        layout: PipelineLayout = plan.pipeline
+        self.layout = layout
+        mesh = comm.mesh
+        self.p = layout.degree()
+        self.index = pipeline_index(mesh, comm.rank, layout)
+        self.schedule: Schedule = schedule(layout.schedule, self.p, layout.microbatches,
+                                           virtual_stages=layout.virtual_stages)
+        self.split = layout.schedule in SPLIT_BACKWARD
+        self.local_plan = rank_plan(plan, mesh, comm.rank)
+        self.group = StageGroupComm(comm, layout.axis)
+        self.tensor_parallel = TensorParallelHooks(model, plan, self.group)
+        self.stages = {s: self._stage(s) for s in layout.stages_on(self.index)}
+        self.peer = {j: mesh.rank_of({**mesh.coords(comm.rank), layout.axis: j}) for j in range(self.p)}
+        self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def _stage(self, s: int) -> _Stage:
+        names = self.layout.params_of([s])
+        plan = dataclasses.replace(self.plan, params={n: self.plan.params[n] for n in names})
+        block_list = self.layout.blocks
+        keys = list(dict(self.model.named_modules())[block_list]._modules)
+        modules = [f"{block_list}.{keys[i]}" if block_list else keys[i] for i in self.layout.stages[s]]
+        units = [u for u in make_units(self.model, names, modules) if u.params or not u.module]
+        held = set(names)
+        canonical = {id(p): n for n, p in self.model.named_parameters()}
+        absent = {alias: (tuple(p.shape), p.dtype) for alias, p in self.model.named_parameters(remove_duplicate=False)
+                  if canonical[id(p)] in self.plan.params and canonical[id(p)] not in held}
+        return _Stage(s, names, plan, units, StageForward(self.model, self.layout, absent))
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def __call__(self, state, batch):
+        if self.config is not None:
+            check_budget(state.accountant, self.config)
+        before = self.comm.counts()
+        inputs, targets = _my_share(batch, self.plan, self.comm)
+        args = _as_args(inputs)
+        mbs = [(tuple(x[a:b] for x in args), targets[a:b]) for a, b in
+               microbatch_bounds(targets.shape[0], self.layout.microbatches)]
+        run = _Run(self, state, mbs)
+        run.execute(self.schedule.ranks[self.index])
+        raw = run.raw_grads()
+        self._sum_shared(raw)
+        units = [Unit("", tuple(self.local_plan.params), ())]
+        update = update_fn(self.optimizer, donate=self.donate)
+        new_params, opt_state, resident = _reduce_and_update(raw, state, self.local_plan, self.group, units, update,
+                                                             _divisor(batch, self.config, self.num_examples), None)
+        metrics = _global_metrics(self.comm, run.stats(), self.config)
+        metrics["comm"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
+        metrics["resident_bytes"] = resident
+        return ShardedState(new_params, opt_state, state.step + 1, state.key, state.accountant), metrics
+
+    def _sum_shared(self, raw: dict[str, Tensor]) -> None:
+        """Gradients of parameters held on several pipeline ranks, summed over them in stage order."""
+        for name in self.local_plan.params:
+            holders = sorted({s % self.p for s in self.layout.param_stages[name]})
+            if len(holders) < 2:
+                continue
+            others = [j for j in holders if j != self.index]
+            got = self.comm.exchange_p2p([(self.peer[j], raw[name]) for j in others],
+                                         [(self.peer[j], tuple(raw[name].shape), raw[name].dtype) for j in others])
+            parts = dict(zip(others, got))
+            parts[self.index] = raw[name]
+            total = parts[holders[0]].clone()
+            for j in holders[1:]:
+                total += parts[j]
+            raw[name] = total
+
+    def boundary(self, args: tuple) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the hidden state between blocks for microbatch inputs ``args``
+        (``_trace_boundary``, cached by input shapes)."""
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else repr(a) for a in args)
+        if key not in self._shapes:
+            self._shapes[key] = _trace_boundary(self.model, self.layout, args)
+        return self._shapes[key]
+
+
+def _trace_boundary(model: nn.Module, layout: PipelineLayout, args: tuple) -> tuple[tuple[int, ...], torch.dtype]:
+    """The hidden state entering the first block, from the model's own forward on the real
+    inputs (masks and positions may depend on their values) with every parameter swapped for
+    zeros that own one element (nothing real is read), stopped at that block. Blocks keep the
+    hidden state's shape (a residual stream), so this is every boundary's."""
+    from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+    first = next(iter(dict(model.named_modules())[layout.blocks]))
+    accessor = NamedMemberAccessor(model)
+    zeros = {n: torch.zeros((), dtype=p.dtype).expand(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+
+    def stop(module, a, kwargs):
+        raise StageExit(a[0] if a else kwargs["hidden_states"])
+
+    handle = first.register_forward_pre_hook(stop, with_kwargs=True)
+    saved = accessor.swap_tensors_dict(zeros, allow_missing=True)[0]
+    try:
+        with torch.no_grad():
+            model(*args)
+    except StageExit as e:
+        return tuple(e.output.shape), e.output.dtype
+    finally:
+        handle.remove()
+        accessor.swap_tensors_dict(saved, allow_missing=True)
+    raise RuntimeError(f"the model's forward never called its first block ({layout.blocks}.0)")
+
+
+class _Run:
+    """The state of one step on one rank: microbatches in flight, messages, gradient sums."""
+
+    def __init__(self, owner: PipelineStep, state, mbs: list[tuple[tuple, Tensor]]):
+        self.o, self.state, self.mbs = owner, state, mbs
+        self.flight: dict[tuple[int, int], _InFlight] = {}
+        self.inbox: dict[tuple[str, int, int], Tensor] = {}
+        self.outbox: dict[tuple[str, int, int], Tensor] = {}
+        self.raw: dict[str, Tensor] = {}
+        self.loss_sum, self.count = 0.0, 0
+
+    # ---- the action loop ---------------------------------------------------------------------
+
+    def execute(self, actions) -> None:
+        pending: list[P2P] = []
+        for a in actions:
+            if isinstance(a, P2P):
+                pending.append(a)
+                continue
+            if pending:
+                self._transfer(pending)
+                pending = []
+            if isinstance(a, F):
+                self._forward(a.mb, a.stage)
+            elif isinstance(a, B):
+                self._backward(a.mb, a.stage, weights=not self.o.split)
+            elif isinstance(a, W):
+                self._weights(a.mb, a.stage)
+        if pending:
+            self._transfer(pending)
+        self.o.comm.flush_p2p()
+
+    def _hidden(self, mb: int) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.o.boundary(self.mbs[mb][0])
+
+    def _transfer(self, actions: list[P2P]) -> None:
+        sends, recvs, keys = [], [], []
+        for a in actions:
+            if self.mbs[a.mb][1].shape[0] == 0:
+                continue  # an empty microbatch: both ends know, nothing moves
+            peer = self.o.peer[a.peer]
+            if isinstance(a, SEND_F):
+                sends.append((peer, self.outbox.pop(("F", a.mb, a.stage))))
+            elif isinstance(a, SEND_B):
+                sends.append((peer, self.outbox.pop(("B", a.mb, a.stage))))
+            else:
+                shape, dtype = self._hidden(a.mb)
+                recvs.append((peer, shape, dtype))
+                keys.append(("F" if isinstance(a, RECV_F) else "B", a.mb, a.stage))
+        if sends or recvs:
+            for key, t in zip(keys, self.o.comm.exchange_p2p(sends, recvs)):
+                self.inbox[key] = t
+
+    def _incoming(self, kind: str, mb: int, stage: int, local_from: int) -> Tensor:
+        """The activation (``kind`` "F") or gradient ("B") for ``(mb, stage)``: received, or
+        handed over directly when stage ``local_from`` runs on this rank too."""
+        if (kind, mb, stage) in self.inbox:
+            return self.inbox.pop((kind, mb, stage))
+        return self.outbox.pop((kind, mb, local_from))
+
+    # ---- compute -----------------------------------------------------------------------------
+
+    def _forward(self, mb: int, s: int) -> None:
+        o, st = self.o, self.o.stages[s]
+        args, targets = self.mbs[mb]
+        last = s == o.layout.num_stages - 1
+        keep = o.split  # a split backward walks the graph twice: keep gathered parameters until W
+        gatherer = Gatherer(o.model, st.units, st.plan, o.group, {n: self.state.params[n] for n in st.names},
+                            keep_after_backward=keep)
+        size = targets.shape[0]
+        if size == 0:
+            _dry_forward(gatherer, last)
+            self.flight[(mb, s)] = _InFlight(gatherer, None, None, 0)
+            return
+        inject = None
+        if s > 0:
+            inject = self._incoming("F", mb, s, s - 1).detach().requires_grad_(True)
+        seq_dim = o.tensor_parallel.seq_dim
+        seq_len = args[0].shape[seq_dim] if seq_dim is not None else 0
+        with gatherer.installed(), o.tensor_parallel.installed(seq_len), st.forward.running(s, inject):
+            try:
+                out = o.model(*args)
+            except StageExit as e:
+                out = e.output
+            if last:
+                losses = o.loss_fn(out, targets)
+                self.loss_sum += float(losses.detach().sum())
+                self.count += size
+                root = losses.sum()
+            else:
+                root = out
+                self.outbox[("F", mb, s)] = out.detach()
+        self.flight[(mb, s)] = _InFlight(gatherer, inject, root, size)
+
+    def _backward(self, mb: int, s: int, *, weights: bool) -> None:
+        rec = self.flight[(mb, s)]
+        if rec.size == 0:
+            _dry_backward(rec.gatherer, s == self.o.layout.num_stages - 1)
+            if weights:
+                self.flight.pop((mb, s))
+            return
+        grad_out = None
+        if s < self.o.layout.num_stages - 1:
+            grad_out = self._incoming("B", mb, s, s + 1)
+        rec.grad_out = grad_out
+        leaves = [rec.gatherer.full[n] for n in self.o.stages[s].names] if weights else []
+        inputs = ([rec.inject] if rec.inject is not None else []) + leaves
+        if inputs:
+            grads = torch.autograd.grad(rec.root, inputs, grad_out, allow_unused=True, retain_graph=not weights)
+        else:
+            grads = ()
+        if rec.inject is not None:
+            g_in = grads[0] if grads[0] is not None else torch.zeros_like(rec.inject)
+            self.outbox[("B", mb, s)] = g_in
+            grads = grads[1:]
+        if weights:
+            self._accumulate(s, grads)
+            rec.gatherer.finish()
+            self.flight.pop((mb, s))
+
+    def _weights(self, mb: int, s: int) -> None:
+        if not self.o.split:
+            return  # fused schedules formed the weight gradients in B
+        rec = self.flight.pop((mb, s))
+        if rec.size == 0:
+            _free_all(rec.gatherer)
+            return
+        names = self.o.stages[s].names
+        grads = torch.autograd.grad(rec.root, [rec.gatherer.full[n] for n in names], rec.grad_out, allow_unused=True)
+        self._accumulate(s, grads)
+        rec.gatherer.finish()
+        _free_all(rec.gatherer)
+
+    def _accumulate(self, s: int, grads) -> None:
+        st = self.o.stages[s]
+        for n, g in zip(st.names, grads):
+            if g is None:
+                continue
+            g = g.reshape(self._local_shape(n))
+            self.raw[n] = g if n not in self.raw else self.raw[n] + g
+
+    def _local_shape(self, name: str) -> tuple[int, ...]:
+        from fsdpx.sharding.layout import local_shape
+
+        o = self.o
+        return local_shape(o.plan.params[name].shape, o.plan.params[name].compute, o.group.mesh, o.group.rank)
+
+    def raw_grads(self) -> dict[str, Tensor]:
+        out = {}
+        for n in self.o.local_plan.params:
+            g = self.raw.get(n)
+            out[n] = g if g is not None else self.state.params[n].new_zeros(self._local_shape(n))
+        return out
+
+    def stats(self) -> tuple[float, int, int, float]:
+        o = self.o
+        counts = o.index == (o.layout.num_stages - 1) % o.p and (
+            o.plan.tp_axis is None or o.comm.mesh.index(o.comm.rank, o.plan.tp_axis) == 0)
+        return (self.loss_sum, self.count, 0, 0.0) if counts else (0.0, 0, 0, 0.0)
+
+
+def _dry_forward(g: Gatherer, last: bool) -> None:
+    """The parameter collectives of a stage forward without compute: the root unit, then each
+    block unit (freed after, as resharding does); the root is freed only by the last stage,
+    whose forward returns through the model."""
+    for unit in g.units:
+        g.gather(unit)
+        if unit.module and g.reshard_after_forward:
+            g.free(unit)
+    if last and g.reshard_after_forward:
+        g.free(g.units[0])
+
+
+def _dry_backward(g: Gatherer, last: bool) -> None:
+    """The backward's gathers in the order hooks fire: the root first at the last stage (its
+    output's gradient arrives first), then the block units in reverse."""
+    order = ([g.units[0]] if last else []) + [u for u in reversed(g.units) if u.module]
+    for unit in order:
+        g._before_backward(unit)
+        g._after_backward(unit)
+
+
+def _free_all(g: Gatherer) -> None:
+    for unit in g.units:
+        g.free(unit)

@@ -1,0 +1,97 @@
+"""One pipeline stage's forward, run through the user's unmodified model.
+
+The model's own ``forward`` runs, so everything it computes besides the hidden state (position
+ids, attention masks, rotary tables) is computed exactly as it would be. Three temporary changes
+make it one stage's forward:
+
+* the block list holds only the stage's blocks (its ``_modules`` swapped, keys kept, so
+  iteration and slicing, the ways models walk their layers, see only them);
+* a stage after the first has its input injected: a forward pre-hook on its first block replaces
+  the hidden state (the first positional argument, or ``hidden_states``) with the received
+  activation;
+* a stage before the last stops after its last block: a forward hook raises ``StageExit``
+  carrying the block's output, which ends the model's forward (the epilogue never runs).
+
+Parameters this rank does not hold (another stage's prologue, e.g. the position embedding on a
+later stage, whose output is replaced anyway) are swapped for zeros of their shape that own one
+element of memory (``expand`` of a scalar). Side effects live only inside :meth:`StageForward.running`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils._named_member_accessor import NamedMemberAccessor
+
+from fsdpx.sharding.pipeline import PipelineLayout
+
+
+class StageExit(Exception):
+    """Raised by the last block of a stage that is not the model's last: carries its output."""
+
+    def __init__(self, output: Tensor):
+        super().__init__("pipeline stage finished")
+        self.output = output
+
+
+def hidden_of(output: Any) -> Tensor:
+    """A block's hidden-state output: the tensor itself, or the first element of a tuple (as
+    transformers' blocks return ``(hidden_states, ...)``)."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    raise TypeError(f"a pipeline block must return a tensor or a tuple starting with one, got {type(output)}")
+
+
+class StageForward:
+    """Runs ``model``'s forward as one stage of ``layout`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, layout: PipelineLayout, absent: dict[str, tuple[Sequence[int], torch.dtype]]):
+        """``absent``: alias name -> (shape, dtype) of every parameter use this rank does not hold."""
+        self.model, self.layout = model, layout
+        self.block_list: nn.ModuleList = dict(model.named_modules())[layout.blocks]
+        self.keys = list(self.block_list._modules)
+        self.absent = absent
+
+    @contextlib.contextmanager
+    def running(self, stage: int, inject: Tensor | None) -> Iterator[None]:
+        """Inside, ``model(...)`` is stage ``stage``'s forward: it starts from ``inject`` (stage
+        > 0) and raises ``StageExit`` after the stage's last block (stage < S - 1)."""
+        blocks = [self.block_list._modules[self.keys[i]] for i in self.layout.stages[stage]]
+        saved = self.block_list._modules
+        handles = []
+        accessor = NamedMemberAccessor(self.model)
+        zeros = {alias: torch.zeros((), dtype=dtype).expand(tuple(shape))
+                 for alias, (shape, dtype) in self.absent.items()}
+        swapped = accessor.swap_tensors_dict(zeros, allow_missing=True)[0] if zeros else {}
+        try:
+            self.block_list._modules = {self.keys[i]: b for i, b in zip(self.layout.stages[stage], blocks)}
+            if inject is not None:
+                handles.append(blocks[0].register_forward_pre_hook(_injector(inject), with_kwargs=True))
+            if stage < self.layout.num_stages - 1:
+                handles.append(blocks[-1].register_forward_hook(_exit))
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.block_list._modules = saved
+            if swapped:
+                accessor.swap_tensors_dict(swapped, allow_missing=True)
+
+
+def _injector(x: Tensor):
+    def pre(module: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (x, *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": x}
+        raise TypeError(f"cannot find the hidden state among the first block's arguments (kwargs {sorted(kwargs)})")
+    return pre
+
+
+def _exit(module: nn.Module, args: tuple, output: Any) -> None:
+    raise StageExit(hidden_of(output))

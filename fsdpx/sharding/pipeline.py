@@ -1,0 +1,253 @@
+"""Pipeline parallelism as data: which blocks and parameters each stage holds, and the schedule.
+
+A model is a prologue (everything its forward runs before its block list: embeddings), a list
+of blocks (``nn.ModuleList``: the transformer layers) and an epilogue (final norm, LM head).
+Pipeline parallelism over mesh axis ``axis`` (size ``p``) cuts the blocks into ``S = p * v``
+contiguous stages (``v`` virtual stages per rank, placed looped: stage ``s`` on the rank with
+``axis`` index ``s % p``); the prologue's parameters belong to stage 0, the epilogue's to stage
+``S - 1``, and a parameter used in both (a tied embedding and LM head) to both, its gradients
+summed between them as Megatron does.
+
+A ``PipelineLayout`` is that table plus the schedule's kind and microbatch count; it rides on
+the ``ShardingPlan`` (``ShardingPlan.pipeline``), whose per-parameter layouts say how each
+stage's parameters are further split over the data and tensor axes. The runtime
+(``fsdpx.runtime.pipeline``) and the cost model read only this data.
+
+Which side of the block list a parameter is on is read from the model's registration order
+(``named_parameters``): modules registered before the block list form the prologue, after it
+the epilogue. That is how transformers' GPT-2, Llama and this library's GPT are written; a model
+registered otherwise names its split explicitly (``PipelineParallel(prologue=..., ...)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .mesh import Mesh
+from .plan import ShardingPlan
+from .schedule import KINDS, schedule as make_schedule
+
+
+class PipelinePlanError(ValueError):
+    """A pipeline that does not fit the model, the mesh or the batch, named before anything runs."""
+
+
+@dataclass(frozen=True)
+class PipelineParallel:
+    """What the user asks for (resolved by :func:`resolve_pipeline`).
+
+    * ``axis``: the mesh axis the stages are spread over.
+    * ``schedule``: a kind of ``fsdpx.sharding.schedule.KINDS``; ``microbatches``: per step, per
+      data-parallel rank; ``virtual_stages``: stages per rank (``interleaved_1f1b``).
+    * ``blocks``: the module path of the block list (default: the ``nn.ModuleList`` holding the
+      most parameters).
+    * ``split``: blocks per stage, e.g. ``(3, 2, 2, 1)`` (default: balanced by parameter count,
+      :func:`balanced_split`).
+    * ``prologue``: parameter names of stage 0 outside the blocks (default: registration order).
+    """
+
+    axis: str = "pp"
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 1
+    blocks: str | None = None
+    split: tuple[int, ...] | None = None
+    prologue: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The resolved pipeline: ``stages[s]`` is the block indices of stage ``s`` (contiguous, in
+    order, every block exactly once); ``param_stages[name]`` the stages holding parameter
+    ``name`` (one, or two for a tied embedding and head); ``blocks`` the block list's path."""
+
+    axis: str
+    schedule: str
+    microbatches: int
+    virtual_stages: int
+    blocks: str
+    stages: tuple[tuple[int, ...], ...]
+    param_stages: Mapping[str, tuple[int, ...]]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def degree(self) -> int:
+        """``p``: ranks along ``axis``."""
+        return self.num_stages // self.virtual_stages
+
+    def stages_on(self, index: int) -> tuple[int, ...]:
+        """The stages the rank with pipeline index ``index`` runs: ``index, index + p, ...``."""
+        return tuple(range(index, self.num_stages, self.degree()))
+
+    def params_of(self, stages: Sequence[int]) -> list[str]:
+        """Parameter names held by any of ``stages``, in the plan's order."""
+        want = set(stages)
+        return [n for n, held in self.param_stages.items() if want.intersection(held)]
+
+
+def pipeline_index(mesh: Mesh, rank: int, layout: PipelineLayout) -> int:
+    return mesh.index(rank, layout.axis)
+
+
+def rank_plan(plan: ShardingPlan, mesh: Mesh, rank: int) -> ShardingPlan:
+    """``plan`` restricted to the parameters ``rank`` holds: all of them without a pipeline,
+    else those of the stages on ``rank``'s pipeline index. The layouts themselves (over the data
+    and tensor axes) are unchanged."""
+    if plan.pipeline is None:
+        return plan
+    names = plan.pipeline.params_of(plan.pipeline.stages_on(pipeline_index(mesh, rank, plan.pipeline)))
+    return dataclasses.replace(plan, params={n: plan.params[n] for n in names})
+
+
+def balanced_split(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Blocks per stage: the contiguous split of ``costs`` into ``num_stages`` non-empty runs
+    whose largest sum is smallest (ties: the last stage takes fewer blocks, since it also runs
+    the LM head and the loss, the heaviest part outside the blocks). Exact (dynamic programming
+    over prefixes).
+
+    Raises ``PipelinePlanError`` if there are more stages than blocks."""
+    n = len(costs)
+    if num_stages < 1:
+        raise PipelinePlanError(f"a pipeline needs at least one stage, got {num_stages}")
+    if num_stages > n:
+        raise PipelinePlanError(f"{num_stages} pipeline stages but only {n} blocks: every stage needs a block")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest max-run over the first i blocks in k runs; cut[k][i]: where run k starts
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(i - 1, k - 2, -1):  # last run is [j, i); latest start first = shortest last run
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    sizes, i = [], n
+    for k in range(num_stages, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return tuple(reversed(sizes))
+
+
+def find_blocks(model: nn.Module, path: str | None = None) -> str:
+    """The block list's module path: ``path`` if given (checked), else the ``nn.ModuleList``
+    holding the most parameters. ``PipelinePlanError`` if there is none."""
+    modules = dict(model.named_modules())
+    if path is not None:
+        if not isinstance(modules.get(path), nn.ModuleList):
+            raise PipelinePlanError(f"{path!r} is not an nn.ModuleList of the model")
+        return path
+    lists = [(sum(p.numel() for p in m.parameters()), name) for name, m in modules.items()
+             if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise PipelinePlanError("the model has no nn.ModuleList of blocks to cut into stages")
+    return max(lists)[1]
+
+
+def resolve_pipeline(model: nn.Module, plan: ShardingPlan, spec: PipelineParallel, mesh: Mesh) -> ShardingPlan:
+    """``plan`` (any data/tensor-parallel plan of ``model``) with ``spec``'s pipeline resolved
+    on it: ``ShardingPlan.pipeline`` set, layouts unchanged.
+
+    Guarantees: every parameter of the plan is held by at least one stage; block parameters by
+    exactly the stage of their block; the stages tile the blocks in order
+    (``tests/test_pipeline.py``).
+
+    Raises ``PipelinePlanError`` (before anything runs) for: the mesh lacking ``spec.axis``, the
+    axis also carrying data or tensor parallelism, an unknown schedule kind, a schedule that
+    cannot run ``spec.microbatches`` (interleaved needs a multiple of ``p``), more stages than
+    blocks, a ``split`` that does not cover the blocks, a parameter shared between blocks of
+    different stages, and sequence parallelism (not supported with a pipeline yet)."""
+    if spec.axis not in mesh.axis_names:
+        raise PipelinePlanError(f"the pipeline runs over axis {spec.axis!r}, which {mesh} lacks")
+    if spec.axis in plan.data_axes or spec.axis == plan.tp_axis:
+        raise PipelinePlanError(f"axis {spec.axis!r} cannot carry both pipeline and data or tensor parallelism")
+    if plan.sequence_dim is not None:
+        raise PipelinePlanError("sequence parallelism with a pipeline is not supported yet: stages exchange the"
+                                " whole hidden state")
+    if spec.schedule not in KINDS:
+        raise PipelinePlanError(f"unknown schedule kind {spec.schedule!r}; kinds are {KINDS}")
+    p = mesh.axis_size(spec.axis)
+    try:
+        make_schedule(spec.schedule, p, spec.microbatches, virtual_stages=spec.virtual_stages)
+    except (ValueError, TypeError) as e:
+        raise PipelinePlanError(f"schedule {spec.schedule} on {p} stages: {e}") from None
+    blocks = find_blocks(model, spec.blocks)
+    block_list = dict(model.named_modules())[blocks]
+    num_stages = p * spec.virtual_stages
+    split = spec.split if spec.split is not None else balanced_split(
+        [sum(q.numel() for q in b.parameters()) or 1 for b in block_list], num_stages)
+    if len(split) != num_stages or sum(split) != len(block_list) or min(split) < 1:
+        raise PipelinePlanError(f"split {tuple(split)} must give each of {num_stages} stages at least one of the"
+                                f" {len(block_list)} blocks, in total all of them")
+    stages, start = [], 0
+    for size in split:
+        stages.append(tuple(range(start, start + size)))
+        start += size
+    stage_of_block = {b: s for s, bs in enumerate(stages) for b in bs}
+    held = _param_stages(model, plan, blocks, list(block_list._modules), stage_of_block, num_stages, spec.prologue)
+    layout = PipelineLayout(spec.axis, spec.schedule, spec.microbatches, spec.virtual_stages, blocks, tuple(stages),
+                            held)
+    return dataclasses.replace(plan, pipeline=layout, name=f"{plan.name}+pp")
+
+
+def _param_stages(model: nn.Module, plan: ShardingPlan, blocks: str, keys: list[str],
+                  stage_of_block: dict[int, int], num_stages: int,
+                  prologue: tuple[str, ...] | None) -> dict[str, tuple[int, ...]]:
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    index_of_key = {k: i for i, k in enumerate(keys)}
+    prefix = f"{blocks}." if blocks else ""
+    held: dict[str, set[int]] = {}
+    block_stage: dict[str, int] = {}
+    seen_blocks = False
+    for alias, p in model.named_parameters(remove_duplicate=False):
+        name = canonical[id(p)]
+        if name not in plan.params:
+            continue
+        if alias.startswith(prefix):
+            stage = stage_of_block[index_of_key[alias[len(prefix):].split(".", 1)[0]]]
+            seen_blocks = True
+            if block_stage.setdefault(name, stage) != stage:
+                raise PipelinePlanError(f"parameter {name!r} is shared by blocks of stages {block_stage[name]} and"
+                                        f" {stage}; stages cannot share block parameters")
+        elif prologue is not None:
+            stage = 0 if name in prologue else num_stages - 1
+        else:
+            stage = num_stages - 1 if seen_blocks else 0
+        held.setdefault(name, set()).add(stage)
+    return {n: tuple(sorted(held[n])) for n in plan.params}
+
+
+def unshard_stages(per_rank: Sequence[Mapping[str, Tensor]], plan: ShardingPlan, mesh: Mesh) -> dict[str, Tensor]:
+    """Every parameter of ``plan`` assembled from each rank's at-rest tensors (``per_rank[r]``
+    holds only rank ``r``'s parameters under a pipeline), in the layout's (view) shape.
+
+    Guarantees: without a pipeline this is ``layout.unshard`` per parameter; a parameter held by
+    several pipeline ranks (a tied embedding and head) must be bit-identical on all of them,
+    else ``ValueError`` naming it (the copies drifting apart is always a bug)."""
+    from .layout import unshard
+
+    if plan.pipeline is None:
+        return {n: unshard([per_rank[r][n] for r in range(mesh.size)], lay.at_rest, mesh)
+                for n, lay in plan.params.items()}
+    layout = plan.pipeline
+    sub = mesh.sub(tuple(a for a in mesh.axis_names if a != layout.axis))
+    out = {}
+    for n, lay in plan.params.items():
+        copies = []
+        for j in sorted({s % layout.degree() for s in layout.param_stages[n]}):
+            ranks = [r for r in range(mesh.size) if mesh.index(r, layout.axis) == j]
+            copies.append(unshard([per_rank[r][n] for r in ranks], lay.at_rest, sub))
+        if any(not torch.equal(copies[0], c) for c in copies[1:]):
+            raise ValueError(f"parameter {n!r} differs between the pipeline stages that hold it")
+        out[n] = copies[0]
+    return out

@@ -1,0 +1,176 @@
+"""Pipeline parallelism: the stage table, bad input, transformers' models unmodified, a dead rank.
+
+Exactness over random models, schedules and meshes is ``property_tests/test_pipeline_properties.py``;
+here: what ``resolve_pipeline`` builds and refuses, and the runtime on what users bring.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+from fsdpx.models.tp_plans import gpt2_plan, llama_plan
+from fsdpx.runtime import init_sharded, make_sharded_step
+from fsdpx.runtime.pipeline import microbatch_bounds
+from fsdpx.runtime.threads import run_threads
+from fsdpx.sharding import Mesh, RankFailure, strategies
+from fsdpx.sharding.pipeline import (PipelineParallel, PipelinePlanError, balanced_split, rank_plan,
+                                     resolve_pipeline)
+from fsdpx.sharding.tensor_parallel import resolve
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
+from test_pipeline_properties import _pipelined  # noqa: E402
+from test_sharded_properties import _assert_close_to_reference, _baseline, _optimizer  # noqa: E402
+
+
+def _gpt(n_layer=4, tie=True):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=n_layer, n_head=2, n_embd=4, tie_weights=tie)).double()
+
+
+def _plan(model, mesh, strategy="ddp", **kw):
+    return resolve_pipeline(model, resolve(model, None, strategies.ALL[strategy](), mesh), PipelineParallel(**kw),
+                            mesh)
+
+
+# ---- the stage table -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("costs, stages, want", [
+    ([1, 1, 1, 1], 2, (2, 2)),
+    ([1, 1, 1, 1, 1], 2, (3, 2)),  # the extra block goes first: the last stage also runs the LM head
+    ([5, 1, 1, 1], 2, (1, 3)),
+    ([1, 1, 1], 3, (1, 1, 1)),
+    ([3], 1, (1,)),
+])
+def test_balanced_split_minimises_the_largest_stage(costs, stages, want):
+    assert balanced_split(costs, stages) == want
+
+
+def test_microbatches_differ_by_at_most_one_example_and_tile_the_batch():
+    for n in range(0, 12):
+        for m in range(1, 6):
+            bounds = microbatch_bounds(n, m)
+            sizes = [b - a for a, b in bounds]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n and max(sizes) - min(sizes) <= 1
+            assert all(bounds[i][1] == bounds[i + 1][0] for i in range(m - 1))
+
+
+def test_tied_embedding_and_head_are_held_by_the_first_and_last_stage():
+    model = _gpt()
+    plan = _plan(model, Mesh(dp=1, pp=2))
+    lay = plan.pipeline
+    assert lay.stages == ((0, 1), (2, 3))
+    assert lay.param_stages["wte.weight"] == (0, 1)  # also the LM head's weight
+    assert lay.param_stages["wpe.weight"] == (0,)
+    assert lay.param_stages["ln_f.weight"] == (1,)
+    assert lay.param_stages["blocks.2.attn.qkv.weight"] == (1,)
+    mesh = Mesh(dp=1, pp=2)
+    assert "wpe.weight" in rank_plan(plan, mesh, 0).params and "wpe.weight" not in rank_plan(plan, mesh, 1).params
+
+
+@pytest.mark.parametrize("mesh, kw, match", [
+    (Mesh(dp=1, pp=2), dict(axis="stage"), "axis 'stage'"),
+    (Mesh(dp=1, pp=4), dict(), "4 pipeline stages but only 3 blocks"),
+    (Mesh(dp=1, pp=2), dict(schedule="looped"), "unknown schedule kind"),
+    (Mesh(dp=1, pp=2), dict(schedule="interleaved_1f1b", virtual_stages=2, microbatches=3), "multiple"),
+    (Mesh(dp=1, pp=2), dict(split=(1, 1)), "split"),
+    (Mesh(dp=1, pp=2), dict(microbatches=0), "num_microbatches"),
+    (Mesh(dp=2), dict(axis="dp"), "both pipeline and data"),
+])
+def test_pipelines_that_do_not_fit_are_refused_before_anything_runs(mesh, kw, match):
+    with pytest.raises(PipelinePlanError, match=match):
+        _plan(_gpt(n_layer=3), mesh, **kw)
+
+
+def test_a_batch_smaller_than_the_microbatch_count_trains_on_what_there_is():
+    """3 examples in 5 microbatches over dp=2 (2 and 1 examples per rank): empty microbatches
+    run their parameter collectives, move nothing, and the result is the unsharded step's."""
+    model = _gpt()
+    mesh = Mesh(dp=2, pp=2)
+    plan = _plan(model, mesh, strategy="zero3", microbatches=5)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 11, (3, 4), generator=g), torch.randint(0, 11, (3, 4), generator=g))]
+    optimizer = _optimizer(torch.float64)
+    got, metrics = _pipelined(model, batches, optimizer, plan, mesh)
+    _assert_close_to_reference(got, _baseline(model, batches, optimizer, None), model, 1e-10)
+    assert {m["batch_size"] for m in metrics} == {3}
+
+
+def test_a_rank_that_dies_between_stages_is_named_by_its_peer():
+    model = _gpt()
+    mesh = Mesh(dp=1, pp=2)
+    plan = _plan(model, mesh)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    batch = (torch.randint(0, 11, (4, 4)), torch.randint(0, 11, (4, 4)))
+
+    def rank(comm):
+        step = make_sharded_step(copy.deepcopy(model), token_loss, _optimizer(torch.float64), plan, comm,
+                                 param_shapes=shapes)
+        state = init_sharded(params, _optimizer(torch.float64), plan, comm, key=0)
+        step(state, batch)  # both ranks agree and run one step
+        if comm.rank == 0:
+            raise SystemExit("rank 0 dies before its second step")
+        step(state, batch)
+
+    with pytest.raises((RankFailure, SystemExit)) as info:
+        run_threads(mesh, rank, timeout=5)
+    assert "0" in str(info.value)
+
+
+# ---- transformers' models, unmodified --------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from test_tensor_parallel_hf import _gpt2, _llama, hf_loss  # noqa: E402
+
+
+def _hf_check(model, mesh, tp_plan=None, **kw):
+    base = resolve(model, tp_plan, strategies.zero3(), mesh)
+    plan = resolve_pipeline(model, base, PipelineParallel(**kw), mesh)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 37, (4, 8), generator=g), torch.randint(0, 37, (4, 8), generator=g))
+               for _ in range(2)]
+    optimizer = _optimizer(torch.float64)
+    from test_tensor_parallel_hf import _reference
+
+    ref = _reference(model, batches, optimizer, None, [n for n, _ in model.named_parameters()])
+    got, _ = _pipelined_hf(model, batches, optimizer, plan, mesh)
+    _assert_close_to_reference(got, ref, model, 1e-10)
+
+
+def _pipelined_hf(model, batches, optimizer, plan, mesh):
+    import test_pipeline_properties as tpp
+
+    saved = tpp.token_loss
+    tpp.token_loss = hf_loss
+    try:
+        return tpp._pipelined(model, batches, optimizer, plan, mesh)
+    finally:
+        tpp.token_loss = saved
+
+
+@pytest.mark.parametrize("mesh, kw", [
+    (Mesh(dp=1, pp=2), dict(schedule="1f1b", microbatches=2)),
+    (Mesh(dp=2, pp=2), dict(schedule="zero_bubble", microbatches=2)),
+])
+def test_hf_gpt2_pipelined_steps_equal_unsharded_steps(mesh, kw):
+    """GPT-2 ties ``lm_head`` to ``wte`` (first and last stage) and builds its positions and
+    masks inside its forward, which every stage runs as the model does."""
+    _hf_check(_gpt2("sdpa"), mesh, **kw)
+
+
+def test_hf_llama_pipelined_with_tensor_parallelism_equals_unsharded_steps():
+    """Llama's rotary tables are computed in the model's forward, on every stage."""
+    model = _llama("eager")
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), schedule="gpipe", microbatches=2)
+
+
+def test_hf_gpt2_pipelined_with_tensor_parallelism_equals_unsharded_steps():
+    model = _gpt2("eager")
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), gpt2_plan(model.config), schedule="1f1b", microbatches=3)
