@@ -23,7 +23,7 @@ from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.runtime import init_sharded, make_sharded_step
 from fsdpx.runtime.threads import run_threads
 from fsdpx.sharding import Mesh, strategies
-from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline, unshard_stages
+from fsdpx.sharding.pipeline import PipelineParallel, pipeline_comm_per_step, resolve_pipeline, unshard_stages
 from fsdpx.sharding.schedule import KINDS
 from fsdpx.sharding.tensor_parallel import resolve
 
@@ -84,3 +84,23 @@ def test_pipelined_steps_equal_unsharded_steps(case):
     _assert_close_to_reference(got, ref, model, 1e-10)
     assert len({m["loss"] for m in metrics if m["batch_size"]}) <= 1
     assert {m["batch_size"] for m in metrics} == {batches[-1][1].shape[0]}
+
+
+def _nonzero(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v}
+
+
+@settings(max_examples=25)
+@given(pipelines())
+def test_counted_bytes_equal_pipeline_comm_per_step(case):
+    """Rank 0 counts exactly ``pipeline_comm_per_step`` (parameter collectives per microbatch,
+    reductions and updates once, activations and shared gradients point to point), without
+    tensor parallelism (whose activation collectives are traced per whole model)."""
+    model, batches, plan, mesh = case
+    if "tp" in mesh.axis_names:
+        return
+    _, metrics = _pipelined(model, batches[:1], _optimizer(torch.float64), plan, mesh)
+    x, _ = batches[0]
+    want = pipeline_comm_per_step(plan, mesh, 0, batch_size=x.shape[0], hidden=(x.shape[1], model.config.n_embd),
+                                  dtype=torch.float64)
+    assert _nonzero(metrics[0]["comm"]) == _nonzero(want)

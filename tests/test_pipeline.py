@@ -16,11 +16,10 @@ import torch
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.models.tp_plans import gpt2_plan, llama_plan
 from fsdpx.runtime import init_sharded, make_sharded_step
-from fsdpx.runtime.pipeline import microbatch_bounds
 from fsdpx.runtime.threads import run_threads
 from fsdpx.sharding import Mesh, RankFailure, strategies
-from fsdpx.sharding.pipeline import (PipelineParallel, PipelinePlanError, balanced_split, rank_plan,
-                                     resolve_pipeline)
+from fsdpx.sharding.pipeline import (PipelineParallel, PipelinePlanError, balanced_split, microbatch_bounds,
+                                     rank_plan, resolve_pipeline)
 from fsdpx.sharding.tensor_parallel import resolve
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))

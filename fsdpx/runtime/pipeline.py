@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from fsdpx.optim import Optimizer, update_fn
 from fsdpx.sharding.comm import Comm
-from fsdpx.sharding.pipeline import PipelineLayout, pipeline_index, rank_plan
+from fsdpx.sharding.pipeline import PipelineLayout, microbatch_bounds, pipeline_index, rank_plan
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.schedule import B, F, P2P, RECV_F, SEND_B, SEND_F, SPLIT_BACKWARD, W, Schedule, schedule
 from privacy.step import DPConfig, check_budget
@@ -70,19 +70,6 @@ class StageGroupComm:
 
     def counts(self) -> dict[str, int]:
         return self.base.counts()
-
-
-def microbatch_bounds(n: int, m: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each of ``m`` microbatches of ``n`` examples: the first ``n % m``
-    hold ``ceil(n / m)``, the rest ``floor(n / m)`` (``torch.tensor_split``); some are empty
-    when ``n < m``."""
-    base, extra = divmod(n, m)
-    out, start = [], 0
-    for i in range(m):
-        size = base + (i < extra)
-        out.append((start, start + size))
-        start += size
-    return out
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ registered otherwise names its split explicitly (``PipelineParallel(prologue=...
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -250,4 +251,89 @@ def unshard_stages(per_rank: Sequence[Mapping[str, Tensor]], plan: ShardingPlan,
         if any(not torch.equal(copies[0], c) for c in copies[1:]):
             raise ValueError(f"parameter {n!r} differs between the pipeline stages that hold it")
         out[n] = copies[0]
+    return out
+
+
+def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_size: int,
+                           hidden: Sequence[int], dtype: torch.dtype) -> dict[str, int]:
+    """Bytes ``rank`` moves in one pipelined step of a global batch of ``batch_size`` examples,
+    as ``fsdpx.sharding.cost`` counts them (``{kind: bytes}`` plus ``send_bytes``/``recv_bytes``;
+    ``p2p`` for the point-to-point messages). ``hidden``: the shape of one example's hidden
+    state between blocks (e.g. ``(T, C)``); ``dtype``: the parameters' and activations' dtype.
+
+    What the runtime runs (``fsdpx.runtime.pipeline``), per stage of the rank and microbatch:
+    the forward gathers every stage parameter (``ParamLayout.forward_transitions``); with
+    resharding, the backward gathers again the block parameters, and the prologue/epilogue ones
+    only at the last stage (a stage that stops early keeps them). Once per step: each
+    parameter's reduction and update transitions, and one message per other pipeline rank
+    holding a shared parameter (its raw gradient). Activations: one message per ``SEND_F`` and
+    ``SEND_B`` of a non-empty microbatch, ``size x prod(hidden)`` elements.
+
+    Excludes tensor-parallel activation collectives (traced per model by
+    ``fsdpx.runtime.activation_cost`` for a whole model, not per stage).
+    Guarantee: the simulated mesh counts exactly this for rank 0
+    (``property_tests/test_pipeline_properties.py::test_counted_bytes_equal_pipeline_comm_per_step``)."""
+    from .collectives import cost, plan as plan_collectives
+    from .layout import chunk_bounds, local_shape
+    from .schedule import P2P, SEND_B, SEND_F
+
+    layout = plan.pipeline
+    p, item = layout.degree(), dtype.itemsize
+    index = mesh.index(rank, layout.axis)
+    sub = mesh.sub(tuple(a for a in mesh.axis_names if a != layout.axis))
+    coords = mesh.coords(rank)
+    sub_rank = sub.rank_of({a: coords[a] for a in sub.axis_names})
+    a, b = chunk_bounds(batch_size, mesh.axis_size(plan.data_axes), mesh.index(rank, plan.data_axes))
+    sizes = [hi - lo for lo, hi in microbatch_bounds(b - a, layout.microbatches)]
+    block_prefix = f"{layout.blocks}." if layout.blocks else ""
+    collectives = []
+
+    def transitions(name: str, ts) -> None:
+        lay = plan.params[name]
+        for t in ts:
+            collectives.extend(plan_collectives(t.src, t.dst, lay.shape, sub, dtype))
+
+    last = layout.num_stages - 1
+    for s in layout.stages_on(index):
+        names = layout.params_of([s])
+        for _ in sizes:
+            for n in names:
+                transitions(n, plan.params[n].forward_transitions())
+            if plan.reshard_after_forward:
+                for n in names:
+                    if n.startswith(block_prefix) or s == last:
+                        transitions(n, plan.params[n].forward_transitions())
+    own = layout.params_of(layout.stages_on(index))
+    for n in own:
+        transitions(n, [t for t in plan.params[n].backward_transitions(False) if t.phase == "reduce_grad"])
+    for n in own:
+        transitions(n, plan.params[n].update_transitions())
+    out = cost(collectives)
+    p2p = 0
+    for n in own:
+        holders = {s % p for s in layout.param_stages[n]}
+        if len(holders) > 1:
+            p2p += (len(holders) - 1) * math.prod(local_shape(plan.params[n].shape, plan.params[n].compute, sub,
+                                                               sub_rank)) * item
+    sched = make_schedule(layout.schedule, p, layout.microbatches, virtual_stages=layout.virtual_stages)
+    per_example = math.prod(hidden) * item
+    for act in sched.ranks[index]:
+        if isinstance(act, (SEND_F, SEND_B)) and isinstance(act, P2P):
+            p2p += sizes[act.mb] * per_example
+    if p2p or p > 1:
+        out["p2p"] = p2p
+        out["send_bytes"] += p2p
+        out["recv_bytes"] += p2p
+    return out
+
+
+def microbatch_bounds(n: int, m: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``m`` microbatches of ``n`` examples: the first ``n % m``
+    hold ``ceil(n / m)``, the rest ``floor(n / m)`` (``torch.tensor_split``); some are empty
+    when ``n < m`` (``tests/test_pipeline.py``)."""
+    base, extra = divmod(n, m)
+    out, start = [], 0
+    for i in range(m):
+        out.append((start, start + base + (i < extra)))
+        start += base + (i < extra)
     return out

@@ -23,6 +23,7 @@ def main() -> None:
     try:
         got = comm.exchange_p2p([(peer, torch.full((3, 2), float(me))), (peer, torch.arange(5.0) * (me + 1))],
                                 [(peer, (3, 2), torch.float32), (peer, (5,), torch.float32)])
+        comm.flush_p2p()  # the sends complete (a pipeline step ends this way)
         result = {"got": got, "counts": comm.counts()}
     except RankFailure as e:
         result = {"failure": e.ranks}

@@ -13,6 +13,7 @@ from fsdpx import Mesh, comm_per_step, memory_by_rank, strategies, unshard
 from fsdpx.train.launch import spawn_ranks, torchrun_command
 from fsdpx.models.gpt import token_loss
 from fsdpx.models.tp_plans import gpt_plan
+from fsdpx.sharding.pipeline import PipelineParallel, pipeline_comm_per_step, resolve_pipeline, unshard_stages
 from fsdpx.runtime.activation_cost import activation_collectives
 from fsdpx.sharding.cost_model import as_plan
 from fsdpx.sharding.tensor_parallel import resolve
@@ -135,6 +136,39 @@ def test_transformers_plans_on_two_gloo_ranks_equal_the_unsharded_run(tmp_path, 
     model = make_model(kind)
     plan = resolve(model, tp_plan(kind, model), strategies.zero3(), mesh)
     _assert_equals_unsharded(results, plan, mesh, _baseline(False, kind))
+
+
+def _assert_pipeline_equals_unsharded(results: list[dict], plan, mesh: Mesh, ref: dict) -> None:
+    full = unshard_stages([r["params"] for r in results], plan, mesh)
+    for name, want in ref.items():
+        torch.testing.assert_close(full[name].reshape(want.shape), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, ("--strategy", "ddp", "--pp", "2", "--schedule", "1f1b", "--microbatches", "3")),
+    (4, ("--strategy", "zero3", "--pp", "2", "--schedule", "zero_bubble", "--microbatches", "2")),
+    (4, ("--strategy", "zero3", "--tp", "2", "--pp", "2", "--schedule", "gpipe", "--microbatches", "2")),
+])
+def test_pipelines_on_gloo_equal_the_unsharded_run(tmp_path, nproc, extra):
+    """pp=2 alone, dp=2 x pp=2 (ZeRO-3, zero-bubble), tp=2 x pp=2 (GPipe): real
+    processes, batched isend/irecv whose sends complete at the step's end, the tied embedding
+    and head summed between the first and last stage; the p2p bytes each rank counts are
+    ``pipeline_comm_per_step``'s (without tensor parallelism)."""
+    results = _run_torchrun(nproc, tmp_path, *extra)
+    args = dict(zip(extra[::2], extra[1::2]))
+    tp, pp = int(args.get("--tp", 1)), int(args["--pp"])
+    mesh = Mesh(dp=nproc // (tp * pp), **({"tp": tp} if tp > 1 else {}), pp=pp)
+    model = make_model()
+    plan = resolve(model, gpt_plan(model.config) if tp > 1 else None, strategies.ALL[args["--strategy"]](), mesh)
+    plan = resolve_pipeline(model, plan, PipelineParallel(schedule=args["--schedule"],
+                                                          microbatches=int(args["--microbatches"])), mesh)
+    _assert_pipeline_equals_unsharded(results, plan, mesh, _baseline(False))
+    if tp == 1:
+        for rank, r in enumerate(results):
+            for (x, _), metrics in zip(BATCHES, r["metrics"]):
+                want = pipeline_comm_per_step(plan, mesh, rank, batch_size=x.shape[0],
+                                              hidden=(x.shape[1], model.config.n_embd), dtype=torch.float64)
+                assert metrics["comm"]["p2p"] == want["p2p"], (rank, metrics["comm"], want)
 
 
 def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):

@@ -15,6 +15,7 @@ from fsdpx import Mesh, strategies
 from fsdpx.sharding.comm import RankFailure
 from fsdpx.runtime.dist_comm import init_from_env, shutdown
 from fsdpx.optim import sgd
+from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
 from fsdpx.sharding.tensor_parallel import resolve
 from fsdpx.runtime import init_sharded, make_sharded_step
 from privacy.step import DPConfig
@@ -34,6 +35,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the model's plan); the rest is data")
     ap.add_argument("--model", default="gpt", choices=("gpt", "hf-gpt2", "hf-llama"))
+    ap.add_argument("--pp", type=int, default=1, help="pipeline degree (stages over their own mesh axis)")
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--microbatches", type=int, default=2)
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     mesh = _mesh(args, world)
@@ -49,8 +53,11 @@ def main() -> None:
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     config: DPConfig | None = private_config() if args.private else None
     strategy = strategies.ALL[args.strategy]()
-    if args.tp > 1:
-        strategy = resolve(model, tp_plan(args.model, model), strategy, mesh)
+    if args.tp > 1 or args.pp > 1:
+        strategy = resolve(model, tp_plan(args.model, model) if args.tp > 1 else None, strategy, mesh)
+    if args.pp > 1:
+        strategy = resolve_pipeline(model, strategy, PipelineParallel(schedule=args.schedule,
+                                                                      microbatches=args.microbatches), mesh)
     optimizer = sgd(0.1, momentum=0.9)
     step = make_sharded_step(model, loss_for(args.model), optimizer, strategy, comm, param_shapes=shapes,
                              config=config, num_examples=NUM_EXAMPLES)
@@ -70,12 +77,14 @@ def main() -> None:
 
 def _mesh(args, world: int) -> Mesh:
     """hsdp: replicas of 2-way shards (its axes); every other strategy: one data-parallel axis;
-    with ``--tp`` a tensor-parallel axis last (its ranks adjacent, as Megatron places them)."""
-    data = (args.mesh_size or world) // args.tp
+    with ``--tp`` a tensor-parallel axis (its ranks adjacent, as Megatron places them), with
+    ``--pp`` a pipeline axis last."""
+    data = (args.mesh_size or world) // (args.tp * args.pp)
     tp = {"tp": args.tp} if args.tp > 1 else {}
+    pp = {"pp": args.pp} if args.pp > 1 else {}
     if args.strategy == "hsdp":
-        return Mesh(replica=data // 2, shard=2, **tp)
-    return Mesh(dp=data, **tp)
+        return Mesh(replica=data // 2, shard=2, **tp, **pp)
+    return Mesh(dp=data, **tp, **pp)
 
 
 def _die_after(comm, k: int) -> None:
