@@ -7,14 +7,16 @@ call's output gradient. Parameters are not asked for, so autograd skips every we
 product; the weight gradients are rebuilt from the tape (``A^T diag(c) B``) after clipping.
 This is the book-keeping trick: Opacus's ghost mode needs a second backward instead.
 
-Side effects are confined here: hooks are added for the duration of :func:`record` and removed
-in ``finally``; the model's own parameters are never modified.
+Side effects are confined here: hooks are added for the duration of :func:`record` (or of the
+``taping`` context, its forward half) and removed in ``finally``; the model's own parameters are
+never modified.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -88,6 +90,23 @@ def record(
     inputs, targets = batch
     args = _as_args(inputs)
     batch_size = targets.shape[0]
+    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    with taping(model, params, batch_size) as calls, torch.enable_grad():
+        losses = loss_fn(run_model(args) if run_model else functional_call(model, live, args), targets)
+        _check_losses(losses, batch_size)
+    fill_grads(calls, losses.sum())
+    return Tape(calls, losses.detach())
+
+
+@contextlib.contextmanager
+def taping(model: nn.Module, params: Params, batch_size: int) -> Iterator[list[Call]]:
+    """Inside, every call of a module owning one of ``params`` (canonical names) is appended to
+    the yielded list, with its inputs and the autograd edges of its outputs (``fill_grads``
+    later gives them their gradients). The forward half of :func:`record`, for runtimes that
+    run the backward themselves (a pipeline stage starts it from a received gradient).
+
+    Raises ``ValueError`` naming the module if a call's inputs or outputs lack the batch
+    dimension ``batch_size``."""
     table = owners(model, params)
     calls: list[Call] = []
     names = {id(m): n for n, m in model.named_modules() if n in table}
@@ -111,25 +130,31 @@ def record(
                           shapes=[(t.shape, t.dtype, t.device) for t in outs],
                           weight_shapes={k: p.shape for k, p in module.named_parameters(recurse=False)}))
 
-    live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     # prepend: the tape records what the module itself returned, before any other hook (a
     # tensor-parallel style's collective, say) rewrites its output
     handles = [modules[n].register_forward_hook(hook, with_kwargs=True, prepend=True) for n in table]
     try:
-        with torch.enable_grad():
-            losses = loss_fn(run_model(args) if run_model else functional_call(model, live, args), targets)
-            _check_losses(losses, batch_size)
-            wanted = [t for c in calls for t in c.outputs]
-            grads = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ()
+        yield calls
     finally:
         for h in handles:
             h.remove()
-    it = iter(grads)
+
+
+def fill_grads(calls: list[Call], root: Tensor, grad_root: Tensor | None = None,
+               inputs: tuple[Tensor, ...] = ()) -> tuple[Tensor | None, ...]:
+    """The backward half of :func:`record`: ONE ``autograd.grad`` from ``root`` (seeded with
+    ``grad_root``) to every recorded call output and to ``inputs``; each call gets its output
+    gradients (zeros where none flowed) and drops its edges. Returns the gradients of
+    ``inputs`` (``None`` where none flowed)."""
+    wanted = [t for c in calls for t in c.outputs]
+    targets = [*inputs, *wanted]
+    grads = torch.autograd.grad(root, targets, grad_root, allow_unused=True) if targets else ()
+    it = iter(grads[len(inputs):])
     for c in calls:
         c.grads = [g if g is not None else torch.zeros(s, dtype=d, device=v) for (s, d, v), g in zip(c.shapes, it)]
         c.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
         c.outputs = []
-    return Tape(calls, losses.detach())
+    return tuple(grads[:len(inputs)])
 
 
 def _check_losses(losses: Tensor, batch_size: int) -> None:
