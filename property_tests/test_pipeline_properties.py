@@ -4,9 +4,12 @@ unsharded training.
 The invariant: for every schedule kind, pp in 1..4 (virtual stages 1..2 where interleaved),
 tp in 1..2 and dp in 1..2 on the simulated mesh, random small GPTs (tied or untied head, 2..4
 blocks, uneven splits, empty and tiny batches so some microbatches are empty), N pipelined steps
-equal N unsharded steps, float64 to rel 1e-10, judged as ``test_sharded_properties`` judges
-them; every rank reports the same loss; the tied embedding and head stay bit-identical on the
-first and last stage (``unshard_stages`` checks).
+equal N unsharded steps, plain and private (ghost clipping, same key), float64 to rel 1e-10,
+judged as ``test_sharded_properties`` judges them; every rank reports the same loss; the tied
+embedding and head stay bit-identical on the first and last stage (``unshard_stages`` checks).
+Private: each stage's share of every example's squared norm, the tied parameter's norm completed
+on the last stage from both stages' contributions (cross term included), one all-reduce over
+the pipeline and tensor ranks, then each stage's clipped sums.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import copy
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sharded_properties import _assert_close_to_reference, _baseline, _optimizer
+from test_sharded_properties import _assert_close_to_reference, _baseline, _dp_config, _optimizer
 
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.models.tp_plans import gpt_plan
@@ -57,14 +60,18 @@ def pipelines(draw):
     return model, batches, plan, mesh
 
 
-def _pipelined(model, batches, optimizer, plan, mesh):
-    params = {k: v.detach() for k, v in model.named_parameters()}
+def _pipelined(model, batches, optimizer, plan, mesh, config=None, *, loss_fn=None):
+    """Every rank's steps on the simulated mesh (each with its own copy of ``model``); returns
+    the trained parameters of the plan, unsharded in their own shapes, and every rank's last
+    metrics. Parameters outside the plan stay frozen."""
+    params = {k: v.detach() for k, v in model.named_parameters() if k in plan.params}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
 
     def rank(comm):
         m = copy.deepcopy(model)
-        step = make_sharded_step(m, token_loss, optimizer, plan, comm, param_shapes=shapes)
-        state = init_sharded(params, optimizer, plan, comm, key=7)
+        step = make_sharded_step(m, loss_fn or token_loss, optimizer, plan, comm, param_shapes=shapes, config=config,
+                                 num_examples=50)
+        state = init_sharded(params, optimizer, plan, comm, key=7, config=config)
         for b in batches:
             state, metrics = step(state, b)
         return state, metrics
@@ -74,13 +81,14 @@ def _pipelined(model, batches, optimizer, plan, mesh):
     return {k: t.reshape(shapes[k]) for k, t in full.items()}, [r[1] for r in results]
 
 
-@settings(max_examples=30)
-@given(pipelines())
-def test_pipelined_steps_equal_unsharded_steps(case):
+@settings(max_examples=40)
+@given(pipelines(), st.booleans())
+def test_pipelined_steps_equal_unsharded_steps(case, private):
     model, batches, plan, mesh = case
     optimizer = _optimizer(torch.float64)
-    ref = _baseline(model, batches, optimizer, None)
-    got, metrics = _pipelined(model, batches, optimizer, plan, mesh)
+    config = _dp_config(private)
+    ref = _baseline(model, batches, optimizer, config)
+    got, metrics = _pipelined(model, batches, optimizer, plan, mesh, config)
     _assert_close_to_reference(got, ref, model, 1e-10)
     assert len({m["loss"] for m in metrics if m["batch_size"]}) <= 1
     assert {m["batch_size"] for m in metrics} == {batches[-1][1].shape[0]}

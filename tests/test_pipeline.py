@@ -129,8 +129,9 @@ transformers = pytest.importorskip("transformers")
 from test_tensor_parallel_hf import _gpt2, _llama, hf_loss  # noqa: E402
 
 
-def _hf_check(model, mesh, tp_plan=None, **kw):
-    base = resolve(model, tp_plan, strategies.zero3(), mesh)
+def _hf_check(model, mesh, tp_plan=None, config=None, frozen=(), **kw):
+    trainable = [n for n, _ in model.named_parameters() if n not in frozen]
+    base = resolve(model, tp_plan, strategies.zero3(), mesh, trainable=trainable)
     plan = resolve_pipeline(model, base, PipelineParallel(**kw), mesh)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 37, (4, 8), generator=g), torch.randint(0, 37, (4, 8), generator=g))
@@ -138,20 +139,13 @@ def _hf_check(model, mesh, tp_plan=None, **kw):
     optimizer = _optimizer(torch.float64)
     from test_tensor_parallel_hf import _reference
 
-    ref = _reference(model, batches, optimizer, None, [n for n, _ in model.named_parameters()])
-    got, _ = _pipelined_hf(model, batches, optimizer, plan, mesh)
+    ref = _reference(model, batches, optimizer, config, trainable)
+    got, _ = _pipelined_hf(model, batches, optimizer, plan, mesh, config)
     _assert_close_to_reference(got, ref, model, 1e-10)
 
 
-def _pipelined_hf(model, batches, optimizer, plan, mesh):
-    import test_pipeline_properties as tpp
-
-    saved = tpp.token_loss
-    tpp.token_loss = hf_loss
-    try:
-        return tpp._pipelined(model, batches, optimizer, plan, mesh)
-    finally:
-        tpp.token_loss = saved
+def _pipelined_hf(model, batches, optimizer, plan, mesh, config=None):
+    return _pipelined(model, batches, optimizer, plan, mesh, config, loss_fn=hf_loss)
 
 
 @pytest.mark.parametrize("mesh, kw", [
@@ -173,3 +167,23 @@ def test_hf_llama_pipelined_with_tensor_parallelism_equals_unsharded_steps():
 def test_hf_gpt2_pipelined_with_tensor_parallelism_equals_unsharded_steps():
     model = _gpt2("eager")
     _hf_check(model, Mesh(dp=1, tp=2, pp=2), gpt2_plan(model.config), schedule="1f1b", microbatches=3)
+
+
+def test_hf_gpt2_private_pipeline_equals_unsharded_private_steps():
+    """Ghost clipping through a pipeline: the tied ``wte``/``lm_head`` norm is completed on the
+    last stage with the first stage's contributions (``wpe`` frozen: transformers looks up
+    positions ``[1, T]`` broadcast over the batch, which has no per-example gradient)."""
+    from test_tensor_parallel_hf import _dp_config as hf_dp
+
+    _hf_check(_gpt2("eager"), Mesh(dp=1, pp=2), config=hf_dp("ghost"), frozen=("transformer.wpe.weight",),
+              schedule="1f1b", microbatches=2)
+
+
+def test_hf_llama_private_pipeline_with_tensor_parallelism_equals_unsharded_private_steps():
+    """``method="auto"``: Llama's RMSNorm has no ghost rule; its per-module vmap runs at the
+    stage's backward while its (ZeRO-3) parameters are still gathered."""
+    from test_tensor_parallel_hf import _dp_config as hf_dp
+
+    model = _llama("eager")
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), config=hf_dp("auto"), schedule="gpipe",
+              microbatches=2)

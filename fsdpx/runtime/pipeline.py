@@ -30,6 +30,7 @@ counted equal ``fsdpx.runtime.pipeline.pipeline_p2p_bytes`` plus the plan's coll
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -40,12 +41,19 @@ from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.pipeline import PipelineLayout, microbatch_bounds, pipeline_index, rank_plan
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.schedule import B, F, P2P, RECV_F, SEND_B, SEND_F, SPLIT_BACKWARD, W, Schedule, schedule
+from fsdpx.sharding.collectives import cached_plan as plan_collectives
+from fsdpx.sharding.spec import Spec
+from privacy import contributions as C
+from privacy.clipping import _factors
+from privacy.ghost import contributions
 from privacy.step import DPConfig, check_budget
-from privacy.tape import LossFn, _as_args
+from privacy.tape import LossFn, Tape, _as_args, fill_grads, taping
 
 from .gather import Gatherer
 from .stages import StageExit, StageForward
-from .step import ShardedState, _divisor, _global_metrics, _my_share, _reduce_and_update
+from .parts_p2p import recv_parts, send_parts
+from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
+                   needs_fallback, sharded_norms)
 from .tensor_parallel import TensorParallelHooks
 from .units import Unit, make_units
 
@@ -92,6 +100,9 @@ class _InFlight:
     root: Tensor | None  # what B starts from: the output, or the loss sum at the last stage
     size: int
     grad_out: Tensor | None = None  # the output's gradient, kept from B for a split W
+    calls: list | None = None  # private: the tape of the stage's layer calls
+    parts: dict | None = None  # private: per-example contributions, kept until the norms are complete
+    sq: Tensor | None = None  # private: this stage's share of each example's squared norm
 
 
 class PipelineStep:
@@ -99,9 +110,6 @@ class PipelineStep:
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, plan: ShardingPlan, comm: Comm, *,
                  config: DPConfig | None, num_examples: int | None, donate: bool):
-        if config is not None:
-            raise NotImplementedError("private pipelines are not built yet (issue 12): run the pipeline without"
-                                      " privacy, or privately without pp")
         self.model, self.loss_fn, self.optimizer, self.comm = model, loss_fn, optimizer, comm
         self.plan, self.config, self.num_examples, self.donate = plan, config, num_examples, donate
         layout: PipelineLayout = plan.pipeline
@@ -117,6 +125,13 @@ class PipelineStep:
         self.tensor_parallel = TensorParallelHooks(model, plan, self.group)
         self.stages = {s: self._stage(s) for s in layout.stages_on(self.index)}
         self.peer = {j: mesh.rank_of({**mesh.coords(comm.rank), layout.axis: j}) for j in range(self.p)}
+        self.keep = self.split or (config is not None and needs_fallback(model, self.local_plan.params))
+        if config is not None:
+            tp_norms = sharded_norms(plan, self.group)
+            self.counted = tp_norms.counted if tp_norms is not None else frozenset(plan.params)
+            # a parameter several stages hold: its norm is completed on the rank of the last of them
+            self.shared = {n: sorted({st % self.p for st in held}) for n, held in layout.param_stages.items()
+                           if len(held) > 1 and n in self.local_plan.params}
         self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def _stage(self, s: int) -> _Stage:
@@ -144,16 +159,34 @@ class PipelineStep:
                microbatch_bounds(targets.shape[0], self.layout.microbatches)]
         run = _Run(self, state, mbs)
         run.execute(self.schedule.ranks[self.index])
+        if self.config is not None:
+            run.clip()
         raw = run.raw_grads()
         self._sum_shared(raw)
         units = [Unit("", tuple(self.local_plan.params), ())]
         update = update_fn(self.optimizer, donate=self.donate)
         new_params, opt_state, resident = _reduce_and_update(raw, state, self.local_plan, self.group, units, update,
-                                                             _divisor(batch, self.config, self.num_examples), None)
+                                                             _divisor(batch, self.config, self.num_examples),
+                                                             _owned_noise(state, self.local_plan, self.group, self.config)
+                                                             if self.config else None)
         metrics = _global_metrics(self.comm, run.stats(), self.config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
         metrics["resident_bytes"] = resident
-        return ShardedState(new_params, opt_state, state.step + 1, state.key, state.accountant), metrics
+        accountant = state.accountant.record(self.config.noise_multiplier, self.config.sample_rate) \
+            if self.config else None
+        return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
+
+    def all_reduce_norms(self, sq: Tensor) -> Tensor:
+        """Each example's squared norm summed over the ranks sharing its examples: the pipeline
+        ranks and, with tensor parallelism, the tensor-parallel ones (ONE all-reduce of the
+        rank's batch share)."""
+        mesh = self.comm.mesh
+        axes = tuple(a for a in mesh.axis_names if a in (self.layout.axis, self.plan.tp_axis) and mesh.axis_size(a) > 1)
+        if not axes:
+            return sq
+        src = Spec.replicated(1)
+        (c,) = plan_collectives(src.with_partial(axes), src, tuple(sq.shape), mesh.sub(axes), sq.dtype)
+        return self.comm.run(c, sq.contiguous())
 
     def _sum_shared(self, raw: dict[str, Tensor]) -> None:
         """Gradients of parameters held on several pipeline ranks, summed over them in stage order."""
@@ -273,9 +306,10 @@ class _Run:
         o, st = self.o, self.o.stages[s]
         args, targets = self.mbs[mb]
         last = s == o.layout.num_stages - 1
-        keep = o.split  # a split backward walks the graph twice: keep gathered parameters until W
+        # o.keep: a split backward walks the graph twice, and a private layer without a ghost rule
+        # reads its parameters after the backward: gathered parameters stay until then
         gatherer = Gatherer(o.model, st.units, st.plan, o.group, {n: self.state.params[n] for n in st.names},
-                            keep_after_backward=keep)
+                            keep_after_backward=o.keep)
         size = targets.shape[0]
         if size == 0:
             _dry_forward(gatherer, last)
@@ -286,7 +320,8 @@ class _Run:
             inject = self._incoming("F", mb, s, s - 1).detach().requires_grad_(True)
         seq_dim = o.tensor_parallel.seq_dim
         seq_len = args[0].shape[seq_dim] if seq_dim is not None else 0
-        with gatherer.installed(), o.tensor_parallel.installed(seq_len), st.forward.running(s, inject):
+        tape = taping(o.model, dict.fromkeys(st.names), size) if o.config is not None else contextlib.nullcontext([])
+        with gatherer.installed(), o.tensor_parallel.installed(seq_len), st.forward.running(s, inject), tape as calls:
             try:
                 out = o.model(*args)
             except StageExit as e:
@@ -299,7 +334,7 @@ class _Run:
             else:
                 root = out
                 self.outbox[("F", mb, s)] = out.detach()
-        self.flight[(mb, s)] = _InFlight(gatherer, inject, root, size)
+        self.flight[(mb, s)] = _InFlight(gatherer, inject, root, size, calls=calls)
 
     def _backward(self, mb: int, s: int, *, weights: bool) -> None:
         rec = self.flight[(mb, s)]
@@ -312,6 +347,9 @@ class _Run:
         if s < self.o.layout.num_stages - 1:
             grad_out = self._incoming("B", mb, s, s + 1)
         rec.grad_out = grad_out
+        if self.o.config is not None:
+            self._private_backward(mb, s, rec)
+            return
         leaves = [rec.gatherer.full[n] for n in self.o.stages[s].names] if weights else []
         inputs = ([rec.inject] if rec.inject is not None else []) + leaves
         if inputs:
@@ -327,7 +365,80 @@ class _Run:
             rec.gatherer.finish()
             self.flight.pop((mb, s))
 
+    def _private_backward(self, mb: int, s: int, rec: _InFlight) -> None:
+        """ONE backward to the stage input and the tape's outputs; the contributions are kept
+        and this stage's share of each example's squared norm computed. The weight gradients
+        wait for the complete norms (``clip``)."""
+        o, st = self.o, self.o.stages[s]
+        inputs = (rec.inject,) if rec.inject is not None else ()
+        got = fill_grads(rec.calls, rec.root, rec.grad_out, inputs)
+        if rec.inject is not None:
+            self.outbox[("B", mb, s)] = got[0] if got[0] is not None else torch.zeros_like(rec.inject)
+        leaves = {n: rec.gatherer.full[n] for n in st.names}
+        rec.parts = contributions(o.model, leaves, Tape(rec.calls, None), method=o.config.method)
+        rec.calls, rec.root, rec.grad_out = None, None, None
+        rec.sq = leaves[st.names[0]].new_zeros(rec.size) if st.names else torch.zeros(rec.size, dtype=torch.float64)
+        for n, plist in rec.parts.items():
+            if n in o.counted and n not in o.shared:
+                rec.sq = rec.sq + C.sq_norms(plist, leaves[n].shape)
+        rec.gatherer.finish()
+
+    def clip(self) -> None:
+        """Private, after every backward: complete the shared parameters' norms where they are
+        held last, all-reduce the squared norms over the pipeline (and tensor) ranks, then form
+        every stage's clipped weight gradients from its contributions (its deferred ``W``)."""
+        o = self.o
+        mine = sorted(k for k in self.flight)  # (mb, stage) still holding contributions
+        self._shared_norms(mine)
+        sizes = [targets.shape[0] for _, targets in self.mbs]
+        dtype = next(iter(self.state.params.values())).dtype
+        sq = torch.zeros(sum(sizes), dtype=dtype)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        for (mb, s) in mine:
+            rec = self.flight[(mb, s)]
+            if rec.size:
+                sq[starts[mb]:starts[mb] + rec.size] += rec.sq
+        norms = o.all_reduce_norms(sq).sqrt()
+        self.norms = norms
+        for (mb, s) in mine:
+            rec = self.flight.pop((mb, s))
+            if rec.size == 0:
+                _free_all(rec.gatherer)
+                continue
+            factors, parts = _factors(norms[starts[mb]:starts[mb] + rec.size], rec.parts, o.config.clip_norm,
+                                      o.config.clipping, o.config.nonfinite)
+            st = o.stages[s]
+            grads = [C.weighted_sum(parts[n], factors, rec.gatherer.full[n].shape) if parts.get(n) else None
+                     for n in st.names]
+            self._accumulate(s, grads)
+            _free_all(rec.gatherer)
+
+    def _shared_norms(self, mine: list[tuple[int, int]]) -> None:
+        """For each parameter held by several stages: every holding rank but the last sends its
+        contributions of every microbatch; the last adds the squared norm of their sum (cross
+        terms included) to its share (with one holding rank, nothing moves)."""
+        o = self.o
+        for name, holders in sorted(o.shared.items()):
+            if name not in o.counted:
+                continue
+            last = holders[-1]
+            for mb in range(len(self.mbs)):
+                if self.mbs[mb][1].shape[0] == 0:
+                    continue
+                own = [p for (m, s) in mine if m == mb for p in (self.flight[(m, s)].parts or {}).get(name, [])]
+                if o.index != last:
+                    send_parts(o.comm, o.peer[last], own)
+                    continue
+                for j in holders[:-1]:
+                    own = own + recv_parts(o.comm, o.peer[j])
+                recs = [self.flight[(m, s)] for (m, s) in mine if m == mb and name in o.stages[s].names]
+                shape = recs[0].gatherer.full[name].shape
+                recs[0].sq = recs[0].sq + C.sq_norms(own, shape)
+        o.comm.flush_p2p()
+
     def _weights(self, mb: int, s: int) -> None:
+        if self.o.config is not None:
+            return  # private: every W waits for the complete norms (``clip``)
         if not self.o.split:
             return  # fused schedules formed the weight gradients in B
         rec = self.flight.pop((mb, s))
@@ -365,7 +476,12 @@ class _Run:
         o = self.o
         counts = o.index == (o.layout.num_stages - 1) % o.p and (
             o.plan.tp_axis is None or o.comm.mesh.index(o.comm.rank, o.plan.tp_axis) == 0)
-        return (self.loss_sum, self.count, 0, 0.0) if counts else (0.0, 0, 0, 0.0)
+        if not counts:
+            return (0.0, 0, 0, 0.0)
+        if self.o.config is None:
+            return (self.loss_sum, self.count, 0, 0.0)
+        norms = self.norms
+        return (self.loss_sum, self.count, int((norms > self.o.config.clip_norm).sum()), float(norms.sum()))
 
 
 def _dry_forward(g: Gatherer, last: bool) -> None:

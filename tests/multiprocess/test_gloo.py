@@ -144,17 +144,20 @@ def _assert_pipeline_equals_unsharded(results: list[dict], plan, mesh: Mesh, ref
         torch.testing.assert_close(full[name].reshape(want.shape), want, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (2, ("--strategy", "ddp", "--pp", "2", "--schedule", "1f1b", "--microbatches", "3")),
-    (4, ("--strategy", "zero3", "--pp", "2", "--schedule", "zero_bubble", "--microbatches", "2")),
-    (4, ("--strategy", "zero3", "--tp", "2", "--pp", "2", "--schedule", "gpipe", "--microbatches", "2")),
+@pytest.mark.parametrize("nproc, extra, private", [
+    (2, ("--strategy", "ddp", "--pp", "2", "--schedule", "1f1b", "--microbatches", "3"), False),
+    (2, ("--strategy", "ddp", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2"), True),
+    (4, ("--strategy", "zero3", "--pp", "2", "--schedule", "zero_bubble", "--microbatches", "2"), False),
+    (4, ("--strategy", "zero3", "--pp", "2", "--schedule", "1f1b", "--microbatches", "2"), True),
+    (4, ("--strategy", "zero3", "--tp", "2", "--pp", "2", "--schedule", "gpipe", "--microbatches", "2"), False),
 ])
-def test_pipelines_on_gloo_equal_the_unsharded_run(tmp_path, nproc, extra):
-    """pp=2 alone, dp=2 x pp=2 (ZeRO-3, zero-bubble), tp=2 x pp=2 (GPipe): real
-    processes, batched isend/irecv whose sends complete at the step's end, the tied embedding
-    and head summed between the first and last stage; the p2p bytes each rank counts are
-    ``pipeline_comm_per_step``'s (without tensor parallelism)."""
-    results = _run_torchrun(nproc, tmp_path, *extra)
+def test_pipelines_on_gloo_equal_the_unsharded_run(tmp_path, nproc, extra, private):
+    """pp=2 alone, dp=2 x pp=2 (ZeRO-3, zero-bubble and 1F1B), tp=2 x pp=2 (GPipe), plain
+    and private: real processes, batched isend/irecv whose sends complete at the step's end,
+    the tied embedding and head summed between the first and last stage (private: its norm
+    completed on the last from the first's contributions); the p2p bytes each plain rank counts
+    are ``pipeline_comm_per_step``'s (without tensor parallelism)."""
+    results = _run_torchrun(nproc, tmp_path, *extra, *(["--private"] if private else []))
     args = dict(zip(extra[::2], extra[1::2]))
     tp, pp = int(args.get("--tp", 1)), int(args["--pp"])
     mesh = Mesh(dp=nproc // (tp * pp), **({"tp": tp} if tp > 1 else {}), pp=pp)
@@ -162,8 +165,8 @@ def test_pipelines_on_gloo_equal_the_unsharded_run(tmp_path, nproc, extra):
     plan = resolve(model, gpt_plan(model.config) if tp > 1 else None, strategies.ALL[args["--strategy"]](), mesh)
     plan = resolve_pipeline(model, plan, PipelineParallel(schedule=args["--schedule"],
                                                           microbatches=int(args["--microbatches"])), mesh)
-    _assert_pipeline_equals_unsharded(results, plan, mesh, _baseline(False))
-    if tp == 1:
+    _assert_pipeline_equals_unsharded(results, plan, mesh, _baseline(private))
+    if tp == 1 and not private:
         for rank, r in enumerate(results):
             for (x, _), metrics in zip(BATCHES, r["metrics"]):
                 want = pipeline_comm_per_step(plan, mesh, rank, batch_size=x.shape[0],
