@@ -121,6 +121,8 @@ def load(
     tensors = {}
     try:
         for path, rec in manifest.tensors.items():
+            if not rule.held(path, mesh, rank):
+                continue  # another pipeline stage's parameter
             shape = rule.target_shape(path, rec.shape, rec.param_shape)
             spec = rule(path, len(shape))
             try:
@@ -135,7 +137,20 @@ def load(
                 tensors[path] = block.clone()
     finally:
         files.close()
-    return unflatten(manifest.state, tensors.__getitem__)
+    return unflatten(_prune(manifest.state, tensors), tensors.__getitem__)
+
+
+def _prune(tree: Any, tensors: Mapping[str, Any]) -> Any:
+    """The tree without the dict entries of tensors this rank does not hold (another pipeline
+    stage's parameters: ``Rule.held``)."""
+    if isinstance(tree, list):
+        return [_prune(v, tensors) for v in tree]
+    if isinstance(tree, dict):
+        if set(tree) == {"$dict"}:
+            return {"$dict": [[k, _prune(v, tensors)] for k, v in tree["$dict"]
+                              if not (isinstance(v, dict) and set(v) == {"$tensor"} and v["$tensor"] not in tensors)]}
+        return {k: _prune(v, tensors) for k, v in tree.items()}
+    return tree
 
 
 def load_ranks(directory: str | Path, *, mesh: Mesh, strategy: Layouts, specs: Specs = None,

@@ -48,6 +48,17 @@ class Rule:
             return None
         return self.plan.params.get(unquote(parts[-1]))
 
+    def held(self, path: str, mesh, rank: int) -> bool:
+        """Does ``rank`` hold the tensor at ``path``? Always, except under a pipeline: a
+        parameter's tensors live only on the ranks of the stages that hold it."""
+        lay = self.layout(path)
+        pipeline = None if self.plan is None else self.plan.pipeline
+        if lay is None or pipeline is None:
+            return True
+        name = unquote(path.split("/")[-1])
+        index = mesh.index(rank, pipeline.axis)
+        return any(s % pipeline.degree() == index for s in pipeline.param_stages[name])
+
     def param_shape(self, path: str) -> tuple[int, ...] | None:
         """The parameter's own shape when the plan stores ``path`` in a view of it, else None."""
         lay = self.layout(path)
@@ -118,4 +129,25 @@ def layout_meta(strategy: Layouts) -> dict | None:
                        "opt_state": repr(lay.opt_state)}
                    for n, lay in strategy.params.items()},
         "modules": {n: repr(ms.style) for n, ms in strategy.modules.items()},
+        **({"pipeline": pipeline_meta(strategy.pipeline)} if strategy.pipeline is not None else {}),
     }
+
+
+def pipeline_meta(layout) -> dict:
+    """What the manifest records of a pipeline: its axis and degree, and for each parameter
+    the pipeline indices holding it (saving reads it to know which ranks write a tensor)."""
+    p = layout.degree()
+    return {"axis": layout.axis, "degree": p, "schedule": layout.schedule, "microbatches": layout.microbatches,
+            "stages": [list(s) for s in layout.stages],
+            "holders": {n: sorted({s % p for s in held}) for n, held in layout.param_stages.items()}}
+
+
+def pipeline_holders(plan_meta: dict | None, path: str) -> list[int] | None:
+    """The pipeline indices holding the tensor at ``path`` (from ``layout_meta``), or None when
+    every rank holds it."""
+    if not plan_meta or "pipeline" not in plan_meta:
+        return None
+    parts = path.split("/")
+    if parts[0] not in ("params", "opt_state") or len(parts) < 2:
+        return None
+    return plan_meta["pipeline"]["holders"].get(unquote(parts[-1]))

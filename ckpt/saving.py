@@ -56,7 +56,7 @@ from .boxes import global_shape, is_writer
 from .coordinator import Coordinator, SingleProcess, ThreadGroup
 from .errors import LayoutError, MissingAccountantError, SaveError
 from .flatten import Tree, contains_type, flatten
-from .rules import Layouts, Rule, Specs, layout_meta, make_rule
+from .rules import Layouts, Rule, Specs, layout_meta, make_rule, pipeline_holders, pipeline_meta
 from .writer import file_name, write_shard
 
 _SINGLE = SingleProcess()
@@ -199,7 +199,7 @@ def rank_report(tmp: Path, rank: int, tree: Tree, tensors: dict[str, Tensor], ru
             specs[path].validate_axes(mesh)
         except ValueError as e:
             raise LayoutError(f"{path}: {e}") from None
-    blocks = [(p, t) for p, t in tensors.items() if t.numel() > 0 and is_writer(specs[p], mesh, rank)]
+    blocks = [(p, t) for p, t in tensors.items() if t.numel() > 0 and _writes(rule, p, specs[p], mesh, rank)]
     name = file_name(rank) if blocks else None
     result = write_shard(tmp / name, blocks) if name else None
     return {
@@ -215,33 +215,100 @@ def rank_report(tmp: Path, rank: int, tree: Tree, tensors: dict[str, Tensor], ru
     }
 
 
+def _writes(rule: Rule, path: str, spec: Spec, mesh: Mesh, rank: int) -> bool:
+    """Is ``rank`` the first replica of its block? Under a pipeline, replicas are counted among
+    the ranks of the first pipeline index holding the tensor only."""
+    pipeline = None if rule.plan is None else rule.plan.pipeline
+    if pipeline is None or rule.layout(path) is None:
+        return is_writer(spec, mesh, rank)
+    holders = pipeline_holders({"pipeline": pipeline_meta(pipeline)}, path)
+    if mesh.index(rank, pipeline.axis) != holders[0]:
+        return False
+    sub, sub_rank = _stage_mesh(mesh, pipeline.axis, rank)
+    return is_writer(spec, sub, sub_rank)
+
+
+def _stage_mesh(mesh: Mesh, axis: str, rank: int) -> tuple[Mesh, int]:
+    """The mesh without the pipeline axis, and ``rank``'s place in it."""
+    sub = mesh.sub(tuple(a for a in mesh.axis_names if a != axis))
+    coords = mesh.coords(rank)
+    return sub, sub.rank_of({a: coords[a] for a in sub.axis_names})
+
+
 def assemble(reports: list[dict], mesh: Mesh, *, strategy: str | None, private: bool, step: int | None,
              plan: dict | None = None) -> fmt.Manifest:
     """Rank 0's pure step: all ranks' reports -> the manifest (``LayoutError`` if they do not
-    describe one consistent state)."""
+    describe one consistent state). Under a pipeline (``plan["pipeline"]``) a parameter's
+    tensors come from the ranks of its first holding pipeline index, laid out on the mesh
+    without the pipeline axis, and the ranks' trees (which list only their own parameters) are
+    merged (``merge_trees``)."""
     first = reports[0]
-    for r, rep in enumerate(reports):
-        if rep["tree"] != first["tree"]:
-            raise LayoutError(f"rank {r}'s non-tensor state differs from rank 0's; rank-local values must be tensors")
-        if set(rep["tensors"]) != set(first["tensors"]):
-            diff = sorted(set(rep["tensors"]) ^ set(first["tensors"]))
-            raise LayoutError(f"rank {r} and rank 0 hold different tensors: {diff[:5]}")
+    piped = plan is not None and "pipeline" in plan
+    if piped:
+        tree = merge_trees([rep["tree"] for rep in reports])
+    else:
+        tree = first["tree"]
+        for r, rep in enumerate(reports):
+            if rep["tree"] != first["tree"]:
+                raise LayoutError(f"rank {r}'s non-tensor state differs from rank 0's; rank-local values must be"
+                                  " tensors")
+            if set(rep["tensors"]) != set(first["tensors"]):
+                diff = sorted(set(rep["tensors"]) ^ set(first["tensors"]))
+                raise LayoutError(f"rank {r} and rank 0 hold different tensors: {diff[:5]}")
+    paths = list(dict.fromkeys(p for rep in reports for p in rep["tensors"]))
     tensors = {}
-    for path, t0 in first["tensors"].items():
-        per_rank = [rep["tensors"][path] for rep in reports]
-        for r, t in enumerate(per_rank):
+    for path in paths:
+        holders = pipeline_holders(plan, path) if piped else None
+        on, lay_mesh, ranks = mesh, mesh, list(range(mesh.size))
+        if holders is not None:
+            axis = plan["pipeline"]["axis"]
+            ranks = [r for r in range(mesh.size) if mesh.index(r, axis) == holders[0]]
+            lay_mesh = mesh.sub(tuple(a for a in mesh.axis_names if a != axis))
+        missing = [r for r in ranks if path not in reports[r]["tensors"]]
+        if missing:
+            raise LayoutError(f"{path}: ranks {missing[:5]} do not hold it")
+        per_rank = [reports[r]["tensors"][path] for r in ranks]
+        t0 = per_rank[0]
+        for r, t in zip(ranks, per_rank):
             if (t["dtype"], t["spec"]) != (t0["dtype"], t0["spec"]):
-                raise LayoutError(f"{path}: rank {r} has {t['dtype']} {t['spec']}, rank 0 {t0['dtype']} {t0['spec']}")
+                raise LayoutError(f"{path}: rank {r} has {t['dtype']} {t['spec']}, rank {ranks[0]} {t0['dtype']}"
+                                  f" {t0['spec']}")
         spec = Spec.parse(t0["spec"])
-        shape = global_shape(path, [t["shape"] for t in per_rank], spec, mesh)
+        shape = global_shape(path, [t["shape"] for t in per_rank], spec, lay_mesh)
         boxes = tuple(
-            fmt.BoxRecord(local_box(shape, spec, mesh, r), reports[r]["file"]["name"], **t["stored"])
-            for r, t in enumerate(per_rank) if t["stored"] is not None
+            fmt.BoxRecord(local_box(shape, spec, lay_mesh, i), reports[r]["file"]["name"], **t["stored"])
+            for i, (r, t) in enumerate(zip(ranks, per_rank)) if t["stored"] is not None
         )
+        del on
         view_of = t0.get("param_shape")
         tensors[path] = fmt.TensorRecord(shape, t0["dtype"], spec, boxes, None if view_of is None else tuple(view_of))
     files = {rep["file"]["name"]: fmt.FileRecord(rep["rank"], rep["file"]["size"], rep["file"]["checksum"])
              for rep in reports if rep["file"] is not None}
     return fmt.Manifest(library_version=library_version(), mesh=mesh, strategy=strategy, files=files,
-                        tensors=tensors, state=first["tree"], private=private, step=step,
+                        tensors=tensors, state=tree, private=private, step=step,
                         created_unix=time.time(), plan=plan)
+
+
+def merge_trees(trees: list[Tree]) -> Tree:
+    """One state tree from pipeline ranks' trees: equal everywhere except that a dict may list
+    different tensors on different ranks (each rank holds its own stages' parameters); the
+    merged dict has every key, in order of first appearance (rank order). ``LayoutError`` for
+    any other difference."""
+    first = trees[0]
+    if all(t == first for t in trees[1:]):
+        return first
+    if all(isinstance(t, dict) and set(t) == {"$dict"} for t in trees):
+        keys: dict[str, list] = {}
+        for t in trees:
+            for k, v in t["$dict"]:
+                keys.setdefault(k, []).append(v)
+        return {"$dict": [[k, merge_trees(vs)] for k, vs in keys.items()]}
+    if all(isinstance(t, dict) and set(t) == {"$type", "value"} for t in trees) and \
+            len({t["$type"] for t in trees}) == 1:
+        return {"$type": first["$type"], "value": merge_trees([t["value"] for t in trees])}
+    if all(isinstance(t, dict) and set(t) == {"$tuple"} for t in trees) and len({len(t["$tuple"]) for t in trees}) == 1:
+        return {"$tuple": [merge_trees(list(vs)) for vs in zip(*(t["$tuple"] for t in trees))]}
+    if all(isinstance(t, list) for t in trees) and len({len(t) for t in trees}) == 1:
+        return [merge_trees(list(vs)) for vs in zip(*trees)]
+    raise LayoutError(f"the ranks' non-tensor state differs ({str(first)[:60]!r}...); rank-local values must be"
+                      " tensors")

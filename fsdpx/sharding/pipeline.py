@@ -228,9 +228,11 @@ def _param_stages(model: nn.Module, plan: ShardingPlan, blocks: str, keys: list[
     return {n: tuple(sorted(held[n])) for n in plan.params}
 
 
-def unshard_stages(per_rank: Sequence[Mapping[str, Tensor]], plan: ShardingPlan, mesh: Mesh) -> dict[str, Tensor]:
-    """Every parameter of ``plan`` assembled from each rank's at-rest tensors (``per_rank[r]``
-    holds only rank ``r``'s parameters under a pipeline), in the layout's (view) shape.
+def unshard_stages(per_rank: Sequence[Mapping[str, Tensor]], plan: ShardingPlan, mesh: Mesh, *,
+                   layout: str = "at_rest") -> dict[str, Tensor]:
+    """Every parameter of ``plan`` assembled from each rank's tensors (``per_rank[r]`` holds
+    only rank ``r``'s parameters under a pipeline), in the layout's (view) shape; ``layout``
+    names the ``ParamLayout`` spec they follow (``"opt_state"`` for optimizer moments).
 
     Guarantees: without a pipeline this is ``layout.unshard`` per parameter; a parameter held by
     several pipeline ranks (a tied embedding and head) must be bit-identical on all of them,
@@ -238,16 +240,16 @@ def unshard_stages(per_rank: Sequence[Mapping[str, Tensor]], plan: ShardingPlan,
     from .layout import unshard
 
     if plan.pipeline is None:
-        return {n: unshard([per_rank[r][n] for r in range(mesh.size)], lay.at_rest, mesh)
+        return {n: unshard([per_rank[r][n] for r in range(mesh.size)], getattr(lay, layout), mesh)
                 for n, lay in plan.params.items()}
-    layout = plan.pipeline
-    sub = mesh.sub(tuple(a for a in mesh.axis_names if a != layout.axis))
+    pipe = plan.pipeline
+    sub = mesh.sub(tuple(a for a in mesh.axis_names if a != pipe.axis))
     out = {}
     for n, lay in plan.params.items():
         copies = []
-        for j in sorted({s % layout.degree() for s in layout.param_stages[n]}):
-            ranks = [r for r in range(mesh.size) if mesh.index(r, layout.axis) == j]
-            copies.append(unshard([per_rank[r][n] for r in ranks], lay.at_rest, sub))
+        for j in sorted({s % pipe.degree() for s in pipe.param_stages[n]}):
+            ranks = [r for r in range(mesh.size) if mesh.index(r, pipe.axis) == j]
+            copies.append(unshard([per_rank[r][n] for r in ranks], getattr(lay, layout), sub))
         if any(not torch.equal(copies[0], c) for c in copies[1:]):
             raise ValueError(f"parameter {n!r} differs between the pipeline stages that hold it")
         out[n] = copies[0]
