@@ -182,14 +182,44 @@ def test_tensor_parallel_main_job_on_four_gloo_processes_follows_the_single_proc
     assert losses["tp"] == pytest.approx(losses["one"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_pipelined_main_job_follows_the_single_process_run(tmp_path):
+    """``fsdpx train --pp 2 --strategy zero3 --nproc 2 --schedule zero_bubble``: the same batches
+    and noise as one process, so the same losses (float32, rel 1e-5) at every step."""
+    import json
+    import subprocess
+    import sys
+
+    flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
+             "--no-progress"]
+    losses = {}
+    for name, extra in {"pp": ["--pp", "2", "--strategy", "zero3", "--nproc", "2", "--schedule", "zero_bubble",
+                               "--microbatches", "3"], "one": []}.items():
+        out = tmp_path / name
+        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in records]
+        if name == "pp":
+            assert "zero3 on Mesh(pp=2, dp=1)" in done.stderr
+    assert losses["pp"] == pytest.approx(losses["one"], rel=1e-5)
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--pp", "2"], "pp needs a strategy"),
+    (["--pp", "3", "--strategy", "zero3", "--nproc", "4", "--n-layer", "3"], "tp=1 x pp=3 does not divide the 4"),
+    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "every stage needs a block"),
+    (["--pp", "2", "--strategy", "zero3", "--offload", "zenflow"], "offload with pipeline parallelism"),
+    (["--pp", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b", "--n-layer", "4", "--virtual-stages",
+      "2", "--microbatches", "3"], "multiple"),
     (["--tp", "2"], "tp needs a strategy"),
     (["--tp", "3", "--strategy", "zero3", "--nproc", "4", "--n-head", "3", "--n-embd", "12"],
-     "tp=3 does not divide the 4 processes"),
+     "tp=3 x pp=1 does not divide the 4 processes"),
     (["--tp", "2", "--strategy", "zero3", "--n-head", "3", "--n-embd", "12"], "n_head=3 does not divide by tp=2"),
     (["--sequence-parallel", "--strategy", "zero3"], "sequence_parallel needs tp > 1"),
 ])
-def test_tensor_parallel_flags_that_cannot_work_are_refused(capsys, argv, message):
+def test_parallelism_flags_that_cannot_work_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", *argv])
     assert exit_.value.code == 2

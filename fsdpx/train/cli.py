@@ -21,8 +21,9 @@ import os
 import subprocess
 
 from fsdpx.sharding import strategies
+from fsdpx.sharding.schedule import KINDS
 from .launch import torchrun_command
-from .loop import ConfigError, RunConfig, format_summary, run, run_mesh
+from .loop import ConfigError, RunConfig, check_layout, format_summary, run, run_mesh
 from privacy.errors import PrivacyError
 
 _DEFAULTS = RunConfig()
@@ -132,6 +133,15 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                             " the strategy over the rest (default %(default)s)")
     shard.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: split the activations between tensor-parallel regions along the sequence")
+    shard.add_argument("--pp", type=_positive_int, metavar="N", default=d.pp,
+                       help="pipeline degree: the GPT's blocks cut into stages over N of the --nproc processes"
+                            " (default %(default)s)")
+    shard.add_argument("--schedule", choices=KINDS, default=d.schedule,
+                       help="with --pp: the pipeline schedule (default %(default)s)")
+    shard.add_argument("--microbatches", type=_positive_int, metavar="N", default=d.microbatches,
+                       help="with --pp: microbatches per step and data-parallel rank (default %(default)s)")
+    shard.add_argument("--virtual-stages", type=_positive_int, metavar="N", default=d.virtual_stages,
+                       help="with --pp and interleaved_1f1b: stages per process (default %(default)s)")
 
     off = p.add_argument_group("optimizer offload")
     off.add_argument("--offload", choices=("none", "zenflow", "zero"), default=d.offload,
@@ -178,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = config_from_args(args)
         if config.strategy is not None and "WORLD_SIZE" not in os.environ:
-            nproc = args.nproc or 2 * config.tp
-            run_mesh(config.strategy, nproc, config.tp)  # refuse a tp that does not divide nproc here
+            nproc = args.nproc or 2 * config.tp * config.pp
+            check_layout(config, nproc)  # refuse what cannot run here, before any process starts
             sys.exit(_launch(argv, nproc))  # re-run this very command on N processes
         comm = _communicator(config)
         if comm is None or comm.rank == 0:
@@ -222,7 +232,7 @@ def _communicator(config: RunConfig):
         return None
     from fsdpx.runtime.dist_comm import init_from_env
 
-    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp))
+    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp))
 
 
 def _plan_line(config: RunConfig, comm=None) -> str:

@@ -48,8 +48,8 @@ from fsdpx.optim import Optimizer, adamw
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding import strategies
 from fsdpx.sharding.comm import Comm
-from fsdpx.sharding.layout import unshard
 from fsdpx.sharding.mesh import Mesh
+from fsdpx.sharding.pipeline import PipelineParallel, PipelinePlanError, resolve_pipeline, unshard_stages
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.tensor_parallel import resolve
 from privacy.accounting import Accountant, noise_multiplier
@@ -114,6 +114,12 @@ class RunConfig:
     # size; the strategy shards the rest over ``world / tp`` data-parallel ranks
     tp: int = 1
     sequence_parallel: bool = False  # with tp: activations between regions split along the sequence
+    # pipeline parallelism: the GPT's blocks cut into pp * virtual_stages stages over a ``pp`` axis of
+    # this size (fsdpx.sharding.pipeline), run by ``schedule`` on ``microbatches`` per data-parallel rank
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int = 1
     # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
     # ``resume`` continues from the newest intact one (same noise, batches and accountant)
     # optimizer offload: "none", "zenflow" (selected columns every step, the rest on the host
@@ -166,6 +172,17 @@ class RunConfig:
             raise ConfigError("sequence_parallel needs tp > 1: it splits the sequence over the tensor-parallel ranks")
         if self.tp > 1 and self.offload != "none":
             raise ConfigError("offload with tensor parallelism is not supported yet")
+        if self.pp < 1 or self.microbatches < 1 or self.virtual_stages < 1:
+            raise ConfigError("pp, microbatches and virtual_stages must all be >= 1")
+        if self.pp > 1 and self.strategy is None:
+            raise ConfigError("pp needs a strategy: pipeline stages run on several processes")
+        if self.pp * self.virtual_stages > self.n_layer and self.pp > 1:
+            raise ConfigError(f"pp={self.pp} x virtual_stages={self.virtual_stages} stages but only"
+                              f" n_layer={self.n_layer} blocks: every stage needs a block")
+        if self.pp > 1 and self.offload != "none":
+            raise ConfigError("offload with pipeline parallelism is not supported yet")
+        if self.pp > 1 and self.sequence_parallel:
+            raise ConfigError("sequence parallelism with a pipeline is not supported yet")
         if self.strategy is not None and self.private and self.method == "vmap":
             raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 
@@ -303,14 +320,21 @@ def strategy_axes(name: str) -> dict[str, str]:
     return {"replica_axis": "replica", "shard_axis": "shard"} if name == "hsdp" else {"axis": "dp"}
 
 
-def run_mesh(strategy: str, world: int, tp: int = 1) -> Mesh:
-    """The mesh of a sharded run over ``world`` processes: ``dp=world / tp``; for hsdp, shards
-    of 2 (or of all data ranks when their count is odd) replicated over the rest; with ``tp > 1``
-    a last axis ``tp`` (tensor-parallel ranks adjacent, as Megatron places them). Raises
-    :class:`ConfigError` when ``tp`` does not divide ``world``."""
-    if world % tp:
-        raise ConfigError(f"tp={tp} does not divide the {world} processes")
-    data, extra = world // tp, ({"tp": tp} if tp > 1 else {})
+def run_mesh(strategy: str, world: int, tp: int = 1, pp: int = 1) -> Mesh:
+    """The mesh of a sharded run over ``world`` processes: ``dp=world / (tp pp)``; for hsdp,
+    shards of 2 (or of all data ranks when their count is odd) replicated over the rest; with
+    ``tp > 1`` an axis ``tp`` (tensor-parallel ranks adjacent, as Megatron places them), with
+    ``pp > 1`` a first axis ``pp`` (stages farthest apart: their traffic is the lightest).
+    Raises :class:`ConfigError` when ``tp * pp`` does not divide ``world``."""
+    if world % (tp * pp):
+        raise ConfigError(f"tp={tp} x pp={pp} does not divide the {world} processes")
+    data = world // (tp * pp)
+    extra = {**({"pp": pp} if pp > 1 else {}), **({"tp": tp} if tp > 1 else {})}
+    if pp > 1:  # Mesh keeps keyword order: put pp first, the slowest-varying axis
+        if strategy != "hsdp":
+            return Mesh(pp=pp, dp=data, **({"tp": tp} if tp > 1 else {}))
+        shard = 2 if data % 2 == 0 else data
+        return Mesh(pp=pp, replica=data // shard, shard=shard, **({"tp": tp} if tp > 1 else {}))
     if strategy != "hsdp":
         return Mesh(dp=data, **extra)
     shard = 2 if data % 2 == 0 else data
@@ -319,10 +343,26 @@ def run_mesh(strategy: str, world: int, tp: int = 1) -> Mesh:
 
 def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> ShardingPlan:
     """The run's per-parameter layouts: the strategy's, with the GPT's tensor-parallel plan
-    when ``config.tp > 1``."""
+    when ``config.tp > 1`` and its blocks cut into pipeline stages when ``config.pp > 1``."""
     strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
     tp = gpt_plan(model.config, sequence_parallel=config.sequence_parallel) if config.tp > 1 else None
-    return resolve(model, tp, strategy, mesh)
+    plan = resolve(model, tp, strategy, mesh)
+    if config.pp == 1:
+        return plan
+    spec = PipelineParallel(schedule=config.schedule, microbatches=config.microbatches,
+                            virtual_stages=config.virtual_stages)
+    try:
+        return resolve_pipeline(model, plan, spec, mesh)
+    except PipelinePlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_layout(config: RunConfig, world: int) -> None:
+    """Raise :class:`ConfigError` if the run's mesh or sharding plan cannot be built on
+    ``world`` processes (a tp x pp that does not divide it, a pipeline schedule that cannot run
+    the microbatches): checked once, before torchrun starts any process."""
+    mesh = run_mesh(config.strategy, world, config.tp, config.pp)
+    sharding_plan(config, GPT(config.model_config()), mesh)
 
 
 def full_params(state: Any, config: RunConfig, comm: Comm | None) -> dict[str, Tensor]:
@@ -333,8 +373,8 @@ def full_params(state: Any, config: RunConfig, comm: Comm | None) -> dict[str, T
     model, fresh = init_params(config)
     plan = sharding_plan(config, model, comm.mesh)
     blocks = comm.all_gather_object(state.params)
-    return {k: unshard([b[k] for b in blocks], plan.params[k].at_rest, comm.mesh).reshape(fresh[k].shape)
-            for k in state.params}
+    whole = unshard_stages(blocks, plan, comm.mesh)
+    return {k: whole[k].reshape(fresh[k].shape) for k in plan.params}
 
 
 def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool):
