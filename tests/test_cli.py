@@ -182,10 +182,19 @@ def test_tensor_parallel_main_job_on_four_gloo_processes_follows_the_single_proc
     assert losses["tp"] == pytest.approx(losses["one"], rel=1e-5)
 
 
+PIPELINED = {
+    "pp2": (["--pp", "2", "--nproc", "2", "--schedule", "zero_bubble", "--microbatches", "3"], "Mesh(pp=2, dp=1)"),
+    "dp2_tp2_pp2": (["--pp", "2", "--tp", "2", "--nproc", "8", "--schedule", "1f1b", "--microbatches", "4"],
+                    "Mesh(pp=2, dp=2, tp=2)"),
+}
+
+
 @pytest.mark.slow
-def test_pipelined_main_job_follows_the_single_process_run(tmp_path):
-    """``fsdpx train --pp 2 --strategy zero3 --nproc 2 --schedule zero_bubble``: the same batches
-    and noise as one process, so the same losses (float32, rel 1e-5) at every step."""
+@pytest.mark.parametrize("case", sorted(PIPELINED))
+def test_pipelined_main_job_follows_the_single_process_run(tmp_path, case):
+    """``fsdpx train --pp 2 --strategy zero3`` on 2 processes (zero-bubble), and the full 3-D
+    ``--pp 2 --tp 2`` on 8 (1F1B): the same batches and noise as one process, so the same
+    losses (float32, rel 1e-5) at every step."""
     import json
     import subprocess
     import sys
@@ -193,8 +202,8 @@ def test_pipelined_main_job_follows_the_single_process_run(tmp_path):
     flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
              "--no-progress"]
     losses = {}
-    for name, extra in {"pp": ["--pp", "2", "--strategy", "zero3", "--nproc", "2", "--schedule", "zero_bubble",
-                               "--microbatches", "3"], "one": []}.items():
+    flags_pp, mesh = PIPELINED[case]
+    for name, extra in {"pp": [*flags_pp, "--strategy", "zero3"], "one": []}.items():
         out = tmp_path / name
         done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
                               capture_output=True, text=True, timeout=300)
@@ -202,7 +211,7 @@ def test_pipelined_main_job_follows_the_single_process_run(tmp_path):
         records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in records]
         if name == "pp":
-            assert "zero3 on Mesh(pp=2, dp=1)" in done.stderr
+            assert f"zero3 on {mesh}" in done.stderr
     assert losses["pp"] == pytest.approx(losses["one"], rel=1e-5)
 
 
