@@ -250,3 +250,25 @@ def plot(timeline: Timeline, path: str | Path) -> None:
               bbox_to_anchor=(1.0, 1.0), ncols=3, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=100)
+
+
+def text(timeline: Timeline) -> str:
+    """The timeline as text, one line per rank and three characters per time unit: ``F3`` is
+    microbatch 3's forward, ``B3`` its input-gradient backward, ``W3`` its weight-gradient pass,
+    ``.`` idle (``F3.1``-style chunk labels are left out: interleaved ranks show the microbatch
+    only). Needs integer action durations (the default unit costs); ``ValueError`` otherwise."""
+    width = int(timeline.makespan)
+    if width != timeline.makespan:
+        raise ValueError("text() needs integer durations; use plot() for others")
+    lines = []
+    for r, entries in enumerate(timeline.ranks):
+        cells = [" . "] * width
+        for e in entries:
+            if e.end == e.start or not isinstance(e.action, (F, B, W)):
+                continue
+            if e.start != int(e.start) or e.end != int(e.end):
+                raise ValueError("text() needs integer durations; use plot() for others")
+            for t in range(int(e.start), int(e.end)):
+                cells[t] = f"{e.action.kind}{e.action.mb}".ljust(3)
+        lines.append(f"rank {r} |" + "".join(cells).rstrip())
+    return "\n".join(lines)
