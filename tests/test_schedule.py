@@ -170,3 +170,13 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "gantt.png"
     plot(simulate(schedule("interleaved_1f1b", 2, 4, virtual_stages=2)), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_text_draws_one_line_per_rank_with_idle_units():
+    from fsdpx.sharding.schedule_sim import text
+
+    assert text(simulate(schedule("gpipe", 2, 2))) == (
+        "rank 0 |F0 F1  .  .  . B0 W0 B1 W1\n"
+        "rank 1 | . F0 F1 B0 W0 B1 W1  .  .")  # a fused backward sends after its W
+    with pytest.raises(ValueError, match="integer"):
+        text(simulate(schedule("gpipe", 2, 2), {"F": 0.5}))
