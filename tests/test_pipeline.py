@@ -187,3 +187,42 @@ def test_hf_llama_private_pipeline_with_tensor_parallelism_equals_unsharded_priv
     model = _llama("eager")
     _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), config=hf_dp("auto"), schedule="gpipe",
               microbatches=2)
+
+
+def test_a_split_backward_does_the_work_of_one_fused_backward():
+    """zero_bubble's B (input gradients) and W (weight gradients, from the kept module outputs
+    and their gradients) together run exactly the matrix products of 1F1B's fused backward,
+    shape for shape: nothing is computed twice (``fsdpx/runtime/weight_pass.py``)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "bmm", "baddbmm"):
+                self.seen[(func.__name__, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))] += 1
+            return func(*args, **(kwargs or {}))
+
+    model = _gpt(tie=False)
+    mesh = Mesh(dp=1, pp=2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    batch = (torch.randint(0, 11, (4, 4)), torch.randint(0, 11, (4, 4)))
+    flops = {}
+    for kind in ("1f1b", "zero_bubble"):
+        plan = _plan(model, mesh, schedule=kind, microbatches=2)
+
+        def rank(comm):
+            optimizer = _optimizer(torch.float64)
+            step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer, plan, comm, param_shapes=shapes)
+            state = init_sharded(params, optimizer, plan, comm, key=0)
+            with Products() as counter:
+                step(state, batch)
+            return counter.seen
+
+        flops[kind] = run_threads(mesh, rank)
+    assert flops["zero_bubble"] == flops["1f1b"] and all(flops["1f1b"])

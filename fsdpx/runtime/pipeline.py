@@ -55,6 +55,7 @@ from .parts_p2p import recv_parts, send_parts
 from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
                    needs_fallback, sharded_norms)
 from .tensor_parallel import TensorParallelHooks
+from .weight_pass import capturing, input_grads, separable, weight_grads
 from .units import Unit, make_units
 
 
@@ -103,6 +104,7 @@ class _InFlight:
     calls: list | None = None  # private: the tape of the stage's layer calls
     parts: dict | None = None  # private: per-example contributions, kept until the norms are complete
     sq: Tensor | None = None  # private: this stage's share of each example's squared norm
+    captured: list | None = None  # split backward: the parameter-owning modules' outputs (weight_pass)
 
 
 class PipelineStep:
@@ -321,7 +323,9 @@ class _Run:
         seq_dim = o.tensor_parallel.seq_dim
         seq_len = args[0].shape[seq_dim] if seq_dim is not None else 0
         tape = taping(o.model, dict.fromkeys(st.names), size) if o.config is not None else contextlib.nullcontext([])
-        with gatherer.installed(), o.tensor_parallel.installed(seq_len), st.forward.running(s, inject), tape as calls:
+        split = capturing(o.model, st.names) if o.split and o.config is None else contextlib.nullcontext(None)
+        with gatherer.installed(), o.tensor_parallel.installed(seq_len), st.forward.running(s, inject), tape as calls, \
+                split as captured:
             try:
                 out = o.model(*args)
             except StageExit as e:
@@ -334,7 +338,9 @@ class _Run:
             else:
                 root = out
                 self.outbox[("F", mb, s)] = out.detach()
-        self.flight[(mb, s)] = _InFlight(gatherer, inject, root, size, calls=calls)
+        if captured is not None and not separable(captured):
+            captured = None  # a parameter used twice in the stage: B forms its weight gradients too
+        self.flight[(mb, s)] = _InFlight(gatherer, inject, root, size, calls=calls, captured=captured)
 
     def _backward(self, mb: int, s: int, *, weights: bool) -> None:
         rec = self.flight[(mb, s)]
@@ -350,6 +356,12 @@ class _Run:
         if self.o.config is not None:
             self._private_backward(mb, s, rec)
             return
+        if rec.captured is not None:  # split: the input gradient now, the weight halves in W
+            g_in = input_grads(rec.root, grad_out, rec.inject, rec.captured)
+            if rec.inject is not None:
+                self.outbox[("B", mb, s)] = g_in if g_in is not None else torch.zeros_like(rec.inject)
+            return
+        weights = weights or rec.captured is None  # not separable: form them now
         leaves = [rec.gatherer.full[n] for n in self.o.stages[s].names] if weights else []
         inputs = ([rec.inject] if rec.inject is not None else []) + leaves
         if inputs:
@@ -363,7 +375,11 @@ class _Run:
         if weights:
             self._accumulate(s, grads)
             rec.gatherer.finish()
-            self.flight.pop((mb, s))
+            if self.o.split:
+                _free_all(rec.gatherer)
+            rec.root = None  # W has nothing left to do
+            if not self.o.split:
+                self.flight.pop((mb, s))
 
     def _private_backward(self, mb: int, s: int, rec: _InFlight) -> None:
         """ONE backward to the stage input and the tape's outputs; the contributions are kept
@@ -442,12 +458,13 @@ class _Run:
         if not self.o.split:
             return  # fused schedules formed the weight gradients in B
         rec = self.flight.pop((mb, s))
-        if rec.size == 0:
+        if rec.size == 0 or rec.root is None:  # empty, or its weights were formed in B
             _free_all(rec.gatherer)
             return
-        names = self.o.stages[s].names
-        grads = torch.autograd.grad(rec.root, [rec.gatherer.full[n] for n in names], rec.grad_out, allow_unused=True)
-        self._accumulate(s, grads)
+        st = self.o.stages[s]
+        got = weight_grads(rec.captured, {n: rec.gatherer.full[n] for n in st.names})
+        self._accumulate(s, [got.get(n) for n in st.names])
+        rec.captured, rec.root = None, None
         rec.gatherer.finish()
         _free_all(rec.gatherer)
 
