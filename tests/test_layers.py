@@ -1,6 +1,6 @@
 """The packages form layers and every import points down (or sideways within a layer).
 
-    3  fsdpx.train                       the job, its data, CLI, launcher
+    3  fsdpx.train  fsdpx.jobs           the job, its data, CLI, launcher; the multi-job planner
     2  fsdpx.runtime                     the sharded step, gathering, comm backends
     1  privacy  offload  ckpt            DP-SGD, selective offload, checkpoints
     0  fsdpx.sharding  fsdpx.optim  fsdpx.models   the algebra, optimizers, the reference GPT
@@ -20,7 +20,7 @@ LAYERS = {
     "fsdpx.sharding": 0, "fsdpx.optim": 0, "fsdpx.models": 0,
     "privacy": 1, "offload": 1, "ckpt": 1,
     "fsdpx.runtime": 2,
-    "fsdpx.train": 3, "fsdpx.__main__": 3,
+    "fsdpx.train": 3, "fsdpx.jobs": 3, "fsdpx.__main__": 3,
 }
 
 

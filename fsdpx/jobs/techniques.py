@@ -1,0 +1,104 @@
+"""The technique registry: a parallelism the planner may choose for a job.
+
+A technique is any object with three methods (the :class:`Technique` protocol)::
+
+    feasible(task, devices) -> bool            # from the memory model; no process started
+    search(task, devices) -> dict              # its own knobs on these devices (JSON-able)
+    execute(task, devices, params, steps, ckpt_dir) -> JobResult   # train to ``steps``
+
+``register(name, technique)`` adds one; the planner considers every registered technique for
+every job. Built-ins are registered by ``fsdpx.jobs.builtin`` on import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+
+from .devices import Devices
+from .task import Task
+
+
+class InfeasibleJobError(ValueError):
+    """A job fits no registered technique at any allowed device count of the cluster."""
+
+
+class UnknownTechniqueError(KeyError):
+    """A plan or profile names a technique that is not registered."""
+
+
+@runtime_checkable
+class Technique(Protocol):
+    def feasible(self, task: Task, devices: Devices) -> bool: ...
+
+    def search(self, task: Task, devices: Devices) -> Mapping[str, Any]: ...
+
+    def execute(self, task: Task, devices: Devices, params: Mapping[str, Any], steps: int,
+                ckpt_dir: Path) -> Any: ...
+
+
+_REGISTRY: dict[str, Technique] = {}
+
+
+def register(name: str, technique: Technique, *, replace: bool = False) -> Technique:
+    """Add ``technique`` under ``name``; returns it. Raises ``TypeError`` if it lacks one of
+    the three methods and ``ValueError`` if ``name`` is taken (unless ``replace``)
+    (``tests/test_jobs_registry.py::test_a_user_registers_a_toy_technique``)."""
+    if not isinstance(technique, Technique):
+        raise TypeError(f"technique {name!r} must have feasible, search and execute methods")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"technique {name!r} is already registered; pass replace=True to swap it")
+    _REGISTRY[name] = technique
+    return technique
+
+
+def unregister(name: str) -> None:
+    """Remove ``name`` from the registry (``UnknownTechniqueError`` if absent)."""
+    if name not in _REGISTRY:
+        raise UnknownTechniqueError(name)
+    del _REGISTRY[name]
+
+
+def get(name: str) -> Technique:
+    """The technique registered as ``name`` (``UnknownTechniqueError`` listing the known ones)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownTechniqueError(f"no technique {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def names() -> list[str]:
+    """Registered technique names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def device_counts(cluster: Devices) -> list[int]:
+    """The group sizes the planner tries on ``cluster``: powers of two up to its size, and the
+    size itself."""
+    out, n = [], 1
+    while n <= cluster.count:
+        out.append(n)
+        n *= 2
+    return sorted({*out, cluster.count})
+
+
+def feasible_choices(task: Task, cluster: Devices, techniques: Iterable[str] | None = None) -> list[tuple[str, int]]:
+    """Every (technique, device count) on which ``task`` fits, techniques in name order, counts
+    ascending; empty when none fits."""
+    chosen = names() if techniques is None else list(techniques)
+    return [(t, n) for t in chosen for n in device_counts(cluster) if get(t).feasible(task, cluster.group(n))]
+
+
+def check_feasible(tasks: Iterable[Task], cluster: Devices, techniques: Iterable[str] | None = None
+                   ) -> dict[str, list[tuple[str, int]]]:
+    """``{job name: feasible_choices}`` for every job; raises :class:`InfeasibleJobError`
+    naming every job that fits nowhere, before anything runs
+    (``tests/test_jobs_registry.py::test_a_job_too_large_for_the_cluster_is_a_named_error``)."""
+    techniques = None if techniques is None else list(techniques)
+    out = {t.name: feasible_choices(t, cluster, techniques) for t in tasks}
+    bad = sorted(name for name, choices in out.items() if not choices)
+    if bad:
+        raise InfeasibleJobError(
+            f"jobs {bad} fit no technique on any group of up to {cluster.count} devices of "
+            f"{cluster.memory_bytes / 2**30:.2f} GiB (techniques tried: {techniques or names()})")
+    return out

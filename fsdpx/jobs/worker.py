@@ -1,0 +1,53 @@
+"""One rank of a job (the process ``execute`` starts under torchrun).
+
+    python -m torch.distributed.run --nproc-per-node N -m fsdpx.jobs.worker RUN_CONFIG.json
+
+Runs ``fsdpx.train.run`` on the ``RunConfig`` in the file; every rank writes its peak memory to
+``<run_dir>/rank<R>.json``, rank 0 the run's summary to ``<run_dir>/summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from fsdpx.train import RunConfig, run, run_mesh
+
+
+def peak_bytes() -> int:
+    """This process's peak memory: the CUDA allocator's peak on a GPU, else the peak RSS."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def main(path: str) -> None:
+    config = RunConfig(**json.loads(Path(path).read_text()))
+    comm = None
+    if "WORLD_SIZE" in os.environ:
+        from fsdpx.runtime.dist_comm import init_from_env
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"])))
+    rank = 0 if comm is None else comm.rank
+    summary = run(config, progress=False, comm=comm)
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    (config.run_dir / f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak_bytes()}))
+    if rank == 0:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+        (config.run_dir / "summary.json").write_text(json.dumps(clean, indent=2))
+    if comm is not None:
+        from fsdpx.runtime.dist_comm import shutdown
+
+        shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
