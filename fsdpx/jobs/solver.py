@@ -1,0 +1,69 @@
+"""``solve``: the plan for a set of jobs -- the MILP's schedule, or the greedy one when that is
+at least as good (so a plan is never worse than greedy), with a proven lower bound."""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping
+
+from .bounds import completion_lower_bound, makespan_lower_bound
+from .greedy import greedy, in_order, place
+from .milp import solve_milp
+from .plan import Options, Plan, check_options
+
+
+def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
+          weights: Mapping[str, float] | None = None, time_limit: float = 5.0, slots: int = 48,
+          use_milp: bool = True) -> Plan:
+    """The plan of ``options`` (``{job: [Option, ...]}``) on ``cluster_size`` devices.
+
+    Runs the greedy list schedule, then the MILP (``milp.py``) with ``time_limit`` seconds,
+    left-shifts the MILP's schedule, and returns whichever has the smaller objective (greedy on
+    a tie of no improvement, or when the MILP found nothing). ``lower_bound`` bounds every
+    schedule of these options; ``notes`` say what happened.
+
+    Guarantees (``property_tests/test_jobs_properties.py``): every job appears exactly once
+    with one of its options; at no time are more than ``cluster_size`` devices held, and
+    jobs overlapping in time hold disjoint ids; objective <= greedy's; makespan >=
+    ``lower_bound``; the same input gives the same plan when the MILP ends by optimality.
+    Raises :class:`fsdpx.jobs.plan.PlanError` for a job with no option or an option wider
+    than the cluster. No jobs: an empty plan.
+    """
+    check_options(options, cluster_size)
+    start = time.perf_counter()
+    score = (lambda s: max((b + o.seconds for _, o, b in s), default=0.0)) if objective == "makespan" else \
+        (lambda s: sum((weights or {}).get(j, 1.0) * (b + o.seconds) for j, o, b in s))
+    base = greedy(options, cluster_size, score)
+    best, method, notes = base, "greedy", []
+    if use_milp and options:
+        # coarse to fine: all options on a coarse grid, then on a fine grid only the options the
+        # best schedule so far and the coarse MILP chose (rounding costs less on a fine grid)
+        for stage, (grid, share) in enumerate(((slots // 2, 0.5), (slots * 2, 0.5))):
+            incumbent = [(j, o) for j, o, _ in sorted(best, key=lambda x: (x[2], x[0]))]
+            pool = options if stage == 0 else _narrowed(options, incumbent, coarse)
+            result = solve_milp(pool, cluster_size, incumbent, slots=grid, time_limit=time_limit * share,
+                                objective=objective, weights=weights)
+            coarse = result.order if result is not None else ()
+            if result is None:
+                notes.append(f"MILP ({grid} slots): no feasible point within the time limit")
+                continue
+            shifted = in_order(result.order, cluster_size)
+            notes.append(f"MILP: {result.variables} variables, {result.slots} slots of {result.delta:.4g} s, "
+                         f"{'optimal on the grid' if result.optimal else result.message}")
+            if score(shifted) < score(best) - 1e-9:
+                best, method = shifted, "milp"
+    bound = makespan_lower_bound(options, cluster_size) if objective == "makespan" else \
+        completion_lower_bound(options, weights)
+    greedy_makespan = max((b + o.seconds for _, o, b in base), default=0.0)
+    return Plan(place(best, cluster_size), cluster_size, bound, method, greedy_makespan,
+                time.perf_counter() - start, tuple(notes))
+
+
+def _narrowed(options: Options, *orders) -> dict[str, list]:
+    """Per job, only the options some ``order`` (a sequence of ``(job, option)``) chose."""
+    keep: dict[str, list] = {j: [] for j in options}
+    for order in orders:
+        for j, o in order:
+            if o not in keep[j]:
+                keep[j].append(o)
+    return {j: keep[j] or list(options[j]) for j in options}

@@ -1,0 +1,100 @@
+"""The multi-job planner on random synthetic instances (issue 13): runtimes with diminishing
+returns in the device count, small counts memory-infeasible for some jobs."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings, strategies as st
+
+from fsdpx.jobs.bounds import makespan_lower_bound
+from fsdpx.jobs.greedy import greedy, makespan
+from fsdpx.jobs.plan import Option, useful_options
+from fsdpx.jobs.solver import solve
+
+FAST = settings(max_examples=12, deadline=None)
+
+
+@st.composite
+def instances(draw, max_jobs: int = 6):
+    """``(options, G)``: per job, techniques x powers of two from a minimum count (smaller
+    ones do not fit in memory), seconds = base * factor * (serial + (1 - serial) / n)."""
+    G = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    options = {}
+    for j in range(draw(st.integers(1, max_jobs))):
+        base = draw(st.floats(10, 1000))
+        serial = draw(st.floats(0.0, 0.5))
+        smallest = draw(st.sampled_from([n for n in (1, 2, 4) if n <= G]))
+        counts = [n for n in (1, 2, 4, 8) if smallest <= n <= G]
+        techs = draw(st.lists(st.tuples(st.sampled_from(["ddp", "zero2", "zero3"]), st.floats(1.0, 1.5)),
+                              min_size=1, max_size=2, unique_by=lambda t: t[0]))
+        options[f"job{j}"] = [Option(t, n, base * f * (serial + (1 - serial) / n)) for t, f in techs for n in counts]
+    return options, G
+
+
+def busy_devices(plan, at: float) -> int:
+    return sum(a.option.devices for a in plan.assignments if a.start <= at < a.end)
+
+
+@FAST
+@given(instances())
+def test_plans_are_valid_and_never_worse_than_greedy(instance):
+    options, G = instance
+    plan = solve(options, G, time_limit=1.0, slots=16)
+    assert sorted(a.job for a in plan.assignments) == sorted(options)  # every job exactly once
+    for a in plan.assignments:
+        assert a.option in options[a.job] and a.start >= 0 and len(a.device_ids) == a.option.devices
+        assert set(a.device_ids) <= set(range(G))
+    for a in plan.assignments:  # capacity: checking every start suffices (usage only rises at starts)
+        assert busy_devices(plan, a.start) <= G
+        for b in plan.assignments:
+            if a is not b and a.start < b.end and b.start < a.end:
+                assert not set(a.device_ids) & set(b.device_ids)
+    assert plan.makespan >= plan.lower_bound * (1 - 1e-9)
+    assert plan.makespan <= makespan(greedy(options, G)) * (1 + 1e-9)
+    assert plan.makespan <= plan.greedy_makespan * (1 + 1e-9)
+
+
+@FAST
+@given(instances())
+def test_the_same_input_gives_the_same_plan(instance):
+    options, G = instance
+    first, second = solve(options, G, time_limit=5.0, slots=16), solve(options, G, time_limit=5.0, slots=16)
+    assert first.assignments == second.assignments and first.lower_bound == second.lower_bound
+
+
+@FAST
+@given(instances())
+def test_weighted_completion_is_never_worse_than_greedy(instance):
+    options, G = instance
+    weights = {j: 1.0 + i for i, j in enumerate(sorted(options))}
+    plan = solve(options, G, objective="completion", weights=weights, time_limit=1.0, slots=16)
+    greedy_score = sum(weights[j] * (s + o.seconds)
+                       for j, o, s in greedy(options, G, lambda s: sum(weights[j] * (b + o.seconds) for j, o, b in s)))
+    assert plan.weighted_completion(weights) <= greedy_score * (1 + 1e-9)
+    assert plan.weighted_completion(weights) >= plan.lower_bound * (1 - 1e-9)
+
+
+@FAST
+@given(instances())
+def test_pruning_keeps_a_dominating_option(instance):
+    options, _ = instance
+    for opts in options.values():
+        kept = useful_options(opts)
+        assert kept and all(k in opts for k in kept)
+        for o in opts:
+            assert any(k.devices <= o.devices and k.seconds <= o.seconds for k in kept)
+
+
+@FAST
+@given(instances(max_jobs=4))
+def test_the_lower_bound_is_below_every_single_choice_schedule(instance):
+    """Every fixed choice of options, list-scheduled, is a schedule: none beats the bound."""
+    options, G = instance
+    bound = makespan_lower_bound(options, G)
+    jobs = sorted(options)
+    for k in range(min(20, math.prod(len(options[j]) for j in jobs))):
+        pick, rest = {}, k
+        for j in jobs:
+            pick[j], rest = options[j][rest % len(options[j])], rest // len(options[j])
+        assert makespan(greedy({j: [pick[j]] for j in jobs}, G)) >= bound * (1 - 1e-9)

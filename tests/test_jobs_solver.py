@@ -1,0 +1,57 @@
+"""The planner's solver on instances small enough to know the answer (issue 13)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdpx.jobs.bounds import completion_lower_bound, makespan_lower_bound
+from fsdpx.jobs.greedy import equal_split, makespan, one_after_another, place
+from fsdpx.jobs.plan import Option, PlanError
+from fsdpx.jobs.solver import solve
+
+
+def two_way(name: str) -> list[Option]:
+    return [Option("ddp", 1, 10.0), Option("ddp", 2, 6.0)]
+
+
+def test_two_jobs_on_two_devices_run_side_by_side():
+    """Each job: 10 s on one device or 6 s on two. Side by side ends at 10 s; one after the
+    other on both devices at 12 s. The bound is 10 (area 20 over 2 devices)."""
+    options = {"a": two_way("a"), "b": two_way("b")}
+    plan = solve(options, 2, time_limit=2.0)
+    assert plan.makespan == pytest.approx(10.0) and plan.lower_bound == pytest.approx(10.0) and plan.gap == 0
+    assert {a.device_ids for a in plan.assignments} == {(0,), (1,)}
+    assert makespan(one_after_another(options, 2)) == pytest.approx(12.0)
+    assert makespan(equal_split(options, 2)) == pytest.approx(10.0)
+
+
+def test_the_milp_beats_greedy_where_list_scheduling_is_myopic():
+    """Four jobs on 4 devices: the MILP finds a plan no worse than greedy and within 10% of the bound."""
+    options = {f"j{i}": [Option("zero3", n, s / (0.2 + 0.8 / n) ** -1) for n in (1, 2, 4)]
+               for i, s in enumerate((100.0, 80.0, 60.0, 40.0))}
+    plan = solve(options, 4, time_limit=5.0)
+    assert plan.makespan <= plan.greedy_makespan + 1e-9
+    assert plan.makespan <= 1.10 * plan.lower_bound
+
+
+def test_bad_problems_are_named_errors():
+    with pytest.raises(PlanError, match="no option"):
+        solve({"a": []}, 2)
+    with pytest.raises(PlanError, match="more than 2 devices"):
+        solve({"a": [Option("ddp", 4, 1.0)]}, 2)
+    with pytest.raises(PlanError, match="seconds > 0"):
+        Option("ddp", 1, 0.0)
+    with pytest.raises(PlanError, match="needs 1 devices, 0 are free"):
+        place([("a", Option("ddp", 2, 5.0), 0.0), ("b", Option("ddp", 1, 5.0), 0.0)], 2)
+
+
+def test_no_jobs_is_an_empty_plan():
+    plan = solve({}, 4)
+    assert plan.assignments == () and plan.makespan == 0.0 and plan.lower_bound == 0.0
+
+
+def test_lower_bounds_of_a_single_job():
+    options = {"a": [Option("ddp", 1, 8.0), Option("ddp", 4, 3.0)]}
+    assert makespan_lower_bound(options, 4) == pytest.approx(3.0)  # alone, its fastest run
+    assert makespan_lower_bound(options, 1) == pytest.approx(8.0)
+    assert completion_lower_bound(options, {"a": 2.0}) == pytest.approx(6.0)
