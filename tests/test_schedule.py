@@ -180,3 +180,14 @@ def test_text_draws_one_line_per_rank_with_idle_units():
         "rank 1 | . F0 F1 B0 W0 B1 W1  .  .")  # a fused backward sends after its W
     with pytest.raises(ValueError, match="integer"):
         text(simulate(schedule("gpipe", 2, 2), {"F": 0.5}))
+
+
+def test_rank_costs_make_the_slowest_stage_set_the_pace():
+    """1F1B, 2 ranks, 4 microbatches, rank 1 twice as slow: after rank 0's first forward, rank 1
+    never idles, and the step ends with rank 0's last backward."""
+    t = simulate(schedule("1f1b", 2, 4), rank_costs=[{"F": 1, "B": 1, "W": 1}, {"F": 2, "B": 2, "W": 2}])
+    busy = [e for e in t.ranks[1] if e.end > e.start]
+    assert busy[0].start == 1 and all(a.end == b.start for a, b in zip(busy, busy[1:])) and busy[-1].end == 25
+    assert t.makespan == 25 + 2
+    with pytest.raises(ValueError, match="rank_costs"):
+        simulate(schedule("1f1b", 2, 4), rank_costs=[{}])

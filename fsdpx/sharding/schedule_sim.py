@@ -44,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 from .schedule import ACTION_KINDS, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, W, check, matching
 
@@ -95,9 +95,11 @@ class Timeline:
         return {e.action: e for entries in self.ranks for e in entries}
 
 
-def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Timeline:
+def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
+             rank_costs: Sequence[Mapping[str, float]] | None = None) -> Timeline:
     """Run ``schedule`` with durations ``costs`` (by action kind, merged over
-    ``DEFAULT_COSTS``) and return its ``Timeline``.
+    ``DEFAULT_COSTS``) and return its ``Timeline``. ``rank_costs[r]``, when given, overrides
+    ``costs`` for rank ``r`` (unbalanced stages: the last also runs the LM head and the loss).
 
     Guarantees (``property_tests/test_schedule_properties.py``):
       * every action runs once; a rank's entries follow its list and never overlap; each
@@ -111,9 +113,11 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Ti
 
     Raises ``ValueError`` for a cost key not in ``ACTION_KINDS`` or a negative cost, and for a
     schedule ``check`` rejects; ``Deadlock`` when the ranks block each other."""
-    cost = _costs(costs)
     check(schedule)
     p = schedule.num_ranks
+    if rank_costs is not None and len(rank_costs) != p:
+        raise ValueError(f"rank_costs has {len(rank_costs)} entries for {p} ranks")
+    cost_of = [_costs({**(costs or {}), **(rank_costs[r] if rank_costs is not None else {})}) for r in range(p)]
     ends: dict[Action, float] = {}
     entries: list[list[Entry]] = [[] for _ in range(p)]
     free = [0] * p
@@ -130,7 +134,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None) -> Ti
                 blocked_on.setdefault(missing, []).append(r)
                 break
             start = max([free[r], *(ends[d] for d in deps)])
-            end = start + cost[a.kind]
+            end = start + cost_of[r][a.kind]
             entries[r].append(Entry(start, end, a))
             ends[a] = free[r] = end
             runnable.extend(blocked_on.pop(a, ()))
