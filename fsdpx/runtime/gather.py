@@ -16,6 +16,7 @@ Side effects (hooks on the model, storage resizes) live only inside :meth:`Gathe
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterator
 
@@ -28,6 +29,12 @@ from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_shape
 from fsdpx.sharding.plan import ShardingPlan
 from .units import Unit
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_shape(shape, spec, mesh, rank) -> tuple[int, ...]:
+    """``local_shape``, memoised: a pipeline builds a ``Gatherer`` per microbatch and stage."""
+    return local_shape(shape, spec, mesh, rank)
 
 
 class Gatherer:
@@ -44,7 +51,7 @@ class Gatherer:
             for n, lay in plan.params.items()
         }
         # this rank's compute block of each parameter, in the layout's (view) shape
-        self.local_shapes = {n: local_shape(lay.shape, lay.compute, comm.mesh, comm.rank)
+        self.local_shapes = {n: _local_shape(lay.shape, lay.compute, comm.mesh, comm.rank)
                              for n, lay in plan.params.items()}
         self.full = {n: self._placeholder(n) for n in plan.params}
         self.batched = {u.module: self._batchable(u) for u in units}  # decided once, used every gather

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from fsdpx.optim import Optimizer, update_fn
 from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import local_shape
 from fsdpx.sharding.pipeline import PipelineLayout, microbatch_bounds, pipeline_index, rank_plan
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.schedule import B, F, P2P, RECV_F, SEND_B, SEND_F, SPLIT_BACKWARD, W, Schedule, schedule
@@ -135,6 +136,8 @@ class PipelineStep:
             self.shared = {n: sorted({st % self.p for st in held}) for n, held in layout.param_stages.items()
                            if len(held) > 1 and n in self.local_plan.params}
         self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.local_shapes = {n: local_shape(lay.shape, lay.compute, self.group.mesh, self.group.rank)
+                             for n, lay in self.local_plan.params.items()}
 
     def _stage(self, s: int) -> _Stage:
         names = self.layout.params_of([s])
@@ -251,6 +254,7 @@ class _Run:
         self.inbox: dict[tuple[str, int, int], Tensor] = {}
         self.outbox: dict[tuple[str, int, int], Tensor] = {}
         self.raw: dict[str, Tensor] = {}
+        self.owned: set[str] = set()  # sums this step allocated (safe to add into in place)
         self.loss_sum, self.count = 0.0, 0
 
     # ---- the action loop ---------------------------------------------------------------------
@@ -469,18 +473,24 @@ class _Run:
         _free_all(rec.gatherer)
 
     def _accumulate(self, s: int, grads) -> None:
+        """Add a microbatch's weight gradients to the step's sums: the first kept as autograd gave
+        it (it may be another tensor's alias, so never written), then one new sum that later
+        microbatches add into in place."""
         st = self.o.stages[s]
         for n, g in zip(st.names, grads):
             if g is None:
                 continue
             g = g.reshape(self._local_shape(n))
-            self.raw[n] = g if n not in self.raw else self.raw[n] + g
+            if n not in self.raw:
+                self.raw[n] = g
+            elif n in self.owned:
+                self.raw[n].add_(g)
+            else:
+                self.raw[n] = self.raw[n] + g
+                self.owned.add(n)
 
     def _local_shape(self, name: str) -> tuple[int, ...]:
-        from fsdpx.sharding.layout import local_shape
-
-        o = self.o
-        return local_shape(o.plan.params[name].shape, o.plan.params[name].compute, o.group.mesh, o.group.rank)
+        return self.o.local_shapes[name]
 
     def raw_grads(self) -> dict[str, Tensor]:
         out = {}
