@@ -12,6 +12,11 @@ from .milp import solve_milp
 from .plan import Options, Plan, check_options
 
 
+STAGES = ((0.5, 0.5), (2.0, 0.5))
+"""MILP stages: (slots as a multiple of ``slots``, share of ``time_limit``); the first with every
+option, the later ones only with the options the best schedule so far and the previous stage chose."""
+
+
 def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
           weights: Mapping[str, float] | None = None, time_limit: float = 5.0, slots: int = 48,
           use_milp: bool = True) -> Plan:
@@ -38,7 +43,8 @@ def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
     if use_milp and options:
         # coarse to fine: all options on a coarse grid, then on a fine grid only the options the
         # best schedule so far and the coarse MILP chose (rounding costs less on a fine grid)
-        for stage, (grid, share) in enumerate(((slots // 2, 0.5), (slots * 2, 0.5))):
+        for stage, (grid, share) in enumerate(STAGES):
+            grid = max(4, round(grid * slots))
             incumbent = [(j, o) for j, o, _ in sorted(best, key=lambda x: (x[2], x[0]))]
             pool = options if stage == 0 else _narrowed(options, incumbent, coarse)
             result = solve_milp(pool, cluster_size, incumbent, slots=grid, time_limit=time_limit * share,
