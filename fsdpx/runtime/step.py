@@ -237,7 +237,8 @@ def make_sharded_step(
         metrics = _global_metrics(comm, stats, config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
         metrics["resident_bytes"] = resident
-        accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else None
+        accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else (
+            None if state.accountant is None else state.accountant.record(0.0, 1.0))  # plain: epsilon inf, as unsharded
         return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
 
     return step
