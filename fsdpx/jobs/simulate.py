@@ -109,6 +109,7 @@ class _State:
     factor: dict[str, float]
     lost: dict[str, int]
     every: dict[str, int]
+    known: dict[str, float] = field(default_factory=dict)  # the drift factor measured so far
     assumed: dict[str, float] = field(default_factory=dict)  # the drift factor the current plan used
     watch: list = field(default_factory=list)  # (time, job): a step measured at a new rate is due
     running: dict[str, _Run] = field(default_factory=dict)
@@ -138,7 +139,7 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
         raise ValueError(f"drift_threshold must be >= 0, got {drift_threshold}")
     every = {j: (ckpt_every if isinstance(ckpt_every, int) else ckpt_every.get(j, 50)) for j in options}
     st = _State(dict(steps), {j: 0 for j in options}, {j: 0 for j in options}, {j: 1.0 for j in options},
-                {j: 0 for j in options}, every)
+                {j: 0 for j in options}, every, known={j: 1.0 for j in options})
     for e in events:
         if isinstance(e, Finish):
             st.steps[e.job] = min(st.steps[e.job], e.at_step)
@@ -151,10 +152,10 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
         for job in list(st.running):
             _stop(st, job, t, checkpoint=True)
         left = {j: st.steps[j] - st.done[j] for j in options if st.done[j] < st.steps[j]}
-        opts = {j: [Option(o.technique, o.devices, left[j] * per_step[j][o] * st.factor[j], o.params)
+        opts = {j: [Option(o.technique, o.devices, left[j] * per_step[j][o] * st.known[j], o.params)
                     for o in options[j]] for j in left}
         plan = solve(opts, cluster_size, **(solve_options or {}))
-        st.assumed = dict(st.factor)
+        st.assumed = dict(st.known)
         st.watch = []
         replans.append(Replan(t, reason, plan))
         st.pending = sorted(((t + a.start, a.job, a.option, a.device_ids) for a in plan.assignments),
@@ -194,8 +195,11 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
         elif kind == "measure":
             st.watch.remove(what)
             job = what[1]
-            ratio = st.factor[job] / st.assumed[job]
-            if job in st.running and abs(ratio - 1) > drift_threshold:
+            if job not in st.running:
+                continue
+            st.known[job] = st.factor[job]
+            ratio = st.known[job] / st.assumed[job]
+            if abs(ratio - 1) > drift_threshold:
                 replan(t, f"{job} step time drifted x{ratio:g} from its profile (> {drift_threshold:g})")
     makespan = max((s.end for s in st.segments), default=0.0)
     return SimResult(tuple(st.segments), tuple(replans), st.lost, st.done, makespan)
@@ -213,7 +217,7 @@ def _start_ready(st: _State, t: float, per_step) -> None:
             st.pending.remove(item)
             step_time = per_step[job][_base(per_step[job], option)] * st.factor[job]
             st.running[job] = _Run(option, ids, t, t, float(st.done[job]), step_time)
-            if st.factor[job] != st.assumed[job]:  # the first step at this rate will be measured
+            if st.factor[job] != st.known[job]:  # the first step at this rate will be measured
                 st.watch.append((t + step_time, job))
             busy |= set(ids)
 

@@ -1,0 +1,177 @@
+"""``fsdpx jobs`` (also ``python -m fsdpx jobs``): plan many jobs on G devices.
+
+    fsdpx jobs plan jobs.toml --devices 8              # profile here, predict, solve, table + Gantt
+    fsdpx jobs plan --synthetic 16 --devices 64        # a synthetic instance, no profiling
+    fsdpx jobs plan jobs.toml --devices 64 --simulate --fail small@120 --drift big@50:1.5
+
+Profiles: each job, under every technique, is profiled for a few real steps (cached in
+``--profiles``) at the ``--profile-counts`` this machine has; other counts are predicted
+(``ProfileTable.predict``) and the fit error on profiled points is printed. Bad input exits
+with status 2 and one line (an infeasible job, a duplicate name, a bad file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import techniques
+from .devices import local_devices
+from .jobsfile import JobsFileError, cluster_of, read_jobs
+from .plan import Options, Plan, PlanError
+from .simulate import Drift, Fail, Finish, simulate
+from .solver import solve
+from .task import DuplicateJobError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fsdpx jobs", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan the jobs of a jobs file (or a synthetic instance) on G devices")
+    plan.add_argument("file", nargs="?", type=Path, help="jobs.toml")
+    plan.add_argument("--synthetic", type=int, metavar="J", help="plan J synthetic jobs instead of a file")
+    plan.add_argument("--devices", type=int, metavar="G", help="cluster size (default: the file's, or this machine)")
+    plan.add_argument("--memory-gib", type=float, metavar="X", help="memory per device")
+    plan.add_argument("--objective", choices=("makespan", "completion"), default="makespan")
+    plan.add_argument("--time-limit", type=float, default=8.0, metavar="S", help="MILP seconds (default %(default)s)")
+    plan.add_argument("--profiles", type=Path, default=Path("runs/profiles"), help="profile cache (default %(default)s)")
+    plan.add_argument("--profile-counts", type=int, nargs="+", default=[1, 2], metavar="N",
+                      help="device counts profiled with real steps (default 1 2)")
+    plan.add_argument("--techniques", nargs="+", metavar="NAME", help="consider only these techniques")
+    plan.add_argument("--gantt", type=Path, default=Path("runs/plan.png"), help="Gantt chart (default %(default)s)")
+    plan.add_argument("--simulate", action="store_true", help="run the plan in the event simulation")
+    plan.add_argument("--fail", action="append", default=[], metavar="JOB@T", help="simulate: JOB fails at T s")
+    plan.add_argument("--drift", action="append", default=[], metavar="JOB@T:F",
+                      help="simulate: JOB's steps take F times the profile from T s")
+    plan.add_argument("--finish", action="append", default=[], metavar="JOB@STEP",
+                      help="simulate: JOB stops early at STEP")
+    plan.add_argument("--ckpt-every", type=int, default=50, help="simulate: steps between checkpoints")
+    return p
+
+
+def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Options, list[str]]:
+    """Options for every job from real profiles at ``counts`` plus predictions for the other
+    feasible counts of the cluster (techniques ``only``, default all); and report lines (fit
+    errors). Raises ``InfeasibleJobError`` before profiling when a job fits nowhere."""
+    from .builtin import BUILTIN
+    from .profile import ProfileTable
+    from .profile_store import profile
+
+    feasible = techniques.check_feasible(tasks, cluster, only)
+    here = local_devices()
+    table, report = ProfileTable(), []
+    for task in tasks:
+        for tech in sorted({t for t, _ in feasible[task.name]}):
+            ns = [n for t, n in feasible[task.name] if t == tech]
+            measured = [n for n in ns if n in counts and n <= here.count]
+            if not measured:
+                report.append(f"{task.name} / {tech}: no profiled count fits this machine; not planned")
+                continue
+            for n in measured:
+                table.add(task.name, tech, n, profile(task, tech, cluster.group(n), root=root))
+            strategy = getattr(techniques.get(tech), "strategy", None)
+            if strategy is None:
+                continue  # a user technique without a memory model: only its measured counts
+            b = BUILTIN.get(tech)
+            mem = (lambda n, b=b, t=task: b.memory(t, cluster.group(n), {})) if b else (lambda n: 0)
+            table.predict(task, tech, strategy, ns, mem)
+            errors = table.fit_errors(task, tech, strategy)
+            report.append(f"{task.name} / {tech}: profiled {sorted(errors)}, in-sample fit error of the step model "
+                          + ", ".join(f"{n}: {e:.1%}" for n, e in sorted(errors.items())))
+    options = table.options(tasks, feasible=feasible)
+    return options, report
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table, then its makespan, bound, gap and notes."""
+    lines = [f"{'job':<14} {'technique':<22} {'devices':>7} {'ids':<16} {'start s':>10} {'end s':>10}"]
+    for a in plan.assignments:
+        ids = ",".join(map(str, a.device_ids))
+        lines.append(f"{a.job:<14} {a.option.technique:<22} {a.option.devices:>7} {ids[:16]:<16} "
+                     f"{a.start:>10.1f} {a.end:>10.1f}")
+    lines.append(f"makespan {plan.makespan:.1f} s; lower bound {plan.lower_bound:.1f} s; gap {plan.gap:.1%}; "
+                 f"greedy {plan.greedy_makespan:.1f} s; plan from {plan.method}; solved in {plan.solve_seconds:.2f} s")
+    return "\n".join(lines + [f"  {n}" for n in plan.notes])
+
+
+def gantt(plan: Plan, path: Path, title: str = "") -> None:
+    """Write the plan's Gantt chart (one row per device id) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 0.3 * plan.cluster_size + 1.5))
+    colors = plt.get_cmap("tab20")
+    for k, a in enumerate(plan.assignments):
+        for i in a.device_ids:
+            ax.barh(i, a.option.seconds, left=a.start, color=colors(k % 20), edgecolor="black", linewidth=0.3)
+        ax.text(a.start + a.option.seconds / 2, (min(a.device_ids) + max(a.device_ids)) / 2,
+                f"{a.job}\n{a.option.technique}", ha="center", va="center", fontsize=6)
+    ax.axvline(plan.lower_bound, color="red", linestyle="--", linewidth=1, label="lower bound")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("device")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right", fontsize=7)
+    ax.set_title(title or f"makespan {plan.makespan:.0f} s, bound {plan.lower_bound:.0f} s ({plan.method})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _events(args) -> list:
+    out = []
+    for text in args.fail:
+        job, at = text.rsplit("@", 1)
+        out.append(Fail(job, float(at)))
+    for text in args.drift:
+        job, rest = text.rsplit("@", 1)
+        at, factor = rest.split(":")
+        out.append(Drift(job, float(at), float(factor)))
+    for text in args.finish:
+        job, step = text.rsplit("@", 1)
+        out.append(Finish(job, int(step)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` and run ``fsdpx jobs``; exits 2 with one line on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.synthetic:
+            from .synthetic import synthetic_options
+
+            G = args.devices or 8
+            options, report = synthetic_options(args.synthetic, G), []
+            steps = {j: 1000 for j in options}
+        else:
+            if args.file is None:
+                parser.error("give a jobs file or --synthetic J")
+            tasks, table = read_jobs(args.file)
+            cluster = cluster_of(table, args.devices, args.memory_gib, local_devices())
+            G = cluster.count
+            options, report = profiled_options(tasks, cluster, set(args.profile_counts), args.profiles,
+                                               args.techniques)
+            steps = {t.name: t.steps for t in tasks}
+        events = _events(args)
+    except (JobsFileError, DuplicateJobError, techniques.InfeasibleJobError, techniques.UnknownTechniqueError,
+            PlanError, ValueError) as e:
+        parser.exit(2, f"fsdpx jobs: error: {e}\n")
+    for line in report:
+        print(line)
+    plan = solve(options, G, objective=args.objective, time_limit=args.time_limit)
+    print(format_plan(plan))
+    gantt(plan, args.gantt)
+    print(f"Gantt chart: {args.gantt}")
+    if args.simulate:
+        try:
+            result = simulate(options, steps, G, events, ckpt_every=args.ckpt_every,
+                              solve_options={"time_limit": args.time_limit / 4})
+        except ValueError as e:
+            parser.exit(2, f"fsdpx jobs: error: {e}\n")
+        for r in result.replans[1:]:
+            print(f"re-plan at {r.at:.1f} s: {r.reason}")
+        print(f"simulated makespan {result.makespan:.1f} s; steps lost to failures {sum(result.lost_steps.values())}")
