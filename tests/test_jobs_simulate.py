@@ -34,9 +34,9 @@ def check_invariants(result, ckpt_every: int, fails: int = 0):
 
 
 def test_without_events_the_simulation_runs_the_plan():
-    result = simulate(options(), STEPS, 4, ckpt_every=10)
     plan = solve(options(), 4)
-    assert result.makespan == pytest.approx(plan.makespan) and len(result.replans) == 1
+    result = simulate(options(), STEPS, 4, ckpt_every=10, plan=plan)
+    assert result.replans[0].plan is plan and result.makespan == pytest.approx(plan.makespan) and len(result.replans) == 1
     assert result.steps_done == STEPS and result.lost_steps == {j: 0 for j in STEPS}
     check_invariants(result, 10)
 
@@ -50,9 +50,10 @@ def test_a_job_that_finishes_early_triggers_a_new_plan():
 
 
 def test_a_failed_job_loses_only_the_steps_after_its_last_checkpoint():
-    first = solve(options(), 4).by_job()["a"]
+    plan = solve(options(), 4)
+    first = plan.by_job()["a"]
     at = first.start + 0.37 * first.option.seconds  # mid-run, between checkpoints
-    result = simulate(options(), STEPS, 4, [Fail("a", at)], ckpt_every=7)
+    result = simulate(options(), STEPS, 4, [Fail("a", at)], ckpt_every=7, plan=plan)
     assert any(r.reason.startswith("a failed") for r in result.replans)
     assert 0 < result.lost_steps["a"] < 7 and result.steps_done == STEPS
     check_invariants(result, 7, fails=1)
@@ -74,8 +75,9 @@ def test_drift_beyond_the_threshold_replans_and_within_it_does_not():
 
 
 def test_drift_of_a_job_not_yet_running_is_measured_when_it_starts():
-    later = max(solve(options(), 4).assignments, key=lambda a: a.start)
-    result = simulate(options(), STEPS, 4, [Drift(later.job, 0.5, 2.0)], ckpt_every=10)
+    plan = solve(options(), 4)
+    later = max(plan.assignments, key=lambda a: a.start)
+    result = simulate(options(), STEPS, 4, [Drift(later.job, 0.5, 2.0)], ckpt_every=10, plan=plan)
     replan = next(r for r in result.replans if "drifted" in r.reason)
     assert replan.at > later.start
     check_invariants(result, 10)

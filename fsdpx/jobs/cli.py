@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Gantt chart: {args.gantt}")
     if args.simulate:
         try:
-            result = simulate(options, steps, G, events, ckpt_every=args.ckpt_every,
-                              solve_options={"time_limit": args.time_limit / 4})
+            result = simulate(options, steps, G, events, ckpt_every=args.ckpt_every, plan=plan,
+                              solve_options={"time_limit": args.time_limit, "objective": args.objective})
         except ValueError as e:
             parser.exit(2, f"fsdpx jobs: error: {e}\n")
         for r in result.replans[1:]:

@@ -119,9 +119,10 @@ class _State:
 
 def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, events: Sequence[Event] = (), *,
              ckpt_every: int | Mapping[str, int] = 50, drift_threshold: float = 0.2,
-             solve_options: Mapping | None = None) -> SimResult:
+             solve_options: Mapping | None = None, plan: Plan | None = None) -> SimResult:
     """Plan ``options`` (each job's options for its full ``steps[job]`` steps) on
-    ``cluster_size`` devices, run the plan with ``events`` and re-plan as the module says.
+    ``cluster_size`` devices (or take ``plan``, one already solved for them), run the plan with
+    ``events`` and re-plan as the module says (``solve(..., **solve_options)``).
 
     Guarantees (``tests/test_jobs_simulate.py``): segments overlapping in time hold disjoint
     device ids; every job ends with ``steps_done == steps`` (or its ``Finish`` step); a job's
@@ -148,20 +149,20 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
     per_step = {j: {o: o.seconds / steps[j] for o in os_} for j, os_ in options.items()}
     early = {e.job for e in events if isinstance(e, Finish)}
 
-    def replan(t: float, reason: str) -> None:
+    def replan(t: float, reason: str, given: Plan | None = None) -> None:
         for job in list(st.running):
             _stop(st, job, t, checkpoint=True)
         left = {j: st.steps[j] - st.done[j] for j in options if st.done[j] < st.steps[j]}
         opts = {j: [Option(o.technique, o.devices, left[j] * per_step[j][o] * st.known[j], o.params)
                     for o in options[j]] for j in left}
-        plan = solve(opts, cluster_size, **(solve_options or {}))
+        plan = given or solve(opts, cluster_size, **(solve_options or {}))
         st.assumed = dict(st.known)
         st.watch = []
         replans.append(Replan(t, reason, plan))
         st.pending = sorted(((t + a.start, a.job, a.option, a.device_ids) for a in plan.assignments),
                             key=lambda x: (x[0], x[1]))
 
-    replan(0.0, "start")
+    replan(0.0, "start", plan)
     t = 0.0
     while st.pending or st.running:
         _start_ready(st, t, per_step)
