@@ -51,6 +51,16 @@ def test_balanced_split_minimises_the_largest_stage(costs, stages, want):
     assert balanced_split(costs, stages) == want
 
 
+def test_the_default_split_counts_the_lm_head_on_the_last_stage():
+    """A head as costly as ~2.7 blocks (vocabulary 8192 x width 256) pulls blocks onto the
+    earlier stages; among equal maxima the most even split wins; embeddings cost nothing."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=8192, block_size=8, n_layer=8, n_head=8, n_embd=256, tie_weights=False))
+    assert _plan(model, Mesh(dp=1, pp=2)).pipeline.stages == ((0, 1, 2, 3, 4), (5, 6, 7))
+    assert _plan(model, Mesh(dp=1, pp=4)).pipeline.stages == ((0, 1, 2), (3, 4), (5, 6), (7,))
+    assert balanced_split([1, 1, 1, 1], 2, first=0.0, last=1.5) == (3, 1)
+
+
 def test_microbatches_differ_by_at_most_one_example_and_tile_the_batch():
     for n in range(0, 12):
         for m in range(1, 6):

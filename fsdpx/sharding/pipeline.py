@@ -47,8 +47,9 @@ class PipelineParallel:
       data-parallel rank; ``virtual_stages``: stages per rank (``interleaved_1f1b``).
     * ``blocks``: the module path of the block list (default: the ``nn.ModuleList`` holding the
       most parameters).
-    * ``split``: blocks per stage, e.g. ``(3, 2, 2, 1)`` (default: balanced by parameter count,
-      :func:`balanced_split`).
+    * ``split``: blocks per stage, e.g. ``(3, 2, 2, 1)`` (default: :func:`balanced_split` of the
+      blocks' matrix-product parameters, the prologue's counted on stage 0 and the epilogue's,
+      the LM head, on the last).
     * ``prologue``: parameter names of stage 0 outside the blocks (default: registration order).
     """
 
@@ -107,11 +108,12 @@ def rank_plan(plan: ShardingPlan, mesh: Mesh, rank: int) -> ShardingPlan:
     return dataclasses.replace(plan, params={n: plan.params[n] for n in names})
 
 
-def balanced_split(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
+def balanced_split(costs: Sequence[float], num_stages: int, *, first: float = 0.0,
+                   last: float = 0.0) -> tuple[int, ...]:
     """Blocks per stage: the contiguous split of ``costs`` into ``num_stages`` non-empty runs
-    whose largest sum is smallest (ties: the last stage takes fewer blocks, since it also runs
-    the LM head and the loss, the heaviest part outside the blocks). Exact (dynamic programming
-    over prefixes).
+    whose largest cost is smallest, where stage 0 also costs ``first`` (the prologue) and the
+    last stage ``last`` (the epilogue: the LM head and the loss); among equal maxima, the most
+    even (smallest sum of squared stage costs). Exact (dynamic programming over prefixes).
 
     Raises ``PipelinePlanError`` if there are more stages than blocks."""
     n = len(costs)
@@ -122,15 +124,18 @@ def balanced_split(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: smallest max-run over the first i blocks in k runs; cut[k][i]: where run k starts
+    inf = (float("inf"), float("inf"))
+    # best[k][i]: over the first i blocks in k runs, the smallest (largest run, sum of squared
+    # runs): the second breaks ties towards even stages; cut[k][i]: where run k starts
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for k in range(1, num_stages + 1):
         for i in range(k, n + 1):
+            extra = (first if k == 1 else 0.0) + (last if k == num_stages else 0.0)
             for j in range(i - 1, k - 2, -1):  # last run is [j, i); latest start first = shortest last run
-                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                run = prefix[i] - prefix[j] + extra
+                v = (max(best[k - 1][j][0], run), best[k - 1][j][1] + run * run)
                 if v < best[k][i]:
                     best[k][i], cut[k][i] = v, j
     sizes, i = [], n
@@ -138,6 +143,33 @@ def balanced_split(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
         sizes.append(i - cut[k][i])
         i = cut[k][i]
     return tuple(reversed(sizes))
+
+
+def _compute_cost(module: nn.Module) -> int:
+    """A stage's compute, proxied by the parameters its matrix products read: every parameter
+    of ``module``'s tree except embedding tables (a lookup reads one row per token)."""
+    return sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
+               for p in m.parameters(recurse=False))
+
+
+def _outside_costs(model: nn.Module, blocks: str) -> tuple[int, int]:
+    """``_compute_cost`` of the modules registered before the block list (the prologue) and after
+    it (the epilogue: a tied LM head counts, through the module that multiplies by it)."""
+    before = after = 0
+    seen = False
+    prefix = f"{blocks}."
+    for name, m in model.named_modules(remove_duplicate=False):
+        if name == blocks or name.startswith(prefix):
+            seen = True
+            continue
+        if isinstance(m, nn.Embedding):
+            continue
+        cost = sum(p.numel() for p in m.parameters(recurse=False))
+        if seen:
+            after += cost
+        else:
+            before += cost
+    return before, after
 
 
 def find_blocks(model: nn.Module, path: str | None = None) -> str:
@@ -185,8 +217,11 @@ def resolve_pipeline(model: nn.Module, plan: ShardingPlan, spec: PipelineParalle
     blocks = find_blocks(model, spec.blocks)
     block_list = dict(model.named_modules())[blocks]
     num_stages = p * spec.virtual_stages
-    split = spec.split if spec.split is not None else balanced_split(
-        [sum(q.numel() for q in b.parameters()) or 1 for b in block_list], num_stages)
+    if spec.split is not None:
+        split = spec.split
+    else:
+        first, last = _outside_costs(model, blocks)
+        split = balanced_split([_compute_cost(b) or 1 for b in block_list], num_stages, first=first, last=last)
     if len(split) != num_stages or sum(split) != len(block_list) or min(split) < 1:
         raise PipelinePlanError(f"split {tuple(split)} must give each of {num_stages} stages at least one of the"
                                 f" {len(block_list)} blocks, in total all of them")
