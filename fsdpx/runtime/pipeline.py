@@ -178,7 +178,7 @@ class PipelineStep:
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
         metrics["resident_bytes"] = resident
         accountant = state.accountant.record(self.config.noise_multiplier, self.config.sample_rate) \
-            if self.config else None
+            if self.config else (None if state.accountant is None else state.accountant.record(0.0, 1.0))
         return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
 
     def all_reduce_norms(self, sq: Tensor) -> Tensor:
