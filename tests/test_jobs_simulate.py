@@ -55,7 +55,9 @@ def test_a_failed_job_loses_only_the_steps_after_its_last_checkpoint():
     at = first.start + 0.37 * first.option.seconds  # mid-run, between checkpoints
     result = simulate(options(), STEPS, 4, [Fail("a", at)], ckpt_every=7, plan=plan)
     assert any(r.reason.startswith("a failed") for r in result.replans)
-    assert 0 < result.lost_steps["a"] < 7 and result.steps_done == STEPS
+    assert 0 < result.lost_steps["a"] < 7 and result.steps_done == STEPS and result.ignored == ()
+    idle = simulate(options(), STEPS, 4, [Fail("a", first.end + 1)], ckpt_every=7, plan=plan)
+    assert idle.ignored == (Fail("a", first.end + 1),) and len(idle.replans) == 1
     check_invariants(result, 7, fails=1)
 
 

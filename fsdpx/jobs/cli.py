@@ -112,7 +112,8 @@ def gantt(plan: Plan, path: Path, title: str = "") -> None:
     ax.axvline(plan.lower_bound, color="red", linestyle="--", linewidth=1, label="lower bound")
     ax.set_xlabel("seconds")
     ax.set_ylabel("device")
-    ax.invert_yaxis()
+    ax.set_yticks(range(plan.cluster_size))
+    ax.set_ylim(plan.cluster_size - 0.5, -0.5)  # every device a row, idle ones included, 0 on top
     ax.legend(loc="lower right", fontsize=7)
     ax.set_title(title or f"makespan {plan.makespan:.0f} s, bound {plan.lower_bound:.0f} s ({plan.method})", fontsize=9)
     fig.tight_layout()
@@ -174,4 +175,6 @@ def main(argv: list[str] | None = None) -> None:
             parser.exit(2, f"fsdpx jobs: error: {e}\n")
         for r in result.replans[1:]:
             print(f"re-plan at {r.at:.1f} s: {r.reason}")
+        for e in result.ignored:
+            print(f"event ignored (the job was not running then): {e}")
         print(f"simulated makespan {result.makespan:.1f} s; steps lost to failures {sum(result.lost_steps.values())}")

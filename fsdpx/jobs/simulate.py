@@ -86,6 +86,7 @@ class SimResult:
     lost_steps: dict[str, int]
     steps_done: dict[str, int]
     makespan: float
+    ignored: tuple[Event, ...] = ()  # Fail events at a time their job was not running
 
 
 @dataclass
@@ -163,7 +164,7 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
                             key=lambda x: (x[0], x[1]))
 
     replan(0.0, "start", plan)
-    t = 0.0
+    t, ignored = 0.0, []
     while st.pending or st.running:
         _start_ready(st, t, per_step)
         nxt = [(r.t0 + (st.steps[j] - r.p0) * r.step_time, "end", j) for j, r in st.running.items()]
@@ -186,6 +187,8 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
                 st.lost[what.job] += rolled
                 st.done[what.job] = st.ckpt[what.job]
                 replan(t, f"{what.job} failed at step {st.done[what.job] + rolled}, back to step {st.done[what.job]}")
+            elif isinstance(what, Fail):
+                ignored.append(what)
             elif isinstance(what, Drift):
                 st.factor[what.job] = what.factor
                 if what.job in st.running:
@@ -202,8 +205,9 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
             ratio = st.known[job] / st.assumed[job]
             if abs(ratio - 1) > drift_threshold:
                 replan(t, f"{job} step time drifted x{ratio:g} from its profile (> {drift_threshold:g})")
+    ignored += [e for e in timed if isinstance(e, Fail)]  # after every job ended
     makespan = max((s.end for s in st.segments), default=0.0)
-    return SimResult(tuple(st.segments), tuple(replans), st.lost, st.done, makespan)
+    return SimResult(tuple(st.segments), tuple(replans), st.lost, st.done, makespan, tuple(ignored))
 
 
 def _busy_ids(st: _State) -> set[int]:
