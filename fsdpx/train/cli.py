@@ -182,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
     a message on bad flags or values the privacy core rejects."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["jobs"]:  # the multi-job planner has its own command line
+        from fsdpx.jobs.cli import main as jobs_main
+
+        return jobs_main(argv[1:])
     args = parser.parse_args(argv)
     if args.nproc is not None and args.strategy is None:
         args.command_parser.error("--nproc needs --strategy (ddp, zero1, zero2, zero3 or hsdp)")
