@@ -38,7 +38,13 @@ def test_predictions_fill_unprofiled_counts_and_feed_the_solver():
         table.add("a", "zero3", n, Measurement(truth.seconds(n, sent[n]), 1000 + n))
     pred = table.predict(task, "zero3", "zero3", [1, 2, 4, 8])
     assert pred[8].measured is False and pred[8].step_seconds == pytest.approx(truth.seconds(8, sent[8]), rel=1e-4)
-    assert max(table.fit_errors(task, "zero3", "zero3").values()) < 1e-6
+    errors = table.fit_errors(task, "zero3", "zero3")  # each point from the two others
+    assert set(errors) == {1, 2, 4}
+    table.add("a", "zero3", 8, Measurement(truth.seconds(8, sent[8]), 1008))
+    assert max(table.fit_errors(task, "zero3", "zero3").values()) < 1e-4  # three others pin the model
+    lone = ProfileTable()
+    lone.add("a", "zero3", 2, Measurement(1.0, 1))
+    assert lone.fit_errors(task, "zero3", "zero3") == {}
     options = table.options([task])
     assert [o.devices for o in options["a"]] == [1, 2, 4, 8]
     assert options["a"][0].seconds == pytest.approx(10 * truth.seconds(1, sent[1]))

@@ -6,7 +6,8 @@
 
 Profiles: each job, under every technique, is profiled for a few real steps (cached in
 ``--profiles``) at the ``--profile-counts`` this machine has; other counts are predicted
-(``ProfileTable.predict``) and the fit error on profiled points is printed. Bad input exits
+(``ProfileTable.predict``) and the prediction error on profiled points (each predicted from
+the others) is printed. Bad input exits
 with status 2 and one line (an infeasible job, a duplicate name, a bad file).
 """
 
@@ -77,8 +78,10 @@ def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Opt
             mem = (lambda n, b=b, t=task: b.memory(t, cluster.group(n), {})) if b else (lambda n: 0)
             table.predict(task, tech, strategy, ns, mem)
             errors = table.fit_errors(task, tech, strategy)
-            report.append(f"{task.name} / {tech}: profiled {sorted(errors)}, in-sample fit error of the step model "
-                          + ", ".join(f"{n}: {e:.1%}" for n, e in sorted(errors.items())))
+            measured_here = sorted(table.measured(task.name, tech))
+            report.append(f"{task.name} / {tech}: profiled {measured_here}"
+                          + (", prediction error at each from the others " + ", ".join(
+                              f"{n}: {e:.1%}" for n, e in sorted(errors.items())) if errors else ""))
     options = table.options(tasks, feasible=feasible)
     return options, report
 

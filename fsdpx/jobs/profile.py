@@ -110,11 +110,17 @@ class ProfileTable:
         return out
 
     def fit_errors(self, task: Task, technique: str, strategy: str) -> dict[int, float]:
-        """Relative error ``|predicted / measured - 1|`` of the step model at every measured count
-        of ``task`` under ``technique`` (the error the planner reports on profiled points)."""
+        """The prediction error at every measured count of ``task`` under ``technique``:
+        ``|predicted / measured - 1|`` where the prediction is fitted to the OTHER measured
+        counts (leave one out; the step model fits 3 coefficients, so an in-sample error on
+        two or three points would be 0 and say nothing). Empty with fewer than two points."""
         got = self.measured(task.name, technique)
-        model = fit_step_model([(n, sent_bytes(task, strategy, n), m.step_seconds) for n, m in sorted(got.items())])
-        return {n: abs(model.seconds(n, sent_bytes(task, strategy, n)) / m.step_seconds - 1) for n, m in got.items()}
+        points = {n: (n, sent_bytes(task, strategy, n), m.step_seconds) for n, m in got.items()}
+        out = {}
+        for n in sorted(points) if len(points) > 1 else []:
+            model = fit_step_model([p for k, p in sorted(points.items()) if k != n])
+            out[n] = abs(model.seconds(n, points[n][1]) / points[n][2] - 1)
+        return out
 
     def options(self, tasks: Iterable[Task], steps_left: Mapping[str, int] | None = None,
                 feasible: Mapping[str, Iterable[tuple[str, int]]] | None = None) -> Options:
