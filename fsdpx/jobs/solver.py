@@ -43,6 +43,7 @@ def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
     if use_milp and options:
         # coarse to fine: all options on a coarse grid, then on a fine grid only the options the
         # best schedule so far and the coarse MILP chose (rounding costs less on a fine grid)
+        coarse: tuple = ()
         for stage, (grid, share) in enumerate(STAGES):
             grid = max(4, round(grid * slots))
             incumbent = [(j, o) for j, o, _ in sorted(best, key=lambda x: (x[2], x[0]))]
