@@ -250,8 +250,13 @@ def noise_multiplier(
     *,
     accountant: str = "pld",
     value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
+    history: tuple[Event, ...] = (),
 ) -> float:
-    """The smallest noise multiplier whose ``epsilon`` is at most ``target_epsilon``.
+    """The smallest noise multiplier whose ``epsilon`` is at most ``target_epsilon``: of
+    ``steps`` steps alone, or, with ``history`` (an ``Accountant``'s ``events``: steps already
+    taken, whatever their sigma and q), of the history composed with ``steps`` more steps at
+    ``sample_rate`` (a resumed run calibrating its remaining steps against the budget left;
+    ``tests/test_accounting.py::test_noise_for_the_rest_keeps_the_whole_run_within_the_target``).
 
     Method: double (or halve) from 1.0 until the answer is bracketed, then bisect in
     ``log(sigma)``, always keeping the upper end feasible. Each probe is one ``epsilon`` call,
@@ -285,7 +290,16 @@ def noise_multiplier(
     if steps == 0 or target == math.inf:
         return 0.0
 
+    past = _canonical_events(history)
+    if past and _composed_epsilon(past, delta, accountant, value_discretization_interval) > target:
+        raise PrivacyError(f"the steps already taken spent epsilon "
+                           f"{_composed_epsilon(past, delta, accountant, value_discretization_interval):.6g}, over"
+                           f" the target {target}: no noise makes {steps} more step(s) fit")
+
     def eps(sigma: float) -> float:
+        if past:
+            events = _canonical_events([*past, (sigma, sample_rate, steps)])
+            return _composed_epsilon(events, delta, accountant, value_discretization_interval)
         return epsilon(sigma, sample_rate, steps, delta, accountant=accountant,
                        value_discretization_interval=value_discretization_interval)
 

@@ -241,3 +241,21 @@ def test_max_steps_is_the_last_step_within_budget():
     assert n > 0
     assert epsilon(1.0, 0.01, n, 1e-5, accountant="rdp") <= 1.0 < epsilon(1.0, 0.01, n + 1, 1e-5, accountant="rdp")
     assert max_steps(0.3, 1.0, 1e-5, 0.01, accountant="rdp") == 0
+
+
+def test_noise_for_the_rest_keeps_the_whole_run_within_the_target():
+    """20 steps calibrated for epsilon 8 over 20, then 10 more: the noise for the 10 is the
+    smallest that keeps the composed 30 at or below 8; a history already over the target is
+    refused by name."""
+    from privacy.accounting import Accountant, noise_multiplier
+    from privacy.errors import PrivacyError
+
+    q, delta = 0.05, 1e-5
+    sigma20 = noise_multiplier(8.0, delta, q, 20)
+    past = Accountant(delta=delta).record(sigma20, q, 20)
+    rest = noise_multiplier(8.0, delta, q, 10, history=past.events)
+    whole = past.record(rest, q, 10).epsilon()
+    assert rest > sigma20 and whole <= 8.0 and whole >= 0.99 * 8.0
+    assert past.record(sigma20, q, 10).epsilon() > 8.0  # keeping the old noise would overspend
+    with pytest.raises(PrivacyError, match="already taken spent epsilon"):
+        noise_multiplier(1.0, delta, q, 10, history=past.events)

@@ -122,3 +122,19 @@ def test_a_pipelined_run_resumes_into_plain_zero3(tmp_path):
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)
     assert [r["epsilon"] for r in b] == [r["epsilon"] for r in a]
+
+
+def test_a_resumed_run_with_more_steps_stays_within_its_target(tmp_path):
+    """Issue 15's report: 20 steps "to epsilon 8", resumed to 30 with another learning rate,
+    ended at epsilon 8.673. The remaining steps' noise is now calibrated against the history,
+    so the whole run ends at or below 8, and the accountant's composed history says so."""
+    from fsdpx.train.loop import RunConfig, run
+
+    base = dict(out=str(tmp_path), name="r", n_layer=1, n_embd=16, n_head=2, block_size=16, corpus_chars=20000,
+                batch_size=32.0, ckpt_dir=str(tmp_path / "ck"), ckpt_every=5)
+    run(RunConfig(steps=20, **base), progress=False)
+    summary = run(RunConfig(steps=30, lr=3e-3, resume=True, **base), progress=False)
+    records = _records(tmp_path / "r" / "metrics.jsonl")
+    assert records[-1]["step"] == 30
+    assert records[-1]["epsilon"] <= 8.0, records[-1]["epsilon"]
+    assert summary["stopped"] is None

@@ -222,7 +222,37 @@ def resolve_privacy(config: RunConfig, sample_rate: float) -> DPConfig | None:
                                  value_discretization_interval=config.accounting_interval)
     return DPConfig(clip_norm=config.clip_norm, noise_multiplier=sigma, sample_rate=sample_rate,
                     delta=config.delta, method=config.method, clipping=config.clipping,
-                    epsilon_budget=config.epsilon_budget, accountant=config.accountant)
+                    epsilon_budget=epsilon_budget(config), accountant=config.accountant)
+
+
+def epsilon_budget(config: RunConfig) -> float | None:
+    """The epsilon no step may exceed: ``epsilon_budget`` when given, else the target the run
+    announced (a run "to epsilon 8" never takes a step past 8, resumed or not); None for a
+    non-private run or one with a fixed noise multiplier and no budget."""
+    if not config.private:
+        return None
+    return config.epsilon_budget if config.epsilon_budget is not None else config.target_epsilon
+
+
+def recalibrate_for_resume(config: RunConfig, dp: DPConfig, accountant: Accountant) -> DPConfig:
+    """The privacy of a resumed run's remaining steps. With ``target_epsilon``: the smallest noise
+    multiplier that brings the WHOLE run, the recorded history (whatever sigma and q its steps
+    used) composed with the remaining steps, to at most the target; a run resumed with more
+    steps, another batch size or sample rate therefore never ends above the epsilon it
+    announced (``tests/test_train_resume.py::test_a_resumed_run_with_more_steps_stays_within_its_target``).
+    The configured noise is kept whenever it still fits (so an unchanged resume continues bit for
+    bit). With a fixed ``noise_multiplier``: unchanged (the budget, if any, stops it).
+
+    Raises :class:`privacy.errors.PrivacyError` naming the spent epsilon when the history alone
+    is already over the target (nothing is trained then)."""
+    left = config.steps - accountant.steps
+    if config.target_epsilon is None or left <= 0 or not accountant.events:
+        return dp
+    if accountant.record(dp.noise_multiplier, dp.sample_rate, left).epsilon() <= config.target_epsilon:
+        return dp  # the configured noise still fits: keep it (an unchanged resume stays bit for bit)
+    sigma = noise_multiplier(config.target_epsilon, config.delta, dp.sample_rate, left, accountant=config.accountant,
+                             value_discretization_interval=config.accounting_interval, history=accountant.events)
+    return dataclasses.replace(dp, noise_multiplier=sigma)
 
 
 def init_params(config: RunConfig) -> tuple[GPT, dict[str, Tensor]]:
@@ -263,7 +293,7 @@ def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPC
     :class:`fsdpx.runtime.ShardedState` and the step takes the global batch."""
     optimizer = make_optimizer(config, comm)
     accountant = Accountant(accountant=config.accountant, delta=config.delta,
-                            epsilon_budget=config.epsilon_budget if config.private else None,
+                            epsilon_budget=epsilon_budget(config),
                             value_discretization_interval=config.accounting_interval)
     if comm is not None:
         strategy = sharding_plan(config, model, comm.mesh)
@@ -457,6 +487,17 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     manager = checkpoint_manager(config, comm, private=dp is not None)
     if config.resume:
         state = resume_state(manager, state, main)
+        if dp is not None and state.step > 0:
+            # the budget is this run's; the noise of the steps left is calibrated against it
+            state = state._replace(accountant=dataclasses.replace(state.accountant, epsilon_budget=epsilon_budget(config)))
+            calibrated = recalibrate_for_resume(config, dp, state.accountant)
+            if calibrated != dp:
+                if main:
+                    print(f"fsdpx train: noise multiplier {calibrated.noise_multiplier:.4g} (was"
+                          f" {dp.noise_multiplier:.4g}) for the {config.steps - state.step} steps left keeps the whole"
+                          f" run within epsilon {config.target_epsilon:g}", file=sys.stderr)
+                dp = calibrated
+                _, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
     resumed_at = saved_at = state.step
 
     run_dir = _prepare_run_dir(config.run_dir) if main else config.run_dir
