@@ -120,7 +120,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                     help="per-example norms (default %(default)s)")
     dp.add_argument("--clipping", choices=("flat", "automatic"), default=d.clipping, help="(default %(default)s)")
     dp.add_argument("--epsilon-budget", type=_positive_float, metavar="X", default=None,
-                    help="stop before a step that would spend more than this")
+                    help="stop before a step that would spend more than this (default: the target epsilon; a"
+                         " resumed run's remaining noise is calibrated so the whole run stays within it)")
     dp.add_argument("--accountant", choices=("pld", "rdp"), default=d.accountant, help="(default %(default)s)")
 
     shard = p.add_argument_group("sharding")
