@@ -158,31 +158,8 @@ def test_nproc_without_strategy_is_refused(capsys):
     assert "--nproc needs --strategy" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_tensor_parallel_main_job_on_four_gloo_processes_follows_the_single_process_run(tmp_path):
-    """``fsdpx train --tp 2 --sequence-parallel --strategy zero3 --nproc 4``: the same batches
-    and noise as one process, so the same losses (float32, rel 1e-5) at every step."""
-    import json
-    import subprocess
-    import sys
-
-    flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
-             "--no-progress"]
-    losses = {}
-    for name, extra in {"tp": ["--tp", "2", "--sequence-parallel", "--strategy", "zero3", "--nproc", "4"],
-                        "one": []}.items():
-        out = tmp_path / name
-        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [r["loss"] for r in records]
-        if name == "tp":
-            assert "zero3 on Mesh(dp=2, tp=2)" in done.stderr
-    assert losses["tp"] == pytest.approx(losses["one"], rel=1e-5)
-
-
-PIPELINED = {
+PARALLEL = {  # flags (with --strategy zero3) -> the mesh the run must report
+    "tp2_sp_dp2": (["--tp", "2", "--sequence-parallel", "--nproc", "4"], "Mesh(dp=2, tp=2)"),
     "pp2": (["--pp", "2", "--nproc", "2", "--schedule", "zero_bubble", "--microbatches", "3"], "Mesh(pp=2, dp=1)"),
     "dp2_tp2_pp2": (["--pp", "2", "--tp", "2", "--nproc", "8", "--schedule", "1f1b", "--microbatches", "4"],
                     "Mesh(pp=2, dp=2, tp=2)"),
@@ -190,29 +167,30 @@ PIPELINED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(PIPELINED))
-def test_pipelined_main_job_follows_the_single_process_run(tmp_path, case):
-    """``fsdpx train --pp 2 --strategy zero3`` on 2 processes (zero-bubble), and the full 3-D
-    ``--pp 2 --tp 2`` on 8 (1F1B): the same batches and noise as one process, so the same
-    losses (float32, rel 1e-5) at every step."""
+@pytest.mark.parametrize("case", sorted(PARALLEL))
+def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
+    """``fsdpx train --strategy zero3`` with tensor parallelism and sequence parallelism on 4
+    processes, a pipeline alone on 2 (zero-bubble), and the full 3-D ``--pp 2 --tp 2`` on 8
+    (1F1B): the same batches and noise as one process, so the same losses (float32, rel 1e-5)
+    at every step."""
     import json
     import subprocess
     import sys
 
     flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
              "--no-progress"]
+    parallel, mesh = PARALLEL[case]
     losses = {}
-    flags_pp, mesh = PIPELINED[case]
-    for name, extra in {"pp": [*flags_pp, "--strategy", "zero3"], "one": []}.items():
+    for name, extra in {"parallel": [*parallel, "--strategy", "zero3"], "one": []}.items():
         out = tmp_path / name
         done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in records]
-        if name == "pp":
+        if name == "parallel":
             assert f"zero3 on {mesh}" in done.stderr
-    assert losses["pp"] == pytest.approx(losses["one"], rel=1e-5)
+    assert losses["parallel"] == pytest.approx(losses["one"], rel=1e-5)
 
 
 @pytest.mark.parametrize("argv, message", [
