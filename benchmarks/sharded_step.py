@@ -61,6 +61,9 @@ import time
 import warnings
 from typing import Any, Callable
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import MemMarks, clocks, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
+
 MODES = ["fsdpx-zero3", "fsdpx-zero3-private", "fsdp2", "ddp", "fsdpx-ddp"]
 LR, WD = 1e-3, 0.01
 CLIP, SIGMA = 1.0, 1.0
@@ -109,15 +112,7 @@ class Counter:
         self.cpu[key] = self.cpu.get(key, 0.0) + cpu - t0[1]
 
 
-def clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
 COUNT = Counter()
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
 
 
 def install_counting_wrappers() -> None:
@@ -155,23 +150,6 @@ def install_counting_wrappers() -> None:
         setattr(dist, fn_name, functools.wraps(real)(counted))
 
 
-class MemMarks:
-    """Peak RSS per phase of a step (memory jobs only): ``mark(phase)`` reads ``VmHWM`` (the
-    peak since the previous mark) and resets it, so the overall peak is the max of the marks."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.peaks: dict[str, int] = {}
-        self.overall = 0
-
-    def mark(self, phase: str) -> None:
-        if self.active:
-            hwm = status_kb("VmHWM")
-            self.peaks[phase] = max(self.peaks.get(phase, 0), hwm)
-            self.overall = max(self.overall, hwm)
-            reset_hwm()
-
-
 MEM = MemMarks()
 
 
@@ -196,7 +174,7 @@ def install_fsdpx_timers(comm) -> None:
     """Phase timers around fsdpx's collectives (``DistComm.run`` on this instance), its noise
     draw and its metric gathers: module-level names looked up at call time, patched in this
     process only (fsdpx's files are untouched)."""
-    import fsdpx.runtime as rt
+    import fsdpx.runtime.step as rt  # the module whose globals the step looks up
 
     real_run = comm.run
 
@@ -213,23 +191,6 @@ def install_fsdpx_timers(comm) -> None:
     rt.shard_noise = timed("noise", rt.shard_noise)
     # the step calls _reduce_and_update once the backward is over: a memory mark only
     rt._reduce_and_update = timed("reduce_and_update", rt._reduce_and_update, before="forward+backward")
-
-
-def status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def make_model(cfg: dict):

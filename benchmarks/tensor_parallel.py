@@ -85,6 +85,9 @@ import time
 import warnings
 from typing import Any, Callable
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import MemMarks, clocks, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
+
 MODES = ["fsdpx-tp", "fsdpx-tp-private", "dtensor-tp"]
 LR, WD = 1e-3, 0.01
 CLIP, SIGMA = 1.0, 1.0
@@ -135,15 +138,7 @@ class Counter:
         self.cpu[key] = self.cpu.get(key, 0.0) + cpu - t0[1]
 
 
-def clocks() -> tuple[float, float]:
-    return time.perf_counter(), time.process_time()
-
-
 COUNT = Counter()
-
-
-def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
 
 
 def _suffix(size: int) -> str:
@@ -327,23 +322,6 @@ def make_audit():
     return CollectiveAudit()
 
 
-class MemMarks:
-    """Peak RSS per phase of a step (memory jobs only): ``mark(phase)`` reads ``VmHWM`` (the
-    peak since the previous mark) and resets it, so the overall peak is the max of the marks."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.peaks: dict[str, int] = {}
-        self.overall = 0
-
-    def mark(self, phase: str) -> None:
-        if self.active:
-            hwm = status_kb("VmHWM")
-            self.peaks[phase] = max(self.peaks.get(phase, 0), hwm)
-            self.overall = max(self.overall, hwm)
-            reset_hwm()
-
-
 MEM = MemMarks()
 
 
@@ -382,23 +360,6 @@ def install_fsdpx_timers() -> None:
         return (plain if noise is None else with_noise)(*args, **kwargs)
 
     step_mod._reduce_and_update = reduce_and_update
-
-
-def status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # ----------------------------------------------------------------------------------------------
