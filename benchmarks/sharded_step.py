@@ -62,7 +62,7 @@ import warnings
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import MemMarks, clocks, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
+from bench_common import MemMarks, clocks, launch_worker, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
 
 MODES = ["fsdpx-zero3", "fsdpx-zero3-private", "fsdp2", "ddp", "fsdpx-ddp"]
 LR, WD = 1e-3, 0.01
@@ -435,23 +435,7 @@ def worker(args) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def launch(worker_args: list[str], env_extra: dict[str, str], nproc: int) -> dict:
-    from fsdpx.train.launch import torchrun_command
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        cmd = torchrun_command(nproc, [os.path.abspath(__file__), *worker_args, "--result", path])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
-        proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
-        try:
-            with open(path) as f:
-                result = json.load(f)
-        except (OSError, ValueError):
-            proc.check_returncode()
-            raise
-        if proc.returncode:  # e.g. torch 2.13's FSDP2 + gloo can abort while the process exits
-            log(f"worker exited with code {proc.returncode} AFTER writing its complete result; result kept")
-            result["exit_code"] = proc.returncode
-        return result
+    return launch_worker(os.path.abspath(__file__), worker_args, env_extra, nproc, log)
 
 
 def summarize_time(job: dict) -> dict[str, Any]:

@@ -86,7 +86,7 @@ import warnings
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import MemMarks, clocks, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
+from bench_common import MemMarks, clocks, launch_worker, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
 
 MODES = ["fsdpx-tp", "fsdpx-tp-private", "dtensor-tp"]
 LR, WD = 1e-3, 0.01
@@ -690,23 +690,7 @@ def worker(args) -> None:
 # ----------------------------------------------------------------------------------------------
 
 def launch(worker_args: list[str], env_extra: dict[str, str], nproc: int) -> dict:
-    from fsdpx.train.launch import torchrun_command
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        cmd = torchrun_command(nproc, [os.path.abspath(__file__), *worker_args, "--result", path])
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
-        proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
-        try:
-            with open(path) as f:
-                result = json.load(f)
-        except (OSError, ValueError):
-            proc.check_returncode()
-            raise
-        if proc.returncode:  # a gloo process can abort in C++ teardown after writing its result
-            log(f"worker exited with code {proc.returncode} AFTER writing its complete result; result kept")
-            result["exit_code"] = proc.returncode
-        return result
+    return launch_worker(os.path.abspath(__file__), worker_args, env_extra, nproc, log)
 
 
 def summarize_time(job: dict) -> dict[str, Any]:
