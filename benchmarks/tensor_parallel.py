@@ -80,7 +80,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any, Callable
