@@ -211,12 +211,10 @@ class DistComm:
 
     def _all_reduce(self, c: Collective, local: Tensor) -> Tensor:
         pg, members, _ = self._group(c.axes)
-        if len(members) == 1:  # a group of one: the sum is the input; counted as the algebra counts it
-            self._count(c, local.numel() * local.element_size())
-            return local.detach()
-        out = local.detach().clone().contiguous()
+        out = local.detach().clone().contiguous()  # a new tensor, as every communicator returns
         self._count(c, out.numel() * out.element_size())
-        dist.all_reduce(out, group=pg)
+        if len(members) > 1:  # a group of one: the sum is the input (counted as the algebra counts it)
+            dist.all_reduce(out, group=pg)
         return out
 
     def _all_to_all(self, c: Collective, local: Tensor) -> Tensor:
