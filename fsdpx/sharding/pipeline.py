@@ -312,7 +312,7 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
     (``property_tests/test_pipeline_properties.py::test_counted_bytes_equal_pipeline_comm_per_step``)."""
     from .collectives import cost, plan as plan_collectives
     from .layout import chunk_bounds, local_shape
-    from .schedule import P2P, SEND_B, SEND_F
+    from .schedule import SEND_B, SEND_F
 
     layout = plan.pipeline
     p, item = layout.degree(), dtype.itemsize
@@ -355,7 +355,7 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
     sched = make_schedule(layout.schedule, p, layout.microbatches, virtual_stages=layout.virtual_stages)
     per_example = math.prod(hidden) * item
     for act in sched.ranks[index]:
-        if isinstance(act, (SEND_F, SEND_B)) and isinstance(act, P2P):
+        if isinstance(act, (SEND_F, SEND_B)):
             p2p += sizes[act.mb] * per_example
     if p2p or p > 1:
         out["p2p"] = p2p
