@@ -216,16 +216,26 @@ def max_steps(
     *,
     accountant: str = "pld",
     value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION,
+    history: tuple[Event, ...] = (),
 ) -> int:
     """The largest number of steps of ``(noise_multiplier, sample_rate)`` whose epsilon at
-    ``delta`` stays within ``epsilon_budget`` (0 if even one step exceeds it).
+    ``delta`` stays within ``epsilon_budget`` (0 if even one step exceeds it); with ``history``
+    (an ``Accountant``'s ``events``), the largest number of steps MORE that the history composed
+    with them stays within it (0 when the history alone is over).
 
     Guarantees: ``epsilon(..., max_steps) <= epsilon_budget < epsilon(..., max_steps + 1)``
-    (``tests/test_accounting.py::test_max_steps_is_the_last_step_within_budget``), found by
-    doubling then bisection on ``epsilon``, which is non-decreasing in steps; cached, so a
+    (``tests/test_accounting.py::test_max_steps_is_the_last_step_within_budget``; with a
+    history ``tests/test_budget.py::test_steps_that_fit_after_a_history_are_the_last_within_budget``),
+    found by doubling then bisection on ``epsilon``, which is non-decreasing in steps; cached, so a
     training loop can test its budget every step in O(1). Capped at 2**40 steps."""
+    past = _canonical_events(history)
+    delta = _check_delta(delta)
 
     def within(steps: int) -> bool:
+        if past:
+            events = _canonical_events([*past, (noise_multiplier, sample_rate, steps)])
+            return _composed_epsilon(events, delta, _check_accountant(accountant),
+                                     _check_discretization(value_discretization_interval)) <= epsilon_budget
         return epsilon(noise_multiplier, sample_rate, steps, delta, accountant=accountant,
                        value_discretization_interval=value_discretization_interval) <= epsilon_budget
 

@@ -24,6 +24,8 @@ from fsdpx.sharding import strategies
 from fsdpx.sharding.schedule import KINDS
 from .launch import torchrun_command
 from .loop import ConfigError, RunConfig, check_layout, format_summary, run, run_mesh
+from .resume import segment_config, source_config
+from .segments import ResumeError
 from privacy.errors import PrivacyError
 
 _DEFAULTS = RunConfig()
@@ -123,6 +125,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                     help="stop before a step that would spend more than this (default: the target epsilon; a"
                          " resumed run's remaining noise is calibrated so the whole run stays within it)")
     dp.add_argument("--accountant", choices=("pld", "rdp"), default=d.accountant, help="(default %(default)s)")
+    dp.add_argument("--max-noise-multiplier", type=_positive_float, metavar="X", default=d.max_noise_multiplier,
+                    help="refuse (before training) a target that needs more noise than this (default %(default)g)")
 
     shard = p.add_argument_group("sharding")
     shard.add_argument("--strategy", choices=sorted(strategies.ALL), default=None,
@@ -156,7 +160,18 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     ck.add_argument("--ckpt-dir", metavar="DIR", default=None, help="save checkpoints here (atomic, async)")
     ck.add_argument("--ckpt-every", type=_positive_int, metavar="N", default=d.ckpt_every,
                     help="steps between checkpoints (default %(default)s)")
-    ck.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --ckpt-dir")
+    resume = ck.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue from the newest intact checkpoint in --ckpt-dir (flags not given are the"
+                             " checkpoint's run's)")
+    resume.add_argument("--resume-from", metavar="PATH", default=None,
+                        help="branch: a new run (--name) from any intact checkpoint (DIR/step_N, or a root: its newest),"
+                             " with its own checkpoints (default OUT/NAME/ckpt); flags not given are the source's")
+    ck.add_argument("--allow-budget-increase", action="store_true",
+                    help="on resume: accept a larger --target-epsilon / --epsilon-budget or --delta than the run"
+                         " promised (recorded in its segments)")
+    ck.add_argument("--allow-new-data", action="store_true",
+                    help="on resume: accept data other than the checkpoint was trained on")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,13 +184,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The :class:`RunConfig` the parsed flags describe (defaults filled from ``RunConfig``)."""
+def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> RunConfig:
+    """The :class:`RunConfig` the parsed flags describe (defaults filled from ``RunConfig``).
+
+    With ``--resume`` or ``--resume-from`` and a checkpoint whose root records its run
+    (``run.json``), the flags in ``explicit`` (those typed on the command line) override the
+    configuration that wrote the checkpoint, and the others keep its values
+    (:func:`fsdpx.train.resume.segment_config`): ``--resume-from ck/step_10 --lr 3e-3 --name b``
+    changes only the learning rate (``tests/test_train_segments.py::test_a_cli_branch_keeps_the_flags_it_does_not_set``)."""
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     values["private"] = not args.non_private
     values.setdefault("name", "private" if values["private"] else "non-private")
-    return RunConfig(**values)
+    source = args.resume_from or (args.ckpt_dir if args.resume else None)
+    base = source_config(source) if source is not None and explicit is not None else None
+    if base is None:
+        return RunConfig(**values)
+    overrides = {k: values[k] for k in explicit if k in fields and k in values}
+    if "non_private" in explicit:
+        overrides["private"] = False
+    return segment_config(base, overrides)
+
+
+def explicit_flags(argv: list[str]) -> set[str]:
+    """The destinations of the ``fsdpx train`` flags typed in ``argv`` (not defaulted)."""
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]  # the one subcommand we add
+    for action in train._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv))) - {"command", "command_parser"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.nproc is not None and args.strategy is None:
         args.command_parser.error("--nproc needs --strategy (ddp, zero1, zero2, zero3 or hsdp)")
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, explicit_flags(argv))
         if config.strategy is not None and "WORLD_SIZE" not in os.environ:
             nproc = args.nproc or 2 * config.tp * config.pp
             check_layout(config, nproc)  # refuse what cannot run here, before any process starts
@@ -204,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
             from fsdpx.runtime.dist_comm import shutdown
 
             shutdown()
-    except (ConfigError, PrivacyError) as err:  # a bad value, not a bug: no traceback, no usage
+    except (ConfigError, PrivacyError, ResumeError) as err:  # a bad value, not a bug: no traceback, no usage
         args.command_parser.exit(2, f"{args.command_parser.prog}: error: {err}\n")
     if comm is None or comm.rank == 0:
         print(format_summary(summary))

@@ -58,6 +58,8 @@ from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, TrainState, init_state, make_private_step, sample_batch
 
 from . import data
+from .budget import MAX_NOISE_MULTIPLIER
+from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
 
 Step = Callable[[TrainState, tuple[Tensor, Tensor]], tuple[TrainState, dict[str, float]]]
 
@@ -130,6 +132,13 @@ class RunConfig:
     ckpt_dir: str | None = None
     ckpt_every: int = 50
     resume: bool = False
+    # segments (fsdpx.train.resume): ``resume_from`` branches from any intact checkpoint (a
+    # ``step_<N>`` directory or a root) into this run's own directory and checkpoint root
+    # (default ``<out>/<name>/ckpt``); the flags below loosen what a resume refuses by default
+    resume_from: str | None = None
+    allow_budget_increase: bool = False
+    allow_new_data: bool = False
+    max_noise_multiplier: float = MAX_NOISE_MULTIPLIER
 
     def __post_init__(self) -> None:
         if self.noise_multiplier is not None or not self.private:
@@ -158,6 +167,12 @@ class RunConfig:
             raise ConfigError(f"offload must be none, zenflow or zero, got {self.offload!r}")
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("resume needs ckpt_dir")
+        if self.resume and self.resume_from is not None:
+            raise ConfigError("give resume (the newest checkpoint of ckpt_dir) or resume_from (a branch), not both")
+        if self.resume_from is not None and self.ckpt_dir is None:
+            object.__setattr__(self, "ckpt_dir", str(Path(self.out) / self.name / "ckpt"))
+        if not (self.max_noise_multiplier > 0 and math.isfinite(self.max_noise_multiplier)):
+            raise ConfigError(f"max_noise_multiplier must be finite and > 0, got {self.max_noise_multiplier}")
         if self.ckpt_every < 1:
             raise ConfigError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
         if self.strategy is not None and self.strategy not in strategies.ALL:
@@ -232,27 +247,6 @@ def epsilon_budget(config: RunConfig) -> float | None:
     if not config.private:
         return None
     return config.epsilon_budget if config.epsilon_budget is not None else config.target_epsilon
-
-
-def recalibrate_for_resume(config: RunConfig, dp: DPConfig, accountant: Accountant) -> DPConfig:
-    """The privacy of a resumed run's remaining steps. With ``target_epsilon``: the smallest noise
-    multiplier that brings the WHOLE run, the recorded history (whatever sigma and q its steps
-    used) composed with the remaining steps, to at most the target; a run resumed with more
-    steps, another batch size or sample rate therefore never ends above the epsilon it
-    announced (``tests/test_train_resume.py::test_a_resumed_run_with_more_steps_stays_within_its_target``).
-    The configured noise is kept whenever it still fits (so an unchanged resume continues bit for
-    bit). With a fixed ``noise_multiplier``: unchanged (the budget, if any, stops it).
-
-    Raises :class:`privacy.errors.PrivacyError` naming the spent epsilon when the history alone
-    is already over the target (nothing is trained then)."""
-    left = config.steps - accountant.steps
-    if config.target_epsilon is None or left <= 0 or not accountant.events:
-        return dp
-    if accountant.record(dp.noise_multiplier, dp.sample_rate, left).epsilon() <= config.target_epsilon:
-        return dp  # the configured noise still fits: keep it (an unchanged resume stays bit for bit)
-    sigma = noise_multiplier(config.target_epsilon, config.delta, dp.sample_rate, left, accountant=config.accountant,
-                             value_discretization_interval=config.accounting_interval, history=accountant.events)
-    return dataclasses.replace(dp, noise_multiplier=sigma)
 
 
 def init_params(config: RunConfig) -> tuple[GPT, dict[str, Tensor]]:
@@ -422,28 +416,6 @@ def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool):
                                   every_n_steps=config.ckpt_every, private=private)
 
 
-def resume_state(manager, fresh: Any, main: bool) -> Any:
-    """The newest intact checkpoint's state, or ``fresh`` when there is none (said on stderr).
-    Shapes must match the configured model (a mismatch raises naming the tensor)."""
-    restored = manager.restore()
-    if restored is None:
-        if main:
-            print(f"fsdpx train: no checkpoint in {manager.root}; starting at step 0", file=sys.stderr)
-        return fresh
-    _check_shapes(restored, fresh)
-    if main:
-        print(f"fsdpx train: resuming at step {restored.step} from {manager.root}", file=sys.stderr)
-    return restored
-
-
-def _check_shapes(restored: Any, fresh: Any) -> None:
-    for k, v in fresh.params.items():
-        got = restored.params.get(k)
-        if got is None or tuple(got.shape) != tuple(v.shape):
-            raise ConfigError(f"checkpoint tensor params/{k} has shape {None if got is None else tuple(got.shape)}, "
-                              f"the configured model needs {tuple(v.shape)}")
-
-
 def generate(model: GPT, params: dict[str, Tensor], prompt: str, num_chars: int, *, seed: int) -> str:
     """``prompt`` followed by ``num_chars`` characters sampled from the model (temperature 1),
     a pure function of ``(params, prompt, num_chars, seed)``."""
@@ -461,18 +433,29 @@ def generate(model: GPT, params: dict[str, Tensor], prompt: str, num_chars: int,
 
 
 def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -> dict[str, Any]:
-    """Train as ``config`` says, write the run directory, and return the summary.
+    """Train as ``config`` says (one segment of a run), write the run directory, and return the summary.
 
-    Returns a dict with ``steps`` (taken), ``initial_loss`` (the first step's, i.e. the
-    untrained model's), ``final_loss`` (mean over the last ``SMOOTHING`` steps), ``epsilon``
-    spent at ``delta`` (``inf`` for a non-private run), ``noise_multiplier``, ``sample_rate``,
-    ``seconds`` (wall time of the whole run), ``run_dir``, ``sample`` (text generated by the
-    trained model) and ``stopped`` (why the run ended early, or ``None``). A step that would
-    exceed ``epsilon_budget`` is not taken: the run stops there and says so in ``stopped``. Other invalid values raise
-    :class:`ConfigError` or :class:`privacy.errors.PrivacyError` before any step.
+    Returns a dict with ``steps`` (the run's step count at the end, earlier segments included),
+    ``start_step`` (where this segment began), ``initial_loss`` (the run's first recorded step's,
+    i.e. the untrained model's) and ``initial_step``, ``final_loss`` (mean over the last
+    ``SMOOTHING`` steps), ``epsilon`` spent at ``delta`` over the whole run (``inf`` for a
+    non-private run), ``noise_multiplier`` (of this segment), ``sample_rate``, ``seconds`` (wall
+    time of the segment), ``run_dir``, ``sample`` (text generated by the trained model),
+    ``segment_starts`` and ``stopped`` (why the segment ended early, or ``None``).
+
+    Segments (:func:`fsdpx.train.resume.plan_segment`): with ``resume`` or ``resume_from`` the
+    run continues from a checkpoint; the noise of the steps left is planned against the privacy
+    budget and the exact history, and every refusal (``fsdpx.train.segments.ResumeError``,
+    ``fsdpx.train.budget.BudgetError``, ``ConfigError``, ``PrivacyError``) is raised before
+    anything is written. ``metrics.jsonl`` is cut back to the starting step (a branch starts with
+    its source's steps ``1..start``), ``config.json`` and the checkpoint root's ``run.json`` list
+    the segments. A checkpoint already at ``steps`` trains nothing, writes nothing and says so
+    in ``stopped``. A step that would exceed the budget is not taken: the run stops there.
 
     Sharded (``comm`` given, every rank calls ``run``): every rank feeds the same global Poisson
     batch to its sharded step; only rank 0 writes files and shows progress."""
+    from .resume import plan_segment  # resume imports this module
+
     main = comm is None or comm.rank == 0
     start = time.perf_counter()
     inputs, targets = data.make_examples(data.corpus(config.corpus_chars), config.block_size)
@@ -483,22 +466,36 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     dp = resolve_privacy(config, sample_rate)
     model, params = init_params(config)
     state, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
-    sampler = PoissonSampler(num_examples, sample_rate, key=config.seed)
     manager = checkpoint_manager(config, comm, private=dp is not None)
-    if config.resume:
-        state = resume_state(manager, state, main)
-        if dp is not None and state.step > 0:
-            # the budget is this run's; the noise of the steps left is calibrated against it
-            state = state._replace(accountant=dataclasses.replace(state.accountant, epsilon_budget=epsilon_budget(config)))
-            calibrated = recalibrate_for_resume(config, dp, state.accountant)
-            if calibrated != dp:
-                if main:
-                    print(f"fsdpx train: noise multiplier {calibrated.noise_multiplier:.4g} (was"
-                          f" {dp.noise_multiplier:.4g}) for the {config.steps - state.step} steps left keeps the whole"
-                          f" run within epsilon {config.target_epsilon:g}", file=sys.stderr)
-                dp = calibrated
-                _, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
-    resumed_at = saved_at = state.step
+    plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=data_digest(inputs, targets),
+                        manager=manager, world=comm.mesh.size if comm else 1)
+    if config.resume_from is not None:
+        check_branch(config, plan)
+    if plan.dp != dp:
+        if main and plan.start > 0:
+            print(f"fsdpx train: noise multiplier {plan.dp.noise_multiplier:.4g} (was {dp.noise_multiplier:.4g}) for"
+                  f" the {config.steps - plan.start} steps left keeps the whole run within epsilon"
+                  f" {config.target_epsilon:g}", file=sys.stderr)
+        dp = plan.dp
+        _, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
+    state = plan.state
+    earlier = cut_back(read_metrics(plan.earlier_run_dir / "metrics.jsonl"), plan.start) if plan.earlier_run_dir \
+        else []
+    if main:
+        for note in plan.notes:
+            print(f"fsdpx train: note: {note}", file=sys.stderr)
+        if config.resume and plan.source is None:
+            print(f"fsdpx train: no checkpoint in {config.ckpt_dir}; starting at step 0", file=sys.stderr)
+        elif plan.source is not None:
+            print(f"fsdpx train: resuming at step {plan.start} from {plan.source}", file=sys.stderr)
+    starts = [s["start_step"] for s in plan.segments if s["start_step"] > 0]
+    if plan.start >= config.steps:
+        stopped = (f"nothing to do: the checkpoint {plan.source} is at step {plan.start} and --steps is"
+                   f" {config.steps}; ask for more steps to train further")
+        if main:
+            print(f"fsdpx train: {stopped}", file=sys.stderr)
+        return _summary(config, [_numbers(r) for r in earlier], state, dp, sample_rate, start, plan.start, starts, stopped,
+                        sample=generate(model, full_params(state, config, comm), "The ", 100, seed=config.seed))
 
     run_dir = _prepare_run_dir(config.run_dir) if main else config.run_dir
     _write_json(run_dir / "config.json" if main else None, {
@@ -507,13 +504,20 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                     "world_size": comm.mesh.size if comm else 1, "mesh": repr(comm.mesh) if comm else None,
                     "noise_multiplier": dp.noise_multiplier if dp else None,
                     "num_params": sum(p.numel() for p in params.values())},
+        "segments": plan.segments,
     })
+    if main:
+        write_metrics(run_dir / "metrics.jsonl", earlier)  # cut back to the start: no step twice
+        if config.ckpt_dir is not None:
+            write_record(config.ckpt_dir, {"run_dir": str(config.run_dir.resolve()), "segments": plan.segments})
+    sampler = PoissonSampler(num_examples, sample_rate, key=config.seed)
 
-    history: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = [_numbers(r) for r in earlier]
+    saved_at = plan.start
     stopped, torn = None, False
     loop_start = time.perf_counter()
-    with _open_log(run_dir / "metrics.jsonl", main, append=resumed_at > 0) as log, \
-            _progress_bar(config, progress and main, initial=resumed_at) as bar:
+    with _open_log(run_dir / "metrics.jsonl", main, append=True) as log, \
+            _progress_bar(config, progress and main, initial=plan.start) as bar:
         while state.step < config.steps:
             try:
                 state, metrics = step(state, sample_batch((inputs, targets), sampler, state.step))
@@ -543,32 +547,69 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
 
     trained = full_params(state, config, comm)
     if main:
-        _plot(history, run_dir / "plot.png", title=_plot_title(config, dp), delta=config.delta)
-    losses = [r["loss"] for r in history if math.isfinite(r["loss"])]
-    sample = generate(model, trained, "The ", 100, seed=config.seed)
+        _plot(history, run_dir / "plot.png", title=_plot_title(config, dp), delta=config.delta, starts=starts)
+    return _summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
+                    sample=generate(model, trained, "The ", 100, seed=config.seed))
+
+
+def check_branch(config: RunConfig, plan: Any) -> None:
+    """Raise :class:`fsdpx.train.segments.BranchError` if a branch would write where its source
+    lives: into the source's checkpoint root (its retention could delete the source's
+    checkpoints), into the source's run directory, or into a root already holding checkpoints
+    (``tests/test_train_segments.py::test_a_branch_never_writes_where_its_source_lives``)."""
+    from ckpt.manager import committed_steps
+
+    root = Path(config.ckpt_dir).resolve()
+    if plan.source is not None and root == plan.source.parent.resolve():
+        raise BranchError(f"the branch's checkpoint root {config.ckpt_dir} is its source's: its retention could"
+                          " delete the source's checkpoints; give it another --ckpt-dir (default <out>/<name>/ckpt)")
+    if plan.earlier_run_dir is not None and plan.earlier_run_dir.resolve() == config.run_dir.resolve():
+        raise BranchError(f"the branch would write into its source's run directory {config.run_dir}; give it"
+                          " another --name")
+    if committed_steps(root):
+        raise BranchError(f"{config.ckpt_dir} already holds checkpoints {committed_steps(root)}: continue that"
+                          " branch with --resume, or give this one another --name or --ckpt-dir")
+
+
+def _numbers(record: dict[str, Any]) -> dict[str, Any]:
+    """A record read back from ``metrics.jsonl`` with its nulls (non-finite values) as NaN."""
+    return {**record, **{k: math.nan for k in ("loss", "epsilon") if record.get(k) is None}}
+
+
+def _summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DPConfig | None,
+             sample_rate: float, start: float, start_step: int, starts: list[int], stopped: str | None,
+             *, sample: str) -> dict[str, Any]:
+    rows = [r for r in history if r.get("loss") is not None and math.isfinite(r["loss"])]
     return {
-        "steps": len(history),
-        "initial_loss": losses[0] if losses else math.nan,
-        "final_loss": _mean(losses[-SMOOTHING:]),
+        "steps": state.step,
+        "start_step": start_step,
+        "initial_loss": rows[0]["loss"] if rows else math.nan,
+        "initial_step": rows[0]["step"] if rows else None,
+        "final_loss": _mean([r["loss"] for r in rows[-SMOOTHING:]]),
         "epsilon": state.accountant.epsilon(),
         "delta": config.delta,
         "noise_multiplier": dp.noise_multiplier if dp else 0.0,
         "sample_rate": sample_rate,
         "seconds": time.perf_counter() - start,
-        "run_dir": str(run_dir),
+        "run_dir": str(config.run_dir),
         "sample": sample,
+        "segment_starts": starts,
         "stopped": stopped,
     }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The few lines ``fsdpx train`` prints at the end."""
+    """The few lines ``fsdpx train`` prints at the end: the whole run's steps, loss and epsilon
+    (a resumed run's first loss is its step 1's, not the segment's)."""
     s = summary
     privacy = (f"epsilon {s['epsilon']:.3f} at delta {s['delta']:g} (noise multiplier {s['noise_multiplier']:.3f}, "
                f"sample rate {s['sample_rate']:.4g})" if math.isfinite(s["epsilon"]) else "non-private: no guarantee")
+    segment = (f"  (segments start at steps {', '.join(map(str, s['segment_starts']))}; this one trained"
+               f" {s['steps'] - s['start_step']} from step {s['start_step']})" if s["segment_starts"] else "")
+    first = f"at step {s['initial_step']}" if s["initial_step"] is not None else "(no step recorded)"
     lines = [
-        f"steps        {s['steps']}" + (f"  (stopped early: {s['stopped']})" if s["stopped"] else ""),
-        f"loss         {s['initial_loss']:.3f} at step 1 -> {s['final_loss']:.3f} (mean of the last {SMOOTHING} steps)",
+        f"steps        {s['steps']}{segment}" + (f"  (stopped early: {s['stopped']})" if s["stopped"] else ""),
+        f"loss         {s['initial_loss']:.3f} {first} -> {s['final_loss']:.3f} (mean of the last {SMOOTHING} steps)",
         f"privacy      {privacy}",
         f"wall time    {s['seconds']:.1f} s",
         f"sample       {s['sample']!r}",
@@ -597,23 +638,23 @@ def _open_log(path: Path, main: bool, *, append: bool = False):
         yield log
 
 
-def _json_safe(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     # JSON has no inf/nan: a float that is not finite is written as null.
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def _write_json(path: Path | None, obj: dict[str, Any]) -> None:
     if path is None:  # not the main rank
         return
-    path.write_text(json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
+    path.write_text(json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")
 
 
 def _append_jsonl(log, record: dict[str, Any]) -> None:
-    log.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
+    log.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
     log.flush()
 
 
@@ -636,7 +677,7 @@ def _plot_title(config: RunConfig, dp: DPConfig | None) -> str:
     return f"{config.name}: {model}, DP-SGD sigma={dp.noise_multiplier:.3f}, q={dp.sample_rate:.4f}, C={dp.clip_norm:g}"
 
 
-def _plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float) -> None:
+def _plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float, starts: list[int] = ()) -> None:
     import matplotlib  # imported here: it is slow to import and the backend must be set first
 
     matplotlib.use("Agg")
@@ -653,6 +694,11 @@ def _plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float
     ax_loss.legend(loc="upper right")
     ax_loss.grid(alpha=0.3)
     epsilons = [r["epsilon"] for r in history]
+    for at in starts:  # where a resume or branch began
+        for ax in (ax_loss, ax_eps):
+            ax.axvline(at + 0.5, color="gray", linestyle="--", linewidth=1)
+        ax_loss.text(at + 0.5, 1.0, f" resumed at {at}", transform=ax_loss.get_xaxis_transform(), fontsize=8,
+                     color="gray", va="top")
     if epsilons and all(math.isfinite(e) for e in epsilons):
         ax_eps.plot(steps, epsilons, color="tab:red", linewidth=2)
     else:

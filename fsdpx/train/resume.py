@@ -1,0 +1,236 @@
+"""Starting a segment of a run: from scratch, from the newest checkpoint (``resume``) or from any
+intact checkpoint (``resume_from``, a branch), with the privacy budget kept across segments.
+
+    state, dp = resume_from("runs/a/ckpt/step_10", {"lr": 3e-3, "steps": 40})   # from Python
+
+:func:`plan_segment` is the one place a segment is planned; ``fsdpx train`` (through
+:func:`fsdpx.train.run`) and :func:`resume_from` both call it, so research code gets the CLI's
+guarantees. It reads the checkpoint, its manifest and its root's ``run.json``
+(:mod:`fsdpx.train.segments`), and writes nothing: every refusal (a change a resume cannot
+honour, a budget that does not fit, a larger budget without ``allow_budget_increase``) is raised
+before the run directory or a checkpoint is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Mapping, NamedTuple
+
+import ckpt
+from ckpt.format import MANIFEST
+from privacy.step import DPConfig
+
+from .budget import check_budget_change, segment_noise
+from .segments import (CheckpointNotFoundError, check_compatible, fingerprint, lineage, owner, read_record)
+
+
+class SegmentPlan(NamedTuple):
+    """What a segment starts from. ``state``: restored (its accountant carrying this segment's
+    budget, delta and accountant kind) or fresh; ``dp``: the privacy of its steps (``None`` for
+    a non-private run); ``start``: the step it starts at; ``source``: the checkpoint, if any;
+    ``segments``: the lineage of ``state`` plus this segment's entry; ``earlier_run_dir``: the
+    run directory holding the metrics of steps ``1..start``; ``notes``: lines for the user."""
+
+    state: Any
+    dp: DPConfig | None
+    start: int
+    source: Path | None
+    segments: list[dict[str, Any]]
+    earlier_run_dir: Path | None
+    notes: list[str]
+
+
+def find_source(config: Any, manager: Any) -> Path | None:
+    """The checkpoint a segment starts from: ``config.resume_from`` (a ``step_<N>`` directory,
+    verified, or a checkpoint root: its newest intact checkpoint), else with ``config.resume``
+    the newest intact checkpoint of ``manager`` (chosen by rank 0), else ``None``.
+    Raises :class:`CheckpointNotFoundError` when ``resume_from`` names no intact checkpoint."""
+    if config.resume_from is not None:
+        path = Path(config.resume_from)
+        if (path / MANIFEST).is_file():
+            try:
+                ckpt.verify(path)
+            except ckpt.CorruptCheckpointError as e:
+                raise CheckpointNotFoundError(f"{path} is not an intact checkpoint: {e}") from None
+            return path
+        newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
+        if newest is None:
+            raise CheckpointNotFoundError(f"{path} is neither a checkpoint (step_<N> with a {MANIFEST}) nor a"
+                                          " directory holding an intact one")
+        return newest
+    if not config.resume or manager is None:
+        return None
+    c = manager.coordinator
+    chosen = manager.latest() if c.rank == 0 else None
+    chosen = c.broadcast(None if chosen is None else str(chosen)) if c.world > 1 else chosen
+    return None if chosen is None else Path(chosen)
+
+
+def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPConfig | None, digest: str,
+                 manager: Any, world: int = 1) -> SegmentPlan:
+    """Plan the segment ``config`` asks for (see the module doc); reads, never writes.
+
+    Guarantees:
+      * A private segment's steps get the noise :func:`fsdpx.train.budget.segment_noise` plans
+        against the checkpoint's exact history, so the whole run ends at or below its target
+        (``tests/test_budget.py``, ``property_tests/test_budget_properties.py``); a fixed
+        ``noise_multiplier`` is kept (the budget, if any, stops the run).
+      * A change a resume cannot honour raises the named ``fsdpx.train.segments.ResumeError``
+        before the checkpoint is loaded (``tests/test_train_segments.py``).
+      * Same config and checkpoint, same plan: the state and noise are functions of them
+        (``test_a_branch_run_twice_from_one_checkpoint_gives_the_same_bits``)."""
+    from .loop import epsilon_budget  # loop imports this module lazily too: no cycle at import
+
+    source = find_source(config, manager)
+    new_fp = fingerprint(config, params, digest)
+    if source is None:
+        planned = _plan_noise(config, dp, fresh.accountant, current=dp.noise_multiplier if dp else None)
+        entry = _entry(config, 0, None, planned, new_fp, world)
+        return SegmentPlan(fresh, planned, 0, None, [entry], None, [])
+
+    manifest = ckpt.read_manifest(source)
+    step = manifest.step if manifest.step is not None else int(source.name.split("_")[-1])
+    record = read_record(source.parent)
+    segments = record["segments"] if record else []
+    wrote = owner(segments, step)
+    shapes = {k: (t.param_shape or t.shape) for k, t in manifest.tensors.items()}
+    notes = check_compatible(wrote["fingerprint"] if wrote else None, new_fp, checkpoint_shapes=shapes,
+                             checkpoint_private=manifest.private, allow_new_data=config.allow_new_data)
+    state = ckpt.load(source, mesh=manager.mesh, strategy=manager.strategy, specs=manager.specs,
+                      rank=manager.coordinator.rank, private=manager.private)
+    increased_from = None
+    if dp is not None:
+        spent = state.accountant
+        acc = check_budget_change(spent, epsilon_budget=epsilon_budget(config), delta=config.delta,
+                                  allow_increase=config.allow_budget_increase)
+        acc = dataclasses.replace(acc, accountant=config.accountant,
+                                  value_discretization_interval=config.accounting_interval)
+        if acc.epsilon_budget != spent.epsilon_budget or acc.delta != spent.delta:
+            increased_from = {"epsilon_budget": spent.epsilon_budget, "delta": spent.delta}
+        state = state._replace(accountant=acc)
+        last = acc.events[-1] if acc.events else None
+        current = last.noise_multiplier if last is not None and last.sample_rate == dp.sample_rate else None
+        dp = _plan_noise(config, dp, acc, current=current)
+    entry = _entry(config, state.step, source, dp, new_fp, world, budget_changed_from=increased_from,
+                   new_data=wrote is not None and wrote["fingerprint"]["data"] != new_fp["data"])
+    earlier = Path(record["run_dir"]) if record else (config.run_dir if config.resume else None)
+    return SegmentPlan(state, dp, state.step, source, [*lineage(segments, state.step), entry], earlier, notes)
+
+
+def _plan_noise(config: Any, dp: DPConfig | None, spent: Any, *, current: float | None) -> DPConfig | None:
+    """``dp`` with the noise of the steps left; unchanged without a target (fixed noise)."""
+    from .loop import epsilon_budget
+
+    if dp is None or config.target_epsilon is None:
+        return dp
+    budget = epsilon_budget(config)
+    target = config.target_epsilon if budget is None else min(config.target_epsilon, budget)
+    sigma = segment_noise(spent, target=target, sample_rate=dp.sample_rate, steps=config.steps - spent.steps,
+                          current=current, max_noise=config.max_noise_multiplier)
+    return dp if sigma == dp.noise_multiplier else dataclasses.replace(dp, noise_multiplier=sigma)
+
+
+def _entry(config: Any, start: int, source: Path | None, dp: DPConfig | None, fp: dict[str, Any], world: int,
+           *, budget_changed_from: dict | None = None, new_data: bool = False) -> dict[str, Any]:
+    """The segment's record: where it starts, from which checkpoint, its resolved values."""
+    from .loop import json_safe
+
+    return json_safe({
+        "start_step": start,
+        "source_checkpoint": str(source.resolve()) if source is not None else None,
+        "config": dataclasses.asdict(config),
+        "derived": {"sample_rate": dp.sample_rate if dp else None,
+                    "noise_multiplier": dp.noise_multiplier if dp else None, "world_size": world},
+        "fingerprint": fp,
+        "budget_changed_from": budget_changed_from,
+        "new_data": new_data,
+    })
+
+
+# --------------------------------------------------------------------------- Python entry points
+
+
+def merge_overrides(base: Any, overrides: Mapping[str, Any]) -> Any:
+    """``base`` (a ``RunConfig``) with ``overrides`` applied; an override of one of two exclusive
+    fields clears the other (``target_epsilon`` vs ``noise_multiplier``, ``batch_size`` vs
+    ``sample_rate``), so a branch can switch from one to the other."""
+    values = dataclasses.asdict(base)
+    values.update(overrides)
+    for given, cleared in (("target_epsilon", "noise_multiplier"), ("noise_multiplier", "target_epsilon"),
+                           ("batch_size", "sample_rate"), ("sample_rate", "batch_size")):
+        if overrides.get(given) is not None and given in overrides and cleared not in overrides:
+            values[cleared] = None
+    return type(base)(**values)
+
+
+PER_SEGMENT = {"resume": False, "resume_from": None, "allow_budget_increase": False, "allow_new_data": False}
+"""Fields a segment never inherits from the one before it: how it starts and what it is allowed
+to loosen are asked for anew each time."""
+
+
+def segment_config(base: Any, overrides: Mapping[str, Any]) -> Any:
+    """The configuration of a new segment continuing ``base`` (the ``RunConfig`` that wrote its
+    checkpoint): ``base`` with ``overrides`` (see :func:`merge_overrides`), the ``PER_SEGMENT``
+    fields reset unless overridden, and for a branch (``resume_from``) its own checkpoint root
+    unless one is given (never the source's)."""
+    branch = {"ckpt_dir": None} if overrides.get("resume_from") is not None else {}
+    return merge_overrides(base, {**PER_SEGMENT, **branch, **overrides})
+
+
+def source_config(path: str | Path) -> Any | None:
+    """The ``RunConfig`` of the segment that wrote the checkpoint ``path`` (a ``step_<N>``
+    directory or a root: its newest intact one), from its root's ``run.json``; ``None`` when the
+    root has no record."""
+    from .loop import RunConfig
+
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
+        if newest is None:
+            return None
+        path = newest
+    record = read_record(path.parent)
+    manifest = ckpt.read_manifest(path)
+    wrote = owner(record["segments"], manifest.step) if record else None
+    if wrote is None:
+        return None
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in wrote["config"].items() if k in known})
+
+
+def resume_from(path: str | Path, overrides: Mapping[str, Any] | None = None) -> tuple[Any, DPConfig | None]:
+    """The train state of the checkpoint ``path`` and the :class:`DPConfig` of the steps left,
+    for research code continuing a run outside ``fsdpx train`` (one process).
+
+    The configuration is the one that wrote the checkpoint (its root's ``run.json``) with
+    ``overrides`` applied (``RunConfig`` field names, e.g. ``{"lr": 3e-3, "steps": 40}``;
+    ``allow_budget_increase`` / ``allow_new_data`` as in the CLI). Returns ``(state, dp)``:
+    ``state`` a :class:`privacy.step.TrainState` whose accountant carries the run's exact history
+    and this segment's budget (so every ``make_private_step`` step checks it), ``dp`` the
+    recalibrated privacy (``None`` for a non-private run).
+
+    Guarantees: the CLI's (:func:`plan_segment`): the noise keeps the whole run within its
+    target, refused changes raise the named errors, nothing is written
+    (``tests/test_train_segments.py::test_resume_from_in_python_gives_the_cli_noise_and_state``).
+    Raises :class:`CheckpointNotFoundError` for a path without an intact checkpoint and
+    ``ResumeError`` when the root has no ``run.json`` to take the configuration from."""
+    from . import data
+    from .loop import build_step, checkpoint_manager, init_params, resolve_privacy, resolve_sample_rate
+    from .segments import ResumeError, data_digest
+
+    base = source_config(path)
+    if base is None:
+        raise ResumeError(f"{path}: no run.json beside the checkpoint to take the configuration from;"
+                          " start from a RunConfig and fsdpx.train.run(RunConfig(resume_from=...)) instead")
+    config = segment_config(base, {**(overrides or {}), "resume_from": str(path), "strategy": None, "tp": 1, "pp": 1,
+                                   "sequence_parallel": False})
+    inputs, targets = data.make_examples(data.corpus(config.corpus_chars), config.block_size)
+    sample_rate = resolve_sample_rate(config, int(inputs.shape[0]))
+    dp = resolve_privacy(config, sample_rate)
+    model, params = init_params(config)
+    fresh, _ = build_step(config, model, params, dp, num_examples=int(inputs.shape[0]))
+    manager = checkpoint_manager(config, None, private=dp is not None)
+    plan = plan_segment(config, params=params, fresh=fresh, dp=dp, digest=data_digest(inputs, targets),
+                        manager=manager)
+    return plan.state, plan.dp

@@ -1,0 +1,188 @@
+"""A run as a sequence of segments: what a resume or a branch may change, and its record.
+
+A segment is one invocation of the training loop: the first run, each ``--resume`` and each
+``--resume-from`` branch. Every checkpoint root holds ``run.json``, the lineage of the run
+writing into it::
+
+    {"run_dir": "runs/a", "segments": [{"start_step": 0, "source_checkpoint": null,
+      "config": {...RunConfig...}, "derived": {...}, "fingerprint": {...}, ...}, ...]}
+
+so any intact checkpoint says which configuration produced it (the last segment that started
+before its step) and what its data and model were. The same list is written to the run
+directory's ``config.json`` under ``"segments"``.
+
+What may change when a segment starts (``ALLOWED_CHANGES``): optimizer hyper-parameters, clip
+norm and clipping, batch size / sample rate, noise and target (a larger budget only with
+``allow_budget_increase``, see :mod:`fsdpx.train.budget`), steps, checkpoint cadence and
+directory, and the sharding strategy and process count (the checkpoint reshards). What may not,
+each a named error before anything runs (:func:`check_compatible`): the model's shape
+(:class:`ModelChangeError`), the data (:class:`DataChangeError`, unless ``allow_new_data``) and
+private <-> non-private (:class:`PrivacyModeChangeError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from torch import Tensor
+
+RECORD = "run.json"
+
+ALLOWED_CHANGES = ("lr", "clip_norm", "clipping", "method", "batch_size", "sample_rate", "noise_multiplier",
+                   "target_epsilon", "epsilon_budget", "max_noise_multiplier", "delta", "accountant",
+                   "accounting_interval", "steps", "seed", "ckpt_every", "ckpt_dir", "strategy", "tp",
+                   "sequence_parallel", "pp", "schedule", "microbatches", "virtual_stages", "name", "out")
+"""``RunConfig`` fields a resumed or branched segment may set to new values (``delta`` and a
+larger budget only with ``allow_budget_increase``). ``seed`` re-seeds the Poisson sampler of
+the remaining steps; the noise key travels in the checkpoint."""
+
+
+class ResumeError(ValueError):
+    """A segment asked for a change that a resume cannot honour; the message says which."""
+
+
+class ModelChangeError(ResumeError):
+    """The configured model's parameters do not have the checkpoint's shapes."""
+
+
+class DataChangeError(ResumeError):
+    """The examples differ from those the checkpoint was trained on (``allow_new_data`` to accept)."""
+
+
+class PrivacyModeChangeError(ResumeError):
+    """A private run resumed as non-private, or the reverse."""
+
+
+class BranchError(ResumeError):
+    """A branch would write where its source lives (its run directory or checkpoint root)."""
+
+
+class CheckpointNotFoundError(ResumeError):
+    """``resume_from`` names no intact checkpoint."""
+
+
+# --------------------------------------------------------------------------- fingerprints (pure)
+
+
+def data_digest(inputs: Tensor, targets: Tensor) -> str:
+    """SHA-256 of the examples' bytes: equal iff the run trains on the same token sequences."""
+    h = hashlib.sha256()
+    for t in (inputs, targets):
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(config: Any, params: Mapping[str, Tensor], digest: str) -> dict[str, Any]:
+    """What a resume must keep: parameter shapes, the data's digest, private or not (the offload
+    is recorded, not checked)."""
+    return {"params": {k: list(v.shape) for k, v in params.items()}, "data": digest,
+            "corpus_chars": config.corpus_chars, "private": config.private, "offload": config.offload}
+
+
+def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any], *,
+                     checkpoint_shapes: Mapping[str, Sequence[int]], checkpoint_private: bool,
+                     allow_new_data: bool) -> list[str]:
+    """Raise the named :class:`ResumeError` for a change a resume cannot honour.
+
+    ``recorded`` is the fingerprint of the segment that wrote the checkpoint (``None`` when the
+    root has no ``run.json``); ``checkpoint_shapes`` and ``checkpoint_private`` come from the
+    checkpoint's own manifest, so the model and the privacy mode are checked even without a
+    record. Returns notes for the user (the data could not be checked; new data was accepted).
+
+    Guarantee: one test per error in ``tests/test_train_segments.py``
+    (``test_changes_a_resume_cannot_honour_are_named_errors_before_anything_runs``)."""
+    if checkpoint_private != new["private"]:
+        was, now = ("private", "non-private") if checkpoint_private else ("non-private", "private")
+        raise PrivacyModeChangeError(f"the checkpoint is of a {was} run; it cannot be resumed as a {now} run"
+                                     " (its accountant and guarantee would not hold)")
+    for name, shape in new["params"].items():
+        got = checkpoint_shapes.get(f"params/{name}")
+        if got is None or list(got) != list(shape):
+            raise ModelChangeError(f"checkpoint tensor params/{name} has shape {None if got is None else tuple(got)},"
+                                   f" the configured model needs {tuple(shape)}: the model's shape cannot change on"
+                                   " resume")
+    notes = []
+    if recorded is None:
+        return ["the checkpoint root has no run.json: the data was not checked"]
+    if recorded["data"] != new["data"]:
+        if not allow_new_data:
+            raise DataChangeError(f"the examples differ from those the checkpoint was trained on (corpus_chars"
+                                  f" {recorded['corpus_chars']} -> {new['corpus_chars']}); pass --allow-new-data"
+                                  " to train on other data (the accountant's history still counts)")
+        notes.append("training on new data (allowed by --allow-new-data)")
+    return notes
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def owner(segments: Sequence[Mapping[str, Any]], step: int) -> Mapping[str, Any] | None:
+    """The segment that wrote the checkpoint of ``step``: the last one started before it."""
+    before = [s for s in segments if s["start_step"] < step]
+    return before[-1] if before else None
+
+
+def lineage(segments: Sequence[Mapping[str, Any]], step: int) -> list[dict[str, Any]]:
+    """The segments that led to the state of ``step``: those started before it (a segment
+    started at or after ``step`` was abandoned by this resume)."""
+    return [dict(s) for s in segments if s["start_step"] < step]
+
+
+def read_record(root: str | Path) -> dict[str, Any] | None:
+    """The ``run.json`` of a checkpoint root, or ``None`` when it has none."""
+    path = Path(root) / RECORD
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def write_record(root: str | Path, record: Mapping[str, Any]) -> None:
+    """Write ``run.json`` atomically (a temporary file renamed over it)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"{RECORD}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, root / RECORD)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (empty when there is none); a torn last line (a run
+    killed while writing it) is dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def cut_back(rows: Sequence[Mapping[str, Any]], step: int) -> list[dict[str, Any]]:
+    """The records of steps ``1..step``, in order, one per step: a segment resumed at ``step``
+    rewrites everything after it, so no step appears twice
+    (``tests/test_train_segments.py::test_a_resume_cuts_the_metrics_back_to_its_checkpoint``)."""
+    seen, out = set(), []
+    for r in rows:
+        if r["step"] <= step and r["step"] not in seen:
+            seen.add(r["step"])
+            out.append(dict(r))
+    return sorted(out, key=lambda r: r["step"])
+
+
+def write_metrics(path: str | Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Replace ``metrics.jsonl`` with ``rows`` atomically (JSON lines)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
+    os.replace(tmp, path)
