@@ -29,7 +29,8 @@ from privacy.errors import NonFiniteGradientError, PrivacyError
 from privacy.ghost import contributions
 from privacy.per_sample import flat_sq_norms, per_sample_grads
 from privacy.streaming import choose_streamed, stream_clipped_sums
-from privacy.tape import LossFn, Params, _as_args, record
+from privacy.tape import LossFn, Params, record, split_inputs
+from privacy.validate import check_model
 
 METHODS = ("auto", "ghost", "vmap")
 CLIPPINGS = ("flat", "automatic")
@@ -77,6 +78,7 @@ def per_sample_norms(
     ``property_tests/test_ghost_properties.py::test_ghost_norms_equal_vmap_norms``), tied
     parameters included (cross terms, not a sum of separate norms)."""
     _check_method(method)
+    check_model(model)
     if batch[1].shape[0] == 0:
         return next(iter(params.values())).new_zeros(0)
     if method == "vmap":
@@ -118,7 +120,10 @@ def clipped_grad(
 
     Edge cases: empty batch -> zero gradients and empty norms; ``clip_norm <= 0`` ->
     :class:`PrivacyError`; a non-finite per-example norm -> :class:`NonFiniteGradientError`
-    listing the examples, or with ``nonfinite="zero"`` those examples contribute nothing."""
+    listing the examples, or with ``nonfinite="zero"`` those examples contribute nothing; a module
+    that mixes examples (BatchNorm in training mode) -> :class:`privacy.errors.PerExampleError`
+    naming it (:func:`privacy.validate.check_model`)."""
+    check_model(model)
     result = clip_and_sum(model, params, batch, loss_fn, clip_norm=clip_norm, method=method,
                           clipping=clipping, nonfinite=nonfinite)
     return result.grads, result.norms
@@ -184,7 +189,8 @@ def clip_and_sum(
         parts = {k: [C.Dense(g)] for k, g in per_sample.items()}
         sq = flat_sq_norms(per_sample)
         with torch.no_grad():
-            losses = loss_fn(functional_call(model, params, _as_args(batch[0])), batch[1])
+            args, kwargs = split_inputs(batch[0])
+            losses = loss_fn(functional_call(model, params, args, kwargs), batch[1])
     else:
         tape = record(model, params, batch, loss_fn, run_model=run_model)
         parts = contributions(model, params, tape, method=method)

@@ -28,3 +28,16 @@ class BudgetExhaustedError(PrivacyError):
 
 class UnsupportedLayerError(PrivacyError):
     """``method="ghost"`` met a module with trainable parameters that has no ghost rule."""
+
+
+class PerExampleError(PrivacyError):
+    """A module of the model cannot give per-example gradients: it mixes the examples of a
+    batch (BatchNorm's batch statistics, a mean over the batch) or does not put the batch
+    dimension first. ``module`` is its qualified name in the model, ``reason`` says why.
+
+    Raised by :func:`privacy.validate.check_model` before any step, and by the tape when a call
+    breaks the batch-first rule at run time."""
+
+    def __init__(self, module: str, kind: str, reason: str):
+        self.module, self.kind, self.reason = module, kind, reason
+        super().__init__(f"module {module!r} ({kind}) {reason}")

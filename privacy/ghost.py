@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privacy.contributions import Contribution, Dense
 from privacy.errors import UnsupportedLayerError
@@ -56,14 +56,20 @@ def module_per_sample_grads(model: nn.Module, params: Params, call: Call, direct
         name = canonical.get(id(p))
         fixed[local] = (params[name] if name in params else p).detach()
     trainable = {local: fixed[local] for local in direct}
-    batched = tuple(isinstance(a, Tensor) for a in call.args)
+    if not call.grads:
+        return {}  # no output needed a gradient: the parameters got none from this call
+    batch_size = call.grads[0].shape[0]
+    # positional tensors lead with the batch (the tape checked); a keyword tensor is split per
+    # example when it does (a leading 1 was expanded on the tape), else shared by all
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    dims = [0 if isinstance(a, Tensor) and a.dim() and a.shape[0] == batch_size else None for a in leaves]
     positions = call.positions
 
-    def inner(diff: Params, args: tuple, grads: tuple) -> Tensor:
-        full = tuple(a.unsqueeze(0) if b else a for a, b in zip(args, batched))
-        out = functional_call(module, {**fixed, **diff}, full, call.kwargs)
-        leaves = tree_flatten(out)[0]
-        return sum((leaves[k] * g.unsqueeze(0)).sum() for k, g in zip(positions, grads))
+    def inner(diff: Params, example: list, grads: tuple) -> Tensor:
+        args, kwargs = tree_unflatten([a if d is None else a.unsqueeze(0) for a, d in zip(example, dims)], spec)
+        out = functional_call(module, {**fixed, **diff}, args, kwargs)
+        outs = tree_flatten(out)[0]
+        return sum((outs[k] * g.unsqueeze(0)).sum() for k, g in zip(positions, grads))
 
-    in_dims = (None, tuple(0 if b else None for b in batched), tuple(0 for _ in call.grads))
-    return vmap(grad(inner), in_dims=in_dims)(trainable, call.args, tuple(call.grads))
+    in_dims = (None, dims, tuple(0 for _ in call.grads))
+    return vmap(grad(inner), in_dims=in_dims)(trainable, leaves, tuple(call.grads))

@@ -9,6 +9,7 @@ No rule forms a per-example weight gradient; biases and norm weights (vectors) a
 
 Supported: ``nn.Linear`` (inputs of any rank: every dimension between batch and features is a
 step ``t``), Hugging Face's ``Conv1D`` (GPT-2's transposed linear), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, the GPT's own ``RMSNorm``,
+transformers' ``LlamaRMSNorm`` (and Mistral's, Qwen2's, Qwen3's, the same code),
 ``nn.Conv1d`` and ``nn.Conv2d`` (any stride, padding mode, dilation, groups), and any module
 that declares ``ghost_rule = "normalize_then_scale"`` (a norm written as ``normalize(x) *
 weight``, like the GPT's RMSNorm) — declared on the model's side, so ``privacy`` imports no model.
@@ -45,6 +46,8 @@ def rule_for(module: nn.Module) -> Rule | None:
     cls = type(module)
     if cls.__module__ == "transformers.pytorch_utils" and cls.__name__ == "Conv1D":
         return transposed_linear  # matched by name so that transformers stays optional
+    if cls.__module__.startswith("transformers.models.") and cls.__name__ in LLAMA_RMS_NORMS:
+        return llama_rms_norm
     if getattr(cls, "ghost_rule", None) == "normalize_then_scale":
         return normalize_then_scale
     return RULES.get(cls)
@@ -112,6 +115,22 @@ def layer_norm(module: nn.LayerNorm, args: tuple, grad_out: Tensor, weights: Sha
 def rms_norm(module: nn.RMSNorm, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
     shape = module.normalized_shape
     return _norm_rule(lambda x: F.rms_norm(x, shape, None, module.eps), module, args, grad_out)
+
+
+LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+"""transformers' RMSNorm classes whose forward is Llama's, character for character (checked on
+transformers 5.24): ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
+Gemma's (``1 + weight``) is not among them; it falls back to vmap under ``method="auto"``."""
+
+
+def llama_rms_norm(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
+    """transformers' ``LlamaRMSNorm`` and its copies (:data:`LLAMA_RMS_NORMS`): the normalization
+    runs in float32 and is cast back before the scale, as the module does."""
+    def normalize(x: Tensor) -> Tensor:
+        h = x.to(torch.float32)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
+
+    return _norm_rule(normalize, module, args, grad_out)
 
 
 def normalize_then_scale(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:

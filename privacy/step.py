@@ -26,6 +26,7 @@ from privacy.errors import PrivacyError
 from privacy.noise import add_gaussian_noise_
 from privacy.sampling import PoissonSampler
 from privacy.tape import LossFn, Params
+from privacy.validate import check_model
 
 if TYPE_CHECKING:  # privacy needs only the optimizer's shape, not the fsdpx package
     from fsdpx.optim import Optimizer
@@ -102,7 +103,10 @@ def make_private_step(
 
     ``donate=True``: the caller gives up ``state`` (JAX's ``donate_argnums``); the optimizer may
     write the new parameters and moments into its tensors (``Optimizer.update_inplace``), with
-    the same bits (``tests/test_private_step.py::test_donated_state_gives_the_same_bits``)."""
+    the same bits (``tests/test_private_step.py::test_donated_state_gives_the_same_bits``).
+    A model with a module that mixes examples (BatchNorm in training mode) raises
+    :class:`privacy.errors.PerExampleError` here, naming it."""
+    check_model(model)  # a layer that mixes examples is named now, before any step
     expected_batch = config.sample_rate * num_examples
     if expected_batch <= 0:
         raise PrivacyError(f"num_examples must be >= 1, got {num_examples}")

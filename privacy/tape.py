@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from privacy.errors import PerExampleError, PrivacyError
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Any, Tensor], Tensor]
@@ -70,6 +72,15 @@ def _as_args(inputs: Any) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
+def split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` the model is called with: a mapping (``{"input_ids": ..., "attention_mask":
+    ...}``, as transformers models take them) gives keyword arguments, a tuple or list positional
+    ones, anything else one positional argument."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    return _as_args(inputs), {}
+
+
 def record(
     model: nn.Module,
     params: Params,
@@ -81,18 +92,29 @@ def record(
     """Run the model on ``batch`` with ``params`` and return the tape of every call of a
     parameter-owning module with its output gradient (of the SUM of per-example losses).
 
+    ``batch = (inputs, targets)``: ``inputs`` as :func:`split_inputs` reads them.
     ``run_model(args)``, if given, runs the model instead of ``functional_call(model, params,
     args)``: the sharded runtime passes one that gathers each unit's parameters on the fly
     (``params`` then only names the trainable parameters).
 
-    Raises ``ValueError`` naming the module if a call's inputs or outputs lack the batch
-    dimension (such a layer mixes examples, so it has no per-example gradient)."""
+    A call whose inputs and outputs all have a leading dimension of 1 (transformers looks up
+    position ids of shape ``[1, T]`` and lets the sum broadcast them over the batch) is shared by
+    every example: its outputs are expanded to the batch before the model goes on, so each
+    example gets its own output gradient and per-example contribution; recorded inputs with a
+    leading 1 are expanded likewise (``tests/test_hf_unmodified.py``).
+
+    Raises :class:`privacy.errors.PerExampleError` (a ``ValueError``) naming the module if a
+    call's output lacks the batch dimension (such a layer mixes examples, so it has no
+    per-example gradient) or an input leads with neither the batch dimension nor 1."""
     inputs, targets = batch
-    args = _as_args(inputs)
+    args, kwargs = split_inputs(inputs)
+    if kwargs and run_model is not None:
+        raise PrivacyError("inputs given as a mapping (keyword arguments) cannot go through a custom run_model; "
+                           "pass them as a tuple of positional arguments")
     batch_size = targets.shape[0]
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     with taping(model, params, batch_size) as calls, torch.enable_grad():
-        losses = loss_fn(run_model(args) if run_model else functional_call(model, live, args), targets)
+        losses = loss_fn(run_model(args) if run_model else functional_call(model, live, args, kwargs), targets)
         _check_losses(losses, batch_size)
     fill_grads(calls, losses.sum())
     return Tape(calls, losses.detach())
@@ -105,30 +127,32 @@ def taping(model: nn.Module, params: Params, batch_size: int) -> Iterator[list[C
     later gives them their gradients). The forward half of :func:`record`, for runtimes that
     run the backward themselves (a pipeline stage starts it from a received gradient).
 
-    Raises ``ValueError`` naming the module if a call's inputs or outputs lack the batch
-    dimension ``batch_size``."""
+    A call shared by every example (leading dimension 1 throughout) has its outputs expanded to
+    ``batch_size``; see :func:`record`. Raises :class:`privacy.errors.PerExampleError` naming the
+    module if a call's inputs or outputs break the batch-first rule."""
     table = owners(model, params)
     calls: list[Call] = []
     names = {id(m): n for n, m in model.named_modules() if n in table}
     modules = dict(model.named_modules())
 
-    def hook(module: nn.Module, call_args: tuple, call_kwargs: dict, output: Any) -> None:
+    def hook(module: nn.Module, call_args: tuple, call_kwargs: dict, output: Any) -> Any:
         name = names[id(module)]
-        leaves = tree_flatten(output)[0]
+        leaves, spec = tree_flatten(output)
         positions = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
+        expand = _broadcast_call(name, module, call_args, [leaves[i] for i in positions], batch_size)
+        if expand:  # one copy per example, so that each gets its own output gradient
+            for i in positions:
+                leaves[i] = _expand(leaves[i], batch_size)
         outs = [leaves[i] for i in positions]
-        for t in (*(a for a in call_args if isinstance(a, Tensor)), *outs):
-            if t.dim() == 0 or t.shape[0] != batch_size:
-                raise ValueError(
-                    f"module {name!r} sees a tensor of shape {tuple(t.shape)} without the batch "
-                    f"dimension {batch_size} first; per-example gradients need batch-first layers"
-                )
         # Edges, not tensors: holding the outputs would keep every layer's output alive through
         # the backward after autograd itself has released it.
         # the parameter shapes as called: a sharded runtime swaps in its blocks for the call only
-        calls.append(Call(name, module, call_args, call_kwargs, [get_gradient_edge(t) for t in outs], positions,
+        calls.append(Call(name, module, tuple(_expand(a, batch_size) for a in call_args),
+                          {k: _expand(v, batch_size) for k, v in call_kwargs.items()},
+                          [get_gradient_edge(t) for t in outs], positions,
                           shapes=[(t.shape, t.dtype, t.device) for t in outs],
                           weight_shapes={k: p.shape for k, p in module.named_parameters(recurse=False)}))
+        return tree_unflatten(leaves, spec) if expand else None
 
     # prepend: the tape records what the module itself returned, before any other hook (a
     # tensor-parallel style's collective, say) rewrites its output
@@ -155,6 +179,39 @@ def fill_grads(calls: list[Call], root: Tensor, grad_root: Tensor | None = None,
         c.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
         c.outputs = []
     return tuple(grads[:len(inputs)])
+
+
+def _expand(t: Any, batch_size: int) -> Any:
+    """``t`` with a leading dimension of 1 broadcast to ``batch_size`` (a view, no copy);
+    anything else unchanged."""
+    if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == 1 and batch_size != 1:
+        return t.expand(batch_size, *t.shape[1:])
+    return t
+
+
+def _broadcast_call(name: str, module: nn.Module, args: tuple, outs: list[Tensor], batch_size: int) -> bool:
+    """Whether this call is shared by every example: all its outputs (and tensor inputs) have a
+    leading dimension of 1 while the batch has ``batch_size > 1`` (transformers' ``[1, T]``
+    position ids). Its outputs are then expanded to the batch, which broadcasting against the
+    batch would do anyway, so that each example gets its own output gradient.
+
+    Otherwise every tensor input must lead with the batch dimension or 1, and every output with
+    the batch dimension; raises :class:`PerExampleError` naming the module when not."""
+    inputs = [a for a in args if isinstance(a, Tensor)]
+    lead = lambda t: t.shape[0] if t.dim() else None  # noqa: E731
+    if batch_size != 1 and outs and all(lead(t) == 1 for t in (*inputs, *outs)):
+        return True
+    for t in inputs:
+        if lead(t) not in (batch_size, 1):
+            raise PerExampleError(name, type(module).__name__, f"sees an input of shape {tuple(t.shape)} without "
+                                  f"the batch dimension {batch_size} first; per-example gradients need batch-first "
+                                  "layers (or a leading 1 for an input shared by every example)")
+    for t in outs:
+        if lead(t) != batch_size:
+            raise PerExampleError(name, type(module).__name__, f"returns a tensor of shape {tuple(t.shape)} without "
+                                  f"the batch dimension {batch_size} first: it mixes or drops examples, so it has "
+                                  "no per-example gradient")
+    return False
 
 
 def _check_losses(losses: Tensor, batch_size: int) -> None:

@@ -181,11 +181,11 @@ def test_hf_gpt2_pipelined_with_tensor_parallelism_equals_unsharded_steps():
 
 def test_hf_gpt2_private_pipeline_equals_unsharded_private_steps():
     """Ghost clipping through a pipeline: the tied ``wte``/``lm_head`` norm is completed on the
-    last stage with the first stage's contributions (``wpe`` frozen: transformers looks up
-    positions ``[1, T]`` broadcast over the batch, which has no per-example gradient)."""
+    last stage with the first stage's contributions; ``wpe``, looked up with positions ``[1, T]``
+    broadcast over the batch, trains too (the tape expands that call to the batch)."""
     from test_tensor_parallel_hf import _dp_config as hf_dp
 
-    _hf_check(_gpt2("eager"), Mesh(dp=1, pp=2), config=hf_dp("ghost"), frozen=("transformer.wpe.weight",),
+    _hf_check(_gpt2("eager"), Mesh(dp=1, pp=2), config=hf_dp("ghost"),
               schedule="1f1b", microbatches=2)
 
 

@@ -114,11 +114,11 @@ def test_hf_gpt2_tensor_parallel_steps_equal_unsharded_steps(mesh, attn):
 
 @pytest.mark.parametrize("mesh, attn", [("dp1_tp2", "sdpa"), ("dp2_tp2", "eager")])
 def test_hf_gpt2_private_tensor_parallel_steps_equal_unsharded_steps(mesh, attn):
-    """Ghost clipping (every GPT-2 layer has a rule). ``wpe`` is frozen: ``GPT2Model`` looks up
-    positions of shape ``[1, T]`` broadcast over the batch, which has no per-example gradient
-    (``privacy.tape.record`` refuses it, sharded or not); everything else trains."""
+    """Ghost clipping (every GPT-2 layer has a rule), everything trains: ``GPT2Model`` looks ``wpe``
+    up with positions ``[1, T]`` broadcast over the batch, which the tape expands to the batch
+    (``privacy.tape.record``), sharded or not."""
     model = _gpt2(attn)
-    _check(model, gpt2_plan(model.config), MESHES[mesh], _dp_config("ghost"), frozen=("transformer.wpe.weight",))
+    _check(model, gpt2_plan(model.config), MESHES[mesh], _dp_config("ghost"))
 
 
 @pytest.mark.parametrize("mesh, attn, tied", [("dp1_tp2", "eager", False), ("dp2_tp2", "sdpa", False),

@@ -52,6 +52,7 @@ from privacy.clipping import ShardedNorms, clip_and_sum
 from privacy.noise import BLOCK, noise_slice
 from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn, _as_args
+from privacy.validate import check_model
 
 from .gather import Gatherer
 from .tensor_parallel import TensorParallelHooks
@@ -209,6 +210,8 @@ def make_sharded_step(
             raise ValueError(f"strategy {plan.name} splits data over axis {axis!r}, not in {mesh}")
     if config is not None and (num_examples is None or config.method == "vmap"):
         raise ValueError("a private sharded step needs num_examples and method 'ghost' or 'auto'")
+    if config is not None:
+        check_model(model)  # a layer that mixes examples is named before any step
     if plan.pipeline is not None:
         return _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate)
     units = make_units(model, param_shapes, unit_modules)
