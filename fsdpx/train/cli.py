@@ -18,11 +18,10 @@ import math
 import sys
 
 import os
-import subprocess
 
 from fsdpx.sharding import strategies
 from fsdpx.sharding.schedule import KINDS
-from .launch import torchrun_command
+from .launch import launch, torchrun_command, watch_launcher
 from .loop import ConfigError, RunConfig, check_layout, format_summary, run, run_mesh
 from .resume import segment_config, source_config
 from .segments import ResumeError
@@ -234,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
             nproc = args.nproc or 2 * config.tp * config.pp
             check_layout(config, nproc)  # refuse what cannot run here, before any process starts
             sys.exit(_launch(argv, nproc))  # re-run this very command on N processes
+        if config.strategy is not None:
+            watch_launcher()  # a worker of `fsdpx train --nproc`: never outlive the launcher
         comm = _communicator(config)
         if comm is None or comm.rank == 0:
             print(_plan_line(config, comm), file=sys.stderr)
@@ -254,7 +255,7 @@ def _launch(argv: list[str], nproc: int) -> int:
     rest = _drop_flag(argv, "--nproc")
     cmd = torchrun_command(nproc, ["fsdpx", *rest], module=True)
     print("fsdpx: launching " + " ".join(cmd[1:]), file=sys.stderr)
-    return subprocess.call(cmd)
+    return launch(cmd)  # its workers die with this process, however it dies
 
 
 def _drop_flag(argv: list[str], flag: str) -> list[str]:
