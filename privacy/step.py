@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from torch import Tensor, nn
 
+from fsdpx.optim.freezing import Trainable, bind, update_trainable, values_in
 from privacy.accounting import Accountant, max_steps
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
@@ -88,7 +89,7 @@ def sample_batch(data: tuple[Tensor, Tensor], sampler: PoissonSampler, step: int
 
 def make_private_step(
     model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, config: DPConfig, *, num_examples: int,
-    donate: bool = False,
+    donate: bool = False, trainable: Trainable | None = None,
 ) -> Callable[[TrainState, tuple[Any, Tensor]], tuple[TrainState, dict[str, float]]]:
     """Returns ``step(state, batch) -> (new_state, metrics)``, pure: ``state`` is not changed.
 
@@ -105,7 +106,16 @@ def make_private_step(
     write the new parameters and moments into its tensors (``Optimizer.update_inplace``), with
     the same bits (``tests/test_private_step.py::test_donated_state_gives_the_same_bits``).
     A model with a module that mixes examples (BatchNorm in training mode) raises
-    :class:`privacy.errors.PerExampleError` here, naming it."""
+    :class:`privacy.errors.PerExampleError` here, naming it.
+
+    ``trainable`` (``fsdpx.optim.Freezing`` or a callable ``step -> names``) changes which of
+    ``state.params`` train, step by step. Formal Guarantees: a parameter frozen at a step adds
+    nothing to any example's norm (the norm is over the trainable parameters: the sensitivity
+    stays ``C``), gets no noise and no update, and it and its optimizer state are the same
+    tensors after the step (``fsdpx.optim.update_trainable``, per-parameter counts); the
+    accountant records the step as usual (noise of the same sigma on the trainable ones keeps
+    the guarantee); a trainable parameter's noise bits do not depend on which others are frozen
+    (``property_tests/test_freezing_properties.py``)."""
     check_model(model)  # a layer that mixes examples is named now, before any step
     expected_batch = config.sample_rate * num_examples
     if expected_batch <= 0:
@@ -115,15 +125,24 @@ def make_private_step(
     inplace = getattr(optimizer, "update_inplace", None)
     update = inplace if donate and inplace is not None else optimizer.update
 
+    bound: list = []  # the schedule bound to the state's parameter names at the first step
+
     def step(state: TrainState, batch: tuple[Any, Tensor]) -> tuple[TrainState, dict[str, float]]:
         check_budget(state.accountant, config)
-        clipped = clip_and_sum(model, state.params, batch, loss_fn, clip_norm=config.clip_norm,
-                               method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
+        if not bound:
+            bound.append(bind(trainable, model, state.params))
+        train, frozen = bound[0].split(state.params, state.step) if bound[0] else (state.params, {})
+        with values_in(model, frozen):  # the forward reads the frozen ones' current values
+            clipped = clip_and_sum(model, train, batch, loss_fn, clip_norm=config.clip_norm,
+                                   method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
         # in place on the fresh clipped sums: the bits of (g + gaussian_noise(...)) / qN, and no
         # parameter-sized noise tensor is ever allocated
         noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)
         noised = {k: g.div_(expected_batch) for k, g in noised.items()}
-        params, opt_state = update(noised, state.opt_state, state.params)
+        if bound[0] is not None:  # per-parameter counts once there is a schedule
+            params, opt_state = update_trainable(update, noised, state.opt_state, state.params)
+        else:
+            params, opt_state = update(noised, state.opt_state, state.params)
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate)
         metrics = _metrics(clipped.norms, clipped.losses, config)
         return TrainState(params, opt_state, state.step + 1, state.key, accountant), metrics

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Iterator
+from typing import Collection, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -41,8 +41,12 @@ class Gatherer:
     """Gathers, frees and swaps in the parameters of each unit of one rank for one step."""
 
     def __init__(self, model: nn.Module, units: list[Unit], plan: ShardingPlan, comm: Comm,
-                 at_rest: dict[str, Tensor], *, keep_after_backward: bool = False):
+                 at_rest: dict[str, Tensor], *, keep_after_backward: bool = False,
+                 trainable: Collection[str] | None = None):
         self.model, self.units, self.comm, self.at_rest = model, units, comm, at_rest
+        # this step's trainable parameters (a freezing schedule); the others are gathered the
+        # same way but their leaves do not require grad, so no weight gradient is formed
+        self.trainable = frozenset(plan.params if trainable is None else trainable)
         self.keep_after_backward = keep_after_backward
         self.reshard_after_forward = plan.reshard_after_forward
         self.layouts = plan.params
@@ -105,11 +109,12 @@ class Gatherer:
         else a tensor of the right shape whose storage is not allocated."""
         rest = self.at_rest[name]
         shape = self.layouts[name].param_shape(self.local_shapes[name])
+        grad = name in self.trainable
         if not self.plans[name]:
-            return rest.detach().view(shape).requires_grad_(True)
+            return rest.detach().view(shape).requires_grad_(grad)
         full = torch.empty(shape, dtype=rest.dtype, device=rest.device)
         full.untyped_storage().resize_(0)
-        return full.requires_grad_(True)
+        return full.requires_grad_(grad)
 
     def _fill(self, name: str, value: Tensor) -> None:
         full = self.full[name]
@@ -193,9 +198,9 @@ class Gatherer:
                 self.free(unit)
 
     def full_view(self) -> dict[str, Tensor]:
-        """The compute-layout leaves by canonical name, in unit order (storage allocated only
-        while their unit is gathered)."""
-        return {n: self.full[n] for u in self.units for n in u.params}
+        """The compute-layout leaves of this step's trainable parameters by canonical name, in
+        unit order (storage allocated only while their unit is gathered)."""
+        return {n: self.full[n] for u in self.units for n in u.params if n in self.trainable}
 
     def finish(self) -> None:
         """End of step: every unit's backward gather happened exactly once (a unit whose

@@ -36,7 +36,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from fsdpx.optim import Optimizer, update_fn
+from fsdpx.optim import Optimizer
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_shape
 from fsdpx.sharding.pipeline import PipelineLayout, microbatch_bounds, pipeline_index, rank_plan
@@ -55,6 +55,7 @@ from .stages import StageExit, StageForward
 from .parts_p2p import recv_parts, send_parts
 from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
                    needs_fallback, sharded_norms)
+from .step import trainable_update
 from .tensor_parallel import TensorParallelHooks
 from .weight_pass import capturing, input_grads, separable, weight_grads
 from .units import Unit, make_units
@@ -112,8 +113,10 @@ class PipelineStep:
     """One rank's pipelined ``step(state, batch)`` (built by ``make_sharded_step``)."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, plan: ShardingPlan, comm: Comm, *,
-                 config: DPConfig | None, num_examples: int | None, donate: bool):
+                 config: DPConfig | None, num_examples: int | None, donate: bool, trainable=None):
         self.model, self.loss_fn, self.optimizer, self.comm = model, loss_fn, optimizer, comm
+        # a freezing schedule bound to the plan's names (fsdpx.optim.TrainableSets), or None
+        self.trainable, self.now, self._views = trainable, None, {}
         self.plan, self.config, self.num_examples, self.donate = plan, config, num_examples, donate
         layout: PipelineLayout = plan.pipeline
         self.layout = layout
@@ -126,7 +129,7 @@ class PipelineStep:
         self.local_plan = rank_plan(plan, mesh, comm.rank)
         self.group = StageGroupComm(comm, layout.axis)
         self.tensor_parallel = TensorParallelHooks(model, plan, self.group)
-        self.stages = {s: self._stage(s) for s in layout.stages_on(self.index)}
+        self.stages = self.all_stages = {s: self._stage(s) for s in layout.stages_on(self.index)}
         self.peer = {j: mesh.rank_of({**mesh.coords(comm.rank), layout.axis: j}) for j in range(self.p)}
         self.keep = self.split or (config is not None and needs_fallback(model, self.local_plan.params))
         if config is not None:
@@ -152,11 +155,24 @@ class PipelineStep:
                   if canonical[id(p)] in self.plan.params and canonical[id(p)] not in held}
         return _Stage(s, names, plan, units, StageForward(self.model, self.layout, absent))
 
+    def _train_now(self, step: int) -> None:
+        """Under a freezing schedule, this step's stages: each one's ``names`` (what gets a tape,
+        a gradient and an update) cut to the parameters that train now; every parameter of a
+        stage is still gathered for its forward and backward."""
+        if self.trainable is None:
+            return
+        self.now = self.trainable(step)
+        if self.now not in self._views:
+            self._views[self.now] = {s: dataclasses.replace(st, names=[n for n in st.names if n in self.now])
+                                     for s, st in self.all_stages.items()}
+        self.stages = self._views[self.now]
+
     # ---- one step ----------------------------------------------------------------------------
 
     def __call__(self, state, batch):
         if self.config is not None:
             check_budget(state.accountant, self.config)
+        self._train_now(state.step)
         before = self.comm.counts()
         inputs, targets = _my_share(batch, self.plan, self.comm)
         args = _as_args(inputs)
@@ -169,11 +185,11 @@ class PipelineStep:
         raw = run.raw_grads()
         self._sum_shared(raw)
         units = [Unit("", tuple(self.local_plan.params), ())]
-        update = update_fn(self.optimizer, donate=self.donate)
+        update = trainable_update(self.optimizer, self.donate, self.trainable)
         new_params, opt_state, resident = _reduce_and_update(raw, state, self.local_plan, self.group, units, update,
                                                              _divisor(batch, self.config, self.num_examples),
-                                                             _owned_noise(state, self.local_plan, self.group, self.config)
-                                                             if self.config else None)
+                                                             _owned_noise(state, self.local_plan, self.group, self.config,
+                                                                          self.now) if self.config else None, self.now)
         metrics = _global_metrics(self.comm, run.stats(), self.config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
         metrics["resident_bytes"] = resident
@@ -197,7 +213,7 @@ class PipelineStep:
         """Gradients of parameters held on several pipeline ranks, summed over them in stage order."""
         for name in self.local_plan.params:
             holders = sorted({s % self.p for s in self.layout.param_stages[name]})
-            if len(holders) < 2:
+            if len(holders) < 2 or (self.now is not None and name not in self.now):
                 continue
             others = [j for j in holders if j != self.index]
             got = self.comm.exchange_p2p([(self.peer[j], raw[name]) for j in others],
@@ -314,8 +330,8 @@ class _Run:
         last = s == o.layout.num_stages - 1
         # o.keep: a split backward walks the graph twice, and a private layer without a ghost rule
         # reads its parameters after the backward: gathered parameters stay until then
-        gatherer = Gatherer(o.model, st.units, st.plan, o.group, {n: self.state.params[n] for n in st.names},
-                            keep_after_backward=o.keep)
+        gatherer = Gatherer(o.model, st.units, st.plan, o.group, {n: self.state.params[n] for n in st.plan.params},
+                            keep_after_backward=o.keep, trainable=st.names)
         size = targets.shape[0]
         if size == 0:
             _dry_forward(gatherer, last)
@@ -439,7 +455,7 @@ class _Run:
         terms included) to its share (with one holding rank, nothing moves)."""
         o = self.o
         for name, holders in sorted(o.shared.items()):
-            if name not in o.counted:
+            if name not in o.counted or (o.now is not None and name not in o.now):
                 continue
             last = holders[-1]
             for mb in range(len(self.mbs)):

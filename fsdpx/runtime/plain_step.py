@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fsdpx.optim import Optimizer
+from fsdpx.optim import Optimizer, Trainable
+from fsdpx.optim.freezing import bind, update_trainable
 from privacy.tape import LossFn, _as_args
 
 Params = dict[str, Tensor]
@@ -28,19 +29,34 @@ def init_plain(params: Params, optimizer: Optimizer) -> PlainState:
 
 
 def make_plain_step(
-    model: nn.Module, loss_fn: LossFn, optimizer: Optimizer
+    model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, *, trainable: Trainable | None = None
 ) -> Callable[[PlainState, tuple[Any, Tensor]], tuple[PlainState, dict[str, float]]]:
     """Returns ``step(state, batch) -> (state, metrics)``: the optimizer applied to the MEAN
     gradient of the batch's per-example losses (an empty batch gives a zero gradient).
-    Parameters not in ``state.params`` are frozen. Metrics: loss, batch_size."""
+    Parameters not in ``state.params`` are frozen. Metrics: loss, batch_size.
+
+    ``trainable`` (a ``fsdpx.optim.Freezing`` or a callable ``step -> names``): at each step only
+    the parameters it names train; the others of ``state.params`` take part in the forward with
+    their current values, get no gradient, and they and their optimizer state stay as they are
+    (``fsdpx.optim.update_trainable``: per-parameter counts).
+    ``tests/test_freezing.py::test_plain_step_with_a_schedule_equals_stepping_the_trainable_subset``."""
+    bound: list = []  # the schedule bound to the state's parameter names at the first step
 
     def step(state: PlainState, batch: tuple[Any, Tensor]) -> tuple[PlainState, dict[str, float]]:
+        if not bound:
+            bound.append(bind(trainable, model, state.params))
+        sets = bound[0]
+        live, frozen = sets.split(state.params, state.step) if sets is not None else (state.params, {})
+        live = {k: v.detach().requires_grad_(True) for k, v in live.items()}
+        frozen = {k: v.detach() for k, v in frozen.items()}
         n = batch[1].shape[0]
-        live = {k: v.detach().requires_grad_(True) for k, v in state.params.items()}
-        losses = loss_fn(functional_call(model, live, _as_args(batch[0])), batch[1])
+        losses = loss_fn(functional_call(model, {**frozen, **live}, _as_args(batch[0])), batch[1])
         grads = torch.autograd.grad(losses.sum(), list(live.values()), allow_unused=True)
         mean = {k: (g if g is not None else torch.zeros_like(live[k])) / max(n, 1) for k, g in zip(live, grads)}
-        params, opt_state = optimizer.update(mean, state.opt_state, state.params)
+        if sets is None:
+            params, opt_state = optimizer.update(mean, state.opt_state, state.params)
+        else:
+            params, opt_state = update_trainable(optimizer.update, mean, state.opt_state, state.params)
         loss = float(losses.detach().mean()) if n else float("nan")
         return PlainState(params, opt_state, state.step + 1), {"loss": loss, "batch_size": n}
 

@@ -29,16 +29,18 @@ on the whole batch, for every strategy and mesh, float64 to rel 1e-10
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from ckpt.flatten import register_type
 from fsdpx.optim import Optimizer, update_fn
+from fsdpx.optim.freezing import Freezing, Trainable, TrainableSets, bind, update_trainable
 from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import chunk_bounds, local_box
@@ -172,6 +174,22 @@ def check_agreement(comm: Comm, digest: str) -> None:
         raise ValueError(f"ranks {bad} disagree with rank 0 on the strategy, mesh, model or privacy config")
 
 
+def schedule_digest(sets: TrainableSets | None, names: Collection[str] | None) -> str:
+    """What ranks compare of a freezing schedule at the first step: a ``Freezing``'s data, or a
+    callable's set at that step ("" without a schedule)."""
+    if sets is None:
+        return ""
+    what = [(s, sorted(n)) for s, n in sets.schedule.changes] if isinstance(sets.schedule, Freezing) else sorted(names)
+    return hashlib.blake2b(json.dumps(what).encode(), digest_size=16).hexdigest()
+
+
+def trainable_update(optimizer: Optimizer, donate: bool, sets: TrainableSets | None) -> Callable:
+    """The step's update: ``fsdpx.optim.update_fn``, through ``update_trainable`` under a
+    freezing schedule (per-parameter counts from the first step on, frozen ones untouched)."""
+    update = update_fn(optimizer, donate=donate)
+    return update if sets is None else functools.partial(update_trainable, update)
+
+
 def make_sharded_step(
     model: nn.Module,
     loss_fn: LossFn,
@@ -184,6 +202,7 @@ def make_sharded_step(
     num_examples: int | None = None,
     unit_modules: list[str] | None = None,
     donate: bool = False,
+    trainable: Trainable | None = None,
 ) -> Callable[[ShardedState, tuple[Any, Tensor]], tuple[ShardedState, dict[str, Any]]]:
     """Returns this rank's ``step(state, global_batch) -> (state, metrics)`` (pure from the
     caller's view: ``state`` is not modified). ``strategy`` is a ``Strategy`` or a resolved
@@ -202,7 +221,20 @@ def make_sharded_step(
     bits as ``donate=False`` (``property_tests/test_sharded_properties.py::
     test_donated_state_gives_the_same_bits``); saves an allocation and a pass per tensor.
     Raises ``ValueError`` if the mesh lacks the plan's data axes, or (at the first step) if
-    ranks disagree on the configuration."""
+    ranks disagree on the configuration.
+
+    ``trainable`` (``fsdpx.optim.Freezing``, or a callable ``step -> names``; names resolve
+    against ``param_shapes``, aliases and module prefixes included) changes which parameters
+    train, step by step; every rank computes the same set from the step alone (a ``Freezing``
+    is compared across ranks at the first step with the rest of the configuration; a callable,
+    by its set at that step). A frozen parameter is still gathered for the forward and the
+    backward, but its leaf needs no gradient, and it moves nothing else: no gradient reduce, no
+    noise, no update, no return to rest; its at-rest block and optimizer state keep their
+    tensors (``fsdpx.optim.update_trainable``: per-parameter counts). The bytes moved equal
+    ``fsdpx.comm_per_step(..., trainable=<the step's set>)``. Guarantee: N steps under a
+    schedule equal the unsharded steps under it, float64 to rel 1e-10, and the private noise of
+    a trainable parameter is the same bits whatever else is frozen
+    (``property_tests/test_freezing_properties.py``)."""
     mesh = comm.mesh
     plan = as_plan(strategy, param_shapes)
     for axis in plan.data_axes:
@@ -212,8 +244,9 @@ def make_sharded_step(
         raise ValueError("a private sharded step needs num_examples and method 'ghost' or 'auto'")
     if config is not None:
         check_model(model)  # a layer that mixes examples is named before any step
+    sets = bind(trainable, model, plan.params)  # a Freezing naming no parameter fails here
     if plan.pipeline is not None:
-        return _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate)
+        return _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate, sets)
     units = make_units(model, param_shapes, unit_modules)
     keep = config is not None and needs_fallback(model, param_shapes)
     tensor_parallel = TensorParallelHooks(model, plan, comm)
@@ -221,22 +254,23 @@ def make_sharded_step(
     agreed: list[bool] = []
 
     def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
+        names = sets(state.step) if sets is not None else None
         if not agreed:
             dtypes = {n: t.dtype for n, t in state.params.items()}
-            check_agreement(comm, config_digest(plan, dtypes, config, units))
+            check_agreement(comm, config_digest(plan, dtypes, config, units) + schedule_digest(sets, names))
             agreed.append(True)
         if config is not None:
             check_budget(state.accountant, config)
         before = comm.counts()
         local = _my_share(batch, plan, comm)
-        gatherer = Gatherer(model, units, plan, comm, state.params, keep_after_backward=keep)
+        gatherer = Gatherer(model, units, plan, comm, state.params, keep_after_backward=keep, trainable=names)
         raw, stats = _local_grads(model, loss_fn, gatherer, tensor_parallel, local, config, norms)
         gatherer.finish()
-        update = update_fn(optimizer, donate=donate)
+        update = trainable_update(optimizer, donate, sets)
         new_params, opt_state, resident = _reduce_and_update(raw, state, plan, comm, units, update,
                                                              _divisor(batch, config, num_examples),
-                                                             _owned_noise(state, plan, comm, config)
-                                                             if config else None)
+                                                             _owned_noise(state, plan, comm, config, names)
+                                                             if config else None, names)
         metrics = _global_metrics(comm, stats, config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
         metrics["resident_bytes"] = resident
@@ -247,16 +281,19 @@ def make_sharded_step(
     return step
 
 
-def _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate):
+def _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate, sets=None):
     """The step of a plan with a pipeline (``fsdpx.runtime.pipeline``), agreement checked first."""
     from .pipeline import PipelineStep
 
-    run = PipelineStep(model, loss_fn, optimizer, plan, comm, config=config, num_examples=num_examples, donate=donate)
+    run = PipelineStep(model, loss_fn, optimizer, plan, comm, config=config, num_examples=num_examples, donate=donate,
+                       trainable=sets)
     agreed: list[bool] = []
 
     def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
         if not agreed:
-            check_agreement(comm, config_digest(plan, {}, config, [], exclude_rank_local=True))
+            names = sets(state.step) if sets is not None else None
+            check_agreement(comm, config_digest(plan, {}, config, [], exclude_rank_local=True)
+                            + schedule_digest(sets, names))
             agreed.append(True)
         return run(state, batch)
 
@@ -329,7 +366,7 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
         if config is None:
             out = model(*_as_args(batch[0]))
             losses = loss_fn(out, batch[1])
-            names = [p for u in gatherer.units for p in u.params]
+            names = list(gatherer.full_view())  # this step's trainable parameters
             grads = torch.autograd.grad(losses.sum(), [gatherer.full[p] for p in names], allow_unused=True)
             raw = {p: g if g is not None else torch.zeros_like(gatherer.full[p]) for p, g in zip(names, grads)}
             stats = (float(losses.detach().sum()), n, 0, 0.0)
@@ -343,12 +380,17 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
     return {p: g.reshape(gatherer.local_shapes[p]) for p, g in raw.items()}, stats
 
 
-def _owned_noise(state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig) -> Params:
+def _owned_noise(state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig,
+                 trainable: Collection[str] | None = None) -> Params:
     """The noise of the elements this rank updates (its optimizer-state block of each
     parameter): the unsharded run's draw for exactly those global indices (a fused view keeps
-    the parameter's flat order, so the indices are the parameter's own)."""
+    the parameter's flat order, so the indices are the parameter's own). Only the ``trainable``
+    ones when a freezing schedule gives them: a frozen parameter gets none, and the others'
+    bits are the same (noise is per parameter name)."""
     out = {}
     for name, lay in plan.params.items():
+        if trainable is not None and name not in trainable:
+            continue
         box = local_box(lay.shape, lay.opt_state, comm.mesh, comm.rank)
         out[name] = shard_noise(name, lay.shape, box, key=state.key, step=state.step, std=config.noise_std,
                                 dtype=state.params[name].dtype)
@@ -356,15 +398,24 @@ def _owned_noise(state: ShardedState, plan: ShardingPlan, comm: Comm, config: DP
 
 
 def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm: Comm, units: list[Unit],
-                       update: Callable, divisor: float, noise: Params | None):
+                       update: Callable, divisor: float, noise: Params | None,
+                       trainable: Collection[str] | None = None):
+    """Reduce, noise and update. ``trainable`` (a freezing schedule's set of this step): the
+    other parameters move nothing (no reduce, no noise, no update, no return to rest: their
+    at-rest block is unchanged; ``fsdpx.comm_per_step(..., trainable=)`` counts exactly this)
+    and keep their tensors and optimizer state; ``update`` is then an
+    ``fsdpx.optim.update_trainable`` one, which returns them untouched."""
     mesh = comm.mesh
+    trains = (lambda n: True) if trainable is None else frozenset(trainable).__contains__
     grads_upd, params_upd = {}, {}
     grad_bytes = 0
     for unit in reversed(units):
         for name in unit.params:
+            g = raw.pop(name, None)  # freed once reduced (a frozen one has none)
+            if not trains(name):
+                continue
             lay = plan.params[name]
-            g = _run_plan(comm, plan_collectives(lay.raw_grad, lay.grad, lay.shape, mesh, raw[name].dtype),
-                          raw.pop(name))  # freed once reduced
+            g = _run_plan(comm, plan_collectives(lay.raw_grad, lay.grad, lay.shape, mesh, g.dtype), g)
             grad_bytes += g.numel() * g.element_size()
             g = _run_plan(comm, plan_collectives(lay.grad, lay.opt_state, lay.shape, mesh, g.dtype), g)
             if noise is not None:
@@ -373,12 +424,14 @@ def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, com
             p = state.params[name]
             params_upd[name] = _run_plan(comm, plan_collectives(lay.at_rest, lay.opt_state, lay.shape, mesh, p.dtype), p)
     order = list(state.params)
-    new_upd, opt_state = update({n: grads_upd[n] for n in order}, state.opt_state, {n: params_upd[n] for n in order})
+    # a frozen parameter goes in at rest, as it is: update_trainable hands it back untouched
+    new_upd, opt_state = update({n: grads_upd[n] for n in order if n in grads_upd}, state.opt_state,
+                                {n: params_upd.get(n, state.params[n]) for n in order})
     new_params = {}
     for name in order:
         lay = plan.params[name]
-        new_params[name] = _run_plan(comm, plan_collectives(lay.opt_state, lay.at_rest, lay.shape, mesh,
-                                                            new_upd[name].dtype), new_upd[name])
+        new_params[name] = state.params[name] if name not in grads_upd else _run_plan(
+            comm, plan_collectives(lay.opt_state, lay.at_rest, lay.shape, mesh, new_upd[name].dtype), new_upd[name])
     resident = grad_bytes + _tensor_bytes(new_params) + _tensor_bytes(opt_state)
     return new_params, opt_state, resident
 

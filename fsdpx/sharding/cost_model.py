@@ -11,7 +11,7 @@ the transitions each parameter's layout performs (``ParamLayout.*_transitions``)
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, NamedTuple, Sequence, Union
+from typing import Collection, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 
@@ -108,9 +108,15 @@ def step_collectives(
     mesh: Mesh,
     units: Sequence[Sequence[str]],
     dtype: torch.dtype = torch.float32,
+    *,
+    trainable: Collection[str] | None = None,
 ) -> list[StepCollective]:
     """Every collective of one train step, in execution order: forward (units in order),
     backward (units in reverse), then the update (parameters in unit order).
+
+    ``trainable``: the parameters that train this step (``fsdpx.optim.Freezing``); a frozen one
+    is still gathered for the forward and the backward but has no gradient to reduce and no
+    update to move. ``None``: all of them.
 
     ``units`` partitions the parameters (each name exactly once, else ``ValueError``): a unit is
     what a runtime gathers and reduces together, e.g. one transformer block. Per parameter the
@@ -129,12 +135,15 @@ def step_collectives(
     for unit in units:
         for name in unit:
             add(name, layouts.params[name].forward_transitions())
+    trains = (lambda n: True) if trainable is None else set(trainable).__contains__
     for unit in reversed(units):
         for name in unit:
-            add(name, layouts.params[name].backward_transitions(layouts.reshard_after_forward))
+            moves = layouts.params[name].backward_transitions(layouts.reshard_after_forward)
+            add(name, moves if trains(name) else [t for t in moves if t.phase != "reduce_grad"])
     for unit in units:
         for name in unit:
-            add(name, layouts.params[name].update_transitions())
+            if trains(name):
+                add(name, layouts.params[name].update_transitions())
     return out
 
 
@@ -146,6 +155,7 @@ def comm_per_step(
     dtype: torch.dtype = torch.float32,
     *,
     activations: Iterable[Collective] = (),
+    trainable: Collection[str] | None = None,
 ) -> dict[str, int]:
     """Bytes per rank per train step: ``cost`` of ``step_collectives`` -- ``{kind: buffer_bytes}``
     plus ``send_bytes``/``recv_bytes`` (conventions in ``fsdpx.sharding.collectives``), for the rank
@@ -156,7 +166,8 @@ def comm_per_step(
 
     ``activations``: the step's activation collectives (tensor parallelism), which depend on the
     model's forward and are listed by ``fsdpx.runtime.activation_cost.activation_collectives``;
-    their bytes are added.
+    their bytes are added. ``trainable``: as in ``step_collectives`` (frozen parameters move no
+    gradient and no update; ``property_tests/test_freezing_properties.py``).
 
     Guarantees:
       * Running ``step_collectives`` on a ``SimulatedMesh`` counts exactly this dict
@@ -167,7 +178,7 @@ def comm_per_step(
         params: all_gather ~391.3 MB (forward + backward), reduce_scatter ~195.7 MB; ddp:
         all_reduce ~195.7 MB.
     """
-    params = [s.collective for s in step_collectives(strategy, param_shapes, mesh, units, dtype)]
+    params = [s.collective for s in step_collectives(strategy, param_shapes, mesh, units, dtype, trainable=trainable)]
     return cost([*params, *activations])
 
 
