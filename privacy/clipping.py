@@ -29,7 +29,8 @@ from privacy.errors import NonFiniteGradientError, PrivacyError
 from privacy.ghost import contributions
 from privacy.per_sample import flat_sq_norms, per_sample_grads
 from privacy.streaming import choose_streamed, stream_clipped_sums
-from privacy.tape import LossFn, Params, record, split_inputs
+from privacy.batch import split_inputs, unpack
+from privacy.tape import LossFn, Params, record
 from privacy.validate import check_model
 
 METHODS = ("auto", "ghost", "vmap")
@@ -122,7 +123,12 @@ def clipped_grad(
     :class:`PrivacyError`; a non-finite per-example norm -> :class:`NonFiniteGradientError`
     listing the examples, or with ``nonfinite="zero"`` those examples contribute nothing; a module
     that mixes examples (BatchNorm in training mode) -> :class:`privacy.errors.PerExampleError`
-    naming it (:func:`privacy.validate.check_model`)."""
+    naming it (:func:`privacy.validate.check_model`).
+
+    A batch ``(inputs, targets, mask)`` (``privacy.padding``): an example with ``mask`` False
+    contributes exactly zero to the sum and reports norm 0 (whatever its inputs, NaN included),
+    so a padded batch gives the unpadded batch's sums (``property_tests/
+    test_padded_batch_properties.py``)."""
     check_model(model)
     result = clip_and_sum(model, params, batch, loss_fn, clip_norm=clip_norm, method=method,
                           clipping=clipping, nonfinite=nonfinite)
@@ -171,14 +177,17 @@ def clip_and_sum(
     gradient; the norms are completed by ``sharded_norms.all_reduce`` before any clipping, so
     every rank clips with the full norms and forms the clipped sum of its own part, still with
     one backward (``property_tests/test_tensor_parallel_properties.py``). Streaming is off then
-    (it would need one all-reduce per example)."""
+    (it would need one all-reduce per example). With a mask (a batch's third entry) the
+    masked rows of ``norms`` and ``losses`` are exactly 0 and add nothing to ``grads``."""
     _check_method(method)
     _check_clip_norm(clip_norm, clipping)
     if nonfinite not in ("raise", "zero"):
         raise PrivacyError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
-    if batch[1].shape[0] == 0:
+    inputs, targets, mask = unpack(batch)
+    if targets.shape[0] == 0:
         zero = next(iter(params.values())).new_zeros(0)
         return ClipResult({k: torch.zeros_like(v) for k, v in params.items()}, zero, zero)
+    batch = (inputs, targets)
     sums: dict[str, Tensor] = {}  # clipped sums already formed by streaming
     if sharded_norms is not None and method == "vmap":
         raise PrivacyError("sharded norms need method 'ghost' or 'auto'")
@@ -189,8 +198,8 @@ def clip_and_sum(
         parts = {k: [C.Dense(g)] for k, g in per_sample.items()}
         sq = flat_sq_norms(per_sample)
         with torch.no_grad():
-            args, kwargs = split_inputs(batch[0])
-            losses = loss_fn(functional_call(model, params, args, kwargs), batch[1])
+            args, kwargs = split_inputs(inputs)
+            losses = loss_fn(functional_call(model, params, args, kwargs), targets)
     else:
         tape = record(model, params, batch, loss_fn, run_model=run_model)
         parts = contributions(model, params, tape, method=method)
@@ -207,9 +216,9 @@ def clip_and_sum(
             sq = sharded_norms.all_reduce(sq + _summed_sq_norms(parts, shapes, sharded_norms, losses))
         if streamed:  # these go last, one example at a time, once every other norm is known
             sums, sq = stream_clipped_sums({k: parts.pop(k) for k in streamed}, shapes, sq,
-                                           lambda norm: clip_factors(norm, clip_norm, clipping))
+                                           lambda norm: clip_factors(norm, clip_norm, clipping), keep=mask)
     norms = sq.sqrt()
-    factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite)
+    factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite, keep=mask)
     grads = {}
     for name, p in params.items():
         plist = parts.get(name)
@@ -217,6 +226,9 @@ def clip_and_sum(
             grads[name] = sums[name]
         else:
             grads[name] = C.weighted_sum(plist, factors, p.shape) if plist else torch.zeros_like(p)
+    if mask is not None:  # padding rows report nothing: they drop out of every sum and mean
+        norms = torch.where(mask, norms, torch.zeros_like(norms))
+        losses = torch.where(mask, losses, torch.zeros_like(losses))
     return ClipResult(grads, norms, losses)
 
 
@@ -239,13 +251,21 @@ def _summed_sq_norms(parts: dict[str, list[C.Contribution]], shapes: dict, shard
     return sq
 
 
-def _factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str):
+def _factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str,
+             keep: Tensor | None = None):
+    """``(c, parts)``: each example's clipping factor, and ``parts`` with the rows of examples
+    that must add nothing zeroed when their norm is not finite (``where``: NaN-safe). An
+    example masked out by ``keep`` (padding) gets ``c_i = 0`` and never raises; one with a
+    non-finite norm raises :class:`NonFiniteGradientError` or (``nonfinite="zero"``) gets 0."""
     bad = ~torch.isfinite(norms)
-    if not bad.any():
+    if keep is None and not bad.any():
         return clip_factors(norms, clip_norm, clipping), parts
-    if nonfinite == "raise":
-        raise NonFiniteGradientError(bad.nonzero().flatten().tolist())
-    keep = ~bad
-    safe = torch.where(keep, norms, torch.zeros_like(norms))
-    factors = torch.where(keep, clip_factors(safe, clip_norm, clipping), torch.zeros_like(norms))
-    return factors, {k: C.mask_examples(v, keep) for k, v in parts.items()}
+    real_bad = bad if keep is None else bad & keep
+    if nonfinite == "raise" and real_bad.any():
+        raise NonFiniteGradientError(real_bad.nonzero().flatten().tolist())
+    use = ~bad if keep is None else keep & ~bad
+    safe = torch.where(use, norms, torch.zeros_like(norms))
+    factors = torch.where(use, clip_factors(safe, clip_norm, clipping), torch.zeros_like(norms))
+    if bad.any():  # 0 * inf is NaN: those rows are zeroed in the factors themselves
+        parts = {k: C.mask_examples(v, ~bad) for k, v in parts.items()}
+    return factors, parts

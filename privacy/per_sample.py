@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from privacy.tape import LossFn, Params, split_inputs
+from privacy.batch import split_inputs, unpack
+from privacy.tape import LossFn, Params
 
 _UNVMAPPABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Models whose forward vmap refused once (data-dependent control flow): looped from then on."""
@@ -31,20 +32,23 @@ def per_sample_grads(
     that example alone (``tests/test_hf_unmodified.py``). Parameters not in ``params`` are
     frozen. ``chunk_size`` bounds memory by running ``chunk_size`` examples at a time. An empty
     batch gives ``[0, ...]``. ``inputs`` may be a mapping of keyword arguments (``{"input_ids":
-    ..., "attention_mask": ...}``); every tensor in it is split along dim 0, anything else is
-    passed to every example. Random layers (dropout) draw independently per example.
+    ..., "attention_mask": ...}``); every tensor in it that leads with the batch dimension is split
+    along dim 0, anything else is passed to every example (``privacy.batch``). A batch's mask
+    (a third entry) is not read: every row gets its gradient. Random layers (dropout) draw
+    independently per example.
 
     Edge case: a forward that vmap refuses (``.item()``, a Python ``if`` on a tensor, an
     output of data-dependent shape) runs example by example; the model is remembered, so later
     calls loop at once. Layers must treat examples independently (no BatchNorm in training
     mode: :func:`privacy.validate.check_model`)."""
-    inputs, targets = batch
+    inputs, targets, _ = unpack(batch)
     args, kwargs = split_inputs(inputs)
     detached = {k: v.detach() for k, v in params.items()}
     if targets.shape[0] == 0:
         return {k: v.new_zeros(0, *v.shape) for k, v in detached.items()}
     leaves, spec = tree_flatten((args, kwargs))
-    dims = [0 if isinstance(a, Tensor) else None for a in leaves]
+    b = targets.shape[0]
+    dims = [0 if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == b else None for a in leaves]
 
     def example_loss(p: Params, example: list, target: Tensor) -> Tensor:
         ex_args, ex_kwargs = tree_unflatten([a if d is None else a.unsqueeze(0) for a, d in zip(example, dims)], spec)

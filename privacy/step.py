@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from fsdpx.optim.freezing import Trainable, bind, update_trainable, values_in
 from privacy.accounting import Accountant, max_steps
+from privacy.batch import real_count
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
 from privacy.noise import add_gaussian_noise_
@@ -144,7 +145,7 @@ def make_private_step(
         else:
             params, opt_state = update(noised, state.opt_state, state.params)
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate)
-        metrics = _metrics(clipped.norms, clipped.losses, config)
+        metrics = _metrics(clipped.norms, clipped.losses, config, real_count(batch))
         return TrainState(params, opt_state, state.step + 1, state.key, accountant), metrics
 
     return step
@@ -167,11 +168,12 @@ def check_budget(accountant: Accountant, config: DPConfig) -> None:
     accountant.check(sigma, q)  # raises with the full message
 
 
-def _metrics(norms: Tensor, losses: Tensor, config: DPConfig) -> dict[str, float]:
-    n = int(norms.shape[0])
+def _metrics(norms: Tensor, losses: Tensor, config: DPConfig, n: int) -> dict[str, float]:
+    """Means over the ``n`` real examples; padding rows (mask False) hold exact zeros in
+    ``norms`` and ``losses`` (``clip_and_sum``), so sums over all rows are sums over the real."""
     return {
-        "loss": float(losses.mean()) if n else float("nan"),
+        "loss": float(losses.sum()) / n if n else float("nan"),
         "batch_size": n,
-        "clipped_fraction": float((norms > config.clip_norm).float().mean()) if n else 0.0,
-        "mean_norm": float(norms.mean()) if n else 0.0,
+        "clipped_fraction": float((norms > config.clip_norm).sum()) / n if n else 0.0,
+        "mean_norm": float(norms.sum()) / n if n else 0.0,
     }

@@ -58,6 +58,7 @@ def stream_clipped_sums(
     shapes: dict[str, torch.Size],
     sq_rest: Tensor,
     factor: Callable[[Tensor], Tensor],
+    keep: Tensor | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Returns ``(sums, sq)``: ``sq[i] = sq_rest[i] + sum_name ||g_i[name]||^2`` is example
     ``i``'s squared norm over all parameters, and ``sums[name] = sum_i c_i g_i[name]`` over the
@@ -67,7 +68,8 @@ def stream_clipped_sums(
     Guarantees: equals the norms and clipped sums of the factored forms to float rounding
     (``property_tests/test_ghost_properties.py::test_streamed_clipped_sums_equal_the_factored_forms``).
     An example with a non-finite norm adds nothing (not even NaN) to any sum; the caller
-    decides whether to raise (it sees the non-finite ``sq[i]``).
+    decides whether to raise (it sees the non-finite ``sq[i]``). An example with ``keep[i]``
+    False (padding) adds nothing either; its ``sq[i]`` is still computed.
 
     Edge cases: empty ``parts`` returns ``({}, sq_rest)``; ``B == 0`` gives zero sums."""
     sq = sq_rest.clone()
@@ -79,7 +81,7 @@ def stream_clipped_sums(
             _example_grad(plist, i, scratch[name])
             total = total + torch.linalg.vector_norm(scratch[name]).square()
         sq[i] = total
-        if not math.isfinite(float(total)):
+        if not math.isfinite(float(total)) or (keep is not None and not bool(keep[i])):
             continue
         c = float(factor(total.sqrt().view(1))[0])
         for name in parts:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,8 @@ from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from privacy.errors import PerExampleError, PrivacyError
+from privacy.batch import split_inputs, unpack
+from privacy.errors import PerExampleError
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Any, Tensor], Tensor]
@@ -68,34 +69,24 @@ def owners(model: nn.Module, params: Params) -> dict[str, dict[str, str]]:
     return table
 
 
-def _as_args(inputs: Any) -> tuple:
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
-def split_inputs(inputs: Any) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` the model is called with: a mapping (``{"input_ids": ..., "attention_mask":
-    ...}``, as transformers models take them) gives keyword arguments, a tuple or list positional
-    ones, anything else one positional argument."""
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    return _as_args(inputs), {}
-
-
 def record(
     model: nn.Module,
     params: Params,
     batch: tuple[Any, Tensor],
     loss_fn: LossFn,
     *,
-    run_model: Callable[[tuple], Any] | None = None,
+    run_model: Callable[[Any], Any] | None = None,
 ) -> Tape:
     """Run the model on ``batch`` with ``params`` and return the tape of every call of a
     parameter-owning module with its output gradient (of the SUM of per-example losses).
 
-    ``batch = (inputs, targets)``: ``inputs`` as :func:`split_inputs` reads them.
-    ``run_model(args)``, if given, runs the model instead of ``functional_call(model, params,
-    args)``: the sharded runtime passes one that gathers each unit's parameters on the fly
-    (``params`` then only names the trainable parameters).
+    ``batch = (inputs, targets[, mask])``: ``inputs`` as :func:`privacy.batch.split_inputs`
+    reads them (a mapping is passed as keyword arguments); the mask is not read here (the
+    tape covers every row; ``privacy.clipping.clip_and_sum`` weighs masked rows by zero).
+    ``run_model(inputs)``, if given, runs the model on the inputs as given instead of
+    ``functional_call(model, params, args, kwargs)``: the sharded runtime passes one that
+    gathers each unit's parameters on the fly (``params`` then only names the trainable
+    parameters).
 
     A call whose inputs and outputs all have a leading dimension of 1 (transformers looks up
     position ids of shape ``[1, T]`` and lets the sum broadcast them over the batch) is shared by
@@ -106,15 +97,12 @@ def record(
     Raises :class:`privacy.errors.PerExampleError` (a ``ValueError``) naming the module if a
     call's output lacks the batch dimension (such a layer mixes examples, so it has no
     per-example gradient) or an input leads with neither the batch dimension nor 1."""
-    inputs, targets = batch
+    inputs, targets, _ = unpack(batch)
     args, kwargs = split_inputs(inputs)
-    if kwargs and run_model is not None:
-        raise PrivacyError("inputs given as a mapping (keyword arguments) cannot go through a custom run_model; "
-                           "pass them as a tuple of positional arguments")
     batch_size = targets.shape[0]
     live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     with taping(model, params, batch_size) as calls, torch.enable_grad():
-        losses = loss_fn(run_model(args) if run_model else functional_call(model, live, args, kwargs), targets)
+        losses = loss_fn(run_model(inputs) if run_model else functional_call(model, live, args, kwargs), targets)
         _check_losses(losses, batch_size)
     fill_grads(calls, losses.sum())
     return Tape(calls, losses.detach())

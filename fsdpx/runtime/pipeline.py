@@ -35,6 +35,7 @@ import dataclasses
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from fsdpx.optim import Optimizer
 from fsdpx.sharding.comm import Comm
@@ -48,13 +49,14 @@ from privacy import contributions as C
 from privacy.clipping import _factors
 from privacy.ghost import contributions
 from privacy.step import DPConfig, check_budget
-from privacy.tape import LossFn, Tape, _as_args, fill_grads, taping
+from privacy.batch import call_model, first_tensor, real_count, slice_batch, unpack
+from privacy.tape import LossFn, Tape, fill_grads, taping
 
 from .gather import Gatherer
 from .stages import StageExit, StageForward
 from .parts_p2p import recv_parts, send_parts
 from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
-                   needs_fallback, sharded_norms)
+                   masked_losses, needs_fallback, sharded_norms)
 from .step import trainable_update
 from .tensor_parallel import TensorParallelHooks
 from .weight_pass import capturing, input_grads, separable, weight_grads
@@ -174,10 +176,8 @@ class PipelineStep:
             check_budget(state.accountant, self.config)
         self._train_now(state.step)
         before = self.comm.counts()
-        inputs, targets = _my_share(batch, self.plan, self.comm)
-        args = _as_args(inputs)
-        mbs = [(tuple(x[a:b] for x in args), targets[a:b]) for a, b in
-               microbatch_bounds(targets.shape[0], self.layout.microbatches)]
+        share = _my_share(batch, self.plan, self.comm)
+        mbs = [slice_batch(share, a, b) for a, b in microbatch_bounds(share[1].shape[0], self.layout.microbatches)]
         run = _Run(self, state, mbs)
         run.execute(self.schedule.ranks[self.index])
         if self.config is not None:
@@ -225,16 +225,18 @@ class PipelineStep:
                 total += parts[j]
             raw[name] = total
 
-    def boundary(self, args: tuple) -> tuple[tuple[int, ...], torch.dtype]:
-        """Shape and dtype of the hidden state between blocks for microbatch inputs ``args``
-        (``_trace_boundary``, cached by input shapes)."""
-        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else repr(a) for a in args)
+    def boundary(self, inputs) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the hidden state between blocks for microbatch ``inputs`` (as the
+        batch holds them: a tensor, a tuple, a mapping of keyword arguments), by
+        ``_trace_boundary``, cached by the inputs' structure and shapes."""
+        leaves, spec = tree_flatten(inputs)
+        key = (str(spec), tuple((tuple(a.shape), a.dtype) if isinstance(a, Tensor) else repr(a) for a in leaves))
         if key not in self._shapes:
-            self._shapes[key] = _trace_boundary(self.model, self.layout, args)
+            self._shapes[key] = _trace_boundary(self.model, self.layout, inputs)
         return self._shapes[key]
 
 
-def _trace_boundary(model: nn.Module, layout: PipelineLayout, args: tuple) -> tuple[tuple[int, ...], torch.dtype]:
+def _trace_boundary(model: nn.Module, layout: PipelineLayout, inputs) -> tuple[tuple[int, ...], torch.dtype]:
     """The hidden state entering the first block, from the model's own forward on the real
     inputs (masks and positions may depend on their values) with every parameter swapped for
     zeros that own one element (nothing real is read), stopped at that block. Blocks keep the
@@ -252,7 +254,7 @@ def _trace_boundary(model: nn.Module, layout: PipelineLayout, args: tuple) -> tu
     saved = accessor.swap_tensors_dict(zeros, allow_missing=True)[0]
     try:
         with torch.no_grad():
-            model(*args)
+            call_model(model, inputs)
     except StageExit as e:
         return tuple(e.output.shape), e.output.dtype
     finally:
@@ -264,7 +266,7 @@ def _trace_boundary(model: nn.Module, layout: PipelineLayout, args: tuple) -> tu
 class _Run:
     """The state of one step on one rank: microbatches in flight, messages, gradient sums."""
 
-    def __init__(self, owner: PipelineStep, state, mbs: list[tuple[tuple, Tensor]]):
+    def __init__(self, owner: PipelineStep, state, mbs: list[tuple]):
         self.o, self.state, self.mbs = owner, state, mbs
         self.flight: dict[tuple[int, int], _InFlight] = {}
         self.inbox: dict[tuple[str, int, int], Tensor] = {}
@@ -326,7 +328,7 @@ class _Run:
 
     def _forward(self, mb: int, s: int) -> None:
         o, st = self.o, self.o.stages[s]
-        args, targets = self.mbs[mb]
+        inputs, targets, mask = unpack(self.mbs[mb])
         last = s == o.layout.num_stages - 1
         # o.keep: a split backward walks the graph twice, and a private layer without a ghost rule
         # reads its parameters after the backward: gathered parameters stay until then
@@ -341,19 +343,19 @@ class _Run:
         if s > 0:
             inject = self._incoming("F", mb, s, s - 1).detach().requires_grad_(True)
         seq_dim = o.tensor_parallel.seq_dim
-        seq_len = args[0].shape[seq_dim] if seq_dim is not None else 0
+        seq_len = first_tensor(inputs).shape[seq_dim] if seq_dim is not None else 0
         tape = taping(o.model, dict.fromkeys(st.names), size) if o.config is not None else contextlib.nullcontext([])
         split = capturing(o.model, st.names) if o.split and o.config is None else contextlib.nullcontext(None)
         with gatherer.installed(), o.tensor_parallel.installed(seq_len), st.forward.running(s, inject), tape as calls, \
                 split as captured:
             try:
-                out = o.model(*args)
+                out = call_model(o.model, inputs)
             except StageExit as e:
                 out = e.output
             if last:
-                losses = o.loss_fn(out, targets)
+                losses = masked_losses(o.loss_fn(out, targets), mask)  # padding rows: exactly 0
                 self.loss_sum += float(losses.detach().sum())
-                self.count += size
+                self.count += real_count(self.mbs[mb])
                 root = losses.sum()
             else:
                 root = out
@@ -426,7 +428,7 @@ class _Run:
         o = self.o
         mine = sorted(k for k in self.flight)  # (mb, stage) still holding contributions
         self._shared_norms(mine)
-        sizes = [targets.shape[0] for _, targets in self.mbs]
+        sizes = [batch[1].shape[0] for batch in self.mbs]
         dtype = next(iter(self.state.params.values())).dtype
         sq = torch.zeros(sum(sizes), dtype=dtype)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -435,14 +437,16 @@ class _Run:
             if rec.size:
                 sq[starts[mb]:starts[mb] + rec.size] += rec.sq
         norms = o.all_reduce_norms(sq).sqrt()
-        self.norms = norms
+        masks = [unpack(batch)[2] for batch in self.mbs]
+        keep = torch.cat(masks) if all(m is not None for m in masks) and masks else None
+        self.norms = norms if keep is None else torch.where(keep, norms, torch.zeros_like(norms))
         for (mb, s) in mine:
             rec = self.flight.pop((mb, s))
             if rec.size == 0:
                 _free_all(rec.gatherer)
                 continue
             factors, parts = _factors(norms[starts[mb]:starts[mb] + rec.size], rec.parts, o.config.clip_norm,
-                                      o.config.clipping, o.config.nonfinite)
+                                      o.config.clipping, o.config.nonfinite, keep=masks[mb])
             st = o.stages[s]
             grads = [C.weighted_sum(parts[n], factors, rec.gatherer.full[n].shape) if parts.get(n) else None
                      for n in st.names]

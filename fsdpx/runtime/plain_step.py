@@ -11,7 +11,8 @@ from torch.func import functional_call
 
 from fsdpx.optim import Optimizer, Trainable
 from fsdpx.optim.freezing import bind, update_trainable
-from privacy.tape import LossFn, _as_args
+from privacy.batch import real_count, split_inputs, unpack
+from privacy.tape import LossFn
 
 Params = dict[str, Tensor]
 
@@ -34,6 +35,9 @@ def make_plain_step(
     """Returns ``step(state, batch) -> (state, metrics)``: the optimizer applied to the MEAN
     gradient of the batch's per-example losses (an empty batch gives a zero gradient).
     Parameters not in ``state.params`` are frozen. Metrics: loss, batch_size.
+    ``batch``: ``(inputs, targets[, mask])`` as ``privacy.batch`` reads it (a mapping of keyword
+    arguments included); padding rows (mask False) have their loss set to 0 and are not
+    counted, so the mean is over the real examples (their inputs must give finite values).
 
     ``trainable`` (a ``fsdpx.optim.Freezing`` or a callable ``step -> names``): at each step only
     the parameters it names train; the others of ``state.params`` take part in the forward with
@@ -49,15 +53,19 @@ def make_plain_step(
         live, frozen = sets.split(state.params, state.step) if sets is not None else (state.params, {})
         live = {k: v.detach().requires_grad_(True) for k, v in live.items()}
         frozen = {k: v.detach() for k, v in frozen.items()}
-        n = batch[1].shape[0]
-        losses = loss_fn(functional_call(model, {**frozen, **live}, _as_args(batch[0])), batch[1])
+        inputs, targets, mask = unpack(batch)
+        n = real_count(batch)
+        args, kwargs = split_inputs(inputs)
+        losses = loss_fn(functional_call(model, {**frozen, **live}, args, kwargs), targets)
+        if mask is not None:  # padding rows: loss exactly 0, so no gradient and not counted
+            losses = torch.where(mask, losses, torch.zeros_like(losses))
         grads = torch.autograd.grad(losses.sum(), list(live.values()), allow_unused=True)
         mean = {k: (g if g is not None else torch.zeros_like(live[k])) / max(n, 1) for k, g in zip(live, grads)}
         if sets is None:
             params, opt_state = optimizer.update(mean, state.opt_state, state.params)
         else:
             params, opt_state = update_trainable(optimizer.update, mean, state.opt_state, state.params)
-        loss = float(losses.detach().mean()) if n else float("nan")
+        loss = float(losses.detach().sum()) / n if n else float("nan")
         return PlainState(params, opt_state, state.step + 1), {"loss": loss, "batch_size": n}
 
     return step

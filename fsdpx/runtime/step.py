@@ -50,10 +50,11 @@ from fsdpx.sharding.cost_model import PlanLike, as_plan
 from fsdpx.sharding.pipeline import rank_plan
 from fsdpx.sharding.plan import ShardingPlan
 from privacy.accounting import Accountant
+from privacy.batch import call_model, first_tensor, real_count, slice_batch, unpack
 from privacy.clipping import ShardedNorms, clip_and_sum
 from privacy.noise import BLOCK, noise_slice
 from privacy.step import DPConfig, check_budget
-from privacy.tape import LossFn, _as_args
+from privacy.tape import LossFn
 from privacy.validate import check_model
 
 from .gather import Gatherer
@@ -253,7 +254,7 @@ def make_sharded_step(
     norms = sharded_norms(plan, comm) if config is not None else None
     agreed: list[bool] = []
 
-    def step(state: ShardedState, batch: tuple[Any, Tensor]) -> tuple[ShardedState, dict[str, Any]]:
+    def step(state: ShardedState, batch: tuple) -> tuple[ShardedState, dict[str, Any]]:
         names = sets(state.step) if sets is not None else None
         if not agreed:
             dtypes = {n: t.dtype for n, t in state.params.items()}
@@ -334,38 +335,45 @@ def needs_fallback(model: nn.Module, trainable) -> bool:
     return any(rule_for(modules[m]) is None for m in owners(model, dict.fromkeys(trainable)))
 
 
-def _my_share(batch: tuple[Any, Tensor], plan: ShardingPlan, comm: Comm) -> tuple[Any, Tensor]:
-    inputs, targets = batch
+def _my_share(batch: tuple, plan: ShardingPlan, comm: Comm) -> tuple:
+    """This rank's rows of the global ``batch`` (``privacy.batch.slice_batch``: every tensor
+    leading with the batch dimension is cut, mapping inputs and a padding mask included, the
+    rest shared): chunk ``i`` of ``k`` over the plan's data axes."""
     k = comm.mesh.axis_size(plan.data_axes)
     i = comm.mesh.index(comm.rank, plan.data_axes)
-    a, b = chunk_bounds(targets.shape[0], k, i)
-    args = tuple(x[a:b] for x in _as_args(inputs))
-    return (args if isinstance(inputs, (tuple, list)) else args[0]), targets[a:b]
+    a, b = chunk_bounds(unpack(batch)[1].shape[0], k, i)
+    return slice_batch(batch, a, b)
 
 
-def _divisor(batch: tuple[Any, Tensor], config: DPConfig | None, num_examples: int | None) -> float:
+def _divisor(batch: tuple, config: DPConfig | None, num_examples: int | None) -> float:
+    """``q N`` (private), or the global number of real examples (plain)."""
     if config is not None:
         return config.sample_rate * num_examples
-    return float(max(batch[1].shape[0], 1))
+    return float(max(real_count(batch), 1))
+
+
+def masked_losses(losses: Tensor, mask: Tensor | None) -> Tensor:
+    """``losses`` with padding rows (mask False) set to exactly 0, so their gradient is 0."""
+    return losses if mask is None else torch.where(mask, losses, torch.zeros_like(losses))
 
 
 def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorParallelHooks, batch,
                  config: DPConfig | None, norms: ShardedNorms | None):
     """Raw (unreduced, compute-layout) gradient sums over this rank's examples, in each
-    layout's view shape, and stats."""
-    n = batch[1].shape[0]
-    if n == 0:
+    layout's view shape, and stats (over the real examples: padding rows add nothing)."""
+    inputs, targets, mask = unpack(batch)
+    if targets.shape[0] == 0:
         # every rank of a tensor-parallel group shares the (empty) batch: the group skips its
         # activation collectives together, and the parameter collectives still run in order
         gatherer.dry_run()
         zeros = {name: gatherer.full[name].new_zeros(gatherer.local_shapes[name]) for name in gatherer.plans}
         return zeros, (0.0, 0, 0, 0.0)
+    n = real_count(batch)
     seq_dim = tensor_parallel.seq_dim
-    seq_len = _as_args(batch[0])[0].shape[seq_dim] if seq_dim is not None else 0
+    seq_len = first_tensor(inputs).shape[seq_dim] if seq_dim is not None else 0
     with gatherer.installed(), tensor_parallel.installed(seq_len):
         if config is None:
-            out = model(*_as_args(batch[0]))
-            losses = loss_fn(out, batch[1])
+            losses = masked_losses(loss_fn(call_model(model, inputs), targets), mask)
             names = list(gatherer.full_view())  # this step's trainable parameters
             grads = torch.autograd.grad(losses.sum(), [gatherer.full[p] for p in names], allow_unused=True)
             raw = {p: g if g is not None else torch.zeros_like(gatherer.full[p]) for p, g in zip(names, grads)}
@@ -373,7 +381,7 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
         else:
             result = clip_and_sum(model, gatherer.full_view(), batch, loss_fn, clip_norm=config.clip_norm,
                                   method=config.method, clipping=config.clipping, nonfinite=config.nonfinite,
-                                  run_model=lambda args: model(*args), sharded_norms=norms)
+                                  run_model=lambda x: call_model(model, x), sharded_norms=norms)
             raw = result.grads
             clipped = int((result.norms > config.clip_norm).sum())
             stats = (float(result.losses.sum()), n, clipped, float(result.norms.sum()))

@@ -1,0 +1,171 @@
+"""transformers models, unmodified, through every sharding strategy (issue 14, section 1).
+
+The batches are what a user hands a transformers model: a mapping of keyword arguments
+(``{"input_ids", "attention_mask"}``, right padding, ``-100`` labels on pads for the causal
+LMs), a tuple with ``None`` entries (positional arguments left at their default), and a shared
+``[1, T]`` ``position_ids`` that leads with 1, not the batch. Each runs N steps on the simulated
+mesh (``fsdpx.run_threads``) under DDP, ZeRO-2, ZeRO-3 and HSDP, private (ghost clipping) and
+plain, and must equal N unsharded steps (``make_private_step`` / ``make_plain_step``) in float64
+to rel 1e-9 (judged as ``property_tests/test_sharded_properties.py`` judges: relative to the
+larger of a parameter's size and the largest update). Then one tensor-parallel case (GPT-2,
+``gpt2_plan``) and one pipelined case (Llama, two stages). The real gloo run of BERT under
+private ZeRO-3 is ``tests/multiprocess/test_hf_gloo.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpx.models.tp_plans import gpt2_plan
+from fsdpx.runtime import init_sharded, make_sharded_step
+from fsdpx.runtime.plain_step import init_plain, make_plain_step
+from fsdpx.runtime.threads import run_threads
+from fsdpx.sharding import Mesh, strategies
+from fsdpx.sharding.cost_model import as_plan
+from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline, unshard_stages
+from fsdpx.sharding.tensor_parallel import resolve
+from privacy.step import DPConfig, init_state, make_private_step
+
+pytest.importorskip("transformers")
+from hf_support import T, bert, cls_loss, gpt2, llama, lm_loss, padded_batch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
+from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402
+
+TOL = 1e-9
+NUM_EXAMPLES = 50
+LENGTHS = [[5, 8, 3, 6, 2], [8, 1, 4]]  # two steps; 5 and 3 examples split unevenly over the ranks
+
+MODELS = {"bert": (bert, cls_loss, False), "gpt2": (gpt2, lm_loss, True), "llama": (llama, lm_loss, True)}
+STRATEGIES = {
+    "ddp": (strategies.ddp, Mesh(dp=2)),
+    "zero2": (strategies.zero2, Mesh(dp=2)),
+    "zero3": (strategies.zero3, Mesh(dp=2)),
+    "hsdp": (strategies.hsdp, Mesh(replica=2, shard=2)),
+}
+
+
+def _config() -> DPConfig:
+    return DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="ghost")
+
+
+def _batches(causal: bool, form: str = "mapping"):
+    """The steps' batches; ``form`` "tuple": BERT's positional ``(input_ids, attention_mask,
+    None, position_ids [1, T])``, a non-tensor entry and a shared tensor among them."""
+    out = []
+    for seed, lengths in enumerate(LENGTHS):
+        inputs, labels = padded_batch(lengths, causal=causal, seed=seed + 1)
+        if form == "tuple":
+            inputs = (inputs["input_ids"], inputs["attention_mask"], None, torch.arange(T)[None, :])
+        out.append((inputs, labels))
+    return out
+
+
+def _reference(model, loss_fn, batches, optimizer, config, trainable=None):
+    params = {k: p for k, p in model.named_parameters() if trainable is None or k in trainable}
+    if config is None:
+        state, step = init_plain(params, optimizer), make_plain_step(model, loss_fn, optimizer)
+    else:
+        state = init_state(params, optimizer, key=7, config=config)
+        step = make_private_step(model, loss_fn, optimizer, config, num_examples=NUM_EXAMPLES)
+    losses = []
+    for b in batches:
+        state, metrics = step(state, b)
+        losses.append(metrics["loss"])
+    return state.params, losses
+
+
+def _sharded(model, loss_fn, batches, optimizer, config, strategy, mesh, trainable=None):
+    """Every rank's steps on the simulated mesh; the trained parameters unsharded in their own
+    shapes, and each step's metrics of every rank."""
+    params = {k: v.detach() for k, v in model.named_parameters() if trainable is None or k in trainable}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    plan = as_plan(strategy, shapes)
+
+    def rank(comm):
+        m = copy.deepcopy(model)
+        step = make_sharded_step(m, loss_fn, optimizer, plan, comm, param_shapes=shapes, config=config,
+                                 num_examples=NUM_EXAMPLES)
+        state = init_sharded(params, optimizer, plan, comm, key=7, config=config)
+        metrics = []
+        for b in batches:
+            state, got = step(state, b)
+            metrics.append(got)
+        return state, metrics
+
+    results = run_threads(mesh, rank, timeout=120)
+    full = unshard_stages([r[0].params for r in results], plan, mesh)
+    return {k: t.reshape(shapes[k]) for k, t in full.items()}, [r[1] for r in results]
+
+
+def _check(name, strategy, mesh, private, form="mapping"):
+    build, loss_fn, causal = MODELS[name]
+    model = build()
+    batches = _batches(causal, form)
+    optimizer = _optimizer(torch.float64)
+    config = _config() if private else None
+    ref, ref_losses = _reference(model, loss_fn, batches, optimizer, config)
+    got, metrics = _sharded(model, loss_fn, batches, optimizer, config, strategy, mesh)
+    _assert_close_to_reference(got, ref, model, TOL)
+    for per_rank in metrics:  # every rank reports the unsharded step's loss and batch size
+        for i, m in enumerate(per_rank):
+            assert m["loss"] == pytest.approx(ref_losses[i], rel=1e-12)
+            assert m["batch_size"] == len(LENGTHS[i])
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_model_with_mapping_inputs_equals_the_unsharded_run(name, strategy, private):
+    """``model(**{"input_ids", "attention_mask"})`` with right padding: BERT classifies, GPT-2
+    (tied ``wte``/``lm_head``, ``Conv1D``) and Llama (RMSNorm, rotary) predict tokens with
+    ``-100`` on the pads."""
+    make, mesh = STRATEGIES[strategy]
+    _check(name, make(), mesh, private)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_bert_with_positional_inputs_holding_none_and_a_shared_tensor(private):
+    """``model(input_ids, attention_mask, None, position_ids)``: the ``None`` (token types left
+    at their default) and the ``[1, T]`` position ids are shared by every rank, the rest split."""
+    _check("bert", strategies.zero3(), Mesh(dp=2), private, form="tuple")
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_gpt2_tensor_parallel_with_attention_mask_and_ignored_labels(private):
+    """``gpt2_plan`` over ``Mesh(dp=2, tp=2)`` under ZeRO-3: heads and the MLP split over ``tp``,
+    the vocabulary-parallel cross-entropy skips ``-100`` labels, the mask reaches every rank."""
+    model = gpt2()
+    mesh = Mesh(dp=2, tp=2)
+    plan = resolve(model, gpt2_plan(model.config), strategies.zero3(), mesh)
+    _check_plan(model, lm_loss, plan, mesh, private, causal=True)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_llama_pipelined_with_attention_mask_and_ignored_labels(private):
+    """Two stages (one Llama block each), 1F1B over two microbatches, ZeRO-3 over ``dp=2``: the
+    first stage gets the mapping; the later stage runs the model's forward on the same mapping
+    (its causal mask from ``attention_mask``) with the received hidden state injected."""
+    model = llama()
+    mesh = Mesh(dp=2, pp=2)
+    base = resolve(model, None, strategies.zero3(), mesh)
+    plan = resolve_pipeline(model, base, PipelineParallel(schedule="1f1b", microbatches=2), mesh)
+    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto") if private else None
+    _check_plan(model, lm_loss, plan, mesh, private, causal=True, config=config)
+
+
+def _check_plan(model, loss_fn, plan, mesh, private, *, causal, config=None):
+    batches = _batches(causal)
+    optimizer = _optimizer(torch.float64)
+    config = config or (_config() if private else None)
+    ref, ref_losses = _reference(model, loss_fn, batches, optimizer, config)
+    got, metrics = _sharded(model, loss_fn, batches, optimizer, config, plan, mesh)
+    _assert_close_to_reference(got, ref, model, TOL)
+    for per_rank in metrics:
+        for i, m in enumerate(per_rank):
+            assert m["loss"] == pytest.approx(ref_losses[i], rel=1e-12)
