@@ -3,11 +3,13 @@
     fsdpx train                          # ~2 min private run on the embedded corpus -> runs/private/
     fsdpx train --non-private            # the same loop without clipping or noise -> runs/non-private/
     fsdpx train --noise-multiplier 1.0 --batch-size 256 --steps 100 --name sigma1
+    fsdpx train --config run.toml --steps 50   # a config file (fsdpx.train.config); flags override it
 
-Flags map one to one onto :class:`fsdpx.train.RunConfig` fields (``--n-embd`` -> ``n_embd``),
-so a new option is one ``add_argument`` here, one field there and, if it changes how a step is
-computed, one branch in :func:`fsdpx.train.build_step`. Bad values exit with status 2 and a
-one-line message, never a traceback.
+Flags map one to one onto :class:`fsdpx.train.RunConfig` fields (``--n-embd`` -> ``n_embd``)
+and onto the keys of a ``--config`` file, so a new option is one ``add_argument`` here, one
+field there (and its section in ``fsdpx.train.config.SECTIONS``) and, if it changes how a step
+is computed, one branch in :func:`fsdpx.train.build_step`. Bad values, in a flag or in the file,
+exit with status 2 and a one-line message, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ import dataclasses
 import math
 import sys
 
+import json
 import os
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
 
 from fsdpx.sharding import strategies
 from fsdpx.sharding.schedule import KINDS
+from .config import DATA_KINDS, MODEL_KINDS, TOKEN_DTYPES, merge, read_file
 from .launch import launch, torchrun_command, watch_launcher
 from .loop import ConfigError, RunConfig, check_layout, format_summary, run, run_mesh
 from .resume import segment_config, source_config
@@ -73,6 +80,24 @@ def _half_open_unit(text: str) -> float:
 _positive_int.__name__ = "integer"
 for _f in (_positive_float, _non_negative_float, _open_unit, _half_open_unit):
     _f.__name__ = "number"
+_VALUE_CHECKS = (_positive_int, _positive_float, _non_negative_float, _open_unit, _half_open_unit)
+
+
+def _table(text: str) -> dict[str, Any]:
+    """``--model-fields``: a JSON object or TOML inline-table keys (``n_embd = 32, n_layer = 2``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            value = tomllib.loads(f"t = {{{text.strip().strip('{}')}}}")["t"]
+        except tomllib.TOMLDecodeError:
+            value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a table such as 'n_embd = 32, n_layer = 2', got {text!r}")
+    return value
+
+
+_table.__name__ = "table"
 
 
 # --------------------------------------------------------------------------- parser
@@ -173,36 +198,93 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                     help="on resume: accept data other than the checkpoint was trained on")
 
 
+def _add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """The config file, and what the run trains (``fsdpx.train.sources``)."""
+    d = _DEFAULTS
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a TOML file of the run's settings (sections run, model, data, privacy, parallelism,"
+                        " offload, checkpoints, logging; every key is also a flag, and flags override it)")
+    model = p.add_argument_group("your own model (default: the built-in GPT above)")
+    model.add_argument("--model", choices=MODEL_KINDS, default=d.model,
+                       help="gpt, or a transformers causal LM by --model-path or --model-class (default %(default)s)")
+    model.add_argument("--model-path", metavar="PATH", default=None,
+                       help="transformers: a local directory holding config.json (or the file); never downloaded")
+    model.add_argument("--model-class", metavar="NAME", default=None,
+                       help="transformers: a config or causal-LM class, e.g. GPT2Config or LlamaForCausalLM")
+    model.add_argument("--model-fields", type=_table, metavar="TABLE", default=None,
+                       help="transformers: config fields, e.g. 'n_embd = 32, n_layer = 2' (over --model-path's)")
+    model.add_argument("--vocab-size", type=_positive_int, metavar="N", default=None,
+                       help="the built-in GPT's vocabulary (default: the data's)")
+    source = p.add_argument_group("your own data (default: the embedded corpus)")
+    source.add_argument("--data", choices=DATA_KINDS, default=d.data,
+                        help="the kind of --data-path; auto: .npy, .bin, a directory is a saved datasets dataset,"
+                             " any other file text (default %(default)s)")
+    source.add_argument("--data-path", metavar="PATH", default=None, help="the data file or dataset directory")
+    source.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="'bytes' or a local directory with a saved tokenizer (default: bytes for text)")
+    source.add_argument("--data-dtype", choices=TOKEN_DTYPES, default=d.data_dtype,
+                        help="token type of a raw .bin file (default %(default)s)")
+    source.add_argument("--data-column", metavar="NAME", default=None,
+                        help="a dataset's column of text or token ids (default: input_ids, else text)")
+    source.add_argument("--data-split", metavar="NAME", default=d.data_split,
+                        help="a saved DatasetDict's split (default %(default)s)")
+    p.add_argument("--accounting-interval", type=_positive_float, metavar="X", default=d.accounting_interval,
+                   help="PLD discretization: coarser is faster and still an upper bound (default %(default)g)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdpx", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    train = commands.add_parser("train", help="train the small GPT on the embedded corpus, privately by default",
-                                description="Train the small GPT on the embedded corpus with DP-SGD.")
+    train = commands.add_parser("train", help="train a model privately (default: the small GPT on the embedded"
+                                " corpus)", description="Train a model with DP-SGD: the small GPT on the embedded"
+                                " corpus, or your own model and data (--config run.toml).")
     _add_train_arguments(train)
+    _add_source_arguments(train)
     train.set_defaults(command_parser=train)  # its .error() prefixes messages with "fsdpx train"
     return parser
 
 
-def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None) -> RunConfig:
-    """The :class:`RunConfig` the parsed flags describe (defaults filled from ``RunConfig``).
+def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
+                     file: dict[str, Any] | None = None) -> RunConfig:
+    """The :class:`RunConfig` the parsed flags describe: the flags in ``explicit`` (those typed on
+    the command line; all of them when ``None``) over the config file's ``file`` values
+    (:func:`fsdpx.train.config.merge`), defaults from ``RunConfig``.
 
-    With ``--resume`` or ``--resume-from`` and a checkpoint whose root records its run
-    (``run.json``), the flags in ``explicit`` (those typed on the command line) override the
-    configuration that wrote the checkpoint, and the others keep its values
-    (:func:`fsdpx.train.resume.segment_config`): ``--resume-from ck/step_10 --lr 3e-3 --name b``
-    changes only the learning rate (``tests/test_train_segments.py::test_a_cli_branch_keeps_the_flags_it_does_not_set``)."""
+    With ``resume`` or ``resume_from`` and a checkpoint whose root records its run
+    (``run.json``), what the flags and the file set overrides the configuration that wrote the
+    checkpoint, and the rest keeps its values (:func:`fsdpx.train.resume.segment_config`):
+    ``--resume-from ck/step_10 --lr 3e-3 --name b`` changes only the learning rate
+    (``tests/test_train_segments.py::test_a_cli_branch_keeps_the_flags_it_does_not_set``)."""
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
-    values["private"] = not args.non_private
-    values.setdefault("name", "private" if values["private"] else "non-private")
-    source = args.resume_from or (args.ckpt_dir if args.resume else None)
+    flags = {k: v for k, v in vars(args).items()
+             if k in fields and v is not None and (explicit is None or k in explicit)}
+    if explicit is None or "non_private" in explicit:
+        flags["private"] = not args.non_private
+    if args.config is not None:
+        flags["config_file"] = str(Path(args.config).resolve())
+    values = merge({k: v for k, v in (file or {}).items() if k in fields}, flags)
+    source = values.get("resume_from") or (values.get("ckpt_dir") if values.get("resume") else None)
     base = source_config(source) if source is not None and explicit is not None else None
     if base is None:
+        values.setdefault("name", "private" if values.get("private", True) else "non-private")
         return RunConfig(**values)
-    overrides = {k: values[k] for k in explicit if k in fields and k in values}
-    if "non_private" in explicit:
-        overrides["private"] = False
-    return segment_config(base, overrides)
+    return segment_config(base, values)
+
+
+def file_checks(parser: argparse.ArgumentParser) -> dict[str, Callable[[Any], Any]]:
+    """The flags' own value checks (ranges, choices) for the same keys in a config file."""
+    checks = {}
+    for action in parser._actions:
+        if action.choices is not None:
+            checks[action.dest] = lambda v, c=tuple(action.choices): _choose(v, c)
+        elif action.type in _VALUE_CHECKS:
+            checks[action.dest] = lambda v, t=action.type: t(str(v))
+    return checks
+
+
+def _choose(value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"invalid choice {value!r} (choose from {', '.join(map(repr, choices))})")
 
 
 def explicit_flags(argv: list[str]) -> set[str]:
@@ -225,12 +307,16 @@ def main(argv: list[str] | None = None) -> None:
 
         return jobs_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.nproc is not None and args.strategy is None:
-        args.command_parser.error("--nproc needs --strategy (ddp, zero1, zero2, zero3 or hsdp)")
+    explicit = explicit_flags(argv)
     try:
-        config = config_from_args(args, explicit_flags(argv))
+        file = read_file(args.config, checks=file_checks(args.command_parser)) if args.config else {}
+        nproc = args.nproc if "nproc" in explicit else file.get("nproc")
+        progress = not args.no_progress if "no_progress" in explicit else file.get("progress", True)
+        config = config_from_args(args, explicit, file)
+        if nproc is not None and config.strategy is None:
+            args.command_parser.error("--nproc needs --strategy (ddp, zero1, zero2, zero3 or hsdp)")
         if config.strategy is not None and "WORLD_SIZE" not in os.environ:
-            nproc = args.nproc or 2 * config.tp * config.pp
+            nproc = nproc or 2 * config.tp * config.pp
             check_layout(config, nproc)  # refuse what cannot run here, before any process starts
             sys.exit(_launch(argv, nproc))  # re-run this very command on N processes
         if config.strategy is not None:
@@ -238,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         comm = _communicator(config)
         if comm is None or comm.rank == 0:
             print(_plan_line(config, comm), file=sys.stderr)
-        summary = run(config, progress=not args.no_progress, comm=comm)
+        summary = run(config, progress=progress, comm=comm)
         if comm is not None:  # after a failure the error stands; a barrier could only hang
             from fsdpx.runtime.dist_comm import shutdown
 
@@ -287,8 +373,10 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     else:
         privacy = f"DP-SGD with noise multiplier {config.noise_multiplier:g}"
     where = f", {config.strategy} on {comm.mesh}" if comm is not None else ""
-    return (f"fsdpx train: {config.steps} steps, GPT {config.n_layer} layers x {config.n_embd}, {privacy}{where} "
-            f"-> {config.run_dir}")
+    model = (f"GPT {config.n_layer} layers x {config.n_embd}" if config.model == "gpt" else
+             f"transformers {config.model_class or config.model_path}")
+    data = config.data_path or "the embedded corpus"
+    return f"fsdpx train: {config.steps} steps, {model} on {data}, {privacy}{where} -> {config.run_dir}"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The embedded default corpus, its character tokenizer and next-token training examples.
+"""The embedded default corpus, its character tokenizer and next-token training examples
+(:func:`windows` cuts any token stream into them).
 
 No download and no file: :func:`corpus` writes English-like text from a small probabilistic
 grammar driven by a seeded ``random.Random``, so every machine trains on the same bytes. The
@@ -151,16 +152,25 @@ def decode(ids: Tensor | list[int]) -> str:
 
 
 def make_examples(text: str, block_size: int) -> tuple[Tensor, Tensor]:
-    """Next-token examples: ``(inputs, targets)``, both ``(N, block_size)`` int64.
-
-    Guarantees: row ``i`` of ``inputs`` is tokens ``[i * block_size, (i + 1) * block_size)``
-    (non-overlapping windows, so each character is in exactly one example, which keeps an
-    example's privacy unit simple); ``targets`` is the same window shifted by one token.
-    ``N = (len(text) - 1) // block_size``; the leftover tail is dropped. ``block_size < 1``
-    raises ``ValueError``."""
+    """Next-token examples of ``text`` under the character tokenizer: ``windows(encode(text),
+    block_size)``. ``block_size < 1`` raises ``ValueError``."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    ids = encode(text)
+    return windows(encode(text), block_size)
+
+
+def windows(ids: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Next-token examples of a token stream ``ids`` ``(L,)``: ``(inputs, targets)``, both
+    ``(N, block_size)`` int64.
+
+    Guarantees: row ``i`` of ``inputs`` is tokens ``[i * block_size, (i + 1) * block_size)``
+    (non-overlapping windows, so each token is in exactly one example, which keeps an
+    example's privacy unit simple); ``targets`` is the same window shifted by one token.
+    ``N = (L - 1) // block_size``; the leftover tail is dropped. ``block_size < 1`` raises
+    ``ValueError``."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    ids = ids.to(torch.int64)
     n = max(len(ids) - 1, 0) // block_size
     inputs = ids[: n * block_size].view(n, block_size)
     targets = ids[1 : n * block_size + 1].view(n, block_size)

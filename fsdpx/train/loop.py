@@ -1,4 +1,5 @@
-"""The training loop of ``fsdpx train``: a small GPT on the embedded corpus, privately by default.
+"""The training loop of ``fsdpx train``: the model and data of a :class:`RunConfig` (by default
+a small GPT on the embedded corpus, :mod:`fsdpx.train.sources`), privately by default.
 
     summary = run(RunConfig(steps=300, target_epsilon=8.0))
 
@@ -10,7 +11,8 @@ directory, ``metrics.jsonl``, ``config.json``, ``plot.png`` and the progress bar
 Files written to ``<out>/<name>/``:
 
 * ``config.json``: the :class:`RunConfig` plus what was derived from it (sample rate, noise
-  multiplier, dataset and model sizes), written before the first step.
+  multiplier, dataset and model sizes, the model and data read), written before the first step;
+  ``config.toml``: the same configuration as a file ``fsdpx train --config`` reads back.
 * ``metrics.jsonl``: one object per step: ``step`` (1-based), ``loss`` (mean over the batch),
   ``epsilon`` (spent after the step, at ``delta``; ``null`` for a non-private run, which has no
   guarantee), ``batch_size`` (the Poisson draw), ``clipped_fraction``, ``mean_norm`` (mean
@@ -32,18 +34,15 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.func import functional_call
 from tqdm import tqdm
 
 import offload
-from fsdpx.models.gpt import GPT, GPTConfig, token_loss
-from fsdpx.models.tp_plans import gpt_plan
+from fsdpx.models.gpt import token_loss
 from fsdpx.optim import Optimizer, adamw
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding import strategies
@@ -57,157 +56,13 @@ from privacy.errors import BudgetExhaustedError
 from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, TrainState, init_state, make_private_step, sample_batch
 
-from . import data
-from .budget import MAX_NOISE_MULTIPLIER
+from .config import ConfigError, RunConfig, to_toml
 from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
+from .sources import Source, build_source, sample_text, tp_plan
 
 Step = Callable[[TrainState, tuple[Tensor, Tensor]], tuple[TrainState, dict[str, float]]]
 
 SMOOTHING = 10  # steps averaged for the reported final loss and the plot's trend line
-
-
-class ConfigError(ValueError):
-    """A run was configured with values that cannot work together; the message says which."""
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a run depends on. The defaults are the ~2 minute demo of ``fsdpx train``.
-
-    Noise: ``noise_multiplier`` when given, otherwise the smallest one that spends at most
-    ``target_epsilon`` over ``steps``. Batches: Poisson with ``sample_rate`` when given,
-    otherwise with rate ``batch_size / num_examples`` (``batch_size`` is the EXPECTED size).
-    The field that is not used is set to ``None``, so ``config.json`` shows only what the run
-    used. ``private=False`` runs plain training on the same batches (both noise fields None).
-    Inconsistent values raise :class:`ConfigError`."""
-
-    name: str = "private"
-    out: str = "runs"
-    steps: int = 300
-    seed: int = 0
-    # model
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    block_size: int = 32
-    # data
-    corpus_chars: int = data.DEFAULT_CHARS
-    # optimizer
-    lr: float = 1e-2
-    # privacy
-    private: bool = True
-    target_epsilon: float | None = 8.0
-    noise_multiplier: float | None = None
-    delta: float = 1e-5
-    clip_norm: float = 1.0
-    batch_size: float | None = 384.0
-    sample_rate: float | None = None
-    method: str = "auto"
-    clipping: str = "flat"
-    epsilon_budget: float | None = None
-    accountant: str = "pld"
-    # PLD discretization: coarser is faster and still an upper bound on epsilon. At the default
-    # run 1e-2 reports 8.008 where 1e-4 reports 8.001, and composes 300 steps in 0.3 s, not 15 s.
-    accounting_interval: float = 1e-2
-    # sharding: None = one process; else a strategy of fsdpx.sharding.strategies run by every rank that
-    # torchrun started (``fsdpx train --nproc N --strategy S`` launches torchrun itself)
-    strategy: str | None = None
-    # tensor parallelism: the GPT plan (fsdpx.models.tp_plans.gpt_plan) over a ``tp`` axis of this
-    # size; the strategy shards the rest over ``world / tp`` data-parallel ranks
-    tp: int = 1
-    sequence_parallel: bool = False  # with tp: activations between regions split along the sequence
-    # pipeline parallelism: the GPT's blocks cut into pp * virtual_stages stages over a ``pp`` axis of
-    # this size (fsdpx.sharding.pipeline), run by ``schedule`` on ``microbatches`` per data-parallel rank
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 1
-    # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
-    # ``resume`` continues from the newest intact one (same noise, batches and accountant)
-    # optimizer offload: "none", "zenflow" (selected columns every step, the rest on the host
-    # every ``offload_interval`` steps) or "zero" (ZeRO-Offload: all optimizer state on the host)
-    offload: str = "none"
-    offload_topk: float = 0.1
-    offload_interval: int = 4
-    ckpt_dir: str | None = None
-    ckpt_every: int = 50
-    resume: bool = False
-    # segments (fsdpx.train.resume): ``resume_from`` branches from any intact checkpoint (a
-    # ``step_<N>`` directory or a root) into this run's own directory and checkpoint root
-    # (default ``<out>/<name>/ckpt``); the flags below loosen what a resume refuses by default
-    resume_from: str | None = None
-    allow_budget_increase: bool = False
-    allow_new_data: bool = False
-    max_noise_multiplier: float = MAX_NOISE_MULTIPLIER
-
-    def __post_init__(self) -> None:
-        if self.noise_multiplier is not None or not self.private:
-            object.__setattr__(self, "target_epsilon", None)
-        if not self.private:
-            object.__setattr__(self, "noise_multiplier", None)
-        if self.sample_rate is not None:
-            object.__setattr__(self, "batch_size", None)
-        if self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
-        if min(self.n_layer, self.n_head, self.n_embd, self.block_size) < 1:
-            raise ConfigError("n_layer, n_head, n_embd and block_size must all be >= 1")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
-        if self.batch_size is None and self.sample_rate is None:
-            raise ConfigError("give batch_size (expected batch size) or sample_rate")
-        if self.batch_size is not None and not self.batch_size > 0:
-            raise ConfigError(f"batch_size must be > 0, got {self.batch_size}")
-        if self.private and self.target_epsilon is None and self.noise_multiplier is None:
-            raise ConfigError("a private run needs target_epsilon or noise_multiplier")
-        if self.private and self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ConfigError(f"target_epsilon must be > 0, got {self.target_epsilon}")
-        if self.offload not in ("none", "zenflow", "zero"):
-            raise ConfigError(f"offload must be none, zenflow or zero, got {self.offload!r}")
-        if self.resume and self.ckpt_dir is None:
-            raise ConfigError("resume needs ckpt_dir")
-        if self.resume and self.resume_from is not None:
-            raise ConfigError("give resume (the newest checkpoint of ckpt_dir) or resume_from (a branch), not both")
-        if self.resume_from is not None and self.ckpt_dir is None:
-            object.__setattr__(self, "ckpt_dir", str(Path(self.out) / self.name / "ckpt"))
-        if not (self.max_noise_multiplier > 0 and math.isfinite(self.max_noise_multiplier)):
-            raise ConfigError(f"max_noise_multiplier must be finite and > 0, got {self.max_noise_multiplier}")
-        if self.ckpt_every < 1:
-            raise ConfigError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
-        if self.strategy is not None and self.strategy not in strategies.ALL:
-            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(strategies.ALL)}")
-        if self.tp < 1:
-            raise ConfigError(f"tp must be >= 1, got {self.tp}")
-        if self.tp > 1 and self.strategy is None:
-            raise ConfigError("tp needs a strategy: tensor parallelism runs on several processes")
-        if self.tp > 1 and self.n_head % self.tp:
-            raise ConfigError(f"n_head={self.n_head} does not divide by tp={self.tp}: a rank holds whole heads")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("sequence_parallel needs tp > 1: it splits the sequence over the tensor-parallel ranks")
-        if self.tp > 1 and self.offload != "none":
-            raise ConfigError("offload with tensor parallelism is not supported yet")
-        if self.pp < 1 or self.microbatches < 1 or self.virtual_stages < 1:
-            raise ConfigError("pp, microbatches and virtual_stages must all be >= 1")
-        if self.pp > 1 and self.strategy is None:
-            raise ConfigError("pp needs a strategy: pipeline stages run on several processes")
-        if self.pp * self.virtual_stages > self.n_layer and self.pp > 1:
-            raise ConfigError(f"pp={self.pp} x virtual_stages={self.virtual_stages} stages but only"
-                              f" n_layer={self.n_layer} blocks: every stage needs a block")
-        if self.pp > 1 and self.offload != "none":
-            raise ConfigError("offload with pipeline parallelism is not supported yet")
-        if self.pp > 1 and self.sequence_parallel:
-            raise ConfigError("sequence parallelism with a pipeline is not supported yet")
-        if self.strategy is not None and self.private and self.method == "vmap":
-            raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.out) / self.name
-
-    def model_config(self) -> GPTConfig:
-        return GPTConfig(vocab_size=data.VOCAB_SIZE, block_size=self.block_size, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd)
 
 
 # --------------------------------------------------------------------------- planning (pure)
@@ -249,15 +104,6 @@ def epsilon_budget(config: RunConfig) -> float | None:
     return config.epsilon_budget if config.epsilon_budget is not None else config.target_epsilon
 
 
-def init_params(config: RunConfig) -> tuple[GPT, dict[str, Tensor]]:
-    """The model and its initial parameters, a function of ``config.seed`` only (the global
-    torch RNG is left as it was)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        model = GPT(config.model_config())
-    return model, {k: v.detach() for k, v in model.named_parameters()}
-
-
 # --------------------------------------------------------------------------- steps
 
 
@@ -277,14 +123,16 @@ def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimi
     return step
 
 
-def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPConfig | None,
-               *, num_examples: int, comm: Comm | None = None) -> tuple[TrainState, Step]:
+def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor], dp: DPConfig | None,
+               *, num_examples: int, comm: Comm | None = None,
+               loss_fn: Callable[[Any, Tensor], Tensor] = token_loss) -> tuple[TrainState, Step]:
     """The initial state and the step function of a run: the one place a step is chosen.
 
     Returns ``(state, step)`` with ``state.step == 0``. The accountant carries the run's delta,
     budget and PLD discretization, so the epsilon it reports is the one ``resolve_privacy``
     calibrated against. With ``comm`` (a sharded run) the state is this rank's
-    :class:`fsdpx.runtime.ShardedState` and the step takes the global batch."""
+    :class:`fsdpx.runtime.ShardedState` and the step takes the global batch. ``loss_fn(model
+    output, targets) -> (B,)``: the source's (:attr:`fsdpx.train.sources.Source.loss_fn`)."""
     optimizer = make_optimizer(config, comm)
     accountant = Accountant(accountant=config.accountant, delta=config.delta,
                             epsilon_budget=epsilon_budget(config),
@@ -292,16 +140,16 @@ def build_step(config: RunConfig, model: GPT, params: dict[str, Tensor], dp: DPC
     if comm is not None:
         strategy = sharding_plan(config, model, comm.mesh)
         shapes = {k: tuple(v.shape) for k, v in params.items()}
-        step = make_sharded_step(model, token_loss, optimizer, strategy, comm, param_shapes=shapes, config=dp,
+        step = make_sharded_step(model, loss_fn, optimizer, strategy, comm, param_shapes=shapes, config=dp,
                                  num_examples=num_examples, donate=True)
         state = init_sharded(params, optimizer, strategy, comm, key=config.seed, config=dp)
         return state._replace(accountant=accountant), step
     if dp is None:
         fresh = {k: v.clone() for k, v in params.items()}
         state = TrainState(fresh, optimizer.init(fresh), 0, config.seed, accountant)
-        return state, make_plain_step(model, token_loss, optimizer)
+        return state, make_plain_step(model, loss_fn, optimizer)
     state = init_state(params, optimizer, key=config.seed, config=dp)._replace(accountant=accountant)
-    return state, make_private_step(model, token_loss, optimizer, dp, num_examples=num_examples, donate=True)
+    return state, make_private_step(model, loss_fn, optimizer, dp, num_examples=num_examples, donate=True)
 
 
 def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
@@ -366,10 +214,11 @@ def run_mesh(strategy: str, world: int, tp: int = 1, pp: int = 1) -> Mesh:
 
 
 def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> ShardingPlan:
-    """The run's per-parameter layouts: the strategy's, with the GPT's tensor-parallel plan
-    when ``config.tp > 1`` and its blocks cut into pipeline stages when ``config.pp > 1``."""
+    """The run's per-parameter layouts: the strategy's, with the model's tensor-parallel plan
+    (:func:`fsdpx.train.sources.tp_plan`) when ``config.tp > 1`` and its blocks cut into
+    pipeline stages when ``config.pp > 1``."""
     strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
-    tp = gpt_plan(model.config, sequence_parallel=config.sequence_parallel) if config.tp > 1 else None
+    tp = tp_plan(model, config.tp, sequence_parallel=config.sequence_parallel) if config.tp > 1 else None
     plan = resolve(model, tp, strategy, mesh)
     if config.pp == 1:
         return plan
@@ -381,27 +230,29 @@ def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> Shar
         raise ConfigError(str(e)) from None
 
 
-def check_layout(config: RunConfig, world: int) -> None:
-    """Raise :class:`ConfigError` if the run's mesh or sharding plan cannot be built on
-    ``world`` processes (a tp x pp that does not divide it, a pipeline schedule that cannot run
-    the microbatches): checked once, before torchrun starts any process."""
+def check_layout(config: RunConfig, world: int) -> Source:
+    """Raise :class:`ConfigError` if the run's model and data cannot be built, or its mesh or
+    sharding plan on ``world`` processes (a tp x pp that does not divide it, a pipeline
+    schedule that cannot run the microbatches, a model without a tensor-parallel plan): checked
+    once, before torchrun starts any process. Returns the source it built."""
+    source = build_source(config)
     mesh = run_mesh(config.strategy, world, config.tp, config.pp)
-    sharding_plan(config, GPT(config.model_config()), mesh)
+    sharding_plan(config, source.model, mesh)
+    return source
 
 
-def full_params(state: Any, config: RunConfig, comm: Comm | None) -> dict[str, Tensor]:
+def full_params(state: Any, config: RunConfig, comm: Comm | None, source: Source) -> dict[str, Tensor]:
     """The whole parameters: ``state.params`` in one process; in a sharded run every rank's
     blocks, gathered and unsharded (called on every rank)."""
     if comm is None:
         return state.params
-    model, fresh = init_params(config)
-    plan = sharding_plan(config, model, comm.mesh)
+    plan = sharding_plan(config, source.model, comm.mesh)
     blocks = comm.all_gather_object(state.params)
     whole = unshard_stages(blocks, plan, comm.mesh)
-    return {k: whole[k].reshape(fresh[k].shape) for k in plan.params}
+    return {k: whole[k].reshape(source.params[k].shape) for k in plan.params}
 
 
-def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool):
+def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool, model: torch.nn.Module):
     """The run's :class:`ckpt.CheckpointManager` (``None`` without ``ckpt_dir``): the sharded
     state is saved in its own layout by every rank and can be restored into another."""
     if config.ckpt_dir is None:
@@ -410,23 +261,10 @@ def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool):
 
     if comm is None:
         return ckpt.CheckpointManager(config.ckpt_dir, keep_last=3, every_n_steps=config.ckpt_every, private=private)
-    plan = sharding_plan(config, init_params(config)[0], comm.mesh)  # tensors saved in this run's layouts
+    plan = sharding_plan(config, model, comm.mesh)  # tensors saved in this run's layouts
     return ckpt.CheckpointManager(config.ckpt_dir, mesh=comm.mesh, strategy=plan,
                                   coordinator=ckpt.TorchDistCoordinator(), keep_last=3,
                                   every_n_steps=config.ckpt_every, private=private)
-
-
-def generate(model: GPT, params: dict[str, Tensor], prompt: str, num_chars: int, *, seed: int) -> str:
-    """``prompt`` followed by ``num_chars`` characters sampled from the model (temperature 1),
-    a pure function of ``(params, prompt, num_chars, seed)``."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = data.encode(prompt)
-    with torch.no_grad():
-        for _ in range(num_chars):
-            context = ids[-model.config.block_size:].unsqueeze(0)  # (1, T)
-            logits = functional_call(model, params, (context,))[0, -1]  # (V,)
-            ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=gen)])
-    return data.decode(ids)
 
 
 # --------------------------------------------------------------------------- the run
@@ -458,17 +296,15 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
 
     main = comm is None or comm.rank == 0
     start = time.perf_counter()
-    inputs, targets = data.make_examples(data.corpus(config.corpus_chars), config.block_size)
+    source = build_source(config)
+    model, params, inputs, targets = source.model, source.params, source.inputs, source.targets
     num_examples = int(inputs.shape[0])
-    if num_examples < 1:
-        raise ConfigError(f"corpus_chars={config.corpus_chars} gives no example of block_size={config.block_size}")
     sample_rate = resolve_sample_rate(config, num_examples)
     dp = resolve_privacy(config, sample_rate)
-    model, params = init_params(config)
-    state, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
-    manager = checkpoint_manager(config, comm, private=dp is not None)
+    state, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm, loss_fn=source.loss_fn)
+    manager = checkpoint_manager(config, comm, private=dp is not None, model=model)
     plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=data_digest(inputs, targets),
-                        manager=manager, world=comm.mesh.size if comm else 1)
+                        manager=manager, world=comm.mesh.size if comm else 1, data=source.description)
     if config.resume_from is not None:
         check_branch(config, plan)
     if plan.dp != dp:
@@ -477,7 +313,8 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                   f" the {config.steps - plan.start} steps left keeps the whole run within epsilon"
                   f" {config.target_epsilon:g}", file=sys.stderr)
         dp = plan.dp
-        _, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm)
+        _, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm,
+                             loss_fn=source.loss_fn)
     state = plan.state
     earlier = cut_back(read_metrics(plan.earlier_run_dir / "metrics.jsonl"), plan.start) if plan.earlier_run_dir \
         else []
@@ -494,19 +331,22 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                    f" {config.steps}; ask for more steps to train further")
         if main:
             print(f"fsdpx train: {stopped}", file=sys.stderr)
-        return _summary(config, [_numbers(r) for r in earlier], state, dp, sample_rate, start, plan.start, starts, stopped,
-                        sample=generate(model, full_params(state, config, comm), "The ", 100, seed=config.seed))
+        trained = full_params(state, config, comm, source)
+        return _summary(config, [_numbers(r) for r in earlier], state, dp, sample_rate, start, plan.start, starts,
+                        stopped, sample=sample_text(source, trained, 100, seed=config.seed))
 
     run_dir = _prepare_run_dir(config.run_dir) if main else config.run_dir
     _write_json(run_dir / "config.json" if main else None, {
         **dataclasses.asdict(config),
-        "derived": {"num_examples": num_examples, "sample_rate": sample_rate, "vocab_size": data.VOCAB_SIZE,
+        "derived": {"num_examples": num_examples, "sample_rate": sample_rate, "vocab_size": source.vocab_size,
+                    "model": source.model_name, "data": source.description,
                     "world_size": comm.mesh.size if comm else 1, "mesh": repr(comm.mesh) if comm else None,
                     "noise_multiplier": dp.noise_multiplier if dp else None,
                     "num_params": sum(p.numel() for p in params.values())},
         "segments": plan.segments,
     })
     if main:
+        (run_dir / "config.toml").write_text(to_toml(config))
         write_metrics(run_dir / "metrics.jsonl", earlier)  # cut back to the start: no step twice
         if config.ckpt_dir is not None:
             write_record(config.ckpt_dir, {"run_dir": str(config.run_dir.resolve()), "segments": plan.segments})
@@ -545,11 +385,11 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
             manager.save(state.step, savable(state), force=True, blocking=False)
         manager.wait()
 
-    trained = full_params(state, config, comm)
+    trained = full_params(state, config, comm, source)
     if main:
-        _plot(history, run_dir / "plot.png", title=_plot_title(config, dp), delta=config.delta, starts=starts)
+        _plot(history, run_dir / "plot.png", title=_plot_title(config, dp, source), delta=config.delta, starts=starts)
     return _summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
-                    sample=generate(model, trained, "The ", 100, seed=config.seed))
+                    sample=sample_text(source, trained, 100, seed=config.seed))
 
 
 def check_branch(config: RunConfig, plan: Any) -> None:
@@ -613,7 +453,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"privacy      {privacy}",
         f"wall time    {s['seconds']:.1f} s",
         f"sample       {s['sample']!r}",
-        f"files        {s['run_dir']}/{{metrics.jsonl,plot.png,config.json}}",
+        f"files        {s['run_dir']}/{{metrics.jsonl,plot.png,config.json,config.toml}}",
     ]
     return "\n".join(lines)
 
@@ -670,8 +510,8 @@ def _update_bar(bar: tqdm, history: list[dict[str, Any]]) -> None:
     bar.update(1)
 
 
-def _plot_title(config: RunConfig, dp: DPConfig | None) -> str:
-    model = f"GPT {config.n_layer}x{config.n_embd}, block {config.block_size}"
+def _plot_title(config: RunConfig, dp: DPConfig | None, source: Source) -> str:
+    model = f"{source.model_name}, block {config.block_size}"
     if dp is None:
         return f"{config.name}: {model}, non-private"
     return f"{config.name}: {model}, DP-SGD sigma={dp.noise_multiplier:.3f}, q={dp.sample_rate:.4f}, C={dp.clip_norm:g}"

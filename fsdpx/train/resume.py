@@ -68,7 +68,7 @@ def find_source(config: Any, manager: Any) -> Path | None:
 
 
 def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPConfig | None, digest: str,
-                 manager: Any, world: int = 1) -> SegmentPlan:
+                 manager: Any, world: int = 1, data: str | None = None) -> SegmentPlan:
     """Plan the segment ``config`` asks for (see the module doc); reads, never writes.
 
     Guarantees:
@@ -79,11 +79,14 @@ def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPCo
       * A change a resume cannot honour raises the named ``fsdpx.train.segments.ResumeError``
         before the checkpoint is loaded (``tests/test_train_segments.py``).
       * Same config and checkpoint, same plan: the state and noise are functions of them
-        (``test_a_branch_run_twice_from_one_checkpoint_gives_the_same_bits``)."""
+        (``test_a_branch_run_twice_from_one_checkpoint_gives_the_same_bits``).
+
+    ``digest`` is :func:`fsdpx.train.segments.data_digest` of the examples and ``data`` their
+    description (:attr:`fsdpx.train.sources.Source.description`), named when data changes."""
     from .loop import epsilon_budget  # loop imports this module lazily too: no cycle at import
 
     source = find_source(config, manager)
-    new_fp = fingerprint(config, params, digest)
+    new_fp = fingerprint(config, params, digest, data=data)
     if source is None:
         planned = _plan_noise(config, dp, fresh.accountant, current=dp.noise_multiplier if dp else None)
         entry = _entry(config, 0, None, planned, new_fp, world)
@@ -164,7 +167,8 @@ def merge_overrides(base: Any, overrides: Mapping[str, Any]) -> Any:
     return type(base)(**values)
 
 
-PER_SEGMENT = {"resume": False, "resume_from": None, "allow_budget_increase": False, "allow_new_data": False}
+PER_SEGMENT = {"resume": False, "resume_from": None, "allow_budget_increase": False, "allow_new_data": False,
+               "config_file": None}
 """Fields a segment never inherits from the one before it: how it starts and what it is allowed
 to loosen are asked for anew each time."""
 
@@ -215,9 +219,9 @@ def resume_from(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     (``tests/test_train_segments.py::test_resume_from_in_python_gives_the_cli_noise_and_state``).
     Raises :class:`CheckpointNotFoundError` for a path without an intact checkpoint and
     ``ResumeError`` when the root has no ``run.json`` to take the configuration from."""
-    from . import data
-    from .loop import build_step, checkpoint_manager, init_params, resolve_privacy, resolve_sample_rate
+    from .loop import build_step, checkpoint_manager, resolve_privacy, resolve_sample_rate
     from .segments import ResumeError, data_digest
+    from .sources import build_source
 
     base = source_config(path)
     if base is None:
@@ -225,12 +229,13 @@ def resume_from(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
                           " start from a RunConfig and fsdpx.train.run(RunConfig(resume_from=...)) instead")
     config = segment_config(base, {**(overrides or {}), "resume_from": str(path), "strategy": None, "tp": 1, "pp": 1,
                                    "sequence_parallel": False})
-    inputs, targets = data.make_examples(data.corpus(config.corpus_chars), config.block_size)
-    sample_rate = resolve_sample_rate(config, int(inputs.shape[0]))
+    source = build_source(config)
+    num_examples = int(source.inputs.shape[0])
+    sample_rate = resolve_sample_rate(config, num_examples)
     dp = resolve_privacy(config, sample_rate)
-    model, params = init_params(config)
-    fresh, _ = build_step(config, model, params, dp, num_examples=int(inputs.shape[0]))
-    manager = checkpoint_manager(config, None, private=dp is not None)
-    plan = plan_segment(config, params=params, fresh=fresh, dp=dp, digest=data_digest(inputs, targets),
-                        manager=manager)
+    fresh, _ = build_step(config, source.model, source.params, dp, num_examples=num_examples,
+                          loss_fn=source.loss_fn)
+    manager = checkpoint_manager(config, None, private=dp is not None, model=source.model)
+    plan = plan_segment(config, params=source.params, fresh=fresh, dp=dp,
+                        digest=data_digest(source.inputs, source.targets), manager=manager, data=source.description)
     return plan.state, plan.dp

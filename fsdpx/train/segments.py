@@ -77,11 +77,12 @@ def data_digest(inputs: Tensor, targets: Tensor) -> str:
     return h.hexdigest()
 
 
-def fingerprint(config: Any, params: Mapping[str, Tensor], digest: str) -> dict[str, Any]:
+def fingerprint(config: Any, params: Mapping[str, Tensor], digest: str, *, data: str | None = None) -> dict[str, Any]:
     """What a resume must keep: parameter shapes, the data's digest, private or not (the offload
-    is recorded, not checked)."""
+    and ``data``, the data's description, are recorded, not checked)."""
     return {"params": {k: list(v.shape) for k, v in params.items()}, "data": digest,
-            "corpus_chars": config.corpus_chars, "private": config.private, "offload": config.offload}
+            "corpus_chars": config.corpus_chars, "data_source": data, "private": config.private,
+            "offload": config.offload}
 
 
 def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any], *,
@@ -111,9 +112,12 @@ def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any],
         return ["the checkpoint root has no run.json: the data was not checked"]
     if recorded["data"] != new["data"]:
         if not allow_new_data:
-            raise DataChangeError(f"the examples differ from those the checkpoint was trained on (corpus_chars"
-                                  f" {recorded['corpus_chars']} -> {new['corpus_chars']}); pass --allow-new-data"
-                                  " to train on other data (the accountant's history still counts)")
+            was, now = recorded.get("data_source"), new.get("data_source")
+            change = (f"{was} -> {now}" if was and now and was != now else
+                      f"corpus_chars {recorded['corpus_chars']} -> {new['corpus_chars']}")
+            raise DataChangeError(f"the examples differ from those the checkpoint was trained on ({change});"
+                                  " pass --allow-new-data to train on other data (the accountant's history still"
+                                  " counts)")
         notes.append("training on new data (allowed by --allow-new-data)")
     return notes
 

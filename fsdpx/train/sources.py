@@ -1,0 +1,360 @@
+"""What a run trains, built from its :class:`RunConfig`: the model, its per-example loss and the
+examples. :func:`build_source` is the one place ``fsdpx train`` turns a configuration into them.
+
+    source = build_source(RunConfig(model="transformers", model_path="examples/tiny-gpt2",
+                                    data_path="notes.txt", tokenizer="bytes"))
+    source.model, source.params, source.loss_fn, source.inputs, source.targets
+
+Models: the built-in GPT (``fsdpx.models.gpt``, its vocabulary the data's unless ``vocab_size``
+is given), or a transformers causal LM from a local config (a directory holding
+``config.json``, or the file) or from a class name and fields. Nothing is downloaded; weights
+are initialised from ``seed``; the model goes in unmodified (``use_cache`` off: training needs no
+key/value cache).
+
+Data: a token stream cut into examples by :func:`fsdpx.train.data.windows` (``block_size + 1``
+tokens each, the targets shifted by one), from the embedded corpus, a text file (tokenised by
+bytes or by a tokenizer from a local directory), a ``.npy`` array or raw ``.bin`` file of token
+ids, or a ``datasets`` dataset saved with ``save_to_disk`` (an ``input_ids`` column, or a text
+column whose rows are joined by newlines and tokenised like a text file). The whole stream is
+held in memory as int64.
+
+Refused by name (:class:`ConfigError`), before anything runs: a path that does not exist, a
+token id the model's vocabulary does not cover (:class:`VocabularyError`), examples longer than
+the model's positions, no example at all, and a tensor-parallel run of a model without a plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan
+from fsdpx.sharding.tensor_parallel import TensorParallel
+
+from . import data
+from .config import ConfigError, RunConfig
+
+Encode = Callable[[str], Sequence[int]]
+Decode = Callable[[Sequence[int]], str]
+
+
+class VocabularyError(ConfigError):
+    """The data holds token ids the model's vocabulary does not cover."""
+
+
+class Tokens(NamedTuple):
+    """A token stream and how to read it. ``vocab_size``: the tokenizer's (``None`` for token
+    files read without one); ``encode``/``decode``: ``None`` without a tokenizer."""
+
+    ids: Tensor  # (L,) int64
+    vocab_size: int | None
+    encode: Encode | None
+    decode: Decode | None
+    description: str
+
+
+class Source(NamedTuple):
+    """What a run trains: ``model`` with its initial ``params`` (a function of the seed),
+    ``loss_fn(model output, targets) -> (B,)``, the examples ``inputs``/``targets``
+    ``(N, block_size)`` int64, the tokenizer (``encode``/``decode``, or ``None``), and a line
+    each describing the model and the data."""
+
+    model: nn.Module
+    params: dict[str, Tensor]
+    loss_fn: Callable[[Any, Tensor], Tensor]
+    inputs: Tensor
+    targets: Tensor
+    encode: Encode | None
+    decode: Decode | None
+    model_name: str
+    description: str
+
+    @property
+    def vocab_size(self) -> int:
+        return input_embedding(self.model).num_embeddings
+
+
+def build_source(config: RunConfig) -> Source:
+    """The model, loss and examples ``config`` describes.
+
+    Guarantees: a pure function of ``config`` (and the files it names): the same parameters and
+    examples on every rank and every call, the global torch RNG left as it was. With the default
+    data and model (the embedded corpus, the built-in GPT) the examples and parameters are those
+    of ``data.make_examples`` and ``GPT(config.model_config())`` seeded by ``config.seed``, so
+    runs and checkpoints from before config files continue bit for bit. Every token id is below
+    the model's vocabulary size (else :class:`VocabularyError`). Proven by
+    ``tests/test_train_config.py``."""
+    tokens = build_tokens(config)
+    if tokens.ids.numel() and int(tokens.ids.min()) < 0:
+        raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {int(tokens.ids.min())}")
+    top = int(tokens.ids.max()) if tokens.ids.numel() else -1
+    vocab = config.vocab_size or tokens.vocab_size or top + 1
+    model = build_model(config, vocab)
+    check_vocabulary(model, top, tokens.description)
+    check_positions(model, config.block_size)
+    inputs, targets = data.windows(tokens.ids, config.block_size)
+    if inputs.shape[0] < 1:
+        raise ConfigError(f"{tokens.description}: {tokens.ids.numel()} tokens give no example of block_size"
+                          f" {config.block_size} (each needs block_size + 1 tokens)")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    loss_fn = token_loss if isinstance(model, GPT) else lm_loss
+    return Source(model, params, loss_fn, inputs, targets, tokens.encode, tokens.decode, model_name(model),
+                  tokens.description)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_model(config: RunConfig, vocab_size: int) -> nn.Module:
+    """The model of ``config``, initialised from ``config.seed`` (the global RNG is restored):
+    the built-in GPT with ``vocab_size`` entries, or the transformers causal LM it names."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        if config.model == "gpt":
+            return GPT(GPTConfig(vocab_size=vocab_size, block_size=config.block_size, n_layer=config.n_layer,
+                                 n_head=config.n_head, n_embd=config.n_embd))
+        return _transformers_model(config)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model = \"transformers\" needs the transformers package (pip install transformers)") \
+            from None
+    return transformers
+
+
+def _transformers_model(config: RunConfig) -> nn.Module:
+    tf = _transformers()
+    fields = dict(config.model_fields or {})
+    model_class = None
+    if config.model_path is not None:
+        path = Path(config.model_path)
+        if not (path.is_file() or (path / "config.json").is_file()):
+            raise ConfigError(f"model_path {path}: no config.json there (a local directory holding one, or the"
+                              " file; nothing is downloaded)")
+        try:
+            hf_config = tf.AutoConfig.from_pretrained(str(path), local_files_only=True, **fields)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model_path {path}: not a transformers config: {e}") from None
+    else:
+        cls = getattr(tf, config.model_class, None)
+        if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
+            model_class, cls = cls, cls.config_class
+        if not (isinstance(cls, type) and issubclass(cls, tf.PretrainedConfig)):
+            raise ConfigError(f"model_class {config.model_class!r} is neither a transformers config class (e.g."
+                              " GPT2Config) nor a model class (e.g. GPT2LMHeadModel)")
+        try:
+            hf_config = cls(**fields)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"model_class {config.model_class} with fields {fields}: {e}") from None
+    hf_config.use_cache = False  # a training forward needs no key/value cache in its output
+    try:
+        return model_class(hf_config) if model_class else tf.AutoModelForCausalLM.from_config(hf_config)
+    except ValueError as e:
+        raise ConfigError(f"{type(hf_config).__name__} has no causal-LM model in transformers: {e}") from None
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding:
+    """The token embedding of the built-in GPT or of a transformers model."""
+    return model.wte if isinstance(model, GPT) else model.get_input_embeddings()
+
+
+def model_name(model: nn.Module) -> str:
+    if isinstance(model, GPT):
+        return f"GPT {model.config.n_layer}x{model.config.n_embd}"
+    return type(model).__name__
+
+
+def check_vocabulary(model: nn.Module, top: int, description: str) -> None:
+    """Raise :class:`VocabularyError` if token id ``top`` (the data's largest) is not below the
+    model's vocabulary size."""
+    size = input_embedding(model).num_embeddings
+    if top >= size:
+        raise VocabularyError(f"{description} holds token id {top}, but the model's vocabulary has {size} ids"
+                              f" (0..{size - 1}): give the model a vocab_size of at least {top + 1}")
+
+
+def check_positions(model: nn.Module, block_size: int) -> None:
+    """Raise :class:`ConfigError` if examples of ``block_size`` tokens exceed the model's
+    positions (``n_positions`` / ``max_position_embeddings`` of a transformers config)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not isinstance(model, GPT) and limit is not None and block_size > limit:
+        raise ConfigError(f"block_size {block_size} exceeds the model's {limit} positions")
+
+
+def lm_loss(out: Any, targets: Tensor) -> Tensor:
+    """Per-example loss ``(B,)`` of a causal LM's output (``out.logits``, or the logits
+    themselves): the mean next-token cross-entropy over each example's targets
+    (:func:`fsdpx.models.gpt.token_loss`)."""
+    return token_loss(out if isinstance(out, Tensor) else out.logits, targets)
+
+
+TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "LlamaForCausalLM": llama_plan}
+"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``)."""
+
+
+def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:
+    """The tensor-parallel plan of ``model`` over ``tp`` ranks: the built-in GPT's, or the ready
+    plan of its transformers class. :class:`ConfigError` for a class without a plan or heads
+    that do not divide by ``tp`` (a rank holds whole heads)."""
+    if isinstance(model, GPT):
+        return gpt_plan(model.config, sequence_parallel=sequence_parallel)
+    name = type(model).__name__
+    if name not in TP_PLANS:
+        raise ConfigError(f"no tensor-parallel plan for {name}: tp > 1 runs the built-in GPT, "
+                          + " and ".join(TP_PLANS))
+    config = model.config
+    heads = {k: getattr(config, k) for k in ("n_head", "num_attention_heads", "num_key_value_heads")
+             if isinstance(getattr(config, k, None), int)}
+    for key, count in heads.items():
+        if count % tp:
+            raise ConfigError(f"{name}: {key}={count} does not divide by tp={tp}: a rank holds whole heads")
+    return TP_PLANS[name](config)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def data_kind(config: RunConfig) -> str:
+    """``config.data``, or for ``"auto"`` the kind read off ``data_path``: none -> the corpus,
+    ``.npy``, ``.bin``, a directory -> a saved dataset, any other file -> text."""
+    if config.data != "auto":
+        return config.data
+    if config.data_path is None:
+        return "corpus"
+    path = Path(config.data_path)
+    if path.suffix in (".npy", ".bin"):
+        return path.suffix[1:]
+    return "dataset" if path.is_dir() else "text"
+
+
+def build_tokens(config: RunConfig) -> Tokens:
+    """The run's token stream (see the module doc); :class:`ConfigError` for a missing path or
+    a file that is not what its kind says."""
+    kind = data_kind(config)
+    if kind == "corpus":
+        text = data.corpus(config.corpus_chars)
+        if config.tokenizer is None:  # the character alphabet: the examples of data.make_examples
+            return Tokens(data.encode(text), data.VOCAB_SIZE, data.encode, data.decode,
+                          f"the embedded corpus ({config.corpus_chars} characters)")
+        return _tokenize(text, config.tokenizer, f"the embedded corpus ({config.corpus_chars} characters)")
+    path = Path(config.data_path)
+    if not path.exists():
+        raise ConfigError(f"data_path {path} does not exist")
+    if kind == "text":
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, IsADirectoryError) as e:
+            raise ConfigError(f"data_path {path} is not a UTF-8 text file: {e}") from None
+        return _tokenize(text, config.tokenizer or "bytes", f"text {path}")
+    if kind == "dataset":
+        return _dataset_tokens(config, path)
+    ids = _token_file(path, kind, config.data_dtype)
+    encode, decode, vocab, how = _tokenizer(config.tokenizer) if config.tokenizer else (None, None, None, None)
+    return Tokens(ids, vocab, encode, decode, f"{kind} {path}" + (f", read by {how}" if how else ""))
+
+
+def _token_file(path: Path, kind: str, dtype: str) -> Tensor:
+    """The token ids of a ``.npy`` array (1-D, integer) or a raw ``.bin`` of ``dtype``."""
+    if kind == "npy":
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise ConfigError(f"data_path {path} is not a .npy array: {e}") from None
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            raise ConfigError(f"data_path {path}: a token array must be 1-D of integers, got shape"
+                              f" {array.shape} of {array.dtype}")
+    else:
+        size = path.stat().st_size
+        itemsize = np.dtype(dtype).itemsize
+        if size % itemsize:
+            raise ConfigError(f"data_path {path}: {size} bytes are not a whole number of {dtype} tokens")
+        array = np.fromfile(path, dtype=np.dtype(dtype))
+    return torch.from_numpy(np.asarray(array, dtype=np.int64).copy())
+
+
+def _dataset_tokens(config: RunConfig, path: Path) -> Tokens:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data = \"dataset\" needs the datasets package (pip install datasets)") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"data_path {path} is not a dataset saved with save_to_disk: {e}") from None
+    where = f"dataset {path}"
+    if isinstance(ds, datasets.DatasetDict):
+        if config.data_split not in ds:
+            raise ConfigError(f"{where} has splits {sorted(ds)}, not data_split {config.data_split!r}")
+        ds, where = ds[config.data_split], f"{where} [{config.data_split}]"
+    column = config.data_column or next((c for c in ("input_ids", "text") if c in ds.column_names), None)
+    if column not in ds.column_names:
+        raise ConfigError(f"{where} has columns {ds.column_names}: set data_column to the text or token ids")
+    rows = list(ds[column])
+    where = f"{where}, column {column}"
+    if all(isinstance(r, str) for r in rows):
+        return _tokenize("\n".join(rows), config.tokenizer or "bytes", where)
+    try:
+        ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError):
+        raise ConfigError(f"{where}: rows must be strings or lists of token ids") from None
+    encode, decode, vocab, how = _tokenizer(config.tokenizer) if config.tokenizer else (None, None, None, None)
+    return Tokens(ids, vocab, encode, decode, where + (f", read by {how}" if how else ""))
+
+
+def _tokenize(text: str, spec: str, where: str) -> Tokens:
+    encode, decode, vocab, how = _tokenizer(spec)
+    return Tokens(torch.tensor(encode(text), dtype=torch.int64), vocab, encode, decode, f"{where}, {how}")
+
+
+def _tokenizer(spec: str) -> tuple[Encode, Decode, int, str]:
+    """``(encode, decode, vocab_size, description)`` of ``"bytes"`` (UTF-8 bytes, ids 0..255)
+    or a tokenizer saved in a local directory (``AutoTokenizer``; never downloaded)."""
+    if spec == "bytes":
+        return (lambda s: list(s.encode("utf-8")), lambda ids: bytes(int(i) for i in ids).decode("utf-8", "replace"),
+                256, "bytes")
+    path = Path(spec)
+    if not path.is_dir():
+        raise ConfigError(f"tokenizer {spec!r}: give \"bytes\" or a local directory holding a saved tokenizer"
+                          " (nothing is downloaded)")
+    tf = _transformers()
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"tokenizer {path}: cannot be loaded: {e}") from None
+
+    def encode(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+    return encode, (lambda ids: tok.decode([int(i) for i in ids])), len(tok), f"tokenizer {path}"
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def sample_text(source: Source, params: dict[str, Tensor], num_tokens: int, *, seed: int,
+                prompt: str = "The ") -> str:
+    """``prompt`` (or, without a tokenizer, the first data token) followed by ``num_tokens``
+    tokens sampled from the model at temperature 1, decoded (without a tokenizer: the ids).
+    A pure function of ``(params, prompt, num_tokens, seed)``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.as_tensor(list(source.encode(prompt)) if source.encode else [], dtype=torch.int64)
+    if ids.numel() == 0:
+        ids = source.inputs[0, :1].clone()
+    block = source.inputs.shape[1]
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            out = functional_call(source.model, params, (ids[-block:].unsqueeze(0),))  # (1, T, V)
+            logits = (out if isinstance(out, Tensor) else out.logits)[0, -1]  # (V,)
+            ids = torch.cat([ids, torch.multinomial(logits.float().softmax(-1), 1, generator=gen)])
+    return source.decode(ids.tolist()) if source.decode else " ".join(map(str, ids.tolist()))
