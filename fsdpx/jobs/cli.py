@@ -3,6 +3,14 @@
     fsdpx jobs plan jobs.toml --devices 8              # profile here, predict, solve, table + Gantt
     fsdpx jobs plan --synthetic 16 --devices 64        # a synthetic instance, no profiling
     fsdpx jobs plan jobs.toml --devices 64 --simulate --fail small@120 --drift big@50:1.5
+    fsdpx jobs run jobs.toml --devices 2               # plan, then execute here with a live table
+
+``run`` executes the plan with ``runner.py`` (every job its own torchrun process group on its
+device group; re-planned when a job fails or finishes early) and shows a live table of jobs
+on stderr; each job writes under ``--out``/<job> (``ckpt/``, ``run/``) and the run's report to
+``--out``/report.json. On a CPU a device is a core (``--devices`` up to the cores this process
+may use) or, beyond that, a slot sharing the cores. Exit status 0 when every job completed, 1
+when one failed.
 
 Profiles: each job, under every technique, is profiled for a few real steps (cached in
 ``--profiles``) at the ``--profile-counts`` this machine has; other counts are predicted
@@ -32,15 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="plan the jobs of a jobs file (or a synthetic instance) on G devices")
     plan.add_argument("file", nargs="?", type=Path, help="jobs.toml")
     plan.add_argument("--synthetic", type=int, metavar="J", help="plan J synthetic jobs instead of a file")
-    plan.add_argument("--devices", type=int, metavar="G", help="cluster size (default: the file's, or this machine)")
-    plan.add_argument("--memory-gib", type=float, metavar="X", help="memory per device")
-    plan.add_argument("--objective", choices=("makespan", "completion"), default="makespan")
-    plan.add_argument("--time-limit", type=float, default=8.0, metavar="S", help="MILP seconds (default %(default)s)")
-    plan.add_argument("--profiles", type=Path, default=Path("runs/profiles"), help="profile cache (default %(default)s)")
-    plan.add_argument("--profile-counts", type=int, nargs="+", default=[1, 2], metavar="N",
-                      help="device counts profiled with real steps (default 1 2)")
-    plan.add_argument("--techniques", nargs="+", metavar="NAME", help="consider only these techniques")
-    plan.add_argument("--gantt", type=Path, default=Path("runs/plan.png"), help="Gantt chart (default %(default)s)")
+    _common(plan)
     plan.add_argument("--simulate", action="store_true", help="run the plan in the event simulation")
     plan.add_argument("--fail", action="append", default=[], metavar="JOB@T", help="simulate: JOB fails at T s")
     plan.add_argument("--drift", action="append", default=[], metavar="JOB@T:F",
@@ -48,7 +48,30 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--finish", action="append", default=[], metavar="JOB@STEP",
                       help="simulate: JOB stops early at STEP")
     plan.add_argument("--ckpt-every", type=int, default=50, help="simulate: steps between checkpoints")
+    run = sub.add_parser("run", help="plan the jobs of a jobs file and execute the plan here")
+    run.add_argument("file", type=Path, help="jobs.toml")
+    _common(run)
+    run.add_argument("--out", type=Path, default=Path("runs/jobs"), help="job directories (default %(default)s)")
+    run.add_argument("--retries", type=int, default=0, help="restarts of a failed job from its last checkpoint")
+    run.add_argument("--no-replan", action="store_true", help="keep the first plan (a failed job is not replaced)")
+    run.add_argument("--replan-time-limit", type=float, default=2.0, metavar="S",
+                     help="MILP seconds of a re-plan during the run (default %(default)s)")
+    run.add_argument("--backend", choices=("local", "ray"), default="local",
+                     help="local processes, or a Ray cluster (ray.init() from RAY_ADDRESS, else a local one)")
+    run.add_argument("--refresh", type=float, default=1.0, metavar="S", help="live table refresh on a terminal")
     return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=int, metavar="G", help="cluster size (default: the file's, or this machine)")
+    p.add_argument("--memory-gib", type=float, metavar="X", help="memory per device")
+    p.add_argument("--objective", choices=("makespan", "completion"), default="makespan")
+    p.add_argument("--time-limit", type=float, default=8.0, metavar="S", help="MILP seconds (default %(default)s)")
+    p.add_argument("--profiles", type=Path, default=Path("runs/profiles"), help="profile cache (default %(default)s)")
+    p.add_argument("--profile-counts", type=int, nargs="+", default=[1, 2], metavar="N",
+                   help="device counts profiled with real steps (default 1 2)")
+    p.add_argument("--techniques", nargs="+", metavar="NAME", help="consider only these techniques")
+    p.add_argument("--gantt", type=Path, default=Path("runs/plan.png"), help="Gantt chart (default %(default)s)")
 
 
 def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Options, list[str]]:
@@ -144,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` and run ``fsdpx jobs``; exits 2 with one line on bad input."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "run":
+        sys.exit(run_main(parser, args))
     try:
         if args.synthetic:
             from .synthetic import synthetic_options
@@ -181,3 +206,51 @@ def main(argv: list[str] | None = None) -> None:
         for e in result.ignored:
             print(f"event ignored (the job was not running then): {e}")
         print(f"simulated makespan {result.makespan:.1f} s; steps lost to failures {sum(result.lost_steps.values())}")
+
+
+def run_main(parser: argparse.ArgumentParser, args) -> int:
+    """``fsdpx jobs run``: profile, solve, execute; returns the exit status."""
+    from .runner import Runner
+
+    try:
+        tasks, table = read_jobs(args.file)
+        here = local_devices()
+        cluster = cluster_of(table, args.devices, args.memory_gib, here)
+        if cluster.kind != here.kind or (cluster.kind == "cuda" and cluster.count > here.count):
+            raise ValueError(f"the plan needs {cluster.count} {cluster.kind} devices; this machine has "
+                             f"{here.count} {here.kind}")
+        options, report = profiled_options(tasks, cluster, set(args.profile_counts), args.profiles, args.techniques)
+        backend = None
+        if args.backend == "ray":
+            from .ray_backend import RayBackend
+
+            backend = RayBackend()
+    except (JobsFileError, DuplicateJobError, techniques.InfeasibleJobError, techniques.UnknownTechniqueError,
+            PlanError, ValueError, ImportError) as e:
+        parser.exit(2, f"fsdpx jobs: error: {e}\n")
+    for line in report:
+        print(line)
+    if cluster.kind == "cpu" and cluster.count > here.count:
+        print(f"note: {cluster.count} devices on {here.count} cores: a device is a slot, slots share cores")
+    solve_options = {"objective": args.objective, "time_limit": args.time_limit}
+    plan = solve(options, cluster.count, **solve_options)
+    print(format_plan(plan))
+    gantt(plan, args.gantt)
+    print(f"Gantt chart: {args.gantt}", flush=True)
+    runner = Runner(tasks, options, cluster, args.out, plan=plan, backend=backend, retries=args.retries,
+                    replan=not args.no_replan, solve_options=solve_options,
+                    replan_time_limit=args.replan_time_limit, refresh=args.refresh)
+    result = runner.run()
+    for r in result.replans[1:]:
+        print(f"re-plan at {r.at:.1f} s: {r.reason}" + (f"; moved {', '.join(r.moved)}" if r.moved else ""))
+    for name, o in result.jobs.items():
+        summary = getattr(o.result, "summary", None) or {}
+        if o.state == "done":
+            loss = summary.get("final_loss")
+            eps = summary.get("epsilon")
+            print(f"{name}: done" + (f", final loss {loss:.4f}" if isinstance(loss, float) else "")
+                  + (f", epsilon {eps:.3f}" if isinstance(eps, float) else ""))
+        else:
+            print(f"{name}: FAILED: {o.error}")
+    print(f"makespan {result.makespan:.1f} s measured, {result.predicted:.1f} s planned; report {args.out}/report.json")
+    return 0 if result.ok else 1

@@ -2,7 +2,9 @@
 
 ``launch`` writes the job's ``RunConfig`` and starts ``torchrun -m fsdpx.jobs.worker`` on
 ``devices.count`` processes (GPUs chosen by ``CUDA_VISIBLE_DEVICES``, CPU cores by affinity);
-``JobResult`` is what came back.
+``JobResult`` is what came back. torchrun dies with the process that launched it and its
+workers with torchrun or that process (``fsdpx.train.launch.die_with_parent`` /
+``watch_launcher``), so stopping a job (``runner.py``) or killing the runner leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpx.train import RunConfig
-from fsdpx.train.launch import torchrun_command
+from fsdpx.train.launch import LAUNCHER_PID, die_with_parent, torchrun_command
 
 from .devices import Devices
 
@@ -48,13 +50,17 @@ def launch(name: str, config: RunConfig, devices: Devices) -> JobResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "run_config.json"
     path.write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    preexec = None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCHER_PID: str(os.getpid())}
+    cores: set[int] = set()
     if devices.ids is not None and devices.kind == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices.ids))
     elif devices.ids is not None and hasattr(os, "sched_setaffinity"):
         cores = set(devices.ids) & os.sched_getaffinity(0)
-        preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+
+    def preexec() -> None:
+        die_with_parent()
+        if cores:
+            os.sched_setaffinity(0, cores)
     cmd = torchrun_command(devices.count, ["fsdpx.jobs.worker", str(path)], module=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -18,16 +18,22 @@ class PlanError(ValueError):
 @dataclass(frozen=True, order=True)
 class Option:
     """Run a job with ``technique`` on ``devices`` devices for ``seconds`` (its remaining steps);
-    ``params`` are the technique's knobs (``Technique.search``), as sorted ``(key, value)`` pairs."""
+    ``params`` are the technique's knobs (``Technique.search``), as sorted ``(key, value)`` pairs.
+    ``startup`` is the part of ``seconds`` spent before the first step (starting processes,
+    building the model, restoring a checkpoint): paid again by every restart, so a job moved by
+    checkpoint-and-restart pays it twice (``replan.remaining_options``)."""
 
     technique: str
     devices: int
     seconds: float
     params: tuple[tuple[str, Any], ...] = ()
+    startup: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices < 1 or not self.seconds > 0:
             raise PlanError(f"an option needs devices >= 1 and seconds > 0, got {self.devices}, {self.seconds}")
+        if not 0 <= self.startup <= self.seconds:
+            raise PlanError(f"an option's startup must be in [0, seconds={self.seconds}], got {self.startup}")
 
 
 Options = Mapping[str, Sequence[Option]]

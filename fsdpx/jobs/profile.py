@@ -30,12 +30,15 @@ Key = tuple[str, str, int]
 
 @dataclass(frozen=True)
 class Measurement:
-    """Seconds per step and peak bytes on the worst rank; ``measured`` False for a prediction."""
+    """Seconds per step and peak bytes on the worst rank; ``measured`` False for a prediction;
+    ``startup_seconds``: a run's wall time beyond its steps (process start, model build, the
+    end's sample and plot), paid once per start."""
 
     step_seconds: float
     peak_bytes: int
     measured: bool = True
     params: tuple[tuple[str, object], ...] = ()
+    startup_seconds: float = 0.0
 
 
 def sent_bytes(task: Task, strategy: str, n: int) -> int:
@@ -105,7 +108,8 @@ class ProfileTable:
             near = min(got, key=lambda k: (abs(k - n), k))
             extra = got[near].peak_bytes - (memory_of(near) if memory_of else 0)
             peak = (memory_of(n) if memory_of else 0) + max(0, extra)
-            out[n] = Measurement(model.seconds(n, sent_bytes(task, strategy, n)), peak, False, got[near].params)
+            out[n] = Measurement(model.seconds(n, sent_bytes(task, strategy, n)), peak, False, got[near].params,
+                                 got[near].startup_seconds)
             self.add(task.name, technique, n, out[n])
         return out
 
@@ -125,12 +129,13 @@ class ProfileTable:
     def options(self, tasks: Iterable[Task], steps_left: Mapping[str, int] | None = None,
                 feasible: Mapping[str, Iterable[tuple[str, int]]] | None = None) -> Options:
         """The solver's input: per job an :class:`Option` for every table entry (restricted to
-        ``feasible`` pairs when given), lasting ``steps_left[job]`` (default ``task.steps``) steps."""
+        ``feasible`` pairs when given), lasting ``steps_left[job]`` (default ``task.steps``) steps
+        plus the measurement's startup (``Option.startup``)."""
         out: dict[str, list[Option]] = {}
         for task in tasks:
             steps = (steps_left or {}).get(task.name, task.steps)
             allowed = None if feasible is None else set(feasible[task.name])
-            out[task.name] = [Option(t, n, steps * m.step_seconds, m.params)
+            out[task.name] = [Option(t, n, m.startup_seconds + steps * m.step_seconds, m.params, m.startup_seconds)
                               for (j, t, n), m in sorted(self.entries.items())
                               if j == task.name and (allowed is None or (t, n) in allowed)]
         return out

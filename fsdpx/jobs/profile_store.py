@@ -22,6 +22,10 @@ from .profile import Measurement
 from .task import Task
 
 
+CACHE_VERSION = 2
+"""Bumped when a cached measurement gains a field (2: ``startup_seconds``): older entries are not reused."""
+
+
 def job_hash(task: Task) -> str:
     """A hash of what a job's step time depends on (not its name or step count)."""
     fn = lambda f: f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"  # noqa: E731
@@ -32,7 +36,7 @@ def job_hash(task: Task) -> str:
 
 
 def cache_key(task: Task, technique: str, params: Mapping[str, Any], devices: Devices) -> str:
-    text = json.dumps([job_hash(task), technique, sorted(params.items()), devices.count,
+    text = json.dumps([CACHE_VERSION, job_hash(task), technique, sorted(params.items()), devices.count,
                        hardware_fingerprint(devices)], default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -41,13 +45,16 @@ def profile(task: Task, technique: str, devices: Devices, *, root: Path, steps: 
     """The cached measurement of ``task`` under ``technique`` on ``devices``, or a new one: the
     technique's ``execute`` runs ``min(steps, task.steps)`` real steps in a scratch directory;
     step time is the median of the steps after the first (the first one warms up), peak
-    bytes the worst rank's. Raises ``RuntimeError`` with the run's error when it fails."""
+    bytes the worst rank's, startup the run's wall time beyond ``steps x`` that median (so
+    ``startup + steps x step`` is the profiled run's wall time). Raises ``RuntimeError`` with
+    the run's error when it fails."""
     tech = techniques.get(technique)
     params = dict(tech.search(task, devices))
     path = Path(root) / f"{cache_key(task, technique, params, devices)}.json"
     if path.exists():
         d = json.loads(path.read_text())
-        return Measurement(d["step_seconds"], d["peak_bytes"], True, tuple(sorted(params.items())))
+        return Measurement(d["step_seconds"], d["peak_bytes"], True, tuple(sorted(params.items())),
+                           d["startup_seconds"])
     from .execute import step_seconds
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -56,8 +63,11 @@ def profile(task: Task, technique: str, devices: Devices, *, root: Path, steps: 
             raise RuntimeError(f"profiling {task.name!r} with {technique} on {devices.count}: "
                                f"{getattr(result, 'error', result)}")
         times = step_seconds(result.run_dir)
-    m = Measurement(statistics.median(times[1:] or times), max(result.peak_bytes), True, tuple(sorted(params.items())))
+    step = statistics.median(times[1:] or times)
+    m = Measurement(step, max(result.peak_bytes), True, tuple(sorted(params.items())),
+                    max(0.0, result.seconds - step * len(times)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"step_seconds": m.step_seconds, "peak_bytes": m.peak_bytes, "job": task.name,
+    path.write_text(json.dumps({"step_seconds": m.step_seconds, "peak_bytes": m.peak_bytes,
+                                "startup_seconds": m.startup_seconds, "job": task.name,
                                 "technique": technique, "devices": devices.count, "params": params}))
     return m

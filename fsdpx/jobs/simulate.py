@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
 from .plan import Option, Options, Plan
-from .solver import solve
+from .replan import replan as replan_left
 
 EPS = 1e-9
 
@@ -99,7 +99,7 @@ class _Run:
     step_time: float
 
     def progress(self, t: float) -> float:
-        return self.p0 + (t - self.t0) / self.step_time
+        return self.p0 + max(0.0, t - self.t0) / self.step_time
 
 
 @dataclass
@@ -147,16 +147,14 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
             st.steps[e.job] = min(st.steps[e.job], e.at_step)
     timed = sorted((e for e in events if not isinstance(e, Finish)), key=lambda e: (e.at, e.job))
     replans: list[Replan] = []
-    per_step = {j: {o: o.seconds / steps[j] for o in os_} for j, os_ in options.items()}
+    per_step = {j: {o: (o.seconds - o.startup) / steps[j] for o in os_} for j, os_ in options.items()}
     early = {e.job for e in events if isinstance(e, Finish)}
 
     def replan(t: float, reason: str, given: Plan | None = None) -> None:
         for job in list(st.running):
             _stop(st, job, t, checkpoint=True)
         left = {j: st.steps[j] - st.done[j] for j in options if st.done[j] < st.steps[j]}
-        opts = {j: [Option(o.technique, o.devices, left[j] * per_step[j][o] * st.known[j], o.params)
-                    for o in options[j]] for j in left}
-        plan = given or solve(opts, cluster_size, **(solve_options or {}))
+        plan = given or replan_left(options, steps, left, cluster_size, factor=st.known, solve_options=solve_options)
         st.assumed = dict(st.known)
         st.watch = []
         replans.append(Replan(t, reason, plan))
@@ -193,7 +191,7 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
                 st.factor[what.job] = what.factor
                 if what.job in st.running:
                     r = st.running[what.job]
-                    r.p0, r.t0 = r.progress(t), t
+                    r.p0, r.t0 = r.progress(t), max(t, r.t0)
                     r.step_time = per_step[what.job][_base(per_step[what.job], r.option)] * what.factor
                     st.watch.append((t + r.step_time, what.job))
         elif kind == "measure":
@@ -221,7 +219,7 @@ def _start_ready(st: _State, t: float, per_step) -> None:
         if s <= t + EPS and not busy & set(ids):
             st.pending.remove(item)
             step_time = per_step[job][_base(per_step[job], option)] * st.factor[job]
-            st.running[job] = _Run(option, ids, t, t, float(st.done[job]), step_time)
+            st.running[job] = _Run(option, ids, t, t + option.startup, float(st.done[job]), step_time)
             if st.factor[job] != st.known[job]:  # the first step at this rate will be measured
                 st.watch.append((t + step_time, job))
             busy |= set(ids)

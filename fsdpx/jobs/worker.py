@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from fsdpx.train import RunConfig, run, run_mesh
+from fsdpx.train.launch import watch_launcher
 
 
 def peak_bytes() -> int:
@@ -28,6 +29,7 @@ def peak_bytes() -> int:
 
 
 def main(path: str) -> None:
+    watch_launcher()  # die with torchrun and with the process that launched it (execute.launch)
     config = RunConfig(**json.loads(Path(path).read_text()))
     comm = None
     if "WORLD_SIZE" in os.environ:

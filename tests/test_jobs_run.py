@@ -1,0 +1,295 @@
+"""Executing plans for real (issue 13: ``fsdpx jobs run``): ``fsdpx.jobs.runner``, the local
+backend and the re-planning they share with the simulation (``fsdpx.jobs.replan``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import fsdpx.jobs as jobs
+from fsdpx.jobs import techniques
+from fsdpx.jobs.backends import Attempt, LocalBackend
+from fsdpx.jobs.gpt_job import gpt_task
+from fsdpx.jobs.live import read_progress
+from fsdpx.jobs.plan import Assignment, Option, Plan
+from fsdpx.jobs.replan import Running, keep_placement, remaining_options, stays
+from fsdpx.jobs.runner import RunReport, run_jobs
+
+ROOT = Path(__file__).resolve().parents[1]
+CORES = sorted(os.sched_getaffinity(0))
+
+
+# ---------------------------------------------------------------------------- pure: re-planning
+
+
+def test_remaining_options_rescale_the_steps_left():
+    opts = {"a": [Option("t", 1, 12.0, (), 2.0), Option("t", 2, 7.0, (), 2.0)]}
+    assert remaining_options(opts, {"a": 10}, {"a": 10}) == opts
+    half = remaining_options(opts, {"a": 10}, {"a": 5}, {"a": 2.0})
+    assert half["a"] == [Option("t", 1, 2.0 + 5 * 1.0 * 2, (), 2.0), Option("t", 2, 2.0 + 5 * 0.5 * 2, (), 2.0)]
+    # running on one device with 3 steps left: staying costs 3 steps and no startup; a move
+    # restarts from its checkpoint (5 left) and pays the startup again
+    stay = remaining_options(opts, {"a": 10}, {"a": 5}, running={"a": Running(opts["a"][0], (1,), 3)})
+    assert stay["a"] == [Option("t", 1, 3.0, (), 0.0), Option("t", 2, 4.5, (), 2.0)]
+    assert remaining_options(opts, {"a": 10}, {"a": 0}) == {}
+    with pytest.raises(ValueError, match="'b'"):
+        remaining_options(opts, {"a": 10}, {"b": 3})
+
+
+def test_a_running_job_that_stays_keeps_its_devices():
+    o1, o2 = Option("t", 1, 5.0), Option("t", 2, 3.0)
+    plan = Plan((Assignment("a", o1, 0.0, (0,)), Assignment("b", o1, 0.0, (1,)), Assignment("c", o2, 5.0, (0, 1)),
+                 Assignment("d", o1, 0.0, (2,))), 4, 1.0, "greedy", 8.0)
+    running = {"a": Running(o1, (3,), 4), "b": Running(o2, (0, 1), 2)}  # b's plan changes its count: a move
+    kept = keep_placement(plan, running)
+    assert stays(plan, running) == {"a"}
+    assert kept.by_job()["a"].device_ids == (3,)
+    ids = [set(a.device_ids) for a in kept.assignments if a.start == 0.0]
+    assert sum(map(len, ids)) == len(set().union(*ids))  # still disjoint
+    assert sorted(len(a.device_ids) for a in kept.assignments) == [1, 1, 1, 2]
+
+
+# ---------------------------------------------------------------------------- a user technique
+
+
+class CountingTechnique:
+    """A user technique that follows the built-ins' file conventions: one line per step in
+    ``<dir>/run/metrics.jsonl``, a ``ckpt/step_<N>`` directory every ``every`` steps, resuming
+    from the newest one. Its "loss" is a function of the step, so a resumed run logs the same."""
+
+    def __init__(self, seconds_per_step: float = 0.05, every: int = 5, fail: str | None = None):
+        self.dt, self.every, self.fail = seconds_per_step, every, fail
+
+    def feasible(self, task, devices):
+        return True
+
+    def search(self, task, devices):
+        return {}
+
+    def execute(self, task, devices, params, steps, ckpt_dir):
+        if self.fail == "raise":
+            raise RuntimeError(f"{task.name} cannot run here")
+        if self.fail == "exit":
+            os._exit(3)
+        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        done = max((int(p.name[5:]) for p in ckpt_dir.glob("step_*")), default=0)
+        log = ckpt_dir.parent / "run" / "metrics.jsonl"
+        log.parent.mkdir(exist_ok=True)
+        kept = log.read_text().splitlines()[:done] if log.exists() else []
+        log.write_text("".join(f"{r}\n" for r in kept))
+        with open(log, "a") as f:
+            for s in range(done + 1, steps + 1):
+                time.sleep(self.dt / devices.count)
+                f.write(json.dumps({"step": s, "loss": 1.0 / s, "epsilon": None}) + "\n")
+                f.flush()
+                if s % self.every == 0:
+                    (ckpt_dir / f"step_{s}").mkdir()
+        return {"cores": sorted(os.sched_getaffinity(0)), "devices": devices.count}
+
+
+@pytest.fixture
+def counting():
+    for name, fail in (("counting", None), ("raising", "raise"), ("exiting", "exit")):
+        jobs.register(name, CountingTechnique(fail=fail), replace=True)
+    yield
+    for name in ("counting", "raising", "exiting"):
+        techniques.unregister(name)
+
+
+def toy(name: str, steps: int) -> jobs.Task:
+    return jobs.Task(name, lambda h: None, lambda h: None, lambda o, t: None, steps=steps, batch_size=1)
+
+
+def check_segments(report: RunReport) -> None:
+    """Segments overlapping in time hold disjoint devices; each job's segments continue one
+    another from a checkpoint (no step lost before it)."""
+    segs = [s for o in report.jobs.values() for s in o.segments]
+    for x in segs:
+        for y in segs:
+            if x is not y and x.start < y.end - 0.05 and y.start < x.end - 0.05:  # 50 ms: poll granularity
+                assert not set(x.devices) & set(y.devices), (x, y)
+    for o in report.jobs.values():
+        for prev, nxt in zip(o.segments, o.segments[1:]):
+            assert nxt.step_from <= prev.step_to and nxt.start >= prev.end
+
+
+def test_a_technique_that_raises_is_reported_failed_and_the_others_complete(counting, tmp_path):
+    tasks = [toy("a", 30), toy("b", 20), toy("raises", 10), toy("exits", 10)]
+    opt = lambda tech, steps: [Option(tech, n, 0.2 + steps * 0.05 / n, (), 0.2) for n in (1, 2)]  # noqa: E731
+    options = {"a": opt("counting", 30), "b": opt("counting", 20), "raises": opt("raising", 10),
+               "exits": opt("exiting", 10)}
+    report = run_jobs(tasks, options, jobs.Devices(2, 2**30), tmp_path, stream=None, solve_options={"time_limit": 1})
+    out = report.jobs
+    assert out["raises"].state == "failed" and "RuntimeError: raises cannot run here" in out["raises"].error
+    assert out["exits"].state == "failed" and "exited with code 3" in out["exits"].error
+    for name, steps in (("a", 30), ("b", 20)):
+        assert out[name].state == "done" and out[name].error is None
+        assert [json.loads(r)["step"] for r in (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()] \
+            == list(range(1, steps + 1))
+        # pinned to the cores behind its plan devices
+        seg = out[name].segments[-1]
+        assert out[name].result["cores"] == sorted({CORES[i % len(CORES)] for i in seg.devices})
+    assert not report.ok and any("raises failed" in r.reason for r in report.replans)
+    check_segments(report)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["jobs"]["raises"]["state"] == "failed" and saved["jobs"]["a"]["result"]["devices"] >= 1
+
+
+def test_a_job_finishing_early_replans_and_a_job_moves_by_checkpoint(counting, tmp_path):
+    """``short`` is planned at 20 s but takes 1 s: the re-plan moves ``long`` from one device
+    to both, restarting it from its newest checkpoint; its steps are logged exactly once."""
+    tasks = [toy("long", 80), toy("short", 20)]
+    options = {"long": [Option("counting", n, 0.2 + 80 * 0.05 / n, (), 0.2) for n in (1, 2)],
+               "short": [Option("counting", 1, 20.0, (), 0.2)]}
+    plan = Plan((Assignment("long", options["long"][0], 0.0, (0,)), Assignment("short", options["short"][0], 0.0, (1,))),
+                2, 1.0, "given", 20.0)
+    report = run_jobs(tasks, options, jobs.Devices(2, 2**30), tmp_path, plan=plan, stream=None,
+                      solve_options={"time_limit": 1})
+    assert report.ok
+    replan = report.replans[1]
+    assert replan.reason.startswith("short finished") and replan.moved == ("long",)
+    first, second = report.jobs["long"].segments
+    assert (first.how, first.devices, second.devices) == ("moved", (0,), (0, 1))
+    assert second.step_from == first.step_to - first.step_to % 5 > 0  # from its newest checkpoint
+    rows = [json.loads(r) for r in (tmp_path / "long" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 81)) and rows[-1]["loss"] == 1 / 80
+    assert report.jobs["long"].result["devices"] == 2
+    check_segments(report)
+
+
+def test_bad_runs_are_named_errors_before_anything_starts(counting, tmp_path):
+    options = {"a": [Option("counting", 1, 1.0)]}
+    with pytest.raises(jobs.DuplicateJobError):
+        run_jobs([toy("a", 5), toy("a", 5)], options, jobs.Devices(1, 2**30), tmp_path, stream=None)
+    with pytest.raises(ValueError, match=r"\['b'\]"):
+        run_jobs([toy("a", 5), toy("b", 5)], options, jobs.Devices(1, 2**30), tmp_path, stream=None)
+    assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------- real jobs (torchrun)
+
+
+def tiny_gpt(name: str, steps: int, **kw) -> jobs.Task:
+    return gpt_task(name, steps=steps, batch_size=kw.pop("batch_size", 16), n_layer=kw.pop("n_layer", 1),
+                    n_embd=kw.pop("n_embd", 32), n_head=2, corpus_chars=20000, ckpt_every=5, **kw)
+
+
+def losses(job_dir: Path) -> list[float]:
+    return [json.loads(r)["loss"] for r in (job_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def attempt(task, technique: str, n: int, steps: int, root: Path):
+    return Attempt(task, technique, jobs.Devices(n, 2**30, ids=tuple(CORES[i % len(CORES)] for i in range(n))),
+                   {}, steps, root / task.name / "ckpt")
+
+
+def wait(handle, timeout: float = 300):
+    end = time.monotonic() + timeout
+    while (msg := handle.poll()) is None:
+        assert time.monotonic() < end, "attempt did not finish"
+        time.sleep(0.1)
+    return msg
+
+
+@pytest.mark.slow
+def test_a_moved_job_continues_bit_for_bit_with_its_technique(tmp_path):
+    """A private ddp job stopped mid-run (its processes killed, as a move does) and restarted
+    from its checkpoint on the same count logs the unmoved run's losses bit for bit; restarted
+    on another count, the same within float rounding."""
+    task = tiny_gpt("m", 16, privacy=jobs.Privacy(target_epsilon=8.0))
+    backend = LocalBackend()
+    kind, ref = wait(backend.start(attempt(task, "ddp-private", 2, 16, tmp_path / "ref")))
+    assert kind == "ok" and ref.ok, ref
+    for n in (2, 1):
+        root = tmp_path / f"moved{n}"
+        handle = backend.start(attempt(task, "ddp-private", 2, 16, root))
+        while read_progress(root / "m").step < 7:
+            assert handle.poll() is None, "the first attempt ended before it could be moved"
+            time.sleep(0.05)
+        handle.stop()
+        assert 5 <= read_progress(root / "m").step < 16
+        kind, result = wait(backend.start(attempt(task, "ddp-private", n, 16, root)))
+        assert kind == "ok" and result.ok, result
+        got, want = losses(root / "m"), losses(tmp_path / "ref" / "m")
+        assert len(got) == 16
+        if n == 2:
+            assert got == want
+        else:
+            assert got[:5] == want[:5] and got == pytest.approx(want, rel=1e-5)
+        assert result.summary["epsilon"] == pytest.approx(ref.summary["epsilon"], rel=1e-9)
+
+
+FOUR_JOBS = (("tiny", 60, {}), ("small", 40, {"n_layer": 2, "n_embd": 48}), ("wide", 30, {"n_embd": 64, "batch_size": 32}),
+             ("private", 40, {"privacy": jobs.Privacy(target_epsilon=8.0)}))
+
+
+@pytest.mark.slow
+def test_four_real_jobs_equal_their_solo_runs_and_the_predicted_makespan(tmp_path):
+    """Issue 13, section 2.3: four small jobs (different sizes, one private) planned from real
+    profiles on this machine's 2 cores and run with the local backend: every job's losses
+    equal those of the same job run alone with the same technique, and the measured makespan
+    is within 20% of the plan's."""
+    from fsdpx.jobs.cli import profiled_options
+
+    tasks = [tiny_gpt(name, steps, **kw) for name, steps, kw in FOUR_JOBS]
+    cluster = jobs.Devices(2, 2**30)
+    options, _ = profiled_options(tasks, cluster, {1}, tmp_path / "profiles", ["ddp", "ddp-private"])
+    report = run_jobs(tasks, options, cluster, tmp_path / "run", stream=None, solve_options={"time_limit": 2})
+    assert report.ok, {n: o.error for n, o in report.jobs.items()}
+    check_segments(report)
+    backend = LocalBackend()
+    for task in tasks:
+        (seg,) = report.jobs[task.name].segments  # nothing moved: same technique and count as alone
+        kind, alone = wait(backend.start(attempt(task, seg.technique, len(seg.devices), task.steps, tmp_path / "alone")))
+        assert kind == "ok" and alone.ok
+        assert losses(tmp_path / "run" / task.name) == losses(tmp_path / "alone" / task.name)
+        assert report.jobs[task.name].result.summary["final_loss"] == alone.summary["final_loss"]
+    print(f"predicted makespan {report.predicted:.1f} s, measured {report.makespan:.1f} s")
+    assert report.makespan == pytest.approx(report.predicted, rel=0.2)
+
+
+@pytest.mark.slow
+def test_the_runner_takes_its_jobs_processes_with_it(tmp_path):
+    """SIGKILL of a runner mid-run: no job process, torchrun or worker of it is alive 10 s
+    later, and the jobs' files stop changing."""
+    script = f"""
+import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+import fsdpx.jobs as jobs
+from fsdpx.jobs.plan import Option
+from fsdpx.jobs.runner import run_jobs
+from test_jobs_run import tiny_gpt
+tasks = [tiny_gpt("a", 400), tiny_gpt("b", 400)]
+run_jobs(tasks, {{t.name: [Option("ddp", 1, 60.0)] for t in tasks}}, jobs.Devices(2, 2**30), Path({str(tmp_path)!r}),
+         stream=None)
+"""
+    runner = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not all(read_progress(tmp_path / j).step >= 2 for j in "ab"):
+            assert runner.poll() is None and time.monotonic() < deadline, "the jobs never started"
+            time.sleep(0.2)
+    finally:
+        runner.kill()
+        runner.wait()
+    time.sleep(10)
+    mine = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(tmp_path) in _cmdline(p)]
+    assert mine == []
+    sizes = [(tmp_path / j / "run" / "metrics.jsonl").stat().st_size for j in "ab"]
+    time.sleep(2)
+    assert sizes == [(tmp_path / j / "run" / "metrics.jsonl").stat().st_size for j in "ab"]
+
+
+def _cmdline(p: Path) -> str:
+    try:
+        return (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
