@@ -389,3 +389,14 @@ def test_a_sharded_transformers_run_follows_the_single_process_run(tmp_path, fil
     assert [r["step"] for r in two] == [1, 2, 3]
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["epsilon"] for r in two] == pytest.approx([r["epsilon"] for r in one], rel=1e-9)
+
+
+def test_the_shipped_example_config_builds_its_model_and_data():
+    root = Path(__file__).resolve().parent.parent
+    values = read_file(root / "examples" / "run.toml", checks=cli.file_checks(
+        cli.build_parser()._subparsers._group_actions[0].choices["train"]))
+    fields = {k: v for k, v in values.items() if k not in ("nproc", "progress")}
+    fields["model_path"] = str(root / fields["model_path"])
+    fields["data_path"] = str(root / fields["data_path"])
+    source = build_source(RunConfig(**fields))
+    assert type(source.model) is transformers.GPT2LMHeadModel and source.inputs.shape[1] == 64
