@@ -3,7 +3,8 @@ and re-plans the remaining work, for cluster sizes this machine does not have (p
 
 Execution rule: an assignment starts once its planned start has come and its device ids are
 free (so a job that runs long delays the jobs planned on its devices, never overlaps them).
-A job progresses at ``seconds / steps`` per step (times its drift factor), checkpoints every
+A job progresses, after its option's ``startup``, at ``(seconds - startup) / steps`` per step (times its
+drift factor), checkpoints every
 ``ckpt_every`` completed steps and when it ends.
 
 Events (each at a time ``at``, in seconds since the simulation began):
