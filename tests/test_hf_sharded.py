@@ -169,3 +169,26 @@ def _check_plan(model, loss_fn, plan, mesh, private, *, causal, config=None):
     for per_rank in metrics:
         for i, m in enumerate(per_rank):
             assert m["loss"] == pytest.approx(ref_losses[i], rel=1e-12)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_bert_padded_poisson_batches_equal_the_unpadded_run(private):
+    """Fixed-shape batches (``privacy.padding.pad_batch``) of a mapping data set under ZeRO-3
+    over ``dp=3``: padding rows (copies of row 0, mask False) change nothing; with 3 and 5 real
+    examples padded to 7, a rank may hold only padding."""
+    from privacy.padding import pad_batch
+
+    model = bert()
+    inputs, labels = padded_batch([5, 8, 3, 6, 2, 7, 4, 1], causal=False, seed=3)
+    picks = [torch.tensor([1, 4, 6]), torch.tensor([0, 2, 3, 5, 7])]
+    plain = [({k: v[i] for k, v in inputs.items()}, labels[i]) for i in picks]
+    padded = [pad_batch((inputs, labels), i, 7) for i in picks]
+    assert {b[1].shape[0] for b in padded} == {7}
+    optimizer = _optimizer(torch.float64)
+    config = _config() if private else None
+    ref, ref_losses = _reference(model, cls_loss, plain, optimizer, config)
+    got, metrics = _sharded(model, cls_loss, padded, optimizer, config, strategies.zero3(), Mesh(dp=3))
+    _assert_close_to_reference(got, ref, model, TOL)
+    for per_rank in metrics:
+        assert [m["batch_size"] for m in per_rank] == [3, 5]
+        assert [m["loss"] for m in per_rank] == pytest.approx(ref_losses, rel=1e-12)
