@@ -142,9 +142,11 @@ def step_peak(model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, strategy:
     allocations inside an operator's kernel that are not its outputs, the allocator's rounding
     and caching, and memory outside tensors (code, thread stacks, communication buffers).
 
-    Guarantee: the step's own allocations are counted exactly for the operators it runs
-    (``tests/test_max_batch_search.py::test_step_peak_counts_a_step_exactly`` compares it with
-    a hand count on a one-layer model). Raises what ``make_sharded_step`` raises for a bad
+    Guarantee: the same step run for real on CPU tensors (ranks as threads) under the same
+    counting mode has the same peak: to the byte with DDP, within 1% with ZeRO-3, whose thread
+    communicator's buffers differ slightly from the meta answers
+    (``tests/test_max_batch_search.py::test_step_peak_counts_a_step_exactly``). Against a real
+    process's peak RSS: ``benchmarks/max_batch.py``, docs/performance.md. Raises what ``make_sharded_step`` raises for a bad
     plan or config."""
     from .step import init_sharded, make_sharded_step
 
