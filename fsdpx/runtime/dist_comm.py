@@ -22,6 +22,7 @@ themselves. Nothing waits forever.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any
 
@@ -42,7 +43,13 @@ def init_from_env(mesh: Mesh, *, timeout_s: float = 60.0) -> "DistComm":
     the world size."""
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun's agent keeps one store across the restarts of --max-restarts: without a
+        # prefix per attempt a restarted rank reads its dead peers' addresses and never connects
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"fsdpx/attempt_{attempt}", store), rank=rank,
+                                world_size=world, timeout=timeout)
     return DistComm(mesh, grace_s=min(10.0, timeout_s))
 
 

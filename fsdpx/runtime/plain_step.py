@@ -59,7 +59,7 @@ def make_plain_step(
         losses = loss_fn(functional_call(model, {**frozen, **live}, args, kwargs), targets)
         if mask is not None:  # padding rows: loss exactly 0, so no gradient and not counted
             losses = torch.where(mask, losses, torch.zeros_like(losses))
-        grads = torch.autograd.grad(losses.sum(), list(live.values()), allow_unused=True)
+        grads = torch.autograd.grad(losses.sum(), list(live.values()), allow_unused=True) if live else ()
         mean = {k: (g if g is not None else torch.zeros_like(live[k])) / max(n, 1) for k, g in zip(live, grads)}
         if sets is None:
             params, opt_state = optimizer.update(mean, state.opt_state, state.params)

@@ -28,9 +28,9 @@ from typing import Any, Callable
 from fsdpx.sharding import strategies
 from fsdpx.sharding.schedule import KINDS
 from .config import DATA_KINDS, MODEL_KINDS, TOKEN_DTYPES, merge, read_file
-from .launch import launch, torchrun_command, watch_launcher
+from .launch import launch, restart_count, torchrun_command, watch_launcher
 from .loop import ConfigError, RunConfig, check_layout, format_summary, run, run_mesh
-from .resume import segment_config, source_config
+from .resume import restarted_config, segment_config, source_config
 from .segments import ResumeError
 from privacy.errors import PrivacyError
 
@@ -44,6 +44,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return value
 
 
@@ -77,10 +84,10 @@ def _half_open_unit(text: str) -> float:
 
 # argparse names the type function in its message when it raises ValueError ("invalid
 # _positive_int value"); these names read better.
-_positive_int.__name__ = "integer"
+_positive_int.__name__ = _non_negative_int.__name__ = "integer"
 for _f in (_positive_float, _non_negative_float, _open_unit, _half_open_unit):
     _f.__name__ = "number"
-_VALUE_CHECKS = (_positive_int, _positive_float, _non_negative_float, _open_unit, _half_open_unit)
+_VALUE_CHECKS = (_positive_int, _non_negative_int, _positive_float, _non_negative_float, _open_unit, _half_open_unit)
 
 
 def _table(text: str) -> dict[str, Any]:
@@ -196,6 +203,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                          " promised (recorded in its segments)")
     ck.add_argument("--allow-new-data", action="store_true",
                     help="on resume: accept data other than the checkpoint was trained on")
+    ck.add_argument("--max-restarts", type=_non_negative_int, metavar="N", default=None,
+                    help="with --strategy and --ckpt-dir: when a worker fails, torchrun restarts them all, up to N"
+                         " times, and they resume from the newest intact checkpoint (default 0)")
 
 
 def _add_source_arguments(p: argparse.ArgumentParser) -> None:
@@ -313,14 +323,19 @@ def main(argv: list[str] | None = None) -> None:
         nproc = args.nproc if "nproc" in explicit else file.get("nproc")
         progress = not args.no_progress if "no_progress" in explicit else file.get("progress", True)
         config = config_from_args(args, explicit, file)
+        max_restarts = args.max_restarts if "max_restarts" in explicit else file.get("max_restarts", 0)
         if nproc is not None and config.strategy is None:
             args.command_parser.error("--nproc needs --strategy (ddp, zero1, zero2, zero3 or hsdp)")
+        if max_restarts and (config.strategy is None or config.ckpt_dir is None):
+            args.command_parser.error("--max-restarts needs --strategy (torchrun restarts the workers) and --ckpt-dir"
+                                      " (a restarted worker resumes from its newest intact checkpoint)")
         if config.strategy is not None and "WORLD_SIZE" not in os.environ:
             nproc = nproc or 2 * config.tp * config.pp
             check_layout(config, nproc)  # refuse what cannot run here, before any process starts
-            sys.exit(_launch(argv, nproc))  # re-run this very command on N processes
+            sys.exit(_launch(argv, nproc, max_restarts))  # re-run this very command on N processes
         if config.strategy is not None:
             watch_launcher()  # a worker of `fsdpx train --nproc`: never outlive the launcher
+            config = restarted_config(config, restart_count())  # torchrun restarted us: resume
         comm = _communicator(config)
         if comm is None or comm.rank == 0:
             print(_plan_line(config, comm), file=sys.stderr)
@@ -335,11 +350,12 @@ def main(argv: list[str] | None = None) -> None:
         print(format_summary(summary))
 
 
-def _launch(argv: list[str], nproc: int) -> int:
+def _launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
     """Run ``fsdpx <argv>`` under torchrun on ``nproc`` local processes; returns its exit code.
-    The equivalent one-liner: ``torchrun --standalone --nproc-per-node N -m fsdpx train ...``."""
+    The equivalent one-liner: ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m fsdpx
+    train ...``."""
     rest = _drop_flag(argv, "--nproc")
-    cmd = torchrun_command(nproc, ["fsdpx", *rest], module=True)
+    cmd = torchrun_command(nproc, ["fsdpx", *rest], module=True, max_restarts=max_restarts)
     print("fsdpx: launching " + " ".join(cmd[1:]), file=sys.stderr)
     return launch(cmd)  # its workers die with this process, however it dies
 

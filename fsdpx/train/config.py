@@ -264,12 +264,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "parallelism": ("strategy", "nproc", "tp", "sequence_parallel", "pp", "schedule", "microbatches",
                     "virtual_stages"),
     "offload": ("offload", "offload_topk", "offload_interval"),
-    "checkpoints": ("ckpt_dir", "ckpt_every", "resume", "resume_from", "allow_budget_increase", "allow_new_data"),
+    "checkpoints": ("ckpt_dir", "ckpt_every", "resume", "resume_from", "allow_budget_increase", "allow_new_data",
+                    "max_restarts"),
     "logging": ("name", "out", "progress"),
 }
-"""Where each key lives. ``nproc`` and ``progress`` are settings of the command, not of the run."""
+"""Where each key lives. ``nproc``, ``max_restarts`` and ``progress`` are settings of the command, not
+of the run."""
 
-COMMAND_KEYS: dict[str, type] = {"nproc": int, "progress": bool}
+COMMAND_KEYS: dict[str, type] = {"nproc": int, "progress": bool, "max_restarts": int}
 _PREFIX = {"checkpoints": "ckpt"}
 EXCLUSIVE = {"target_epsilon": ("noise_multiplier",), "noise_multiplier": ("target_epsilon",),
              "batch_size": ("sample_rate",), "sample_rate": ("batch_size",)}

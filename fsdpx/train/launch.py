@@ -34,10 +34,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, argv: Sequence[str], *, module: bool = False) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node N [-m] argv...``."""
+def torchrun_command(nproc: int, argv: Sequence[str], *, module: bool = False, max_restarts: int = 0) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N [--max-restarts R] [-m] argv...``.
+
+    With ``max_restarts`` > 0 torchrun's agent, on any worker's failure, stops every worker and
+    starts them all again, up to that many times; the restarted workers see
+    ``TORCHELASTIC_RESTART_COUNT`` (:func:`restart_count`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    if max_restarts:
+        cmd.append(f"--max-restarts={max_restarts}")
     return cmd + (["-m"] if module else []) + list(argv)
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this worker's group (0 on the first attempt or
+    outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def spawn_ranks(nproc: int, argv: Sequence[str], *, env: dict | None = None) -> list[subprocess.Popen]:

@@ -151,6 +151,22 @@ def _entry(config: Any, start: int, source: Path | None, dp: DPConfig | None, fp
     })
 
 
+def restarted_config(config: Any, restart: int) -> Any:
+    """The configuration a worker runs after torchrun restarted its group ``restart`` times
+    (``fsdpx train --max-restarts``): ``config`` itself on the first attempt; afterwards a resume
+    from the newest intact checkpoint of ``config.ckpt_dir``, which continues bit for bit where
+    the failed attempt last saved (the noise plan keeps an unchanged run's noise). A branch
+    (``resume_from``) whose own root holds no checkpoint yet starts again from its source.
+
+    Guarantee: the restarted run ends with the same bits as one never interrupted
+    (``tests/test_train_elastic.py``). Reads the checkpoint root, writes nothing."""
+    if restart == 0 or config.ckpt_dir is None:
+        return config
+    if config.resume_from is not None and ckpt.CheckpointManager(config.ckpt_dir).latest() is None:
+        return config
+    return dataclasses.replace(config, resume=True, resume_from=None)
+
+
 # --------------------------------------------------------------------------- Python entry points
 
 
