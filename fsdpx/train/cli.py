@@ -132,6 +132,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                        help="characters per example (default %(default)s)")
     model.add_argument("--lr", type=_positive_float, metavar="X", default=d.lr,
                        help="AdamW learning rate (default %(default)s)")
+    model.add_argument("--freeze", metavar="SPEC", default=None,
+                       help="freeze parameters for a span of steps: 'wte,wpe@0-100;lm_head@50-' (names,"
+                            " tied aliases or modules; start <= step < stop; a bare name: the whole run)")
 
     dp = p.add_argument_group("privacy")
     noise = dp.add_mutually_exclusive_group()

@@ -95,6 +95,10 @@ class RunConfig:
     data_split: str = "train"
     # optimizer
     lr: float = 1e-2
+    # freezing (fsdpx.optim.Freezing.parse): "wte,wpe@0-100;lm_head@50-" freezes names (parameters,
+    # tied aliases or modules) for steps start <= t < stop; frozen ones get no gradient, norm, noise
+    # or update, and their optimizer state is kept as it is
+    freeze: str | None = None
     # privacy
     private: bool = True
     target_epsilon: float | None = 8.0
@@ -168,6 +172,16 @@ class RunConfig:
             raise ConfigError(f"target_epsilon must be > 0, got {self.target_epsilon}")
         if self.offload not in ("none", "zenflow", "zero"):
             raise ConfigError(f"offload must be none, zenflow or zero, got {self.offload!r}")
+        if self.freeze and self.offload != "none":
+            raise ConfigError("freeze with offload is not supported: the offloaded optimizer's state is not kept"
+                              " per parameter")
+        if self.freeze:
+            from fsdpx.optim.freezing import Freezing
+
+            try:
+                Freezing.parse(self.freeze)
+            except ValueError as err:
+                raise ConfigError(f"freeze {self.freeze!r}: {err}") from None
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("resume needs ckpt_dir")
         if self.resume and self.resume_from is not None:
@@ -255,7 +269,7 @@ class ConfigFileError(ConfigError):
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "run": ("steps", "seed", "lr"),
+    "run": ("steps", "seed", "lr", "freeze"),
     "model": ("model", "model_path", "model_class", "model_fields", "vocab_size", "n_layer", "n_head", "n_embd"),
     "data": ("data", "data_path", "tokenizer", "data_dtype", "data_column", "data_split", "block_size",
              "corpus_chars"),

@@ -44,6 +44,7 @@ from tqdm import tqdm
 import offload
 from fsdpx.models.gpt import token_loss
 from fsdpx.optim import Optimizer, adamw
+from fsdpx.optim.freezing import Freezing, Trainable, bind
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding import strategies
 from fsdpx.sharding.comm import Comm
@@ -107,12 +108,14 @@ def epsilon_budget(config: RunConfig) -> float | None:
 # --------------------------------------------------------------------------- steps
 
 
-def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimizer) -> Step:
+def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimizer,
+                    trainable: Trainable | None = None) -> Step:
     """Non-private baseline with the private step's signature: :func:`fsdpx.runtime.plain_step.make_plain_step`
     (the mean gradient of the batch, no clipping, no noise) on a :class:`TrainState`. The
     accountant records noise multiplier 0, so ``epsilon`` is ``inf``: plain training gives no
-    guarantee. An empty batch leaves the gradient zero."""
-    plain = plain_step.make_plain_step(model, loss_fn, optimizer)
+    guarantee. An empty batch leaves the gradient zero. ``trainable``: a freezing schedule, as
+    :func:`fsdpx.runtime.plain_step.make_plain_step` takes it."""
+    plain = plain_step.make_plain_step(model, loss_fn, optimizer, trainable=trainable)
 
     def step(state: TrainState, batch: tuple[Tensor, Tensor]) -> tuple[TrainState, dict[str, float]]:
         new, metrics = plain(plain_step.PlainState(state.params, state.opt_state, state.step), batch)
@@ -134,6 +137,7 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     :class:`fsdpx.runtime.ShardedState` and the step takes the global batch. ``loss_fn(model
     output, targets) -> (B,)``: the source's (:attr:`fsdpx.train.sources.Source.loss_fn`)."""
     optimizer = make_optimizer(config, comm)
+    trainable = freezing(config, model, params)
     accountant = Accountant(accountant=config.accountant, delta=config.delta,
                             epsilon_budget=epsilon_budget(config),
                             value_discretization_interval=config.accounting_interval)
@@ -141,15 +145,16 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
         strategy = sharding_plan(config, model, comm.mesh)
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, loss_fn, optimizer, strategy, comm, param_shapes=shapes, config=dp,
-                                 num_examples=num_examples, donate=True)
+                                 num_examples=num_examples, donate=True, trainable=trainable)
         state = init_sharded(params, optimizer, strategy, comm, key=config.seed, config=dp)
         return state._replace(accountant=accountant), step
     if dp is None:
         fresh = {k: v.clone() for k, v in params.items()}
         state = TrainState(fresh, optimizer.init(fresh), 0, config.seed, accountant)
-        return state, make_plain_step(model, loss_fn, optimizer)
+        return state, make_plain_step(model, loss_fn, optimizer, trainable=trainable)
     state = init_state(params, optimizer, key=config.seed, config=dp)._replace(accountant=accountant)
-    return state, make_private_step(model, loss_fn, optimizer, dp, num_examples=num_examples, donate=True)
+    return state, make_private_step(model, loss_fn, optimizer, dp, num_examples=num_examples, donate=True,
+                                    trainable=trainable)
 
 
 def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
@@ -236,9 +241,24 @@ def check_layout(config: RunConfig, world: int) -> Source:
     schedule that cannot run the microbatches, a model without a tensor-parallel plan): checked
     once, before torchrun starts any process. Returns the source it built."""
     source = build_source(config)
+    freezing(config, source.model, source.params)
     mesh = run_mesh(config.strategy, world, config.tp, config.pp)
     sharding_plan(config, source.model, mesh)
     return source
+
+
+def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:
+    """The run's freezing schedule (``config.freeze`` parsed), every name in it resolved against
+    ``model``'s parameters now; ``None`` without one. Raises :class:`ConfigError` naming a name
+    that matches no parameter, before any step or file."""
+    if not config.freeze:
+        return None
+    schedule = Freezing.parse(config.freeze)
+    try:
+        bind(schedule, model, params)  # resolves every name of the schedule
+    except KeyError as err:
+        raise ConfigError(f"freeze {config.freeze!r}: {err.args[0]}") from None
+    return schedule
 
 
 def full_params(state: Any, config: RunConfig, comm: Comm | None, source: Source) -> dict[str, Tensor]:
