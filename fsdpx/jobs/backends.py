@@ -57,11 +57,13 @@ def pin(devices: Devices) -> None:
         os.sched_setaffinity(0, set(devices.ids))
 
 
-def run_attempt(attempt: Attempt) -> Any:
+def run_attempt(attempt: Attempt, technique: Any = None) -> Any:
     """Pin this process to the attempt's devices and call the technique's ``execute``; returns
-    its result (exceptions propagate). The worker both backends run."""
+    its result (exceptions propagate). The worker both backends run. ``technique`` is the object
+    to run (default: the one registered as ``attempt.technique`` in this process; the Ray
+    backend passes the driver's, so a technique registered only there runs on the cluster)."""
     pin(attempt.devices)
-    tech = techniques.get(attempt.technique)
+    tech = technique if technique is not None else techniques.get(attempt.technique)
     return tech.execute(attempt.task, attempt.devices, dict(attempt.params), attempt.steps, attempt.ckpt_dir)
 
 
@@ -92,14 +94,14 @@ class LocalBackend:
         pass
 
 
-def _attempt_main(conn, parent: int, attempt: Attempt) -> None:
+def _attempt_main(conn, parent: int, attempt: Attempt, technique: Any = None) -> None:
     os.setpgid(0, 0)  # its own process group: stop() kills it and the torchrun it started at once
     die_with_parent()
     if os.getppid() != parent:  # the runner died before prctl
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
-        msg = ("ok", run_attempt(attempt))
+        msg = ("ok", run_attempt(attempt, technique))
     except BaseException as e:  # noqa: BLE001 -- reported as the job's error, never raised in the runner
         msg = ("error", error_text(e))
     try:
@@ -110,12 +112,12 @@ def _attempt_main(conn, parent: int, attempt: Attempt) -> None:
 
 
 class LocalHandle:
-    """A running attempt in a forked process."""
+    """A running attempt in a forked process (running ``technique``, default the registered one)."""
 
-    def __init__(self, attempt: Attempt):
+    def __init__(self, attempt: Attempt, technique: Any = None):
         ctx = multiprocessing.get_context("fork")
         self._recv, send = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_attempt_main, args=(send, os.getpid(), attempt), daemon=True,
+        self.process = ctx.Process(target=_attempt_main, args=(send, os.getpid(), attempt, technique), daemon=True,
                                    name=f"fsdpx-job-{attempt.task.name}")
         self.process.start()
         send.close()

@@ -219,14 +219,14 @@ def run_main(parser: argparse.ArgumentParser, args) -> int:
         if cluster.kind != here.kind or (cluster.kind == "cuda" and cluster.count > here.count):
             raise ValueError(f"the plan needs {cluster.count} {cluster.kind} devices; this machine has "
                              f"{here.count} {here.kind}")
-        options, report = profiled_options(tasks, cluster, set(args.profile_counts), args.profiles, args.techniques)
-        backend = None
         if args.backend == "ray":
-            from .ray_backend import RayBackend
+            from .ray_backend import RayBackend, require_ray
 
-            backend = RayBackend()
+            require_ray()  # a missing ray is an error before anything is profiled
+        options, report = profiled_options(tasks, cluster, set(args.profile_counts), args.profiles, args.techniques)
+        backend = RayBackend() if args.backend == "ray" else None
     except (JobsFileError, DuplicateJobError, techniques.InfeasibleJobError, techniques.UnknownTechniqueError,
-            PlanError, ValueError, ImportError) as e:
+            PlanError, ValueError, ImportError, ConnectionError) as e:
         parser.exit(2, f"fsdpx jobs: error: {e}\n")
     for line in report:
         print(line)
