@@ -19,7 +19,7 @@ from fsdpx.jobs.backends import Attempt, LocalBackend
 from fsdpx.jobs.gpt_job import gpt_task
 from fsdpx.jobs.live import read_progress
 from fsdpx.jobs.plan import Assignment, Option, Plan
-from fsdpx.jobs.replan import Running, keep_placement, remaining_options, stays
+from fsdpx.jobs.replan import Running, keep_placement, remaining_options, replan, same_choice, stays
 from fsdpx.jobs.runner import RunReport, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,16 +56,37 @@ def test_a_running_job_that_stays_keeps_its_devices():
     assert sorted(len(a.device_ids) for a in kept.assignments) == [1, 1, 1, 2]
 
 
+def test_a_running_job_is_never_paused_at_the_price_of_staying():
+    """``slow`` (drifted x3) should move to both devices; ``steady`` runs with 7 steps left, 10
+    from its checkpoint. Greedy puts ``slow`` first and ``steady`` after it at its staying price
+    (0.35 s, no startup) -- a restart priced as a stay. The re-plan lets ``steady`` finish now
+    (0.35 + 4.09 s) rather than restart it later (4.09 + 0.2 + 0.5 s)."""
+    options = {"slow": [Option("t", n, 0.2 + 60 * 0.05 / n, (), 0.2) for n in (1, 2)],
+               "steady": [Option("u", 1, 0.2 + 50 * 0.05, (), 0.2)]}
+    running = {"slow": Running(options["slow"][0], (0,), 45), "steady": Running(options["steady"][0], (1,), 7)}
+    args = (options, {"slow": 60, "steady": 50}, {"slow": 50, "steady": 10}, 2)
+    plan = replan(*args, factor={"slow": 3.0}, running=running, solve_options={"use_milp": False})
+    got = plan.by_job()
+    assert (got["steady"].start, got["steady"].device_ids, got["steady"].option.seconds) == (0.0, (1,), 0.35000000000000003)
+    assert got["slow"].option.devices == 2 and got["slow"].start == pytest.approx(0.35)
+    assert stays(plan, running) == {"steady"} and any("placed later" in n for n in plan.notes)
+    for fac in (1.0, 2.0, 3.0, 5.0):  # whatever the solver picks: a kept choice starts now or pays its restart
+        for a in replan(*args, factor={"slow": fac}, running=running, solve_options={"time_limit": 1}).assignments:
+            if same_choice(a.option, running[a.job].option):
+                assert a.start == 0.0 or a.option.startup > 0, (fac, a)
+
+
 # ---------------------------------------------------------------------------- a user technique
 
 
 class CountingTechnique:
     """A user technique that follows the built-ins' file conventions: one line per step in
     ``<dir>/run/metrics.jsonl``, a ``ckpt/step_<N>`` directory every ``every`` steps, resuming
-    from the newest one. Its "loss" is a function of the step, so a resumed run logs the same."""
+    from the newest one. Its "loss" is a function of the step, so a resumed run logs the same.
+    With ``clock`` it logs its own ``seconds`` too (since the attempt began), as the built-ins do."""
 
-    def __init__(self, seconds_per_step: float = 0.05, every: int = 5, fail: str | None = None):
-        self.dt, self.every, self.fail = seconds_per_step, every, fail
+    def __init__(self, seconds_per_step: float = 0.05, every: int = 5, fail: str | None = None, clock: bool = False):
+        self.dt, self.every, self.fail, self.clock = seconds_per_step, every, fail, clock
 
     def feasible(self, task, devices):
         return True
@@ -85,10 +106,12 @@ class CountingTechnique:
         log.parent.mkdir(exist_ok=True)
         kept = log.read_text().splitlines()[:done] if log.exists() else []
         log.write_text("".join(f"{r}\n" for r in kept))
+        began = time.perf_counter()
         with open(log, "a") as f:
             for s in range(done + 1, steps + 1):
                 time.sleep(self.dt / devices.count)
-                f.write(json.dumps({"step": s, "loss": 1.0 / s, "epsilon": None}) + "\n")
+                clock = {"seconds": time.perf_counter() - began} if self.clock else {}
+                f.write(json.dumps({"step": s, "loss": 1.0 / s, "epsilon": None, **clock}) + "\n")
                 f.flush()
                 if s % self.every == 0:
                     (ckpt_dir / f"step_{s}").mkdir()
@@ -162,6 +185,40 @@ def test_a_job_finishing_early_replans_and_a_job_moves_by_checkpoint(counting, t
     rows = [json.loads(r) for r in (tmp_path / "long" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 81)) and rows[-1]["loss"] == 1 / 80
     assert report.jobs["long"].result["devices"] == 2
+    check_segments(report)
+
+
+def test_a_drifting_job_replans_once_with_its_measured_pace(counting, tmp_path):
+    """``slow``'s steps take 3x its profile (timed by the runner: it logs no clock); ``steady``
+    keeps its profile's pace (on its own clock). Once ``slow``'s pace is measured the work left
+    is re-planned with that factor, which moves ``slow`` from one device to both; it re-plans
+    no more (its pace on two devices is what the new plan assumed), and ``steady`` never does."""
+    jobs.register("dragging", CountingTechnique(seconds_per_step=0.15), replace=True)
+    jobs.register("steady", CountingTechnique(clock=True), replace=True)
+    try:
+        tasks = [toy("slow", 60), toy("steady", 50)]
+        options = {"slow": [Option("dragging", n, 0.2 + 60 * 0.05 / n, (), 0.2) for n in (1, 2)],
+                   "steady": [Option("steady", 1, 0.2 + 50 * 0.05, (), 0.2)]}
+        plan = Plan((Assignment("slow", options["slow"][0], 0.0, (0,)),
+                     Assignment("steady", options["steady"][0], 0.0, (1,))), 2, 1.0, "given", 3.2)
+        report = run_jobs(tasks, options, jobs.Devices(2, 2**30), tmp_path, plan=plan, stream=None,
+                          solve_options={"time_limit": 1})
+    finally:
+        techniques.unregister("dragging")
+        techniques.unregister("steady")
+    assert report.ok
+    drifts = [r for r in report.replans if "steps take" in r.reason]
+    assert len(drifts) == 1 and drifts[0].reason.startswith("slow steps take x") and drifts[0].moved == ("slow",)
+    factor = drifts[0].factors["slow"]
+    assert factor == pytest.approx(3.0, rel=0.2) and "steady" not in drifts[0].factors
+    first, second = report.jobs["slow"].segments
+    assert (first.how, first.devices, second.devices) == ("moved", (0,), (0, 1))
+    assert second.step_from == first.step_to - first.step_to % 5 > 0  # from its newest checkpoint
+    moved = drifts[0].plan.by_job()["slow"].option
+    left = (moved.seconds - moved.startup) / (0.05 / 2 * factor)  # the steps it was planned for, at the measured pace
+    assert moved.devices == 2 and 60 - second.step_from <= left + 1e-6 <= 60 - second.step_from + 5
+    rows = [json.loads(r)["step"] for r in (tmp_path / "slow" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, 61))
     check_segments(report)
 
 

@@ -6,7 +6,8 @@
     fsdpx jobs run jobs.toml --devices 2               # plan, then execute here with a live table
 
 ``run`` executes the plan with ``runner.py`` (every job its own torchrun process group on its
-device group; re-planned when a job fails or finishes early) and shows a live table of jobs
+device group; re-planned when a job fails, finishes early, or its measured step time drifts from
+its profile by more than ``--drift-threshold``) and shows a live table of jobs
 on stderr; each job writes under ``--out``/<job> (``ckpt/``, ``run/``) and the run's report to
 ``--out``/report.json. On a CPU a device is a core (``--devices`` up to the cores this process
 may use) or, beyond that, a slot sharing the cores. Exit status 0 when every job completed, 1
@@ -71,6 +72,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-counts", type=int, nargs="+", default=[1, 2], metavar="N",
                    help="device counts profiled with real steps (default 1 2)")
     p.add_argument("--techniques", nargs="+", metavar="NAME", help="consider only these techniques")
+    p.add_argument("--drift-threshold", type=float, default=0.2, metavar="F",
+                   help="re-plan when a job's measured step time differs from its profile by more than this"
+                        " fraction (default %(default)s)")
     p.add_argument("--gantt", type=Path, default=Path("runs/plan.png"), help="Gantt chart (default %(default)s)")
 
 
@@ -198,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.simulate:
         try:
             result = simulate(options, steps, G, events, ckpt_every=args.ckpt_every, plan=plan,
+                              drift_threshold=args.drift_threshold,
                               solve_options={"time_limit": args.time_limit, "objective": args.objective})
         except ValueError as e:
             parser.exit(2, f"fsdpx jobs: error: {e}\n")
@@ -238,7 +243,7 @@ def run_main(parser: argparse.ArgumentParser, args) -> int:
     gantt(plan, args.gantt)
     print(f"Gantt chart: {args.gantt}", flush=True)
     runner = Runner(tasks, options, cluster, args.out, plan=plan, backend=backend, retries=args.retries,
-                    replan=not args.no_replan, solve_options=solve_options,
+                    replan=not args.no_replan, drift_threshold=args.drift_threshold, solve_options=solve_options,
                     replan_time_limit=args.replan_time_limit, refresh=args.refresh)
     result = runner.run()
     for r in result.replans[1:]:

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
+from .greedy import in_order, makespan, place
 from .plan import Assignment, Option, Options, Plan
 from .solver import solve
 
@@ -70,6 +71,25 @@ def remaining_options(options: Options, steps: Mapping[str, int], left: Mapping[
     return out
 
 
+def profiled_step(options: Options, steps: Mapping[str, int], job: str, option: Option) -> float:
+    """The profiled seconds per step of ``job`` run the way ``option`` runs it (technique,
+    count, params; ``option`` may be a re-planned, shortened one): ``(seconds - startup) /
+    steps`` of its full option. Raises ``ValueError`` when ``options[job]`` has no such choice."""
+    for o in options.get(job, ()):
+        if same_choice(o, option):
+            return (o.seconds - o.startup) / steps[job]
+    raise ValueError(f"job {job!r} has no option {option.technique} on {option.devices}")
+
+
+def drifted(factor: float, assumed: float, threshold: float) -> bool:
+    """Whether a job whose steps take ``factor`` times its profile has drifted from what the
+    current plan ``assumed`` (a factor too) by more than ``threshold``, a fraction:
+    ``|factor / assumed - 1| > threshold``. The rule both the simulation and real runs re-plan
+    on; after a re-plan the plan assumes the measured factor, so a job re-plans once per drift
+    level, never again for the same pace (``tests/test_jobs_run.py::test_a_drifting_job_replans_once_with_its_measured_pace``)."""
+    return abs(factor / assumed - 1) > threshold
+
+
 def stays(plan: Plan, running: Mapping[str, Running]) -> set[str]:
     """The running jobs ``plan`` leaves where they are: their current choice, starting now."""
     return {a.job for a in plan.assignments
@@ -102,15 +122,47 @@ def keep_placement(plan: Plan, running: Mapping[str, Running]) -> Plan:
 def replan(options: Options, steps: Mapping[str, int], left: Mapping[str, int], cluster_size: int, *,
            factor: Mapping[str, float] | None = None, running: Mapping[str, Running] | None = None,
            solve_options: Mapping | None = None) -> Plan:
-    """The plan for the work left: ``solve`` on ``remaining_options``, with the jobs that stay
-    on their current ids (``keep_placement``). Times are seconds from now.
+    """The plan for the work left: ``solve`` on ``remaining_options`` (``unpaused``: no running
+    job is priced as staying unless it stays), with the jobs that stay on their current ids
+    (``keep_placement``). Times are seconds from now.
 
-    Guarantees: the plan of ``solve`` (valid, never worse than greedy, for the remaining
-    options); a job ``stays`` only on the ids it holds, so it is never restarted. Every other
-    running job is moved (the caller stops it and restarts it from its last checkpoint).
-    Proven in ``tests/test_jobs_simulate.py`` (simulated events) and ``tests/test_jobs_run.py``
-    (real runs)."""
-    running = running or {}
+    Guarantees: a valid plan of the remaining options; every running job whose current choice
+    the plan keeps either starts now (it stays, on the ids it holds, never restarted) or is
+    priced as a restart (startup and the steps from its checkpoint). Every other running job
+    is moved (the caller stops it and restarts it from its last checkpoint). Proven in
+    ``tests/test_jobs_simulate.py`` (simulated events) and ``tests/test_jobs_run.py`` (real
+    runs, ``::test_a_running_job_is_never_paused_at_the_price_of_staying``)."""
+    running = {j: r for j, r in (running or {}).items() if left.get(j, 0) >= 1}
     opts = remaining_options(options, steps, left, factor, running)
     plan = solve(opts, cluster_size, **(solve_options or {}))
-    return keep_placement(plan, {j: r for j, r in running.items() if j in opts})
+    plan = unpaused(plan, remaining_options(options, steps, left, factor), running, solve_options)
+    return keep_placement(plan, running)
+
+
+def unpaused(plan: Plan, restarts: Options, running: Mapping[str, Running],
+             solve_options: Mapping | None = None) -> Plan:
+    """``plan`` without running jobs paused at the price of staying.
+
+    A running job's current choice is priced as staying (no startup, its steps left from where
+    it is); the solver may still place it later, after other jobs, which is really a stop and a
+    restart from its checkpoint. When ``plan`` does that, two schedules are built from the
+    plan's order (``greedy.in_order``, no new solve): every job kept on its current choice
+    starts now (their devices are free: they hold them), or the paused ones are priced as the
+    restarts they are (``restarts``: the options with no job running). The better by the
+    plan's objective is returned (staying on a tie: no restart); otherwise ``plan`` itself."""
+    by_job = plan.by_job()
+    kept = {j for j, r in running.items() if j in by_job and same_choice(by_job[j].option, r.option)}
+    paused = {j for j in kept if by_job[j].start > EPS and by_job[j].option not in restarts[j]}  # priced as staying
+    if not paused:
+        return plan
+    order = [(a.job, a.option) for a in sorted(plan.assignments, key=lambda a: (a.start, a.job))]
+    stay_now = in_order([c for c in order if c[0] in kept] + [c for c in order if c[0] not in kept], plan.cluster_size)
+    restart = {j: next(o for o in restarts[j] if same_choice(o, by_job[j].option)) for j in paused}
+    restarted = in_order([(j, restart.get(j, o)) for j, o in order], plan.cluster_size)
+    opts = dict(solve_options or {})
+    weights = opts.get("weights") or {}
+    score = makespan if opts.get("objective", "makespan") == "makespan" else \
+        (lambda s: sum(weights.get(j, 1.0) * (b + o.seconds) for j, o, b in s))
+    best, how = (stay_now, "start now") if score(stay_now) <= score(restarted) else (restarted, "restart later")
+    note = f"running jobs {sorted(paused)} were placed later at the price of staying: they {how}"
+    return dataclasses.replace(plan, assignments=place(best, plan.cluster_size), notes=(*plan.notes, note))

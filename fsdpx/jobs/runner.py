@@ -16,7 +16,14 @@ Events (each re-plans the work left with ``replan.replan``, the function the sim
   is reported failed with its error (or retried from its last checkpoint while it has
   ``retries`` left); the others go on;
 * a job finishes early: it ends ``early`` (a fraction of its planned duration, at least
-  ``EARLY_SECONDS``) before its planned end.
+  ``EARLY_SECONDS``) before its planned end;
+* a job drifts: its measured seconds per step, over a window of at least ``DRIFT_STEPS`` steps
+  and ``DRIFT_SECONDS`` seconds of the running attempt (after its first step, a warm-up), is
+  ``factor`` times its profile and ``replan.drifted(factor, assumed, drift_threshold)`` -- the
+  simulation's rule: the work left is re-planned with the job's options scaled by ``factor``
+  (every later re-plan keeps it), and the plan then assumes ``factor``, so the same pace never
+  re-plans twice. Steps are timed by the job's own clock (``seconds`` in its metrics, as the
+  built-ins log it), else by when the runner saw them.
 
 A re-plan keeps a running job where it is when the new plan gives it the same choice now;
 every other running job is moved by checkpoint-and-restart: its processes are killed and it
@@ -42,12 +49,18 @@ from .backends import Attempt, Handle, LocalBackend, outcome_of
 from .devices import Devices
 from .live import LiveTable, Row, checkpoint_step, format_table, read_progress
 from .plan import Assignment, Option, Options, Plan
-from .replan import Running, replan, stays
+from .replan import Running, drifted, profiled_step, replan, stays
 from .solver import solve
 from .task import Task, check_unique_names
 
 EARLY_SECONDS = 1.0
 """A job ending less than this before its planned end is on time (no re-plan)."""
+
+DRIFT_STEPS = 3
+DRIFT_SECONDS = 2.0
+"""A pace is measured over at least this many steps and seconds. On the runner's clock both ends
+of the window are seen up to one ``poll`` late, so the window's length is off by at most one
+poll: 10% of 2 s at the default 0.2 s, half the default threshold."""
 
 
 @dataclass(frozen=True)
@@ -68,10 +81,14 @@ class RunSegment:
 
 @dataclass(frozen=True)
 class Replan:
+    """A plan made at ``at`` seconds for ``reason``, the running jobs it ``moved``, and the pace
+    ``factors`` (measured step time over the profile's) it assumed for drifted jobs."""
+
     at: float
     reason: str
     plan: Plan
     moved: tuple[str, ...] = ()
+    factors: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -106,7 +123,7 @@ class RunReport:
         def result(r: Any) -> Any:
             return getattr(r, "summary", None) if hasattr(r, "summary") else (r if _jsonable(r) else repr(r))
         return {"predicted": self.predicted, "makespan": self.makespan,
-                "replans": [{"at": r.at, "reason": r.reason, "moved": list(r.moved),
+                "replans": [{"at": r.at, "reason": r.reason, "moved": list(r.moved), "factors": dict(r.factors),
                              "plan": dataclasses.asdict(r.plan)} for r in self.replans],
                 "jobs": {n: {"state": o.state, "error": o.error, "result": result(o.result),
                              "segments": [dataclasses.asdict(s) for s in o.segments]} for n, o in self.jobs.items()}}
@@ -149,6 +166,7 @@ class _Job:
     error: str | None = None
     result: Any = None
     segments: list = field(default_factory=list)
+    pace: tuple[int, float, bool] | None = None  # (step, time, on the job's clock): where the pace window began
 
 
 class Runner:
@@ -156,19 +174,25 @@ class Runner:
 
     def __init__(self, tasks: Sequence[Task], options: Options, cluster: Devices, root: Path, *,
                  plan: Plan | None = None, backend: Any = None, retries: int = 0, replan: bool = True,
-                 early: float = 0.1, solve_options: Mapping | None = None, replan_time_limit: float = 2.0,
-                 stream: IO[str] | None = sys.stderr, refresh: float = 1.0, poll: float = 0.2):
+                 early: float = 0.1, drift_threshold: float | None = 0.2, solve_options: Mapping | None = None,
+                 replan_time_limit: float = 2.0, stream: IO[str] | None = sys.stderr, refresh: float = 1.0,
+                 poll: float = 0.2):
         tasks = check_unique_names(tasks)
         missing = sorted(t.name for t in tasks if not options.get(t.name))
         if missing:
             raise ValueError(f"jobs {missing} have no options to run with")
         if retries < 0 or not 0 <= early < 1:
             raise ValueError(f"retries must be >= 0 and early in [0, 1), got {retries}, {early}")
+        if drift_threshold is not None and not drift_threshold >= 0:
+            raise ValueError(f"drift_threshold must be >= 0 (or None: no drift re-plans), got {drift_threshold}")
         self.options, self.cluster, self.root = options, cluster, Path(root)
         self.jobs = {t.name: _Job(t, self.root / t.name) for t in tasks}
         self.steps = {t.name: t.steps for t in tasks}
         self.backend = backend or LocalBackend()
         self.retries, self.replan_on, self.early, self.poll = retries, replan, early, poll
+        self.drift_threshold = drift_threshold
+        self.known: dict[str, float] = {}  # measured pace factors (1 when not measured)
+        self.assumed: dict[str, float] = {}  # the factors the current plan was solved with
         self.solve_options = dict(solve_options or {})
         self.replan_options = {**self.solve_options, "time_limit": replan_time_limit}
         self.first = plan or solve({j: options[j] for j in self.jobs}, cluster.count, **self.solve_options)
@@ -189,6 +213,7 @@ class Runner:
         try:
             while any(j.state in ("pending", "running") for j in self.jobs.values()):
                 changed = self._collect()
+                changed |= self._watch_pace()
                 changed |= self._start_ready()
                 self._show(changed)
                 time.sleep(self.poll)
@@ -254,8 +279,9 @@ class Runner:
             if job.state == "running":
                 step = max(read_progress(job.dir).step, job.step_from)
                 running[name] = Running(job.option, job.ids, max(1, self.steps[name] - step))
-        plan = replan(self.options, self.steps, left, self.cluster.count, running=running,
+        plan = replan(self.options, self.steps, left, self.cluster.count, factor=self.known, running=running,
                       solve_options=self.replan_options)
+        self.assumed = dict(self.known)
         keep = stays(plan, running)
         moved = tuple(sorted(set(running) - keep))
         by_job = plan.by_job()
@@ -264,7 +290,39 @@ class Runner:
         for name in keep:
             self.jobs[name].expected_end = t + by_job[name].option.seconds
         self.plan, self.plan_at = plan, t
-        self.replans.append(Replan(t, reason, plan, moved))
+        self.replans.append(Replan(t, reason, plan, moved, dict(self.known)))
+
+    def _watch_pace(self) -> bool:
+        """Measure every running job's seconds per step over its window (the module doc) and
+        re-plan when one has drifted; returns whether it re-planned."""
+        if self.drift_threshold is None or not self.replan_on:
+            return False
+        reasons, now = [], self.now()
+        for name, job in self.jobs.items():
+            if job.state != "running":
+                continue
+            p = read_progress(job.dir)
+            if p.step <= job.step_from:
+                continue  # nothing of this attempt logged yet (an older line, or none)
+            own = math.isfinite(p.seconds)
+            at = p.seconds if own else now
+            if job.pace is None or job.pace[2] != own or p.step < job.pace[0]:
+                job.pace = (p.step, at, own)  # from the end of a logged step: the first one's warm-up is not timed
+                continue
+            steps, seconds = p.step - job.pace[0], at - job.pace[1]
+            if steps < DRIFT_STEPS or seconds < DRIFT_SECONDS:
+                continue
+            job.pace = (p.step, at, own)
+            factor = seconds / steps / profiled_step(self.options, self.steps, name, job.option)
+            assumed = self.assumed.get(name, 1.0)
+            if drifted(factor, assumed, self.drift_threshold):
+                self.known[name] = factor
+                reasons.append(f"{name} steps take x{factor:.2f} the profile (the plan assumed x{assumed:.2f}; "
+                               f"threshold {self.drift_threshold:g})")
+        if not reasons:
+            return False
+        self._replan("; ".join(reasons))
+        return True
 
     def _stop(self, name: str, how: str) -> None:
         job = self.jobs[name]
@@ -301,6 +359,7 @@ class Runner:
         job.started = self.now()
         job.expected_end = job.started + a.option.seconds
         job.step_from = checkpoint_step(job.dir)
+        job.pace = None
 
     # ------------------------------------------------------------------ the table
 
@@ -327,8 +386,9 @@ def run_jobs(tasks: Sequence[Task], options: Options, cluster: Devices, root: Pa
     ``root/j`` (``ckpt/``, and ``run/`` for the built-ins), the report to ``root/report.json``.
 
     Guarantees (``tests/test_jobs_run.py``): every job ends "done" or "failed" (with its
-    error); jobs overlapping in time hold disjoint devices; a failure or an early finish
-    re-plans the rest; a moved job resumes from its newest checkpoint. Raises ``ValueError``
-    for a job without options, a plan of other jobs, or bad ``retries``/``early``;
+    error); jobs overlapping in time hold disjoint devices; a failure, an early finish or a
+    pace drifting beyond ``drift_threshold`` (a fraction; None: never) re-plans the rest, a
+    drift once per pace; a moved job resumes from its newest checkpoint. Raises ``ValueError``
+    for a job without options, a plan of other jobs, or bad ``retries``/``early``/``drift_threshold``;
     ``DuplicateJobError`` for repeated names -- before anything starts."""
     return Runner(tasks, options, cluster, root, **kwargs).run()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
 
 from .plan import Option, Options, Plan
-from .replan import replan as replan_left
+from .replan import drifted, replan as replan_left
 
 EPS = 1e-9
 
@@ -202,7 +202,7 @@ def simulate(options: Options, steps: Mapping[str, int], cluster_size: int, even
                 continue
             st.known[job] = st.factor[job]
             ratio = st.known[job] / st.assumed[job]
-            if abs(ratio - 1) > drift_threshold:
+            if drifted(st.known[job], st.assumed[job], drift_threshold):
                 replan(t, f"{job} step time drifted x{ratio:g} from its profile (> {drift_threshold:g})")
     ignored += [e for e in timed if isinstance(e, Fail)]  # after every job ended
     makespan = max((s.end for s in st.segments), default=0.0)
