@@ -23,8 +23,9 @@ Step time: the slowest rank's, median over the measured rounds; ratios are media
 ratios. Bubble, for fsdpx: over the schedule loop (``_Run.execute``: the update and the step's
 bookkeeping excluded), per rank the longest loop's time minus the time inside the rank's compute
 actions (``F``, ``B``, ``W``, timed as they run), summed over ranks, over ``p x`` the longest loop;
-beside it the simulator's (``fsdpx.sharding.schedule_sim.simulate(..., rank_costs=...)``) with
-each rank's MEASURED median durations of ``F``, ``B`` and ``W``, transfers free.
+beside it the simulator's (``fsdpx.sharding.schedule_sim.simulate(..., stage_costs=...)``) with
+each STAGE's measured median durations of ``F``, ``B`` and ``W`` (an interleaved rank's two
+chunks differ: the last holds the LM head), transfers free.
 Note: 4 processes on a 2-core machine share cores, so a rank that waits for a core is counted
 neither as computing nor as idle by the simulator; the comparison is meaningful only where each
 process has a core (``--nproc`` at most the core count, or a GPU machine).
@@ -75,11 +76,16 @@ def make_batch(cfg):
 
 
 class ActionTimer:
-    """Wraps the fsdpx executor's F/B/W methods to time each action on this rank."""
+    """Wraps the fsdpx executor's F/B/W methods to time each action on this rank: ``times[kind]``
+    every duration, ``by_stage[(kind, stage)]`` the same split by stage."""
 
     def __init__(self):
         self.active = False
+        self.reset()
+
+    def reset(self):
         self.times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "schedule": []}
+        self.by_stage: dict[tuple[str, int], list[float]] = {}
 
     def install(self):
         import fsdpx.runtime.pipeline as P
@@ -98,13 +104,15 @@ class ActionTimer:
         for kind, name in (("F", "_forward"), ("B", "_backward"), ("W", "_weights")):
             real = getattr(P._Run, name)
 
-            def timed(self_, *a, _real=real, _kind=kind, **k):
+            def timed(self_, mb, stage, *a, _real=real, _kind=kind, **k):
                 t0 = time.perf_counter()
                 try:
-                    return _real(self_, *a, **k)
+                    return _real(self_, mb, stage, *a, **k)
                 finally:
                     if TIMER.active:
-                        TIMER.times[_kind].append(time.perf_counter() - t0)
+                        took = time.perf_counter() - t0
+                        TIMER.times[_kind].append(took)
+                        TIMER.by_stage.setdefault((_kind, stage), []).append(took)
             setattr(P._Run, name, timed)
 
 
@@ -212,7 +220,7 @@ def timed_step(run, batch) -> dict[str, float]:
     import torch.distributed as dist
 
     dist.barrier()
-    TIMER.times = {"F": [], "B": [], "W": [], "schedule": []}
+    TIMER.reset()
     TIMER.active = True
     t0 = time.perf_counter()
     loss = run(batch)
@@ -226,7 +234,7 @@ def timed_step(run, batch) -> dict[str, float]:
     walls = [float(e[0]) for e in everyone]
     computes = [float(e[1]) for e in everyone]
     scheds = [float(e[2]) for e in everyone]
-    means = {k: (statistics.mean(v) if v else 0.0) for k, v in TIMER.times.items() if k != "schedule"}
+    means = {f"{k}{s}": statistics.mean(v) for (k, s), v in TIMER.by_stage.items()}  # e.g. "F2": stage 2's F
     return {"seconds": max(walls), "walls": walls, "computes": computes, "schedule": scheds, "loss": loss,
             "action_means": means}
 
@@ -269,13 +277,15 @@ def worker(args) -> None:
             rec["warmup"] = i < args.warmup
             steps[mode].append(rec)
             say(f"round {i + 1}/{args.warmup + args.rounds} {mode}: {rec['seconds']:.3f}s")
-    # the simulator's bubble from every rank's measured mean action times (stages are unbalanced:
-    # the last also runs the LM head and the loss)
+    # the simulator's bubble from every stage's measured median action times (stages are
+    # unbalanced: the last also runs the LM head and the loss, and an interleaved rank's chunks
+    # differ); each rank measures its own stages
     costs = {}
     for mode in modes:
         if mode.startswith("fsdpx-"):
             measured = [s for s in steps[mode] if not s["warmup"]]
-            costs[mode] = {k: statistics.median(s["action_means"][k] for s in measured) for k in ("F", "B", "W")}
+            costs[mode] = {key: statistics.median(s["action_means"].get(key, 0.0) for s in measured)
+                           for key in measured[0]["action_means"]}
     all_costs: list = [None] * world
     dist.all_gather_object(all_costs, costs)
     predictions = {}
@@ -283,10 +293,11 @@ def worker(args) -> None:
         kind = mode.split("-", 1)[1].removesuffix("-private")
         v = 2 if kind == "interleaved_1f1b" else 1
         sched = schedule(kind, world, MICROBATCHES, virtual_stages=v)
-        per_rank = [c[mode] for c in all_costs]
+        merged = {key: t for c in all_costs for key, t in c[mode].items()}
+        per_stage = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
         if mode.endswith("-private"):  # every W waits for the norms: simulate B with the W folded in
-            per_rank = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per_rank]
-        predictions[mode] = {"costs": per_rank, "bubble": simulate(sched, rank_costs=per_rank).bubble}
+            per_stage = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per_stage]
+        predictions[mode] = {"costs": per_stage, "bubble": simulate(sched, stage_costs=per_stage).bubble}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "steps": steps, "predictions": predictions})
     if rank == 0:

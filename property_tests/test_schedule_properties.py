@@ -147,3 +147,27 @@ def test_interleaved_and_zero_bubble_bubbles_are_strictly_smaller_than_1f1b(p, d
     m_rounds = m - m % p  # interleaving needs whole rounds of p microbatches
     interleaved = exact_bubble(simulate(make_schedule("interleaved_1f1b", p, m_rounds, virtual_stages=v)))
     assert interleaved < exact_bubble(simulate(make_schedule("1f1b", p, m_rounds)))
+
+
+@given(schedules(), st.data())
+def test_stage_costs_equal_to_rank_costs_give_the_same_timeline(sched, data):
+    """Per-stage costs extend per-rank ones: every stage given its rank's costs (or every stage
+    one mapping) runs exactly the old timeline, action for action."""
+    p = sched.num_ranks
+    rank_costs = [data.draw(costs, label=f"rank {r}") for r in range(p)]
+    by_rank = simulate(sched, rank_costs=rank_costs)
+    by_stage = simulate(sched, stage_costs=[rank_costs[s % p] for s in range(sched.num_stages)])
+    assert by_stage.ranks == by_rank.ranks and by_stage.makespan == by_rank.makespan
+    assert by_stage.compute_time == by_rank.compute_time
+    one = rank_costs[0]
+    assert simulate(sched, stage_costs=[one] * sched.num_stages).ranks == simulate(sched, one).ranks
+
+
+@given(schedules(kinds=("interleaved_1f1b",)), st.data())
+def test_each_action_costs_what_its_stage_is_given(sched, data):
+    """With distinct costs per stage, every compute action lasts its own stage's cost."""
+    stage_costs = [data.draw(costs, label=f"stage {s}") for s in range(sched.num_stages)]
+    timeline = simulate(sched, stage_costs=stage_costs)
+    for entries in timeline.ranks:
+        for e in entries:
+            assert e.end - e.start == stage_costs[e.action.stage][e.action.kind]

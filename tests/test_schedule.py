@@ -191,3 +191,23 @@ def test_rank_costs_make_the_slowest_stage_set_the_pace():
     assert t.makespan == 25 + 2
     with pytest.raises(ValueError, match="rank_costs"):
         simulate(schedule("1f1b", 2, 4), rank_costs=[{}])
+
+
+def test_stage_costs_price_an_interleaved_rank_s_chunks_apart():
+    """Interleaved on 2 ranks (stages 0, 2 on rank 0; 1, 3 on rank 1), 2 microbatches, every
+    action of stage s costing (2, 1, 2, 3)[s]: the last stage (the LM head) is the slow one.
+    Rank 1's mean, 2 per action, hides that its second chunk is three times its first:
+    priced per rank the step takes 30, priced per stage 36 (rank 1 runs its heavy chunk's
+    F, B, W of microbatch 0 back to back while rank 0 waits for the gradient)."""
+    sched = schedule("interleaved_1f1b", 2, 2, virtual_stages=2)
+    per_stage = [{"F": c, "B": c, "W": c} for c in (2, 1, 2, 3)]
+    t = simulate(sched, stage_costs=per_stage)
+    for e in (e for entries in t.ranks for e in entries if isinstance(e.action, (F, B, W))):
+        assert e.end - e.start == (2, 1, 2, 3)[e.action.stage]
+    assert t.makespan == 36
+    two = {"F": 2, "B": 2, "W": 2}
+    by_rank = simulate(sched, rank_costs=[two, two])
+    assert by_rank.compute_time == t.compute_time == 2 * 3 * (2 + 1 + 2 + 3)
+    assert by_rank.makespan == 30
+    with pytest.raises(ValueError, match="stage_costs"):
+        simulate(sched, stage_costs=per_stage[:3])

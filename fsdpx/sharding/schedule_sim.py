@@ -22,6 +22,8 @@ running on data that is not there yet.
 Costs (``DEFAULT_COSTS``): ``F = B = W = 1``, every transfer ``0``. With gpipe's and 1f1b's
 fused backward (``B, W`` then the send, see ``fsdpx.sharding.schedule``) the backward costs
 ``B + W = 2``, twice the forward, and the bubble is exactly ``(p - 1) / (m + p - 1)``.
+Measured costs differ by rank (``rank_costs``) and, on an interleaved rank, by stage
+(``stage_costs``: a rank's chunks need not cost the same).
 
 Definitions (``Timeline``):
   * ``makespan``: the last action's end (all ranks start at 0).
@@ -96,10 +98,15 @@ class Timeline:
 
 
 def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
-             rank_costs: Sequence[Mapping[str, float]] | None = None) -> Timeline:
+             rank_costs: Sequence[Mapping[str, float]] | None = None,
+             stage_costs: Sequence[Mapping[str, float]] | None = None) -> Timeline:
     """Run ``schedule`` with durations ``costs`` (by action kind, merged over
     ``DEFAULT_COSTS``) and return its ``Timeline``. ``rank_costs[r]``, when given, overrides
-    ``costs`` for rank ``r`` (unbalanced stages: the last also runs the LM head and the loss).
+    ``costs`` for rank ``r`` (unbalanced stages: the last also runs the LM head and the loss);
+    ``stage_costs[s]`` overrides both for the actions of stage ``s`` (an action's stage: its
+    own, for a transfer the stage that sends or receives it), which is what an interleaved
+    rank needs, its chunks differing (the last holds the LM head). An action of stage ``s``
+    on rank ``r`` costs ``{**DEFAULT_COSTS, **costs, **rank_costs[r], **stage_costs[s]}``.
 
     Guarantees (``property_tests/test_schedule_properties.py``):
       * every action runs once; a rank's entries follow its list and never overlap; each
@@ -107,17 +114,25 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
         ``F`` ends before its ``B`` starts and each ``B`` before its ``W``
         (``test_simulation_never_deadlocks_and_orders_forward_backward_weight``);
       * with ``DEFAULT_COSTS`` gpipe and 1f1b have ``bubble == (p - 1) / (m + p - 1)``
-        (``test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1``).
+        (``test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1``);
+      * ``stage_costs`` repeating one mapping, or each stage its rank's ``rank_costs``, gives
+        exactly the timeline of ``costs`` / ``rank_costs`` alone
+        (``test_stage_costs_equal_to_rank_costs_give_the_same_timeline``).
 
     Times are exact when the costs are ints (or ``Fraction``s).
 
-    Raises ``ValueError`` for a cost key not in ``ACTION_KINDS`` or a negative cost, and for a
-    schedule ``check`` rejects; ``Deadlock`` when the ranks block each other."""
+    Raises ``ValueError`` for a cost key not in ``ACTION_KINDS`` or a negative cost, for
+    ``rank_costs`` / ``stage_costs`` of the wrong length, and for a schedule ``check`` rejects;
+    ``Deadlock`` when the ranks block each other."""
     check(schedule)
-    p = schedule.num_ranks
+    p, num_stages = schedule.num_ranks, schedule.num_stages
     if rank_costs is not None and len(rank_costs) != p:
         raise ValueError(f"rank_costs has {len(rank_costs)} entries for {p} ranks")
-    cost_of = [_costs({**(costs or {}), **(rank_costs[r] if rank_costs is not None else {})}) for r in range(p)]
+    if stage_costs is not None and len(stage_costs) != num_stages:
+        raise ValueError(f"stage_costs has {len(stage_costs)} entries for {num_stages} stages")
+    # per stage (each stage runs on one rank), the merged durations by action kind
+    cost_of = [_costs({**(costs or {}), **(rank_costs[schedule.rank_of(st)] if rank_costs is not None else {}),
+                       **(stage_costs[st] if stage_costs is not None else {})}) for st in range(num_stages)]
     ends: dict[Action, float] = {}
     entries: list[list[Entry]] = [[] for _ in range(p)]
     free = [0] * p
@@ -134,7 +149,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
                 blocked_on.setdefault(missing, []).append(r)
                 break
             start = max([free[r], *(ends[d] for d in deps)])
-            end = start + cost_of[r][a.kind]
+            end = start + cost_of[a.stage][a.kind]
             entries[r].append(Entry(start, end, a))
             ends[a] = free[r] = end
             runnable.extend(blocked_on.pop(a, ()))
