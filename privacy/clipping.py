@@ -18,13 +18,14 @@ their per-example gradients are formed one at a time, so their Gram products are
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from privacy import contributions as C
+from privacy.clipped_sums import ClippedSums
 from privacy.errors import NonFiniteGradientError, PrivacyError
 from privacy.ghost import contributions
 from privacy.per_sample import flat_sq_norms, per_sample_grads
@@ -151,7 +152,7 @@ class ShardedNorms(NamedTuple):
 
 
 class ClipResult(NamedTuple):
-    grads: dict[str, Tensor]  # sum_i c_i g_i
+    grads: Mapping[str, Tensor]  # sum_i c_i g_i (a dict, or a ClippedSums with lazy=True)
     norms: Tensor  # (B,) per-example gradient norms before clipping
     losses: Tensor  # (B,) per-example losses (detached)
 
@@ -168,6 +169,7 @@ def clip_and_sum(
     nonfinite: str = "raise",
     run_model: Callable[[tuple], Any] | None = None,
     sharded_norms: ShardedNorms | None = None,
+    lazy: bool = False,
 ) -> ClipResult:
     """:func:`clipped_grad` plus the per-example losses the forward computed anyway.
 
@@ -178,7 +180,10 @@ def clip_and_sum(
     every rank clips with the full norms and forms the clipped sum of its own part, still with
     one backward (``property_tests/test_tensor_parallel_properties.py``). Streaming is off then
     (it would need one all-reduce per example). With a mask (a batch's third entry) the
-    masked rows of ``norms`` and ``losses`` are exactly 0 and add nothing to ``grads``."""
+    masked rows of ``norms`` and ``losses`` are exactly 0 and add nothing to ``grads``.
+    ``lazy=True``: ``grads`` is a :class:`privacy.clipped_sums.ClippedSums` that forms each
+    parameter's sum when it is taken (``pop``) and releases that parameter's factors, the same
+    bits as the dict (the sharded runtime reduces the sums unit by unit as they are formed)."""
     _check_method(method)
     _check_clip_norm(clip_norm, clipping)
     if nonfinite not in ("raise", "zero"):
@@ -219,13 +224,8 @@ def clip_and_sum(
                                            lambda norm: clip_factors(norm, clip_norm, clipping), keep=mask)
     norms = sq.sqrt()
     factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite, keep=mask)
-    grads = {}
-    for name, p in params.items():
-        plist = parts.get(name)
-        if name in sums:
-            grads[name] = sums[name]
-        else:
-            grads[name] = C.weighted_sum(plist, factors, p.shape) if plist else torch.zeros_like(p)
+    clipped = ClippedSums(parts, factors, params, ready=sums)
+    grads = clipped if lazy else dict(clipped.items())
     if mask is not None:  # padding rows report nothing: they drop out of every sum and mean
         norms = torch.where(mask, norms, torch.zeros_like(norms))
         losses = torch.where(mask, losses, torch.zeros_like(losses))

@@ -57,7 +57,7 @@ from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn
 from privacy.validate import check_model
 
-from .gather import Gatherer
+from .gather import Gatherer, _local_shape
 from .tensor_parallel import TensorParallelHooks
 from .units import Unit, make_units
 
@@ -359,14 +359,18 @@ def masked_losses(losses: Tensor, mask: Tensor | None) -> Tensor:
 
 def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorParallelHooks, batch,
                  config: DPConfig | None, norms: ShardedNorms | None):
-    """Raw (unreduced, compute-layout) gradient sums over this rank's examples, in each
-    layout's view shape, and stats (over the real examples: padding rows add nothing)."""
+    """Raw (unreduced, compute-layout) gradient sums over this rank's examples, shaped as the
+    parameters (the reduction views them in each layout's shape), and stats (over the real
+    examples: padding rows add nothing). Private: a ``ClippedSums`` whose sums are formed as
+    the reduction pops them, after the gatherer has released every unit (the sums read only
+    the tape's factors), so neither the gathered parameters nor all full-size sums are ever
+    held together."""
     inputs, targets, mask = unpack(batch)
     if targets.shape[0] == 0:
         # every rank of a tensor-parallel group shares the (empty) batch: the group skips its
         # activation collectives together, and the parameter collectives still run in order
         gatherer.dry_run()
-        zeros = {name: gatherer.full[name].new_zeros(gatherer.local_shapes[name]) for name in gatherer.plans}
+        zeros = {name: torch.zeros_like(gatherer.full[name]) for name in gatherer.plans}
         return zeros, (0.0, 0, 0, 0.0)
     n = real_count(batch)
     seq_dim = tensor_parallel.seq_dim
@@ -381,11 +385,11 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
         else:
             result = clip_and_sum(model, gatherer.full_view(), batch, loss_fn, clip_norm=config.clip_norm,
                                   method=config.method, clipping=config.clipping, nonfinite=config.nonfinite,
-                                  run_model=lambda x: call_model(model, x), sharded_norms=norms)
-            raw = result.grads
+                                  run_model=lambda x: call_model(model, x), sharded_norms=norms, lazy=True)
+            raw = result.grads  # each sum formed when the reduction takes it, then freed
             clipped = int((result.norms > config.clip_norm).sum())
             stats = (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
-    return {p: g.reshape(gatherer.local_shapes[p]) for p, g in raw.items()}, stats
+    return raw, stats
 
 
 def _owned_noise(state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig,
@@ -419,10 +423,11 @@ def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, com
     grad_bytes = 0
     for unit in reversed(units):
         for name in unit.params:
-            g = raw.pop(name, None)  # freed once reduced (a frozen one has none)
-            if not trains(name):
+            g = raw.pop(name, None) if trains(name) else None  # formed (if lazy) and freed once reduced
+            if g is None:  # frozen: no gradient
                 continue
             lay = plan.params[name]
+            g = g.reshape(_local_shape(lay.shape, lay.compute, mesh, comm.rank))  # the layout's view
             g = _run_plan(comm, plan_collectives(lay.raw_grad, lay.grad, lay.shape, mesh, g.dtype), g)
             grad_bytes += g.numel() * g.element_size()
             g = _run_plan(comm, plan_collectives(lay.grad, lay.opt_state, lay.shape, mesh, g.dtype), g)
