@@ -76,6 +76,7 @@ class DistComm:
             raise ValueError(f"mesh {mesh} has {mesh.size} ranks but the world has {world} processes")
         self.mesh, self.rank, self.grace_s = mesh, dist.get_rank(), grace_s
         self._groups: dict[tuple[str, ...], tuple[Any, list[int]]] = {}
+        self._members: dict[tuple[str, ...], tuple[Any, list[int], int]] = {}  # _group, memoised per axes as asked
         self._counts: dict[str, int] = {}
         self._pending_sends: list = []  # (request, tensor) of isends not yet waited for (flush_p2p)
         self._make_groups()
@@ -91,12 +92,15 @@ class DistComm:
                     self._groups[axes] = (pg, members)
 
     def _group(self, axes: tuple[str, ...]) -> tuple[Any, list[int], int]:
-        """Process group, members in mesh order, this rank's position among them."""
-        key = tuple(n for n in self.mesh.axis_names if n in axes)
-        pg, members = self._groups[key]
-        order = self.mesh.groups(axes)
-        members = next(g for g in order if self.rank in g)
-        return pg, members, members.index(self.rank)
+        """Process group, members in the order of ``axes`` (``Mesh.groups``), this rank's
+        position among them; computed once per ``axes`` (every collective asks)."""
+        axes = tuple(axes)
+        if axes not in self._members:
+            key = tuple(n for n in self.mesh.axis_names if n in axes)
+            pg, _ = self._groups[key]
+            members = next(g for g in self.mesh.groups(axes) if self.rank in g)
+            self._members[axes] = (pg, members, members.index(self.rank))
+        return self._members[axes]
 
     def counts(self) -> dict[str, int]:
         return dict(self._counts)

@@ -16,6 +16,7 @@ Side effects (hooks on the model, storage resizes) live only inside :meth:`Gathe
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 from typing import Collection, Iterator
@@ -57,13 +58,29 @@ class Gatherer:
         # this rank's compute block of each parameter, in the layout's (view) shape
         self.local_shapes = {n: _local_shape(lay.shape, lay.compute, comm.mesh, comm.rank)
                              for n, lay in plan.params.items()}
-        self.full = {n: self._placeholder(n) for n in plan.params}
         self.batched = {u.module: self._batchable(u) for u in units}  # decided once, used every gather
+        self.moving = {u.module: any(self.plans[n] for n in u.params) for u in units}
+        self._start()
+
+    def _start(self) -> None:
+        """The state of one forward and backward: fresh leaves, nothing gathered."""
+        self.full = {n: self._placeholder(n) for n in self.plans}
         self.live: set[str] = set()  # units whose storage is currently allocated
         self.backward_done: set[str] = set()
 
+    def renewed(self, at_rest: dict[str, Tensor], *, trainable: Collection[str] | None = None) -> "Gatherer":
+        """A Gatherer for another forward and backward of the same units, plan and communicator
+        (a pipeline's next microbatch or step): what was decided from the plan (collectives,
+        local shapes, batching) is shared, the leaves and their state are new. Equal to
+        constructing one with the same arguments (``at_rest`` with the same dtypes)."""
+        g = copy.copy(self)
+        g.at_rest = at_rest
+        g.trainable = frozenset(self.layouts if trainable is None else trainable)
+        g._start()
+        return g
+
     def _moves(self, unit: Unit) -> bool:
-        return any(self.plans[n] for n in unit.params)
+        return self.moving[unit.module]
 
     def gather(self, unit: Unit) -> None:
         """Bring ``unit``'s parameters to the compute layout (no-op if already there)."""
@@ -150,10 +167,15 @@ class Gatherer:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Hooks that gather/swap/free each unit around its forward and backward."""
+        """Hooks that gather/swap/free each unit around its forward and backward. A unit whose
+        parameters need no collective (at rest already in the compute layout: DDP, a replicated
+        parameter) has nothing to gather or free: its leaves are swapped in once, here, and it
+        gets no hooks (a pipeline enters this once per microbatch and stage)."""
         accessor = NamedMemberAccessor(self.model)
-        modules = dict(self.model.named_modules())
         handles, swapped = [], {}
+        still = {alias: self.full[name] for u in self.units if not self.moving[u.module] for alias, name in u.aliases}
+        if still:
+            swapped[None] = accessor.swap_tensors_dict(still, allow_missing=True)[0]
 
         def pre(unit: Unit):
             def hook(module: nn.Module, args: tuple) -> None:
@@ -177,7 +199,9 @@ class Gatherer:
 
         try:
             for unit in self.units:
-                m = modules[unit.module]
+                if not self.moving[unit.module]:
+                    continue
+                m = self.model.get_submodule(unit.module)
                 handles.append(m.register_forward_pre_hook(pre(unit)))
                 handles.append(m.register_forward_hook(post(unit)))
             yield

@@ -141,6 +141,7 @@ class PipelineStep:
             self.shared = {n: sorted({st % self.p for st in held}) for n, held in layout.param_stages.items()
                            if len(held) > 1 and n in self.local_plan.params}
         self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._gatherers: dict[int, Gatherer] = {}
         self.local_shapes = {n: local_shape(lay.shape, lay.compute, self.group.mesh, self.group.rank)
                              for n, lay in self.local_plan.params.items()}
 
@@ -153,9 +154,25 @@ class PipelineStep:
         units = [u for u in make_units(self.model, names, modules) if u.params or not u.module]
         held = set(names)
         canonical = {id(p): n for n, p in self.model.named_parameters()}
+        # the blocks of other stages are never called (the block list holds only this stage's):
+        # only the prologue and epilogue parameters this stage lacks need a stand-in
+        prefix = f"{block_list}." if block_list else ""
+        others = {f"{prefix}{k}." for i, k in enumerate(keys) if i not in self.layout.stages[s]}
         absent = {alias: (tuple(p.shape), p.dtype) for alias, p in self.model.named_parameters(remove_duplicate=False)
-                  if canonical[id(p)] in self.plan.params and canonical[id(p)] not in held}
+                  if canonical[id(p)] in self.plan.params and canonical[id(p)] not in held
+                  and not any(alias.startswith(o) for o in others)}
         return _Stage(s, names, plan, units, StageForward(self.model, self.layout, absent))
+
+    def gatherer(self, s: int, at_rest: dict[str, Tensor], trainable: list[str]) -> Gatherer:
+        """A Gatherer of stage ``s`` for one microbatch's forward and backward: ``renewed``
+        from the stage's first, so the plan is read once per run, not per microbatch. ``keep``:
+        a split backward walks the graph twice, and a private layer without a ghost rule reads
+        its parameters after the backward, so gathered parameters stay until then."""
+        if s not in self._gatherers:
+            st = self.all_stages[s]
+            self._gatherers[s] = Gatherer(self.model, st.units, st.plan, self.group, at_rest,
+                                          keep_after_backward=self.keep)
+        return self._gatherers[s].renewed(at_rest, trainable=trainable)
 
     def _train_now(self, step: int) -> None:
         """Under a freezing schedule, this step's stages: each one's ``names`` (what gets a tape,
@@ -330,10 +347,7 @@ class _Run:
         o, st = self.o, self.o.stages[s]
         inputs, targets, mask = unpack(self.mbs[mb])
         last = s == o.layout.num_stages - 1
-        # o.keep: a split backward walks the graph twice, and a private layer without a ghost rule
-        # reads its parameters after the backward: gathered parameters stay until then
-        gatherer = Gatherer(o.model, st.units, st.plan, o.group, {n: self.state.params[n] for n in st.plan.params},
-                            keep_after_backward=o.keep, trainable=st.names)
+        gatherer = o.gatherer(s, {n: self.state.params[n] for n in st.plan.params}, st.names)
         size = targets.shape[0]
         if size == 0:
             _dry_forward(gatherer, last)

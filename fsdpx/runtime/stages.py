@@ -51,11 +51,14 @@ class StageForward:
     """Runs ``model``'s forward as one stage of ``layout`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, layout: PipelineLayout, absent: dict[str, tuple[Sequence[int], torch.dtype]]):
-        """``absent``: alias name -> (shape, dtype) of every parameter use this rank does not hold."""
+        """``absent``: alias name -> (shape, dtype) of every parameter use this rank does not hold
+        outside the blocks of other stages (those are never called)."""
         self.model, self.layout = model, layout
         self.block_list: nn.ModuleList = dict(model.named_modules())[layout.blocks]
         self.keys = list(self.block_list._modules)
-        self.absent = absent
+        # stand-ins built once: zeros owning one element, never written, never a leaf
+        self.zeros = {alias: torch.zeros((), dtype=dtype).expand(tuple(shape)) for alias, (shape, dtype) in absent.items()}
+        self.accessor = NamedMemberAccessor(model)
 
     @contextlib.contextmanager
     def running(self, stage: int, inject: Tensor | None) -> Iterator[None]:
@@ -64,10 +67,8 @@ class StageForward:
         blocks = [self.block_list._modules[self.keys[i]] for i in self.layout.stages[stage]]
         saved = self.block_list._modules
         handles = []
-        accessor = NamedMemberAccessor(self.model)
-        zeros = {alias: torch.zeros((), dtype=dtype).expand(tuple(shape))
-                 for alias, (shape, dtype) in self.absent.items()}
-        swapped = accessor.swap_tensors_dict(zeros, allow_missing=True)[0] if zeros else {}
+        accessor = self.accessor
+        swapped = accessor.swap_tensors_dict(self.zeros, allow_missing=True)[0] if self.zeros else {}
         try:
             self.block_list._modules = {self.keys[i]: b for i, b in zip(self.layout.stages[stage], blocks)}
             if inject is not None:
