@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -85,8 +86,9 @@ class CountingTechnique:
     from the newest one. Its "loss" is a function of the step, so a resumed run logs the same.
     With ``clock`` it logs its own ``seconds`` too (since the attempt began), as the built-ins do."""
 
-    def __init__(self, seconds_per_step: float = 0.05, every: int = 5, fail: str | None = None, clock: bool = False):
-        self.dt, self.every, self.fail, self.clock = seconds_per_step, every, fail, clock
+    def __init__(self, seconds_per_step: float = 0.05, every: int = 5, fail: str | None = None, clock: bool = False,
+                 linger: float = 0.0):
+        self.dt, self.every, self.fail, self.clock, self.linger = seconds_per_step, every, fail, clock, linger
 
     def feasible(self, task, devices):
         return True
@@ -115,6 +117,7 @@ class CountingTechnique:
                 f.flush()
                 if s % self.every == 0:
                     (ckpt_dir / f"step_{s}").mkdir()
+        time.sleep(self.linger)  # what a run does after its last step (the built-ins: a sample, a plot)
         return {"cores": sorted(os.sched_getaffinity(0)), "devices": devices.count}
 
 
@@ -220,6 +223,28 @@ def test_a_drifting_job_replans_once_with_its_measured_pace(counting, tmp_path):
     rows = [json.loads(r)["step"] for r in (tmp_path / "slow" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows == list(range(1, 61))
     check_segments(report)
+
+
+def test_a_job_finishing_its_last_checkpointed_step_is_left_to_end(counting, tmp_path):
+    """``a`` has trained and checkpointed all its steps and is still ending (3 s) when ``b``'s
+    early finish re-plans: ``a`` is not moved (there is nothing left to move), it ends where it is."""
+    jobs.register("lingering", CountingTechnique(linger=3.0), replace=True)
+    tasks = [toy("a", 5), toy("b", 10)]
+    options = {"a": [Option("lingering", 1, 4.0, (), 0.2)], "b": [Option("counting", 1, 20.0, (), 0.2)]}
+    plan = Plan((Assignment("a", options["a"][0], 0.0, (0,)), Assignment("b", options["b"][0], 0.0, (1,))),
+                2, 1.0, "given", 20.0)
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(run_jobs(tasks, options, jobs.Devices(2, 2**30), tmp_path,
+                                                                 plan=plan, stream=None)), daemon=True)
+    try:
+        thread.start()
+        thread.join(60)  # before the fix, a was "moved" out of every plan and the run never ended
+    finally:
+        techniques.unregister("lingering")
+    assert out, "the run did not end"
+    report = out[0]
+    assert report.ok and [r.reason.split()[:2] for r in report.replans[1:]] == [["b", "finished"]]
+    assert [(s.how, s.step_to) for s in report.jobs["a"].segments] == [("done", 5)] and report.replans[1].moved == ()
 
 
 def test_bad_runs_are_named_errors_before_anything_starts(counting, tmp_path):

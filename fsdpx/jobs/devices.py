@@ -6,6 +6,7 @@ import hashlib
 import os
 import platform
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,22 @@ class Devices:
     def group(self, count: int, ids: tuple[int, ...] | None = None) -> "Devices":
         """``count`` of these devices (same memory and kind), optionally which ones."""
         return Devices(count, self.memory_bytes, self.kind, ids)
+
+
+def physical_ids(cluster: Devices, ids: Sequence[int]) -> tuple[int, ...]:
+    """The GPUs or CPU cores of this machine behind plan device ``ids``: GPU ``i`` is ``i``; on a
+    CPU, device ``i`` is core ``cores[i % len(cores)]`` of the cores this process may use (a
+    slot sharing a core when there are more devices than cores). Raises ``ValueError`` when
+    ``ids`` name more GPUs than this machine has."""
+    if cluster.kind == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if max(ids) >= have:
+            raise ValueError(f"the plan uses GPU {max(ids)} but this machine has {have}")
+        return tuple(ids)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return tuple(cores[i % len(cores)] for i in ids)
 
 
 def local_devices() -> Devices:

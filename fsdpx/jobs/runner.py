@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any, Mapping, Sequence
 
 from .backends import Attempt, Handle, LocalBackend, outcome_of
-from .devices import Devices
+from .devices import Devices, physical_ids
 from .live import LiveTable, Row, checkpoint_step, format_table, read_progress
 from .plan import Assignment, Option, Options, Plan
 from .replan import Running, drifted, profiled_step, replan, stays
@@ -135,20 +134,6 @@ def _jsonable(x: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
-
-
-def physical_ids(cluster: Devices, ids: Sequence[int]) -> tuple[int, ...]:
-    """The GPUs or CPU cores behind plan device ``ids`` (see the module doc). Raises
-    ``ValueError`` when the plan has more GPUs than this machine."""
-    if cluster.kind == "cuda":
-        import torch
-
-        have = torch.cuda.device_count()
-        if max(ids) >= have:
-            raise ValueError(f"the plan uses GPU {max(ids)} but this machine has {have}")
-        return tuple(ids)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    return tuple(cores[i % len(cores)] for i in ids)
 
 
 @dataclass
@@ -275,7 +260,10 @@ class Runner:
         for name, job in self.jobs.items():
             if job.state not in ("pending", "running"):
                 continue
-            left[name] = self.steps[name] - checkpoint_step(job.dir)
+            done = checkpoint_step(job.dir)
+            if job.state == "running" and done >= self.steps[name]:
+                continue  # trained and checkpointed, finishing (its summary, plot): left where it is
+            left[name] = max(1, self.steps[name] - done)  # a pending job with nothing to train still has to end
             if job.state == "running":
                 step = max(read_progress(job.dir).step, job.step_from)
                 running[name] = Running(job.option, job.ids, max(1, self.steps[name] - step))
