@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
 import fsdpx.jobs as jobs
 from fsdpx.jobs.builtin import BUILTIN
 from fsdpx.jobs.gpt_job import gpt_task
 from fsdpx.jobs.profile import Measurement, ProfileTable, StepModel, fit_step_model, sent_bytes
-from fsdpx.jobs.profile_store import cache_key, profile
+from fsdpx.jobs.profile_store import cache_key, profile, profile_side_by_side
 from fsdpx.jobs.solver import solve
 
 
@@ -76,6 +82,80 @@ def test_a_failed_profiling_run_is_an_error_naming_the_job(tmp_path):
         assert tech.runs == 1 and not list(tmp_path.iterdir())  # a failure is not cached
     finally:
         jobs.techniques.unregister("counting")
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What ``execute`` returns, as the built-ins' ``JobResult`` does (what profiling reads)."""
+
+    run_dir: str
+    seconds: float
+    peak_bytes: tuple[int, ...]
+    ok: bool = True
+
+
+class TimedTechnique:
+    """Sleeps ``seconds`` per step and logs each step's clock as the built-ins do; writes the
+    cores it ran on and when (``time.time``: comparable across processes) to ``log/<job>.json``."""
+
+    def __init__(self, log: Path, seconds: float = 0.1, fail: str = ""):
+        self.log, self.seconds, self.fail = log, seconds, fail
+
+    def feasible(self, task, devices):
+        return True
+
+    def search(self, task, devices):
+        return {}
+
+    def execute(self, task, devices, params, steps, ckpt_dir):
+        if task.name == self.fail:
+            raise RuntimeError(f"{task.name} breaks")
+        began, t0 = time.time(), time.perf_counter()
+        run = Path(ckpt_dir).parent / "run"
+        run.mkdir(parents=True)
+        with open(run / "metrics.jsonl", "w") as f:
+            for s in range(1, steps + 1):
+                time.sleep(self.seconds)
+                f.write(json.dumps({"step": s, "seconds": time.perf_counter() - t0}) + "\n")
+        (self.log / f"{task.name}.json").write_text(json.dumps(
+            {"cores": sorted(os.sched_getaffinity(0)), "began": began, "ended": time.time()}))
+        return Ran(str(run), time.perf_counter() - t0 + 0.5, (100,))
+
+
+def test_profiles_run_side_by_side_on_disjoint_cores(tmp_path):
+    """Four 1-device profiles on a 2-device cluster run two at a time, each pinned to a core of
+    its own; their measurements are ``profile``'s; a cached one is not run again; a failure
+    names its job, stops the others and caches nothing of them."""
+    cores = sorted(os.sched_getaffinity(0))
+    log = tmp_path / "log"
+    log.mkdir()
+    cluster = jobs.Devices(2, 2**30)
+    jobs.register("timed", TimedTechnique(log))
+    try:
+        tasks = [small(f"j{i}", n_embd=32 + 8 * i) for i in range(4)]  # four jobs: four cache keys
+        got = profile_side_by_side([(t, "timed", 1) for t in tasks], cluster, root=tmp_path / "p", steps=4)
+        assert set(got) == {(f"j{i}", "timed", 1) for i in range(4)}
+        for m in got.values():
+            assert m.step_seconds == pytest.approx(0.1, abs=0.05) and m.startup_seconds == pytest.approx(0.5, abs=0.2)
+        assert len(list((tmp_path / "p").glob("*.json"))) == 4
+        runs = {p.stem: json.loads(p.read_text()) for p in log.glob("*.json")}
+        for p in log.glob("*.json"):
+            p.unlink()
+        assert profile_side_by_side([(t, "timed", 1) for t in tasks], cluster, root=tmp_path / "p") == got
+        assert not list(log.glob("*.json"))  # all from the cache: nothing ran
+        jobs.register("timed", TimedTechnique(log, fail="j5"), replace=True)
+        with pytest.raises(RuntimeError, match="'j5'.*j5 breaks"):
+            profile_side_by_side([(small("j4", steps=50), "timed", 1), (small("j5", n_embd=64), "timed", 1)], cluster,
+                                 root=tmp_path / "f", steps=50)
+        assert not list(log.glob("*.json")) and not list(tmp_path.glob("f/*.json"))  # j4 was stopped, not cached
+    finally:
+        jobs.techniques.unregister("timed")
+    assert all(len(r["cores"]) == 1 and r["cores"][0] in cores[:2] for r in runs.values())
+    overlapping = [(a, b) for a in runs for b in runs if a < b
+                   and runs[a]["began"] < runs[b]["ended"] and runs[b]["began"] < runs[a]["ended"]]
+    if len(cores) >= 2:
+        assert overlapping  # side by side
+    assert all(runs[a]["cores"] != runs[b]["cores"] for a, b in overlapping)
 
 
 def test_the_cache_key_separates_counts_params_hardware_and_jobs():

@@ -79,25 +79,29 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Options, list[str]]:
-    """Options for every job from real profiles at ``counts`` plus predictions for the other
+    """Options for every job from real profiles at ``counts`` (run side by side, pinned, as the
+    plan will run them: ``profile_store.profile_side_by_side``) plus predictions for the other
     feasible counts of the cluster (techniques ``only``, default all); and report lines (fit
     errors). Raises ``InfeasibleJobError`` before profiling when a job fits nowhere."""
     from .builtin import BUILTIN
     from .profile import ProfileTable
-    from .profile_store import profile
+    from .profile_store import profile_side_by_side
 
     feasible = techniques.check_feasible(tasks, cluster, only)
     here = local_devices()
     table, report = ProfileTable(), []
+    chosen = {(task.name, tech): [n for t, n in feasible[task.name] if t == tech and n in counts and n <= here.count]
+              for task in tasks for tech in sorted({t for t, _ in feasible[task.name]})}
+    requests = [(task, tech, n) for task in tasks for (job, tech), ns in chosen.items() if job == task.name for n in ns]
+    measured = profile_side_by_side(requests, cluster, root=root)
+    for key, m in measured.items():
+        table.add(*key, m)
     for task in tasks:
         for tech in sorted({t for t, _ in feasible[task.name]}):
             ns = [n for t, n in feasible[task.name] if t == tech]
-            measured = [n for n in ns if n in counts and n <= here.count]
-            if not measured:
+            if not chosen[(task.name, tech)]:
                 report.append(f"{task.name} / {tech}: no profiled count fits this machine; not planned")
                 continue
-            for n in measured:
-                table.add(task.name, tech, n, profile(task, tech, cluster.group(n), root=root))
             strategy = getattr(techniques.get(tech), "strategy", None)
             if strategy is None:
                 continue  # a user technique without a memory model: only its measured counts

@@ -4,6 +4,13 @@ A measurement is cached in ``<root>/<key>.json``, the key a hash of the job's id
 functions' qualified names, parameter shapes, hparams, batch size and privacy), the
 technique, its params, the device count and the hardware fingerprint: a profile is reused
 only for the same job on the same hardware.
+
+``profile_side_by_side`` measures jobs the way a plan runs them: each profile pinned to its own
+group of devices, as many side by side as the devices allow, so that a profile shares the
+machine (memory bandwidth, caches, the disk, and on a CPU whatever else runs on the cores) as
+its job will when the plan runs jobs next to each other. A job's startup (processes, imports,
+model build: seconds on a CPU) is most of a small job's time, and the time it takes depends on
+what runs beside it; measured alone on an idle machine it is short of what a plan sees.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import json
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from . import techniques
 from .devices import Devices, hardware_fingerprint
@@ -22,8 +29,9 @@ from .profile import Measurement
 from .task import Task
 
 
-CACHE_VERSION = 2
-"""Bumped when a cached measurement gains a field (2: ``startup_seconds``): older entries are not reused."""
+CACHE_VERSION = 3
+"""Bumped when cached measurements change meaning (2: ``startup_seconds``; 3: measured pinned,
+side by side): older entries are not reused."""
 
 
 def job_hash(task: Task) -> str:
@@ -41,28 +49,25 @@ def cache_key(task: Task, technique: str, params: Mapping[str, Any], devices: De
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def profile(task: Task, technique: str, devices: Devices, *, root: Path, steps: int = 4) -> Measurement:
-    """The cached measurement of ``task`` under ``technique`` on ``devices``, or a new one: the
-    technique's ``execute`` runs ``min(steps, task.steps)`` real steps in a scratch directory;
-    step time is the median of the steps after the first (the first one warms up), peak
-    bytes the worst rank's, startup the run's wall time beyond ``steps x`` that median (so
-    ``startup + steps x step`` is the profiled run's wall time). Raises ``RuntimeError`` with
-    the run's error when it fails."""
-    tech = techniques.get(technique)
-    params = dict(tech.search(task, devices))
+def cached(task: Task, technique: str, devices: Devices, root: Path) -> tuple[Path, dict, Measurement | None]:
+    """``(cache path, the technique's params on devices, the cached measurement or None)``."""
+    params = dict(techniques.get(technique).search(task, devices))
     path = Path(root) / f"{cache_key(task, technique, params, devices)}.json"
-    if path.exists():
-        d = json.loads(path.read_text())
-        return Measurement(d["step_seconds"], d["peak_bytes"], True, tuple(sorted(params.items())),
-                           d["startup_seconds"])
+    if not path.exists():
+        return path, params, None
+    d = json.loads(path.read_text())
+    return path, params, Measurement(d["step_seconds"], d["peak_bytes"], True, tuple(sorted(params.items())),
+                                     d["startup_seconds"])
+
+
+def _measure(result: Any, task: Task, technique: str, devices: Devices, params: dict, path: Path) -> Measurement:
+    """The measurement of a profiling run's ``result`` (see ``profile``), written to ``path``."""
     from .execute import step_seconds
 
-    with tempfile.TemporaryDirectory() as scratch:
-        result = tech.execute(task, devices, params, min(steps, task.steps), Path(scratch) / "ckpt")
-        if not getattr(result, "ok", False):
-            raise RuntimeError(f"profiling {task.name!r} with {technique} on {devices.count}: "
-                               f"{getattr(result, 'error', result)}")
-        times = step_seconds(result.run_dir)
+    if not getattr(result, "ok", False):
+        raise RuntimeError(f"profiling {task.name!r} with {technique} on {devices.count}: "
+                           f"{getattr(result, 'error', result)}")
+    times = step_seconds(result.run_dir)
     step = statistics.median(times[1:] or times)
     m = Measurement(step, max(result.peak_bytes), True, tuple(sorted(params.items())),
                     max(0.0, result.seconds - step * len(times)))
@@ -71,3 +76,84 @@ def profile(task: Task, technique: str, devices: Devices, *, root: Path, steps: 
                                 "startup_seconds": m.startup_seconds, "job": task.name,
                                 "technique": technique, "devices": devices.count, "params": params}))
     return m
+
+
+def profile(task: Task, technique: str, devices: Devices, *, root: Path, steps: int = 4) -> Measurement:
+    """The cached measurement of ``task`` under ``technique`` on ``devices``, or a new one: the
+    technique's ``execute`` runs ``min(steps, task.steps)`` real steps in a scratch directory;
+    step time is the median of the steps after the first (the first one warms up), peak
+    bytes the worst rank's, startup the run's wall time beyond ``steps x`` that median (so
+    ``startup + steps x step`` is the profiled run's wall time). Raises ``RuntimeError`` with
+    the run's error when it fails (nothing is cached then)."""
+    path, params, m = cached(task, technique, devices, root)
+    if m is not None:
+        return m
+    with tempfile.TemporaryDirectory() as scratch:
+        result = techniques.get(technique).execute(task, devices, params, min(steps, task.steps),
+                                                   Path(scratch) / "ckpt")
+        return _measure(result, task, technique, devices, params, path)
+
+
+Request = tuple[Task, str, int]
+"""``(task, technique, device count)`` to profile."""
+
+
+def profile_side_by_side(requests: Sequence[Request], cluster: Devices, *, root: Path, steps: int = 4,
+                         poll: float = 0.05) -> dict[tuple[str, str, int], Measurement]:
+    """``profile`` for every request (``{(job, technique, count): Measurement}``), the ones not
+    cached run as a plan runs jobs: count by count (widest first), the devices this machine
+    gives the cluster (``min(cluster.count, local devices)``) cut into ``k = max(1, that //
+    count)`` groups, device ``i`` on ``devices.physical_ids``; each group runs one profile at a
+    time, pinned to it, in its own process group (``LocalBackend``), the next request starting
+    as soon as a group is free -- so profiles share the machine as planned jobs do.
+
+    Guarantees: the measurements ``profile`` defines, cached the same way (a cached one is never
+    rerun); the groups running at once hold disjoint devices. Raises ``RuntimeError`` naming the
+    job when a run fails, after stopping the others (nothing of theirs is cached)
+    (``tests/test_jobs_profile.py::test_profiles_run_side_by_side_on_disjoint_cores``)."""
+    import time
+
+    from .backends import Attempt, LocalBackend
+    from .devices import local_devices, physical_ids
+
+    out: dict[tuple[str, str, int], Measurement] = {}
+    todo: dict[int, list] = {}
+    for task, technique, n in requests:
+        devices = cluster.group(n)
+        path, params, m = cached(task, technique, devices, root)
+        if m is not None:
+            out[(task.name, technique, n)] = m
+        else:
+            todo.setdefault(n, []).append((task, technique, params, path))
+    usable = min(cluster.count, local_devices().count)
+    backend = LocalBackend()
+    for n in sorted(todo, reverse=True):
+        queue = list(todo[n])
+        groups = [physical_ids(cluster, range(i * n, (i + 1) * n)) for i in range(max(1, usable // n))]
+        running: dict[int, tuple] = {}  # group index -> (handle, request, scratch)
+        try:
+            while queue or running:
+                for g in range(len(groups)):
+                    if g not in running and queue:
+                        task, technique, params, path = req = queue.pop(0)
+                        scratch = tempfile.TemporaryDirectory()
+                        attempt = Attempt(task, technique, cluster.group(n, groups[g]), params, min(steps, task.steps),
+                                          Path(scratch.name) / "ckpt")
+                        running[g] = (backend.start(attempt), req, scratch)
+                for g, (handle, (task, technique, params, path), scratch) in list(running.items()):
+                    msg = handle.poll()
+                    if msg is None:
+                        continue
+                    del running[g]
+                    with scratch:
+                        result = msg[1] if msg[0] == "ok" else None
+                        if result is None:
+                            raise RuntimeError(f"profiling {task.name!r} with {technique} on {n}: {msg[1]}")
+                        out[(task.name, technique, n)] = _measure(result, task, technique, cluster.group(n), params,
+                                                                  path)
+                time.sleep(poll)
+        finally:
+            for handle, _, scratch in running.values():
+                handle.stop()
+                scratch.cleanup()
+    return out
