@@ -58,3 +58,20 @@ def test_a_peer_that_fails_wakes_its_receiver_at_once():
     with pytest.raises(ValueError, match="stage 0 broke"):
         run_threads(Mesh(pp=2), rank, timeout=60.0)
     assert time.monotonic() - start < 10
+
+
+def test_receives_posted_ahead_are_filled_in_the_order_posted_and_counted_once():
+    """``post_recv_p2p`` before the matching sends, then one receive posted with
+    ``exchange_p2p``: each peer's messages fill them in the order they were posted."""
+    def rank(comm):
+        me, peer = comm.rank, 1 - comm.rank
+        ahead = comm.post_recv_p2p([(peer, (2,), torch.float32), (peer, (1,), torch.float64)])
+        (third,) = comm.exchange_p2p([(peer, torch.tensor([1.0, me])), (peer, torch.tensor([2.0], dtype=torch.float64)),
+                                      (peer, torch.tensor([3.0 + me]))], [(peer, (1,), torch.float32)])
+        return [h.wait() for h in ahead] + [third], comm.counts()
+
+    (got0, counts), (got1, _) = run_threads(Mesh(pp=2), rank)
+    assert [t.tolist() for t in got0] == [[1.0, 1.0], [2.0], [4.0]]
+    assert [t.tolist() for t in got1] == [[1.0, 0.0], [2.0], [3.0]]
+    assert got0[1].dtype == torch.float64
+    assert counts["p2p"] == counts["send_bytes"] == counts["recv_bytes"] == 2 * 4 + 8 + 4

@@ -284,6 +284,17 @@ class DistComm:
             raise self._failure(e) from e
         return out
 
+    def post_recv_p2p(self, recvs) -> list["_PendingRecv"]:
+        """``fsdpx.sharding.comm.Comm.post_recv_p2p``: one ``irecv`` each, waited for by the
+        handle (at most the process group's timeout)."""
+        bufs = [torch.empty(shape, dtype=dtype) for _, shape, dtype in recvs]
+        self._counts["recv_bytes"] = self._counts.get("recv_bytes", 0) + sum(b.numel() * b.element_size() for b in bufs)
+        try:
+            reqs = [dist.irecv(buf, peer) for buf, (peer, _, _) in zip(bufs, recvs)]
+        except RuntimeError as e:
+            raise self._failure(e) from e
+        return [_PendingRecv(self, req, buf) for req, buf in zip(reqs, bufs)]
+
     def flush_p2p(self) -> None:
         """Wait for every send still in flight (each at most the process group's timeout)."""
         pending, self._pending_sends = self._pending_sends, []
@@ -330,3 +341,17 @@ def _pad(t: Tensor, dim: int, size: int) -> Tensor:
     shape = list(t.shape)
     shape[dim] = extra
     return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+class _PendingRecv:
+    """A posted ``irecv`` of ``DistComm.post_recv_p2p``."""
+
+    def __init__(self, comm: DistComm, req: Any, buf: Tensor):
+        self.comm, self.req, self.buf = comm, req, buf
+
+    def wait(self) -> Tensor:
+        try:
+            self.req.wait()
+        except RuntimeError as e:
+            raise self.comm._failure(e) from e
+        return self.buf

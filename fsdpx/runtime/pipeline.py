@@ -42,7 +42,7 @@ from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_shape
 from fsdpx.sharding.pipeline import PipelineLayout, microbatch_bounds, pipeline_index, rank_plan
 from fsdpx.sharding.plan import ShardingPlan
-from fsdpx.sharding.schedule import B, F, P2P, RECV_F, SEND_B, SEND_F, SPLIT_BACKWARD, W, Schedule, schedule
+from fsdpx.sharding.schedule import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, SPLIT_BACKWARD, W, Schedule, schedule
 from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.spec import Spec
 from privacy import contributions as C
@@ -61,6 +61,12 @@ from .step import trainable_update
 from .tensor_parallel import TensorParallelHooks
 from .weight_pass import capturing, input_grads, separable, weight_grads
 from .units import Unit, make_units
+
+
+# receives are posted this many transfer groups ahead of the one that waits for them: that
+# many more activation-sized buffers held, against a send that finds no receive posted
+# (gloo then sends only a notice, and the data waits for the receiver's request)
+RECV_AHEAD = 2
 
 
 class StageGroupComm:
@@ -295,29 +301,59 @@ class _Run:
     # ---- the action loop ---------------------------------------------------------------------
 
     def execute(self, actions) -> None:
-        pending: list[P2P] = []
+        """Run this rank's actions in order; each run of consecutive transfers is one
+        ``_transfer`` before the compute action that follows it."""
+        items: list = []  # compute actions and transfer groups (lists of P2P), in order
         for a in actions:
-            if isinstance(a, P2P):
-                pending.append(a)
-                continue
-            if pending:
-                self._transfer(pending)
-                pending = []
-            if isinstance(a, F):
-                self._forward(a.mb, a.stage)
-            elif isinstance(a, B):
-                self._backward(a.mb, a.stage, weights=not self.o.split)
-            elif isinstance(a, W):
-                self._weights(a.mb, a.stage)
-        if pending:
-            self._transfer(pending)
+            if not isinstance(a, P2P):
+                items.append(a)
+            elif items and isinstance(items[-1], list):
+                items[-1].append(a)
+            else:
+                items.append([a])
+        groups = [item for item in items if isinstance(item, list)]
+        # every receive of the step, in schedule order, with the index of its group
+        self.recv_order = [(g, a) for g, group in enumerate(groups) for a in group
+                           if isinstance(a, (RECV_F, RECV_B)) and self.mbs[a.mb][1].shape[0]]
+        self.posted = 0  # receives of recv_order posted so far
+        self.pending: dict[tuple[str, int, int], object] = {}
+        g = 0
+        for item in items:
+            if isinstance(item, list):
+                self._transfer(item, g)
+                g += 1
+            elif isinstance(item, F):
+                self._forward(item.mb, item.stage)
+            elif isinstance(item, B):
+                self._backward(item.mb, item.stage, weights=not self.o.split)
+            elif isinstance(item, W):
+                self._weights(item.mb, item.stage)
         self.o.comm.flush_p2p()
 
     def _hidden(self, mb: int) -> tuple[tuple[int, ...], torch.dtype]:
         return self.o.boundary(self.mbs[mb][0])
 
-    def _transfer(self, actions: list[P2P]) -> None:
-        sends, recvs, keys = [], [], []
+    def _post_receives(self, last_group: int) -> None:
+        """Post, in schedule order, every receive of the transfer groups up to ``last_group``
+        not posted yet."""
+        todo = []
+        while self.posted < len(self.recv_order) and self.recv_order[self.posted][0] <= last_group:
+            todo.append(self.recv_order[self.posted][1])
+            self.posted += 1
+        if not todo:
+            return
+        wanted = [(self.o.peer[a.peer], *self._hidden(a.mb)) for a in todo]
+        for a, handle in zip(todo, self.o.comm.post_recv_p2p(wanted)):
+            self.pending[("F" if isinstance(a, RECV_F) else "B", a.mb, a.stage)] = handle
+
+    def _transfer(self, actions: list[P2P], group: int) -> None:
+        """Transfer group ``group``: its receives and those of the next ``RECV_AHEAD`` groups
+        are posted (before this group's sends: a peer that answers one of these sends finds
+        them posted), then its sends leave (never waited for until ``flush_p2p``), then its
+        receives are waited for. Receives are posted in schedule order, so each matches its
+        send; posting never blocks, so a schedule that simulates still cannot deadlock."""
+        self._post_receives(group + RECV_AHEAD)
+        sends, keys = [], []
         for a in actions:
             if self.mbs[a.mb][1].shape[0] == 0:
                 continue  # an empty microbatch: both ends know, nothing moves
@@ -327,12 +363,11 @@ class _Run:
             elif isinstance(a, SEND_B):
                 sends.append((peer, self.outbox.pop(("B", a.mb, a.stage))))
             else:
-                shape, dtype = self._hidden(a.mb)
-                recvs.append((peer, shape, dtype))
                 keys.append(("F" if isinstance(a, RECV_F) else "B", a.mb, a.stage))
-        if sends or recvs:
-            for key, t in zip(keys, self.o.comm.exchange_p2p(sends, recvs)):
-                self.inbox[key] = t
+        if sends:
+            self.o.comm.exchange_p2p(sends, [])
+        for key in keys:
+            self.inbox[key] = self.pending.pop(key).wait()
 
     def _incoming(self, kind: str, mb: int, stage: int, local_from: int) -> Tensor:
         """The activation (``kind`` "F") or gradient ("B") for ``(mb, stage)``: received, or

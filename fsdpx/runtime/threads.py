@@ -8,6 +8,7 @@ the ``SimulatedMesh`` (the worst group's, per collective kind).
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from typing import Any, Callable
@@ -107,6 +108,11 @@ class ThreadComm:
         self.rank = rank
         self.mesh = exchange.sim.mesh
         self._ex = exchange
+        # per peer: receives posted so far, messages taken from its mailbox so far, and the
+        # taken ones whose receive has not been waited for yet (by posting number)
+        self._posted: dict[int, int] = {}
+        self._taken: dict[int, int] = {}
+        self._early: dict[int, dict[int, Any]] = {}
 
     def run(self, collective: Collective, local: Tensor) -> Tensor:
         if collective.mesh == self.mesh:
@@ -135,22 +141,40 @@ class ThreadComm:
         for peer, t in sends:
             self._ex.mailbox(self.rank, peer).put(t.detach().clone())
             sent += t.numel() * t.element_size()
-        out, received = [], 0
+        if self.rank == 0:
+            self._ex.sim.add_counts({"p2p": sent, "send_bytes": sent})
+        return [r.wait() for r in self.post_recv_p2p(recvs)]
+
+    def post_recv_p2p(self, recvs) -> list["_MailboxRecv"]:
+        """``fsdpx.sharding.comm.Comm.post_recv_p2p``: each receive gets the next number
+        from its peer and, when waited for, the message of that number (mailboxes keep every
+        send, so messages taken for later receives wait here). Bytes count when posted."""
+        if self.rank == 0:
+            self._ex.sim.add_counts({"recv_bytes": sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in recvs)})
+        handles = []
         for peer, shape, dtype in recvs:
+            number = self._posted.get(peer, 0)
+            self._posted[peer] = number + 1
+            handles.append(_MailboxRecv(self, peer, number, tuple(shape), dtype))
+        return handles
+
+    def _take(self, peer: int, number: int, shape: tuple[int, ...], dtype) -> Tensor:
+        """Message ``number`` from ``peer`` (0 = the first it sent)."""
+        early = self._early.setdefault(peer, {})
+        while number not in early:
             try:
-                msg = self._ex.mailbox(peer, self.rank).get(timeout=self._ex.timeout)
+                got = self._ex.mailbox(peer, self.rank).get(timeout=self._ex.timeout)
             except queue.Empty:
                 raise RankFailure([peer], f"no message from rank {peer} within {self._ex.timeout:g} s") from None
-            if msg is _ABORTED:
+            if got is _ABORTED:
                 raise RankFailure([peer], "a peer thread failed")
-            if tuple(msg.shape) != tuple(shape) or msg.dtype != dtype:
-                raise ValueError(f"rank {self.rank} expected {tuple(shape)} {dtype} from rank {peer}, got"
-                                 f" {tuple(msg.shape)} {msg.dtype}")
-            out.append(msg)
-            received += msg.numel() * msg.element_size()
-        if self.rank == 0:
-            self._ex.sim.add_counts({"p2p": sent, "send_bytes": sent, "recv_bytes": received})
-        return out
+            early[self._taken.get(peer, 0)] = got
+            self._taken[peer] = self._taken.get(peer, 0) + 1
+        msg = early.pop(number)
+        if tuple(msg.shape) != shape or msg.dtype != dtype:
+            raise ValueError(f"rank {self.rank} expected {shape} {dtype} from rank {peer}, got"
+                             f" {tuple(msg.shape)} {msg.dtype}")
+        return msg
 
     def flush_p2p(self) -> None:
         """Sends are copies put in mailboxes: complete when made."""
@@ -161,6 +185,16 @@ class ThreadComm:
     def reset_counts(self) -> None:
         if self.rank == 0:
             self._ex.sim.reset_counts()
+
+
+class _MailboxRecv:
+    """A receive posted on the simulated mesh: taken from the mailbox when waited for."""
+
+    def __init__(self, comm: ThreadComm, peer: int, number: int, shape: tuple[int, ...], dtype):
+        self.comm, self.peer, self.number, self.shape, self.dtype = comm, peer, number, shape, dtype
+
+    def wait(self) -> Tensor:
+        return self.comm._take(self.peer, self.number, self.shape, self.dtype)
 
 
 def run_threads(mesh: Mesh, fn: Callable[[ThreadComm], Any], *, timeout: float = 120.0) -> list[Any]:

@@ -34,6 +34,11 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank(s) {self.ranks} failed or did not answer: {detail}")
 
 
+class PendingRecv(Protocol):
+    def wait(self) -> Tensor:
+        """The received tensor, once it has arrived (at most the timeout; else ``RankFailure``)."""
+
+
 class Comm(Protocol):
     rank: int
     mesh: Mesh
@@ -53,6 +58,14 @@ class Comm(Protocol):
         A peer that never sends raises ``RankFailure`` naming it within the timeout. Sends may
         complete after the call returns (never wait for their receive): the tensors must not
         change until ``flush_p2p``."""
+
+    def post_recv_p2p(self, recvs: Sequence[tuple[int, tuple[int, ...], torch.dtype]]) -> list["PendingRecv"]:
+        """Post receives of ``(peer, shape, dtype)`` now and return at once, one handle each
+        (``wait()`` gives the tensor). A peer's messages fill this rank's receives in the
+        order they were posted, here or by ``exchange_p2p``. A pipeline posts its receives
+        ahead of need: on a rendezvous transport (gloo) a send whose receive is already
+        posted leaves at once from the sender's own thread, instead of waiting for the
+        receiver to ask and the sender's transport thread to answer."""
 
     def flush_p2p(self) -> None:
         """Wait until every send of ``exchange_p2p`` so far has completed (end of a step)."""

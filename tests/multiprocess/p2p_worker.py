@@ -1,5 +1,5 @@
-"""Two gloo processes exchanging point to point (``DistComm.exchange_p2p``), as pipeline
-stages do; ``--die`` makes rank 1 exit before it sends (rank 0 must name it, not hang)."""
+"""Two gloo processes exchanging point to point (``DistComm.exchange_p2p``, receives posted
+ahead with ``post_recv_p2p``), as pipeline stages do; ``--die`` makes rank 1 exit before it sends (rank 0 must name it, not hang)."""
 
 import argparse
 import os
@@ -23,6 +23,12 @@ def main() -> None:
     try:
         got = comm.exchange_p2p([(peer, torch.full((3, 2), float(me))), (peer, torch.arange(5.0) * (me + 1))],
                                 [(peer, (3, 2), torch.float32), (peer, (5,), torch.float32)])
+        # receives posted ahead of the sends they match (as a pipeline posts them), then
+        # one posted with the sends: filled in the order posted
+        ahead = comm.post_recv_p2p([(peer, (2,), torch.float32), (peer, (2,), torch.float32)])
+        (third,) = comm.exchange_p2p([(peer, torch.tensor([1.0, me])), (peer, torch.tensor([2.0, me])),
+                                      (peer, torch.tensor([3.0, me]))], [(peer, (2,), torch.float32)])
+        got += [h.wait() for h in ahead] + [third]
         comm.flush_p2p()  # the sends complete (a pipeline step ends this way)
         result = {"got": got, "counts": comm.counts()}
     except RankFailure as e:

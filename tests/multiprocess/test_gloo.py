@@ -206,7 +206,9 @@ def test_point_to_point_exchanges_on_gloo_arrive_in_order_and_are_counted(tmp_pa
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
     assert torch.equal(r0["got"][0], torch.ones(3, 2)) and torch.equal(r0["got"][1], torch.arange(5.0) * 2)
     assert torch.equal(r1["got"][0], torch.zeros(3, 2)) and torch.equal(r1["got"][1], torch.arange(5.0))
-    assert r0["counts"]["p2p"] == r0["counts"]["send_bytes"] == r0["counts"]["recv_bytes"] == (6 + 5) * 4
+    for me, r in enumerate((r0, r1)):  # posted ahead or with the sends: filled in the order posted
+        assert [t.tolist() for t in r["got"][2:]] == [[1.0, 1 - me], [2.0, 1 - me], [3.0, 1 - me]]
+    assert r0["counts"]["p2p"] == r0["counts"]["send_bytes"] == r0["counts"]["recv_bytes"] == (6 + 5 + 3 * 2) * 4
 
 
 def test_a_stage_that_dies_before_sending_is_named_by_its_peer(tmp_path):
