@@ -1,14 +1,24 @@
-"""Multi-job planner benchmark (issue 13, part a): synthetic instances.
+"""Multi-job planner benchmark (issue 13): (a) synthetic instances, (b) the real 4-job run.
 
-    .venv/bin/python benchmarks/planner.py                    # J in {8,16,32} x G in {8,16,64}
-    .venv/bin/python benchmarks/planner.py --jobs 8 --devices 8 --time-limit 2   # smoke run
+    .venv/bin/python benchmarks/planner.py                    # (a) J in {8,16,32} x G in {8,16,64}
+    .venv/bin/python benchmarks/planner.py --jobs 8 --devices 8 --time-limit 2   # (a) smoke run
+    .venv/bin/python benchmarks/planner.py --real --repeats 3                   # (b) on this machine's cores
 
-For every (J, G): the plan's solve time (greedy + both MILP stages), and the makespan over the
+(a) For every (J, G): the plan's solve time (greedy + both MILP stages), and the makespan over the
 proven lower bound (``fsdpx.jobs.bounds.makespan_lower_bound``) of the returned plan (MILP or,
 when it is not better, greedy), of the greedy list schedule alone, and of Saturn's two
 baselines: one job after another on all devices with its best technique, and an equal split
 of the devices. Instances from ``fsdpx.jobs.synthetic.synthetic_options`` (seeded).
 Targets: plan <= 1.05x the bound where J >= G/4, never worse than greedy, solve < 10 s.
+
+(b) The four jobs of ``tests/test_jobs_run.py`` (different sizes, one private) on G = 2 devices
+(this machine's cores): each repeat profiles them afresh (``--profile-counts``, ddp and
+ddp-private), runs the plan with the local backend (``fsdpx.jobs.runner``), then the same jobs
+one after another on all G devices with their best technique (Saturn's first baseline,
+``greedy.one_after_another`` of the same options). It reports the wall time of each, their
+ratio, and each one's predicted time (the plan's makespan; the sum of the baseline's options)
+against the measured, with the load average around the repeat (other processes on the cores
+make every figure slower than its profile).
 """
 
 from __future__ import annotations
@@ -34,13 +44,78 @@ def row(J: int, G: int, seed: int, time_limit: float) -> dict:
             "milp": "; ".join(n.split(", ")[-1][:40] for n in plan.notes if n.startswith("MILP:"))}
 
 
+def real_run(root: Path, counts: set[int], time_limit: float) -> dict:
+    """One repeat of (b) under ``root``: fresh profiles, the plan run, the one-after-another run."""
+    import os
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import fsdpx.jobs as jobs
+    from fsdpx.jobs.backends import Attempt, LocalBackend
+    from fsdpx.jobs.cli import profiled_options
+    from fsdpx.jobs.devices import physical_ids
+    from fsdpx.jobs.runner import run_jobs
+    from test_jobs_run import FOUR_JOBS, tiny_gpt
+
+    tasks = [tiny_gpt(name, steps, **kw) for name, steps, kw in FOUR_JOBS]
+    cluster = jobs.Devices(len(os.sched_getaffinity(0)), 2**30)
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    options, _ = profiled_options(tasks, cluster, counts, root / "profiles", ["ddp", "ddp-private"])
+    print(f"profiled in {time.perf_counter() - t0:.0f} s: " + "; ".join(
+        f"{j} {o.technique}x{o.devices} {o.seconds:.1f} s (startup {o.startup:.1f})" for j, os_ in options.items()
+        for o in os_), file=sys.stderr, flush=True)
+    report = run_jobs(tasks, options, cluster, root / "plan", stream=None, solve_options={"time_limit": time_limit})
+    print(f"plan: {report.makespan:.1f} s measured, {report.predicted:.1f} s predicted; re-plans: "
+          + "; ".join(r.reason for r in report.replans[1:]), file=sys.stderr, flush=True)
+    if not report.ok:
+        raise RuntimeError({n: o.error for n, o in report.jobs.items() if o.error})
+    sequence = one_after_another(options, cluster.count)
+    by_name = {t.name: t for t in tasks}
+    start = time.perf_counter()
+    for job, o, _ in sequence:
+        devices = cluster.group(o.devices, physical_ids(cluster, range(o.devices)))
+        handle = LocalBackend().start(Attempt(by_name[job], o.technique, devices, dict(o.params), by_name[job].steps,
+                                              root / "sequential" / job / "ckpt"))
+        while (msg := handle.poll()) is None:
+            time.sleep(0.1)
+        if msg[0] != "ok" or not msg[1].ok:
+            raise RuntimeError(f"{job} alone: {msg}")
+    sequential = time.perf_counter() - start
+    return {"load": (load + os.getloadavg()[0]) / 2, "predicted": report.predicted, "makespan": report.makespan,
+            "sequential_predicted": makespan(sequence), "sequential": sequential,
+            "replans": f"{len(report.replans) - 1} ({sum(len(r.moved) for r in report.replans)} moved)",
+            "plan": "; ".join(f"{a.job} {a.option.technique}x{a.option.devices}@{a.start:.1f}"
+                              for a in report.replans[0].plan.assignments)}
+
+
+def main_real(args) -> None:
+    import tempfile
+
+    print("| repeat | load avg | plan: predicted s | plan: measured s | error | one after another: predicted s "
+          "| one after another: measured s | error | plan / one after another (measured) | re-plans | first plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for k in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="planner-real-") as tmp:
+            r = real_run(Path(tmp), set(args.profile_counts), args.time_limit)
+        print(f"| {k} | {r['load']:.1f} | {r['predicted']:.1f} | {r['makespan']:.1f} | "
+              f"{r['makespan'] / r['predicted'] - 1:+.0%} | {r['sequential_predicted']:.1f} | {r['sequential']:.1f} | "
+              f"{r['sequential'] / r['sequential_predicted'] - 1:+.0%} | {r['makespan'] / r['sequential']:.2f} | "
+              f"{r['replans']} | {r['plan']} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--devices", type=int, nargs="+", default=[8, 16, 64])
     p.add_argument("--seeds", type=int, default=1, help="instances per cell (seeds 0..N-1)")
     p.add_argument("--time-limit", type=float, default=8.0, help="MILP seconds, split over its two stages")
+    p.add_argument("--real", action="store_true", help="(b): the real 4-job run against one after another")
+    p.add_argument("--repeats", type=int, default=3, help="(b): repeats, each profiling afresh")
+    p.add_argument("--profile-counts", type=int, nargs="+", default=[1, 2], help="(b): device counts profiled")
     args = p.parse_args()
+    if args.real:
+        return main_real(args)
     print("| J | G | seed | solve s | plan / LB | greedy / LB | one after another / LB | equal split / LB | "
           "plan from | MILP stages | J >= G/4: plan <= 1.05 LB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
