@@ -260,20 +260,33 @@ def _prefer_instantiate(parts: list[Factored]) -> bool:
     return instantiate_cost(parts) < gram_cost(parts)
 
 
-def weighted_sum(parts: list[Contribution], weights: Tensor, param_shape: torch.Size) -> Tensor:
+def weighted_sum(parts: list[Contribution], weights: Tensor, param_shape: torch.Size, *,
+                 out: Tensor | None = None) -> Tensor:
     """``sum_i weights[i] * sum_u g_u,i`` shaped like the parameter: ``L^T diag(w) R`` for
-    factored parts (one matmul, no per-example gradient), an einsum for dense ones.
+    factored parts (one matmul, no per-example gradient), an einsum for dense ones. With
+    ``out`` (a contiguous tensor of ``param_shape``: a running sum over microbatches) the
+    result is added into it in place (``addmm_`` / ``addmv_``: no temporary, no extra pass)
+    and ``out`` is returned.
 
     Guarantees: with ``weights == 1`` this is the ordinary batch gradient
-    (``test_clipped_grad_with_infinite_clip_norm_is_the_batch_gradient``)."""
-    if len(parts) == 1 and isinstance(parts[0], Dense):
-        return torch.tensordot(weights, parts[0].grads, dims=1).reshape(param_shape)
+    (``test_clipped_grad_with_infinite_clip_norm_is_the_batch_gradient``); with ``out`` it
+    equals ``out + weighted_sum(parts, weights, param_shape)`` to float rounding
+    (``test_weighted_sum_into_a_running_sum``)."""
     num_rows = param_shape[0] if len(param_shape) else 1
-    total = _first_product(parts, weights, param_shape, num_rows)
-    if total is not None:
-        parts = parts[1:]
+    if out is not None:
+        total = out
+        for p in parts:
+            if isinstance(p, Dense):  # += grads^T w, the einsum as one matrix-vector product
+                total.view(-1).addmv_(p.grads.reshape(p.grads.shape[0], -1).transpose(0, 1), weights)
+        parts = [p for p in parts if not isinstance(p, Dense)]
+    elif len(parts) == 1 and isinstance(parts[0], Dense):
+        return torch.tensordot(weights, parts[0].grads, dims=1).reshape(param_shape)
     else:
-        total = weights.new_zeros(param_shape)
+        total = _first_product(parts, weights, param_shape, num_rows)
+        if total is not None:
+            parts = parts[1:]
+        else:
+            total = weights.new_zeros(param_shape)
     flat = total.view(num_rows, -1)
     for p in parts:
         if isinstance(p, Dense):

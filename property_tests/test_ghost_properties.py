@@ -77,6 +77,28 @@ def test_reused_instantiation_gives_the_same_norms_and_clipped_sums(case: Case):
 
 
 @given(supported_cases())
+def test_weighted_sum_into_a_running_sum(case: Case):
+    """``weighted_sum(..., out=acc)`` adds the clipped sum into ``acc`` in place: equal to
+    ``acc + weighted_sum(...)`` for factored (dense and one-hot) and instantiated forms."""
+    from privacy.ghost import contributions
+    from privacy.tape import record
+
+    shapes = {n: p.shape for n, p in case.params.items()}
+    tape = record(case.model, case.params, case.batch, case.loss_fn)
+    factored = contributions(case.model, case.params, tape, method="ghost")
+    with mock.patch.object(C, "REUSE_MEMORY_MACS", 0):
+        reused = C.instantiate_for_reuse(dict(factored), shapes, budget_bytes=2**62)
+    weights = torch.rand(case.batch[1].shape[0], dtype=torch.float64)
+    for parts in (factored, reused):
+        for name, plist in parts.items():
+            acc = torch.randn(shapes[name], dtype=torch.float64)
+            want = acc + C.weighted_sum(plist, weights, shapes[name])
+            got = C.weighted_sum(plist, weights, shapes[name], out=acc)
+            assert got is acc
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@given(supported_cases())
 def test_streamed_clipped_sums_equal_the_factored_forms(case: Case):
     """Streaming every eligible parameter example by example gives the squared norms of the
     factored forms (completed on top of the other parameters' norms) and their clipped sums

@@ -464,6 +464,10 @@ class _Run:
         leaves = {n: rec.gatherer.full[n] for n in st.names}
         rec.parts = contributions(o.model, leaves, Tape(rec.calls, None), method=o.config.method)
         rec.calls, rec.root, rec.grad_out = None, None, None
+        # the unpipelined step's cost rule: a parameter whose per-example gradients cost less to
+        # form once than its Gram norm plus its clipped-sum matmul keeps them instead of its
+        # factors (never more bytes than the factors: they are kept until ``clip`` either way)
+        rec.parts = C.instantiate_for_reuse(rec.parts, {n: leaves[n].shape for n in rec.parts})
         rec.sq = leaves[st.names[0]].new_zeros(rec.size) if st.names else torch.zeros(rec.size, dtype=torch.float64)
         for n, plist in rec.parts.items():
             if n in o.counted and n not in o.shared:
@@ -496,10 +500,14 @@ class _Run:
                 continue
             factors, parts = _factors(norms[starts[mb]:starts[mb] + rec.size], rec.parts, o.config.clip_norm,
                                       o.config.clipping, o.config.nonfinite, keep=masks[mb])
-            st = o.stages[s]
-            grads = [C.weighted_sum(parts[n], factors, rec.gatherer.full[n].shape) if parts.get(n) else None
-                     for n in st.names]
-            self._accumulate(s, grads)
+            for n in o.stages[s].names:
+                if not parts.get(n):
+                    continue
+                shape = rec.gatherer.full[n].shape
+                if n in self.raw:  # a sum clip allocated: this microbatch's is added into it
+                    C.weighted_sum(parts[n], factors, shape, out=self.raw[n].view(shape))
+                else:  # always a new tensor: the running sum
+                    self.raw[n] = C.weighted_sum(parts[n], factors, shape).reshape(self._local_shape(n))
             _free_all(rec.gatherer)
 
     def _shared_norms(self, mine: list[tuple[int, int]]) -> None:
