@@ -316,29 +316,38 @@ FOUR_JOBS = (("tiny", 60, {}), ("small", 40, {"n_layer": 2, "n_embd": 48}), ("wi
 @pytest.mark.slow
 def test_four_real_jobs_equal_their_solo_runs_and_the_predicted_makespan(tmp_path):
     """Issue 13, section 2.3: four small jobs (different sizes, one private) planned from real
-    profiles on this machine's 2 cores and run with the local backend: every job's losses
-    equal those of the same job run alone with the same technique, and the measured makespan
-    is within 50% of the plan's. The issue's target is 20%; on this 2-core machine it is missed
-    (38.4 s measured vs 29.2 s planned, +32%): a job's startup (torchrun's agent and the worker
-    importing torch, ~5 s) is profiled with the machine to itself, but runs while the other core's
-    job trains, so concurrent startups are slower than profiled."""
+    profiles (measured side by side, pinned, as the plan runs them) on this machine's 2 cores and
+    run with the local backend: every job's losses equal those of the same job run alone with
+    the same technique and count (bit for bit; within 1e-5 relative for a job a re-plan moved to
+    another count), and the measured makespan is within 50% of the plan's. The issue's target
+    is 20%; it is asserted at 50% because on this machine, shared with other processes (load
+    averages of 6-12 on 2 cores), profiles and runs vary by 2-3x from one minute to the next
+    (``benchmarks/planner.py --real``); the bound is checked only when the load average stayed
+    below the cores + 0.5."""
     from fsdpx.jobs.cli import profiled_options
 
     tasks = [tiny_gpt(name, steps, **kw) for name, steps, kw in FOUR_JOBS]
     cluster = jobs.Devices(2, 2**30)
+    load = os.getloadavg()[0]
     options, _ = profiled_options(tasks, cluster, {1}, tmp_path / "profiles", ["ddp", "ddp-private"])
     report = run_jobs(tasks, options, cluster, tmp_path / "run", stream=None, solve_options={"time_limit": 2})
     assert report.ok, {n: o.error for n, o in report.jobs.items()}
     check_segments(report)
     backend = LocalBackend()
     for task in tasks:
-        (seg,) = report.jobs[task.name].segments  # nothing moved: same technique and count as alone
-        kind, alone = wait(backend.start(attempt(task, seg.technique, len(seg.devices), task.steps, tmp_path / "alone")))
+        segs = report.jobs[task.name].segments
+        first = segs[0]
+        kind, alone = wait(backend.start(attempt(task, first.technique, len(first.devices), task.steps,
+                                                 tmp_path / "alone")))
         assert kind == "ok" and alone.ok
-        assert losses(tmp_path / "run" / task.name) == losses(tmp_path / "alone" / task.name)
-        assert report.jobs[task.name].result.summary["final_loss"] == alone.summary["final_loss"]
-    print(f"predicted makespan {report.predicted:.1f} s, measured {report.makespan:.1f} s")
-    load = os.getloadavg()[0]
+        got, want = losses(tmp_path / "run" / task.name), losses(tmp_path / "alone" / task.name)
+        if all((s.technique, len(s.devices)) == (first.technique, len(first.devices)) for s in segs):
+            assert got == want
+            assert report.jobs[task.name].result.summary["final_loss"] == alone.summary["final_loss"]
+        else:  # moved by a re-plan (a drift) to another count: the same up to float rounding
+            assert got == pytest.approx(want, rel=1e-5)
+    load = max(load, os.getloadavg()[0])
+    print(f"predicted makespan {report.predicted:.1f} s, measured {report.makespan:.1f} s, load {load:.1f}")
     if load > len(CORES) + 0.5:  # other processes on the cores: the profiles do not describe this machine now
         pytest.skip(f"load average {load:.1f} on {len(CORES)} cores: makespan {report.makespan:.1f} s measured vs"
                     f" {report.predicted:.1f} s planned is not a test of the plan (the losses were checked)")
