@@ -342,23 +342,15 @@ def timed(name: str, fn: Callable, *, before: str | None = None, after: str | No
 
 
 def install_fsdpx_timers() -> None:
-    """Phase timers (and memory marks) around fsdpx's noise draw and its gradient reduction +
-    update: module globals of ``fsdpx.runtime.step``, looked up at call time, patched in this
-    process only (fsdpx's files are untouched). Once the backward is over the step draws the
-    noise (private only), then calls ``_reduce_and_update(..., noise)``."""
+    """Phase timers (and memory marks) around fsdpx's gradient reduction + update and its noise
+    draws: module globals of ``fsdpx.runtime.step``, looked up at call time, patched in this
+    process only (fsdpx's files are untouched). Once the backward is over the step calls
+    ``_reduce_and_update``, which draws each parameter's noise (``OwnedNoise.pop``, private
+    only) as it reduces that parameter's gradient: the noise phase is inside the reduction's."""
     import fsdpx.runtime.step as step_mod
 
-    step_mod._owned_noise = timed("noise", step_mod._owned_noise, before="forward+backward")
-    real = step_mod._reduce_and_update
-    with_noise = timed("reduce_and_update", real, before="noise")
-    plain = timed("reduce_and_update", real, before="forward+backward")
-
-    @functools.wraps(real)
-    def reduce_and_update(*args, **kwargs):
-        noise = args[-1] if len(args) == 8 else kwargs.get("noise")
-        return (plain if noise is None else with_noise)(*args, **kwargs)
-
-    step_mod._reduce_and_update = reduce_and_update
+    step_mod.OwnedNoise.pop = timed("noise", step_mod.OwnedNoise.pop)
+    step_mod._reduce_and_update = timed("reduce_and_update", step_mod._reduce_and_update, before="forward+backward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -735,8 +727,8 @@ def breakdown(rec: dict) -> dict[str, float]:
     one = sum(v for k, v in cs.items() if k.endswith("@1"))
     out = {"comm": sum(v for k, v in cs.items() if k != "object" and not k.endswith("@1")), "comm@1": one,
            "noise": ph.get("noise", 0.0)}
-    if "reduce_and_update" in ph:  # fsdpx: its 1-rank all-reduces happen inside
-        out["update"] = max(ph["reduce_and_update"] - one, 0.0)
+    if "reduce_and_update" in ph:  # fsdpx: its 1-rank all-reduces and the noise draws happen inside
+        out["update"] = max(ph["reduce_and_update"] - one - out["noise"], 0.0)
     else:
         out["update"] = ph.get("update", 0.0)
     out["compute"] = rec["seconds"] - sum(out.values())
@@ -802,8 +794,9 @@ def tables_for(nproc: int, res: dict) -> str:
                          + " | ".join(f"{ph[k]:.2f}" for k in PHASES) + " |")
         lines += ["", "Bytes per collective kind per rank per step (MB = 1e6 B; one number when every rank "
                   "agrees, else rank by rank), counted at the torch.distributed / functional-collective call; "
-                  "`@1`: on fsdpx's data-parallel group of ONE rank (ddp over dp=1: nothing moves, the runtime "
-                  "still calls all_reduce and counts it, as the algebra does):", "",
+                  "`@1`: on fsdpx's data-parallel group of ONE rank (ddp over dp=1: nothing moves; the runtime "
+                  "counts it in metrics[\"comm\"], as the algebra does, but makes no torch.distributed call, "
+                  "so the agreement adds the algebra's @1 bytes to the counted ones):", "",
                   "| mode | all-reduce over tp | all-gather over tp | reduce-scatter over tp | all-reduce @1 "
                   "| calls AR/AG/RS/AR@1 | fsdpx's own metrics[\"comm\"] agrees | op audit (step 1) agrees |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -811,8 +804,12 @@ def tables_for(nproc: int, res: dict) -> str:
             b, c, own = m["bytes_per_rank"], m["calls_per_rank"][0], m["fsdpx_comm_per_rank"]
             agree = "-"
             if own[0] is not None:
-                agree = "yes" if all(_merged(bb) == {k: v for k, v in _merged(o).items() if v or k in _merged(bb)}
-                                     for o, bb in zip(own, b)) else "NO"
+                # DistComm counts its all-reduces on the 1-rank dp group as the algebra does, but
+                # makes no torch.distributed call for them (nothing moves): add them back
+                at1 = (pred or {}).get("param_collectives", {}).get("all_reduce", 0)
+                seen = [{**_merged(bb), "all_reduce": _merged(bb).get("all_reduce", 0) + at1} for bb in b]
+                agree = "yes" if all(sb == {k: v for k, v in _merged(o).items() if v or k in sb}
+                                     for o, sb in zip(own, seen)) else "NO"
             aud = m["audit_per_rank"]
             audit = "-"
             if aud[0] is not None:
@@ -888,8 +885,8 @@ def tables_for(nproc: int, res: dict) -> str:
                          f"| {above(d)} | {above(th)} | {base} |")
         phases = ["set-up", "forward+backward", "noise", "reduce", "update", "end of step"]
         lines += ["", "Where the peak is (MALLOC_MMAP_THRESHOLD_=65536 where run, rank 0, last step; MB above "
-                  "VmRSS after the model; fsdpx: noise draw, then its 1-rank gradient all-reduces, then "
-                  "AdamW):", "",
+                  "VmRSS after the model; fsdpx: its 1-rank gradient all-reduces with each parameter's "
+                  "noise draw, then AdamW):", "",
                   "| mode | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
         for mode, by_env in mem.items():
             job = by_env.get("threshold") or by_env.get("default")

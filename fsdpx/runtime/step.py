@@ -393,24 +393,38 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
 
 
 def _owned_noise(state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig,
-                 trainable: Collection[str] | None = None) -> Params:
+                 trainable: Collection[str] | None = None) -> "OwnedNoise":
     """The noise of the elements this rank updates (its optimizer-state block of each
-    parameter): the unsharded run's draw for exactly those global indices (a fused view keeps
-    the parameter's flat order, so the indices are the parameter's own). Only the ``trainable``
-    ones when a freezing schedule gives them: a frozen parameter gets none, and the others'
-    bits are the same (noise is per parameter name)."""
-    out = {}
-    for name, lay in plan.params.items():
-        if trainable is not None and name not in trainable:
-            continue
-        box = local_box(lay.shape, lay.opt_state, comm.mesh, comm.rank)
-        out[name] = shard_noise(name, lay.shape, box, key=state.key, step=state.step, std=config.noise_std,
-                                dtype=state.params[name].dtype)
-    return out
+    parameter), drawn when the reduction takes it (:class:`OwnedNoise`)."""
+    return OwnedNoise(state, plan, comm, config, trainable)
+
+
+class OwnedNoise:
+    """Each parameter's noise on the elements this rank updates (its optimizer-state block):
+    the unsharded run's draw for exactly those global indices (a fused view keeps the
+    parameter's flat order, so the indices are the parameter's own). Drawn by :meth:`pop`, when
+    the reduction adds it, so one parameter's noise is alive at a time, never the whole model's
+    (a full gradient's worth under DDP). The bits do not depend on the order of the draws: each
+    is a pure function of (key, step, name, index). Only the ``trainable`` ones exist when a
+    freezing schedule gives them: a frozen parameter gets none (``pop`` raises ``KeyError``),
+    and the others' bits are the same (noise is per parameter name)."""
+
+    def __init__(self, state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig,
+                 trainable: Collection[str] | None = None):
+        self.state, self.plan, self.comm, self.config = state, plan, comm, config
+        self.names = frozenset(plan.params if trainable is None else (n for n in plan.params if n in trainable))
+
+    def pop(self, name: str) -> Tensor:
+        if name not in self.names:
+            raise KeyError(f"no noise for {name!r}: not a trainable parameter of this step")
+        lay = self.plan.params[name]
+        box = local_box(lay.shape, lay.opt_state, self.comm.mesh, self.comm.rank)
+        return shard_noise(name, lay.shape, box, key=self.state.key, step=self.state.step,
+                           std=self.config.noise_std, dtype=self.state.params[name].dtype)
 
 
 def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm: Comm, units: list[Unit],
-                       update: Callable, divisor: float, noise: Params | None,
+                       update: Callable, divisor: float, noise: OwnedNoise | None,
                        trainable: Collection[str] | None = None):
     """Reduce, noise and update. ``trainable`` (a freezing schedule's set of this step): the
     other parameters move nothing (no reduce, no noise, no update, no return to rest: their
@@ -432,7 +446,7 @@ def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, com
             grad_bytes += g.numel() * g.element_size()
             g = _run_plan(comm, plan_collectives(lay.grad, lay.opt_state, lay.shape, mesh, g.dtype), g)
             if noise is not None:
-                g = g + noise[name]
+                g = g + noise.pop(name)  # drawn now: one parameter's noise alive at a time
             grads_upd[name] = g / divisor
             p = state.params[name]
             params_upd[name] = _run_plan(comm, plan_collectives(lay.at_rest, lay.opt_state, lay.shape, mesh, p.dtype), p)

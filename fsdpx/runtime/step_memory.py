@@ -16,8 +16,9 @@ Data-dependent values have no meta answer; the mode answers for them:
   non-finite" take their common branch;
 * ``torch.unique`` of ``n`` values returns ``n`` of them: every value distinct, the most memory
   (random token ids in a batch are nearly all distinct);
-* CPU tensors made by the step (the noise, drawn with a counter-based generator on the CPU) are
-  real, counted, and moved to ``meta`` where they meet a ``meta`` operand.
+* CPU tensors made by the step (the noise, drawn with a counter-based generator on the CPU into
+  a numpy buffer, which no operator reports) are real, counted from their first use, and moved
+  to ``meta`` where they meet a ``meta`` operand.
 """
 
 from __future__ import annotations
@@ -69,6 +70,16 @@ class LiveBytes(TorchDispatchMode):
                 continue
             self._storages[key] = weakref.ref(storage, lambda _, key=key: self._forget(key))
 
+    def _count_made_outside(self, tensors) -> None:
+        """Counts, from their first use, CPU tensors the step made without an operator (the
+        noise: numpy's buffer wrapped by ``torch.from_numpy``); on a meta step every real tensor
+        an operator meets was made by the step."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key not in self._storages:
+                self._storages[key] = weakref.ref(storage, lambda _, key=key: self._forget(key))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
@@ -81,6 +92,7 @@ class LiveBytes(TorchDispatchMode):
                     torch.empty(x.shape, dtype=torch.long, device="meta"),
                     torch.empty(0, dtype=torch.long, device="meta"))
         if on_meta and any(not t.is_meta and t.dim() > 0 for t in tensors):
+            self._count_made_outside(t for t in tensors if not t.is_meta and t.dim() > 0)
             args, kwargs = tree_map(lambda t: t.to("meta") if isinstance(t, Tensor) and t.dim() > 0 else t,
                                     (args, kwargs))
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
