@@ -24,6 +24,7 @@ from test_sharded_properties import _assert_close_to_reference, _baseline, _dp_c
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.runtime import init_sharded, make_sharded_step
+from fsdpx.runtime.activation_cost import pipeline_activation_collectives
 from fsdpx.runtime.threads import run_threads
 from fsdpx.sharding import Mesh, strategies
 from fsdpx.sharding.pipeline import PipelineParallel, pipeline_comm_per_step, resolve_pipeline, unshard_stages
@@ -99,16 +100,19 @@ def _nonzero(d: dict) -> dict:
 
 
 @settings(max_examples=25)
-@given(pipelines())
-def test_counted_bytes_equal_pipeline_comm_per_step(case):
+@given(pipelines(), st.booleans())
+def test_counted_bytes_equal_pipeline_comm_per_step(case, private):
     """Rank 0 counts exactly ``pipeline_comm_per_step`` (parameter collectives per microbatch,
-    reductions and updates once, activations and shared gradients point to point), without
-    tensor parallelism (whose activation collectives are traced per whole model)."""
+    reductions and updates once, activations and shared gradients point to point; private: the
+    norms' all-reduce over the pipeline and tensor ranks and the tied parameter's contributions
+    sent to its last holder), with tensor parallelism's activation collectives traced stage by
+    stage (``pipeline_activation_collectives``)."""
     model, batches, plan, mesh = case
-    if "tp" in mesh.axis_names:
-        return
-    _, metrics = _pipelined(model, batches[:1], _optimizer(torch.float64), plan, mesh)
-    x, _ = batches[0]
-    want = pipeline_comm_per_step(plan, mesh, 0, batch_size=x.shape[0], hidden=(x.shape[1], model.config.n_embd),
-                                  dtype=torch.float64)
+    _, metrics = _pipelined(model, batches[:1], _optimizer(torch.float64), plan, mesh, _dp_config(private))
+    x, y = batches[0]
+    hidden = (x.shape[1], model.config.n_embd)
+    activations = pipeline_activation_collectives(model, plan, mesh, token_loss, tuple(x.shape), tuple(y.shape),
+                                                  hidden, dtype=torch.float64)
+    want = pipeline_comm_per_step(plan, mesh, 0, batch_size=x.shape[0], hidden=hidden, dtype=torch.float64,
+                                  private=private, activations=activations)
     assert _nonzero(metrics[0]["comm"]) == _nonzero(want)

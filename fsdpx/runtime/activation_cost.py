@@ -99,3 +99,58 @@ def activation_collectives(model: nn.Module, plan: ShardingPlan, mesh: Mesh, los
                 norms.all_reduce(torch.empty(b0, summed, dtype=dtype, device="meta"))
             norms.all_reduce(torch.empty(b0, dtype=dtype, device="meta"))
     return comm.recorded
+
+
+def pipeline_activation_collectives(model: nn.Module, plan: ShardingPlan, mesh: Mesh, loss_fn: Callable,
+                                    inputs: Sequence[int], targets: Sequence[int], hidden: Sequence[int], *,
+                                    dtype: torch.dtype = torch.float32,
+                                    input_dtype: torch.dtype = torch.long) -> list[Collective]:
+    """Every tensor-parallel activation collective rank 0 runs in one pipelined step of a global
+    batch of ``inputs`` / ``targets`` (shapes): each stage of rank 0's pipeline index, for each
+    of its non-empty microbatches (``microbatch_bounds`` of rank 0's data-parallel share), traced
+    on meta tensors as the runtime runs it (``fsdpx.runtime.stages``: the stage's blocks only,
+    the received ``hidden`` activation injected, stopped after its last block; the loss on the
+    last stage; then the backward to the stage input and its parameters). Collectives run on the
+    stage group, the mesh without the pipeline axis. A private step runs the same activation
+    collectives (its backward reaches the same layer outputs); its norms' all-reduce is
+    ``pipeline_comm_per_step(..., private=True)``'s.
+
+    Returns ``[]`` without tensor parallelism. Guarantee: with ``pipeline_comm_per_step(...,
+    activations=...)`` rank 0's counted bytes (``property_tests/test_pipeline_properties.py::
+    test_counted_bytes_equal_pipeline_comm_per_step``)."""
+    from fsdpx.sharding.pipeline import microbatch_bounds
+
+    from .stages import StageExit, StageForward, absent_uses
+
+    layout = plan.pipeline
+    if not plan.modules or plan.tp_axis is None or layout is None:
+        return []
+    sub = mesh.sub(tuple(a for a in mesh.axis_names if a != layout.axis))
+    comm = _RecordingComm(sub)
+    share = chunk_bounds(inputs[0], mesh.axis_size(plan.data_axes), 0)[1]
+    sizes = [b - a for a, b in microbatch_bounds(share, layout.microbatches) if b > a]
+    last = layout.num_stages - 1
+    for s in layout.stages_on(0):
+        names = layout.params_of([s])
+        forward = StageForward(model, layout, absent_uses(model, plan.params, layout, s), device="meta")
+        for size in sizes:
+            params = {}
+            for n in names:
+                lay = plan.params[n]
+                shape = lay.param_shape(local_shape(lay.shape, lay.compute, sub, 0))
+                params[n] = torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+            x = torch.zeros((size, *inputs[1:]), dtype=input_dtype, device="meta")
+            inject = torch.empty((size, *hidden), dtype=dtype, device="meta", requires_grad=True) if s else None
+            with TensorParallelHooks(model, plan, comm).installed(0), forward.running(s, inject):
+                try:
+                    out = functional_call(model, params, (x,))
+                except StageExit as e:
+                    out = e.output
+                if s == last:
+                    y = torch.zeros((size, *targets[1:]), dtype=torch.long, device="meta")
+                    root, seed = loss_fn(out, y).sum(), None
+                else:
+                    root, seed = out, torch.empty_like(out)
+                leaves = ([inject] if inject is not None else []) + list(params.values())
+                torch.autograd.grad(root, leaves, seed, allow_unused=True)
+    return comm.recorded

@@ -53,7 +53,7 @@ from privacy.batch import call_model, first_tensor, real_count, slice_batch, unp
 from privacy.tape import LossFn, Tape, fill_grads, taping
 
 from .gather import Gatherer
-from .stages import StageExit, StageForward
+from .stages import StageExit, StageForward, absent_uses
 from .parts_p2p import recv_parts, send_parts
 from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
                    masked_losses, needs_fallback, sharded_norms)
@@ -158,15 +158,7 @@ class PipelineStep:
         keys = list(dict(self.model.named_modules())[block_list]._modules)
         modules = [f"{block_list}.{keys[i]}" if block_list else keys[i] for i in self.layout.stages[s]]
         units = [u for u in make_units(self.model, names, modules) if u.params or not u.module]
-        held = set(names)
-        canonical = {id(p): n for n, p in self.model.named_parameters()}
-        # the blocks of other stages are never called (the block list holds only this stage's):
-        # only the prologue and epilogue parameters this stage lacks need a stand-in
-        prefix = f"{block_list}." if block_list else ""
-        others = {f"{prefix}{k}." for i, k in enumerate(keys) if i not in self.layout.stages[s]}
-        absent = {alias: (tuple(p.shape), p.dtype) for alias, p in self.model.named_parameters(remove_duplicate=False)
-                  if canonical[id(p)] in self.plan.params and canonical[id(p)] not in held
-                  and not any(alias.startswith(o) for o in others)}
+        absent = absent_uses(self.model, self.plan.params, self.layout, s)
         return _Stage(s, names, plan, units, StageForward(self.model, self.layout, absent))
 
     def gatherer(self, s: int, at_rest: dict[str, Tensor], trainable: list[str]) -> Gatherer:

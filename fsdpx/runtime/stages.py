@@ -20,7 +20,7 @@ element of memory (``expand`` of a scalar). Side effects live only inside :meth:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -47,17 +47,35 @@ def hidden_of(output: Any) -> Tensor:
     raise TypeError(f"a pipeline block must return a tensor or a tuple starting with one, got {type(output)}")
 
 
+def absent_uses(model: nn.Module, planned: Collection[str], layout: PipelineLayout,
+                stage: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Alias -> (shape, dtype) of every use of a ``planned`` parameter that ``stage`` does not
+    hold, outside the blocks of other stages (the block list holds only the stage's blocks while
+    it runs, so those are never called): the prologue and epilogue parameters the stage lacks."""
+    held = set(layout.params_of([stage]))
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    keys = list(dict(model.named_modules())[layout.blocks]._modules)
+    prefix = f"{layout.blocks}." if layout.blocks else ""
+    others = {f"{prefix}{k}." for i, k in enumerate(keys) if i not in layout.stages[stage]}
+    return {alias: (tuple(p.shape), p.dtype) for alias, p in model.named_parameters(remove_duplicate=False)
+            if canonical[id(p)] in planned and canonical[id(p)] not in held
+            and not any(alias.startswith(o) for o in others)}
+
+
 class StageForward:
     """Runs ``model``'s forward as one stage of ``layout`` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, layout: PipelineLayout, absent: dict[str, tuple[Sequence[int], torch.dtype]]):
+    def __init__(self, model: nn.Module, layout: PipelineLayout, absent: dict[str, tuple[Sequence[int], torch.dtype]],
+                 *, device: torch.device | str | None = None):
         """``absent``: alias name -> (shape, dtype) of every parameter use this rank does not hold
-        outside the blocks of other stages (those are never called)."""
+        outside the blocks of other stages (``absent_uses``); ``device``: of their stand-ins
+        (``"meta"`` to trace a stage on meta tensors)."""
         self.model, self.layout = model, layout
         self.block_list: nn.ModuleList = dict(model.named_modules())[layout.blocks]
         self.keys = list(self.block_list._modules)
         # stand-ins built once: zeros owning one element, never written, never a leaf
-        self.zeros = {alias: torch.zeros((), dtype=dtype).expand(tuple(shape)) for alias, (shape, dtype) in absent.items()}
+        self.zeros = {alias: torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
+                      for alias, (shape, dtype) in absent.items()}
         self.accessor = NamedMemberAccessor(model)
 
     @contextlib.contextmanager

@@ -292,7 +292,8 @@ def unshard_stages(per_rank: Sequence[Mapping[str, Tensor]], plan: ShardingPlan,
 
 
 def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_size: int,
-                           hidden: Sequence[int], dtype: torch.dtype) -> dict[str, int]:
+                           hidden: Sequence[int], dtype: torch.dtype, private: bool = False,
+                           activations: Sequence = ()) -> dict[str, int]:
     """Bytes ``rank`` moves in one pipelined step of a global batch of ``batch_size`` examples,
     as ``fsdpx.sharding.cost`` counts them (``{kind: bytes}`` plus ``send_bytes``/``recv_bytes``;
     ``p2p`` for the point-to-point messages). ``hidden``: the shape of one example's hidden
@@ -306,13 +307,25 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
     holding a shared parameter (its raw gradient). Activations: one message per ``SEND_F`` and
     ``SEND_B`` of a non-empty microbatch, ``size x prod(hidden)`` elements.
 
-    Excludes tensor-parallel activation collectives (traced per model by
-    ``fsdpx.runtime.activation_cost`` for a whole model, not per stage).
-    Guarantee: the simulated mesh counts exactly this for rank 0
+    ``private``: one all-reduce of the rank's batch share of squared norms over the pipeline
+    and tensor axes (those of size > 1), and, for a parameter several pipeline ranks hold, each
+    holder but the last sends its per-example contributions of every non-empty microbatch as a
+    self-described message (``fsdpx.runtime.parts_p2p``: its length, a header of 14 int64, the
+    ids ``[b, steps]`` int64 and the gradients ``[b, steps, n]``). That is the message of an
+    embedding lookup of the sequence (``steps = prod(hidden[:-1])``, ``n`` the parameter's local
+    width): the parameter pipelines share is a tied input embedding and LM head, whose first
+    holder is the embedding.
+
+    ``activations``: tensor-parallel activation collectives, added as they are (for a
+    pipeline, ``fsdpx.runtime.activation_cost.pipeline_activation_collectives`` traces each
+    stage of the rank for each microbatch).
+    Guarantee: the simulated mesh counts exactly this for rank 0, plain and private, with and
+    without tensor parallelism
     (``property_tests/test_pipeline_properties.py::test_counted_bytes_equal_pipeline_comm_per_step``)."""
     from .collectives import cost, plan as plan_collectives
     from .layout import chunk_bounds, local_shape
     from .schedule import SEND_B, SEND_F
+    from .spec import Spec
 
     layout = plan.pipeline
     p, item = layout.degree(), dtype.itemsize
@@ -341,12 +354,35 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
                     if n.startswith(block_prefix) or s == last:
                         transitions(n, plan.params[n].forward_transitions())
     own = layout.params_of(layout.stages_on(index))
+    if private:
+        axes = tuple(a for a in mesh.axis_names if a in (layout.axis, plan.tp_axis) and mesh.axis_size(a) > 1)
+        if axes:
+            src = Spec.replicated(1)
+            collectives.extend(plan_collectives(src.with_partial(axes), src, (b - a,), mesh.sub(axes), dtype))
     for n in own:
         transitions(n, [t for t in plan.params[n].backward_transitions(False) if t.phase == "reduce_grad"])
     for n in own:
         transitions(n, plan.params[n].update_transitions())
-    out = cost(collectives)
-    p2p = 0
+    out = cost(collectives + list(activations))
+    p2p = 0  # bytes sent point to point
+    parts_sent = parts_received = 0  # of them, contribution messages (one way: to the last holder)
+    if private:
+        steps = math.prod(hidden[:-1])
+        first_tp = plan.tp_axis is None or mesh.index(rank, plan.tp_axis) == 0
+        for n in own:
+            holders = sorted({s % p for s in layout.param_stages[n]})
+            lay = plan.params[n]
+            counted = first_tp or (plan.tp_axis in lay.compute.sharding_axes)  # as the runtime's norms count
+            if len(holders) < 2 or not counted:
+                continue
+            width = lay.param_shape(local_shape(lay.shape, lay.compute, sub, sub_rank))[1]
+            # per non-empty microbatch: length, header, one-hot ids, their gradients
+            message = sum(8 + 14 * 8 + size * steps * 8 + size * steps * width * item for size in sizes if size)
+            if index != holders[-1]:
+                parts_sent += message
+            else:
+                parts_received += message * (len(holders) - 1)
+        p2p += parts_sent
     for n in own:
         holders = {s % p for s in layout.param_stages[n]}
         if len(holders) > 1:
@@ -360,7 +396,7 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
     if p2p or p > 1:
         out["p2p"] = p2p
         out["send_bytes"] += p2p
-        out["recv_bytes"] += p2p
+        out["recv_bytes"] += p2p - parts_sent + parts_received  # activations, gradients: as much each way
     return out
 
 

@@ -155,8 +155,8 @@ def test_pipelines_on_gloo_equal_the_unsharded_run(tmp_path, nproc, extra, priva
     """pp=2 alone, dp=2 x pp=2 (ZeRO-3, zero-bubble and 1F1B), tp=2 x pp=2 (GPipe), plain
     and private: real processes, batched isend/irecv whose sends complete at the step's end,
     the tied embedding and head summed between the first and last stage (private: its norm
-    completed on the last from the first's contributions); the p2p bytes each plain rank counts
-    are ``pipeline_comm_per_step``'s (without tensor parallelism)."""
+    completed on the last from the first's contributions); the p2p bytes each rank counts are
+    ``pipeline_comm_per_step``'s (private: the contributions sent to the last holder too)."""
     results = _run_torchrun(nproc, tmp_path, *extra, *(["--private"] if private else []))
     args = dict(zip(extra[::2], extra[1::2]))
     tp, pp = int(args.get("--tp", 1)), int(args["--pp"])
@@ -166,12 +166,12 @@ def test_pipelines_on_gloo_equal_the_unsharded_run(tmp_path, nproc, extra, priva
     plan = resolve_pipeline(model, plan, PipelineParallel(schedule=args["--schedule"],
                                                           microbatches=int(args["--microbatches"])), mesh)
     _assert_pipeline_equals_unsharded(results, plan, mesh, _baseline(private))
-    if tp == 1 and not private:
-        for rank, r in enumerate(results):
-            for (x, _), metrics in zip(BATCHES, r["metrics"]):
-                want = pipeline_comm_per_step(plan, mesh, rank, batch_size=x.shape[0],
-                                              hidden=(x.shape[1], model.config.n_embd), dtype=torch.float64)
-                assert metrics["comm"]["p2p"] == want["p2p"], (rank, metrics["comm"], want)
+    for rank, r in enumerate(results):
+        for (x, _), metrics in zip(BATCHES, r["metrics"]):
+            want = pipeline_comm_per_step(plan, mesh, rank, batch_size=x.shape[0],
+                                          hidden=(x.shape[1], model.config.n_embd), dtype=torch.float64,
+                                          private=private)
+            assert metrics["comm"]["p2p"] == want["p2p"], (rank, metrics["comm"], want)
 
 
 def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):
