@@ -20,8 +20,9 @@ hyper-parameters; rank ``r`` runs stage ``r`` (``r`` and ``r + p`` when interlea
                        ``ScheduleInterleaved1F1B``, ``torch.optim.AdamW``
 
 Step time: the slowest rank's, median over the measured rounds; ratios are medians of same-round
-ratios. Bubble, for fsdpx: over the schedule loop (``_Run.execute``: the update and the step's
-bookkeeping excluded), per rank the longest loop's time minus the time inside the rank's compute
+ratios, with their quartiles in brackets (the spread a loaded machine leaves) and the median
+ratio of the slowest rank's process CPU time (every thread; waiting costs none). Bubble, for
+fsdpx: over the schedule loop (``_Run.execute``: the update and the step's bookkeeping excluded), per rank the longest loop's time minus the time inside the rank's compute
 actions (``F``, ``B``, ``W``, timed as they run), summed over ranks, over ``p x`` the longest loop;
 beside it the simulator's (``fsdpx.sharding.schedule_sim.simulate(..., stage_costs=...)``) with
 each STAGE's measured median durations of ``F``, ``B`` and ``W`` (an interleaved rank's two
@@ -222,21 +223,21 @@ def timed_step(run, batch) -> dict[str, float]:
     dist.barrier()
     TIMER.reset()
     TIMER.active = True
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = run(batch)
-    mine = time.perf_counter() - t0
+    mine, cpu = time.perf_counter() - t0, time.process_time() - c0
     TIMER.active = False
     compute = sum(sum(TIMER.times[k]) for k in ("F", "B", "W"))
     sched = sum(TIMER.times["schedule"])
-    t = torch.tensor([mine, compute, sched])
-    everyone = [torch.zeros(3) for _ in range(dist.get_world_size())]
+    t = torch.tensor([mine, compute, sched, cpu], dtype=torch.float64)
+    everyone = [torch.zeros(4, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, t)
     walls = [float(e[0]) for e in everyone]
     computes = [float(e[1]) for e in everyone]
     scheds = [float(e[2]) for e in everyone]
     means = {f"{k}{s}": statistics.mean(v) for (k, s), v in TIMER.by_stage.items()}  # e.g. "F2": stage 2's F
     return {"seconds": max(walls), "walls": walls, "computes": computes, "schedule": scheds, "loss": loss,
-            "action_means": means}
+            "action_means": means, "cpu": max(float(e[3]) for e in everyone)}
 
 
 def worker(args) -> None:
@@ -320,9 +321,14 @@ def summarize(res: dict) -> str:
         return [s for s in steps0[mode] if not s["warmup"]]
 
     def ratio(mode, ref):
+        """Median of same-round step-time ratios, with their quartiles (the spread a loaded
+        machine leaves), and the median ratio of the slowest rank's process CPU time."""
         if ref not in steps0:
             return "-"
-        return f"{statistics.median(a['seconds'] / b['seconds'] for a, b in zip(measured(mode), measured(ref))):.2f}x"
+        rs = sorted(a["seconds"] / b["seconds"] for a, b in zip(measured(mode), measured(ref)))
+        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3
+        cpu = statistics.median(a["cpu"] / b["cpu"] for a, b in zip(measured(mode), measured(ref)))
+        return f"{statistics.median(rs):.2f}x [{q[0]:.2f}-{q[2]:.2f}] cpu {cpu:.2f}x"
 
     lines = [f"### {p} processes (Mesh(dp=1, pp={p})), GPT {res['config']}, global batch {GLOBAL_BATCH}, "
              f"{MICROBATCHES} microbatches, fp32, 1 thread per process", "",
