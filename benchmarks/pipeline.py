@@ -22,8 +22,9 @@ hyper-parameters; rank ``r`` runs stage ``r`` (``r`` and ``r + p`` when interlea
 Step time: the slowest rank's, median over the measured rounds; ratios are medians of same-round
 ratios, with their quartiles in brackets (the spread a loaded machine leaves) and the median
 ratio of the slowest rank's process CPU time (every thread; waiting costs none). Bubble, for
-fsdpx: over the schedule loop (``_Run.execute``: the update and the step's bookkeeping excluded), per rank the longest loop's time minus the time inside the rank's compute
-actions (``F``, ``B``, ``W``, timed as they run), summed over ranks, over ``p x`` the longest loop;
+fsdpx: over the schedule loop (``_Run.execute``: the update and the step's bookkeeping
+excluded), per rank the longest loop's time minus the time inside the rank's compute actions
+(``F``, ``B``, ``W``, timed as they run), summed over ranks, over ``p x`` the longest loop;
 beside it the simulator's (``fsdpx.sharding.schedule_sim.simulate(..., stage_costs=...)``) with
 each STAGE's measured median durations of ``F``, ``B`` and ``W`` (an interleaved rank's two
 chunks differ: the last holds the LM head), transfers free.
