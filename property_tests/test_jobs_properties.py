@@ -3,13 +3,15 @@ returns in the device count, small counts memory-infeasible for some jobs."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from hypothesis import given, settings, strategies as st
 
-from fsdpx.jobs.bounds import makespan_lower_bound
-from fsdpx.jobs.greedy import greedy, makespan
+from fsdpx.jobs.bounds import makespan_lower_bound, timeline_lower_bound
+from fsdpx.jobs.greedy import greedy, in_order, makespan
 from fsdpx.jobs.plan import Option, useful_options
+from fsdpx.jobs.search import improve
 from fsdpx.jobs.solver import solve
 
 FAST = settings(max_examples=12, deadline=None)
@@ -30,6 +32,28 @@ def instances(draw, max_jobs: int = 6):
                               min_size=1, max_size=2, unique_by=lambda t: t[0]))
         options[f"job{j}"] = [Option(t, n, base * f * (serial + (1 - serial) / n)) for t, f in techs for n in counts]
     return options, G
+
+
+@st.composite
+def any_options(draw, max_jobs: int = 4):
+    """``(options, G)`` with no speed-up law: 1-3 options per job, any count up to ``G``, seconds
+    often whole (so patterns fill a makespan exactly and float ties are met)."""
+    G = draw(st.integers(1, 5))
+    seconds = st.one_of(st.integers(1, 12).map(float), st.floats(0.5, 12.0))
+    options = {f"job{j}": draw(st.lists(st.builds(lambda g, s: Option("t", g, s), st.integers(1, G), seconds),
+                                        min_size=1, max_size=3))
+               for j in range(draw(st.integers(1, max_jobs)))}
+    return options, G
+
+
+def optimum(options, G) -> float:
+    """The least makespan, by brute force: every choice of options in every order, list-scheduled
+    (``in_order`` starts each job no later than any schedule with that start order does, so
+    some order reaches the optimum)."""
+    jobs = sorted(options)
+    return min(makespan(in_order([(jobs[i], choice[i]) for i in perm], G))
+               for choice in itertools.product(*(useful_options(options[j]) for j in jobs))
+               for perm in itertools.permutations(range(len(jobs))))
 
 
 def busy_devices(plan, at: float) -> int:
@@ -98,3 +122,28 @@ def test_the_lower_bound_is_below_every_single_choice_schedule(instance):
         for j in jobs:
             pick[j], rest = options[j][rest % len(options[j])], rest // len(options[j])
         assert makespan(greedy({j: [pick[j]] for j in jobs}, G)) >= bound * (1 - 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.one_of(instances(max_jobs=4), any_options()))
+def test_the_timeline_bound_is_below_every_plan(instance):
+    """The timeline bound is a lower bound: never above the exact optimum (brute force over
+    every option choice and order of up to 4 jobs), and never below the area bound."""
+    options, G = instance
+    best = optimum(options, G)
+    bound = timeline_lower_bound(options, G)
+    assert makespan_lower_bound(options, G) <= bound <= best * (1 + 1e-9)
+    assert timeline_lower_bound(options, G, upper=best) <= best * (1 + 1e-9)
+
+
+@FAST
+@given(instances())
+def test_local_search_never_worsens_its_start(instance):
+    """From any start order, the search returns every job once with one of its options, decoding
+    to a makespan no longer than the start's; the same input gives the same order."""
+    options, G = instance
+    start = [(j, opts[-1]) for j, opts in sorted(options.items())]
+    found = improve(options, start, G, budget=20_000)
+    assert sorted(j for j, _ in found) == sorted(options) and all(o in options[j] for j, o in found)
+    assert makespan(in_order(found, G)) <= makespan(in_order(start, G)) * (1 + 1e-9)
+    assert found == improve(options, start, G, budget=20_000)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
-from .bounds import completion_lower_bound, makespan_lower_bound
+from .bounds import completion_lower_bound, makespan_lower_bound, timeline_lower_bound
 from .greedy import greedy, in_order, place
 from .milp import solve_milp
 from .plan import Options, Plan, check_options
+from .search import BUDGET, improve
 
 
 STAGES = ((0.5, 0.5), (2.0, 0.5))
@@ -19,7 +20,7 @@ option, the later ones only with the options the best schedule so far and the pr
 
 def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
           weights: Mapping[str, float] | None = None, time_limit: float = 5.0, slots: int = 48,
-          use_milp: bool = True) -> Plan:
+          use_milp: bool = True, search_budget: int = BUDGET) -> Plan:
     """The plan of ``options`` (``{job: [Option, ...]}``) on ``cluster_size`` devices.
 
     Runs the greedy list schedule, then the MILP (``milp.py``) with ``time_limit`` seconds,
@@ -40,15 +41,36 @@ def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
         (lambda s: sum((weights or {}).get(j, 1.0) * (b + o.seconds) for j, o, b in s))
     base = greedy(options, cluster_size, score)
     best, method, notes = base, "greedy", []
+
+    def search_from(schedule, label: str, budget: int) -> None:
+        nonlocal best, method
+        order = improve(options, _start_order(schedule), cluster_size,
+                        weights=(weights or {}) if objective == "completion" else None, budget=budget)
+        found = in_order(order, cluster_size)
+        notes.append(f"search from the {label} plan: {score(schedule):.6g} -> {score(found):.6g}")
+        if score(found) < score(best) - 1e-9:
+            best, method = found, f"{label}+search"
+
+    searching = search_budget > 0 and len(options) > 1
+    if searching:
+        search_from(base, "greedy", search_budget)
+    search_seconds = time.perf_counter() - start
+    if objective == "makespan":
+        bound = timeline_lower_bound(options, cluster_size, upper=score(best))
+    else:
+        bound = completion_lower_bound(options, weights)
     if use_milp and options:
+        # what is left of time_limit, less the final search's expected time (at least a fifth)
+        milp_seconds = max(0.2 * time_limit, time_limit - (time.perf_counter() - start) - search_seconds / 2)
+        milp_best = None
         # coarse to fine: all options on a coarse grid, then on a fine grid only the options the
         # best schedule so far and the coarse MILP chose (rounding costs less on a fine grid)
         coarse: tuple = ()
         for stage, (grid, share) in enumerate(STAGES):
             grid = max(4, round(grid * slots))
-            incumbent = [(j, o) for j, o, _ in sorted(best, key=lambda x: (x[2], x[0]))]
+            incumbent = _start_order(best)
             pool = options if stage == 0 else _narrowed(options, incumbent, coarse)
-            result = solve_milp(pool, cluster_size, incumbent, slots=grid, time_limit=time_limit * share,
+            result = solve_milp(pool, cluster_size, incumbent, slots=grid, time_limit=milp_seconds * share,
                                 objective=objective, weights=weights)
             coarse = result.order if result is not None else ()
             if result is None:
@@ -57,13 +79,21 @@ def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
             shifted = in_order(result.order, cluster_size)
             notes.append(f"MILP: {result.variables} variables, {result.slots} slots of {result.delta:.4g} s, "
                          f"{'optimal on the grid' if result.optimal else result.message}")
+            if milp_best is None or score(shifted) < score(milp_best) - 1e-9:
+                milp_best = shifted
             if score(shifted) < score(best) - 1e-9:
                 best, method = shifted, "milp"
-    bound = makespan_lower_bound(options, cluster_size) if objective == "makespan" else \
-        completion_lower_bound(options, weights)
+        # the MILP's choices may lead the search elsewhere, unless it only gave back the incumbent
+        if searching and milp_best is not None and (method == "milp" or _start_order(milp_best) != _start_order(best)):
+            search_from(milp_best, "milp", search_budget // 2)
     greedy_makespan = max((b + o.seconds for _, o, b in base), default=0.0)
     return Plan(place(best, cluster_size), cluster_size, bound, method, greedy_makespan,
                 time.perf_counter() - start, tuple(notes))
+
+
+def _start_order(schedule) -> list:
+    """A schedule's ``(job, option)`` by start (ties: name): the order ``greedy.in_order`` decodes."""
+    return [(j, o) for j, o, _ in sorted(schedule, key=lambda x: (x[2], x[0]))]
 
 
 def _narrowed(options: Options, *orders) -> dict[str, list]:
