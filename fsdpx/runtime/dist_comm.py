@@ -122,6 +122,21 @@ class DistComm:
         except RuntimeError as e:
             raise self._failure(e) from e
 
+    def run_async(self, c: Collective, local: Tensor) -> "_Pending":
+        """``Comm.run_async``: an all-reduce runs on gloo's thread (``async_op``) while the
+        caller goes on; other kinds run now."""
+        if c.kind != "all_reduce":
+            return _Pending(self, None, self.run(c, local))
+        pg, members, _ = self._group(c.axes)
+        out = local.detach().clone().contiguous()
+        self._count(c, out.numel() * out.element_size())
+        if len(members) == 1:  # a group of one: the sum is the input
+            return _Pending(self, None, out)
+        try:
+            return _Pending(self, dist.all_reduce(out, group=pg, async_op=True), out)
+        except RuntimeError as e:
+            raise self._failure(e) from e
+
     def _local_only(self, c: Collective, local: Tensor) -> Tensor:
         """Run a communication-free step: feed the simulated executor a list where only this
         rank's entry matters (each rank's output depends on its own input alone)."""
@@ -355,3 +370,22 @@ class _PendingRecv:
         except RuntimeError as e:
             raise self.comm._failure(e) from e
         return self.buf
+
+
+class _Pending:
+    """A collective of ``DistComm.run_async`` (``work`` None: already done)."""
+
+    def __init__(self, comm: DistComm, work: Any, out: Tensor):
+        self.comm, self.work, self.out = comm, work, out
+
+    def done(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            try:
+                self.work.wait()
+            except RuntimeError as e:
+                raise self.comm._failure(e) from e
+            self.work = None
+        return self.out

@@ -146,6 +146,11 @@ class PipelineStep:
             # a parameter several stages hold: its norm is completed on the rank of the last of them
             self.shared = {n: sorted({st % self.p for st in held}) for n, held in layout.param_stages.items()
                            if len(held) > 1 and n in self.local_plan.params}
+        # Private, no parameter in two stages (decided on the layout, so every rank agrees): each
+        # microbatch's norms are all-reduced as soon as this rank's backwards of it are done, and
+        # its clipped sums (its W) formed once they are complete, inside the schedule. A
+        # parameter two stages share needs their contributions summed first: then all at the end.
+        self.early_norms = config is not None and all(len(h) == 1 for h in layout.param_stages.values())
         self._shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
         self._gatherers: dict[int, Gatherer] = {}
         self.local_shapes = {n: local_shape(lay.shape, lay.compute, self.group.mesh, self.group.rank)
@@ -223,6 +228,16 @@ class PipelineStep:
         src = Spec.replicated(1)
         (c,) = plan_collectives(src.with_partial(axes), src, tuple(sq.shape), mesh.sub(axes), sq.dtype)
         return self.comm.run(c, sq.contiguous())
+
+    def start_norms(self, sq: Tensor):
+        """``all_reduce_norms`` started now (``Comm.run_async``), finished by ``wait()``."""
+        mesh = self.comm.mesh
+        axes = tuple(a for a in mesh.axis_names if a in (self.layout.axis, self.plan.tp_axis) and mesh.axis_size(a) > 1)
+        if not axes:
+            return _Ready(sq)
+        src = Spec.replicated(1)
+        (c,) = plan_collectives(src.with_partial(axes), src, tuple(sq.shape), mesh.sub(axes), sq.dtype)
+        return self.comm.run_async(c, sq.contiguous())
 
     def _sum_shared(self, raw: dict[str, Tensor]) -> None:
         """Gradients of parameters held on several pipeline ranks, summed over them in stage order."""
@@ -309,17 +324,30 @@ class _Run:
                            if isinstance(a, (RECV_F, RECV_B)) and self.mbs[a.mb][1].shape[0]]
         self.posted = 0  # receives of recv_order posted so far
         self.pending: dict[tuple[str, int, int], object] = {}
+        early = self.o.early_norms
+        if early:  # per microbatch: this rank's backwards still to run, then its norms' all-reduce
+            self.backwards_left = {mb: len(self.o.stages) for mb in range(len(self.mbs))}
+            self.norms_started: dict[int, object] = {}
+            self.next_clip = 0  # microbatches clipped so far (in order: the sums' bits never depend on timing)
+            self.mb_norms: dict[int, Tensor] = {}
         g = 0
         for item in items:
             if isinstance(item, list):
                 self._transfer(item, g)
                 g += 1
-            elif isinstance(item, F):
+                continue
+            if isinstance(item, F):
                 self._forward(item.mb, item.stage)
             elif isinstance(item, B):
                 self._backward(item.mb, item.stage, weights=not self.o.split)
+                if early:
+                    self.backwards_left[item.mb] -= 1
+                    if not self.backwards_left[item.mb]:
+                        self._start_norms(item.mb)
             elif isinstance(item, W):
                 self._weights(item.mb, item.stage)
+            if early:
+                self._clip_ready(block=False)
         self.o.comm.flush_p2p()
 
     def _hidden(self, mb: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -466,11 +494,69 @@ class _Run:
                 rec.sq = rec.sq + C.sq_norms(plist, leaves[n].shape)
         rec.gatherer.finish()
 
+    def _start_norms(self, mb: int) -> None:
+        """This rank's backwards of microbatch ``mb`` are done: start the all-reduce of its
+        share of the microbatch's squared norms (nothing for an empty microbatch)."""
+        size = self.mbs[mb][1].shape[0]
+        if size == 0:
+            self.norms_started[mb] = None
+            return
+        sq = torch.zeros(size, dtype=next(iter(self.state.params.values())).dtype)
+        for s in sorted(self.o.stages):
+            rec = self.flight.get((mb, s))
+            if rec is not None and rec.size:
+                sq += rec.sq
+        self.norms_started[mb] = self.o.start_norms(sq)
+
+    def _clip_ready(self, *, block: bool) -> None:
+        """Form the clipped sums of the next microbatches, in order, whose norms are complete
+        (``block``: wait for them, at the end of the step)."""
+        while self.next_clip in self.norms_started:
+            mb = self.next_clip
+            handle = self.norms_started[mb]
+            if handle is not None and not block and not handle.done():
+                return
+            norms = handle.wait().sqrt() if handle is not None else torch.zeros(0)
+            self.mb_norms[mb] = norms
+            for s in sorted(self.o.stages):
+                rec = self.flight.pop((mb, s), None)
+                if rec is not None:
+                    self._clip_record(rec, s, norms, unpack(self.mbs[mb])[2])
+            self.next_clip += 1
+
+    def _clip_record(self, rec: _InFlight, s: int, norms: Tensor, mask: Tensor | None) -> None:
+        """Stage ``s``'s deferred ``W`` of one microbatch: its clipped sums, from its
+        contributions and its examples' complete ``norms``, added to the step's sums."""
+        o = self.o
+        if rec.size == 0:
+            _free_all(rec.gatherer)
+            return
+        factors, parts = _factors(norms, rec.parts, o.config.clip_norm, o.config.clipping, o.config.nonfinite,
+                                  keep=mask)
+        for n in o.stages[s].names:
+            if not parts.get(n):
+                continue
+            shape = rec.gatherer.full[n].shape
+            if n in self.raw:  # a sum clip allocated: this microbatch's is added into it
+                C.weighted_sum(parts[n], factors, shape, out=self.raw[n].view(shape))
+            else:  # always a new tensor: the running sum
+                self.raw[n] = C.weighted_sum(parts[n], factors, shape).reshape(self._local_shape(n))
+        _free_all(rec.gatherer)
+
     def clip(self) -> None:
         """Private, after every backward: complete the shared parameters' norms where they are
         held last, all-reduce the squared norms over the pipeline (and tensor) ranks, then form
-        every stage's clipped weight gradients from its contributions (its deferred ``W``)."""
+        every stage's clipped weight gradients from its contributions (its deferred ``W``).
+        Without shared parameters most of this already ran in the schedule (``_clip_ready``):
+        what is left waits for its norms here."""
         o = self.o
+        masks = [unpack(batch)[2] for batch in self.mbs]
+        keep = torch.cat(masks) if all(m is not None for m in masks) and masks else None
+        if o.early_norms:
+            self._clip_ready(block=True)
+            norms = torch.cat([self.mb_norms[mb] for mb in range(len(self.mbs))])
+            self.norms = norms if keep is None else torch.where(keep, norms, torch.zeros_like(norms))
+            return
         mine = sorted(k for k in self.flight)  # (mb, stage) still holding contributions
         self._shared_norms(mine)
         sizes = [batch[1].shape[0] for batch in self.mbs]
@@ -482,25 +568,10 @@ class _Run:
             if rec.size:
                 sq[starts[mb]:starts[mb] + rec.size] += rec.sq
         norms = o.all_reduce_norms(sq).sqrt()
-        masks = [unpack(batch)[2] for batch in self.mbs]
-        keep = torch.cat(masks) if all(m is not None for m in masks) and masks else None
         self.norms = norms if keep is None else torch.where(keep, norms, torch.zeros_like(norms))
         for (mb, s) in mine:
             rec = self.flight.pop((mb, s))
-            if rec.size == 0:
-                _free_all(rec.gatherer)
-                continue
-            factors, parts = _factors(norms[starts[mb]:starts[mb] + rec.size], rec.parts, o.config.clip_norm,
-                                      o.config.clipping, o.config.nonfinite, keep=masks[mb])
-            for n in o.stages[s].names:
-                if not parts.get(n):
-                    continue
-                shape = rec.gatherer.full[n].shape
-                if n in self.raw:  # a sum clip allocated: this microbatch's is added into it
-                    C.weighted_sum(parts[n], factors, shape, out=self.raw[n].view(shape))
-                else:  # always a new tensor: the running sum
-                    self.raw[n] = C.weighted_sum(parts[n], factors, shape).reshape(self._local_shape(n))
-            _free_all(rec.gatherer)
+            self._clip_record(rec, s, norms[starts[mb]:starts[mb] + rec.size], masks[mb])
 
     def _shared_norms(self, mine: list[tuple[int, int]]) -> None:
         """For each parameter held by several stages: every holding rank but the last sends its
@@ -578,6 +649,19 @@ class _Run:
             return (self.loss_sum, self.count, 0, 0.0)
         norms = self.norms
         return (self.loss_sum, self.count, int((norms > self.o.config.clip_norm).sum()), float(norms.sum()))
+
+
+class _Ready:
+    """A collective with nothing to wait for (no rank to sum over)."""
+
+    def __init__(self, out: Tensor):
+        self.out = out
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> Tensor:
+        return self.out
 
 
 def _dry_forward(g: Gatherer, last: bool) -> None:

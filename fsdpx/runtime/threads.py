@@ -130,6 +130,11 @@ class ThreadComm:
 
         return self._ex.group(members).exchange(members.index(self.rank), local, work)
 
+    def run_async(self, collective: Collective, local: Tensor) -> "_Deferred":
+        """``Comm.run_async``: the rendezvous happens when waited for (``done`` is False
+        until then), so ranks meet in the order they wait, which is the order they started."""
+        return _Deferred(lambda: self.run(collective, local))
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self._ex.full.exchange(self.rank, obj, lambda xs: [list(xs)] * len(xs))
 
@@ -185,6 +190,21 @@ class ThreadComm:
     def reset_counts(self) -> None:
         if self.rank == 0:
             self._ex.sim.reset_counts()
+
+
+class _Deferred:
+    """A collective of ``ThreadComm.run_async``: run by the first ``wait``."""
+
+    def __init__(self, run: Callable[[], Tensor]):
+        self._run, self._out = run, None
+
+    def done(self) -> bool:
+        return self._out is not None
+
+    def wait(self) -> Tensor:
+        if self._out is None:
+            self._out = self._run()
+        return self._out
 
 
 class _MailboxRecv:

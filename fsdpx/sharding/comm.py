@@ -39,12 +39,25 @@ class PendingRecv(Protocol):
         """The received tensor, once it has arrived (at most the timeout; else ``RankFailure``)."""
 
 
+class Pending(Protocol):
+    def done(self) -> bool:
+        """Has it completed (``wait`` would not block)? Never blocks; may say False until waited for."""
+
+    def wait(self) -> Tensor:
+        """The collective's result for this rank (at most the timeout; else ``RankFailure``)."""
+
+
 class Comm(Protocol):
     rank: int
     mesh: Mesh
 
     def run(self, collective: Collective, local: Tensor) -> Tensor:
         """This rank's result of ``collective`` applied to every rank's ``local``."""
+
+    def run_async(self, collective: Collective, local: Tensor) -> Pending:
+        """``run`` started now and finished by the handle's ``wait``: the caller computes
+        meanwhile (a private pipeline's per-microbatch norms). Every rank of the group starts
+        its collectives in the same order; a backend may run it only when waited for."""
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, index = rank (start-up checks, metrics)."""

@@ -307,9 +307,10 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
     holding a shared parameter (its raw gradient). Activations: one message per ``SEND_F`` and
     ``SEND_B`` of a non-empty microbatch, ``size x prod(hidden)`` elements.
 
-    ``private``: one all-reduce of the rank's batch share of squared norms over the pipeline
-    and tensor axes (those of size > 1), and, for a parameter several pipeline ranks hold, each
-    holder but the last sends its per-example contributions of every non-empty microbatch as a
+    ``private``: the all-reduce of the rank's batch share of squared norms over the pipeline
+    and tensor axes (those of size > 1): one per non-empty microbatch when no parameter is held
+    by two stages, else one after the schedule; and, for a parameter several pipeline ranks
+    hold, each holder but the last sends its per-example contributions of every non-empty microbatch as a
     self-described message (``fsdpx.runtime.parts_p2p``: its length, a header of 14 int64, the
     ids ``[b, steps]`` int64 and the gradients ``[b, steps, n]``). That is the message of an
     embedding lookup of the sequence (``steps = prod(hidden[:-1])``, ``n`` the parameter's local
@@ -356,9 +357,12 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
     own = layout.params_of(layout.stages_on(index))
     if private:
         axes = tuple(a for a in mesh.axis_names if a in (layout.axis, plan.tp_axis) and mesh.axis_size(a) > 1)
-        if axes:
-            src = Spec.replicated(1)
-            collectives.extend(plan_collectives(src.with_partial(axes), src, (b - a,), mesh.sub(axes), dtype))
+        # no parameter in two stages: one all-reduce per non-empty microbatch, as its backwards
+        # end; else one of the whole share after the schedule
+        early = all(len(held) == 1 for held in layout.param_stages.values())
+        src = Spec.replicated(1)
+        for n_sq in ([size for size in sizes if size] if early else [b - a]) if axes else []:
+            collectives.extend(plan_collectives(src.with_partial(axes), src, (n_sq,), mesh.sub(axes), dtype))
     for n in own:
         transitions(n, [t for t in plan.params[n].backward_transitions(False) if t.phase == "reduce_grad"])
     for n in own:

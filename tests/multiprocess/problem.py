@@ -13,8 +13,9 @@ NUM_EXAMPLES = 40
 
 def make_model(kind: str = "gpt"):
     torch.manual_seed(5)
-    if kind == "gpt":
-        return GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=6)).double()
+    if kind in ("gpt", "gpt-untied"):
+        return GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=6,
+                             tie_weights=kind == "gpt")).double()
     import transformers
 
     if kind == "hf-gpt2":
@@ -31,14 +32,14 @@ def tp_plan(kind: str, model):
     """The ready tensor-parallel plan of ``make_model(kind)``."""
     from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan
 
-    return {"gpt": gpt_plan, "hf-gpt2": gpt2_plan, "hf-llama": llama_plan}[kind](model.config)
+    return {"gpt": gpt_plan, "gpt-untied": gpt_plan, "hf-gpt2": gpt2_plan, "hf-llama": llama_plan}[kind](model.config)
 
 
 def loss_for(kind: str):
     """What a user writes: our GPT returns logits; transformers returns an output object."""
     from fsdpx.models.gpt import token_loss
 
-    return token_loss if kind == "gpt" else hf_loss
+    return token_loss if kind.startswith("gpt") else hf_loss
 
 
 def hf_loss(out, targets):

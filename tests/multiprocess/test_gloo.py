@@ -174,6 +174,35 @@ def test_pipelines_on_gloo_equal_the_unsharded_run(tmp_path, nproc, extra, priva
             assert metrics["comm"]["p2p"] == want["p2p"], (rank, metrics["comm"], want)
 
 
+@pytest.mark.parametrize("nproc, extra", [
+    (2, ("--strategy", "ddp", "--pp", "2", "--schedule", "1f1b", "--microbatches", "3")),
+    (4, ("--strategy", "zero3", "--tp", "2", "--pp", "2", "--schedule", "interleaved_1f1b", "--microbatches", "2")),
+])
+def test_private_untied_pipelines_clip_each_microbatch_in_the_schedule_and_equal_the_unsharded_run(
+        tmp_path, nproc, extra):
+    """With no parameter in two stages each microbatch's norms are all-reduced as soon as a
+    rank's backwards of it end (gloo's asynchronous all-reduce) and its clipped sums formed in
+    the schedule: the same parameters as the unsharded private run, and every rank's p2p bytes
+    and norms all-reduces as ``pipeline_comm_per_step`` predicts."""
+    results = _run_torchrun(nproc, tmp_path, *extra, "--private", "--model", "gpt-untied")
+    args = dict(zip(extra[::2], extra[1::2]))
+    tp, pp = int(args.get("--tp", 1)), int(args["--pp"])
+    mesh = Mesh(dp=nproc // (tp * pp), **({"tp": tp} if tp > 1 else {}), pp=pp)
+    model = make_model("gpt-untied")
+    plan = resolve(model, gpt_plan(model.config) if tp > 1 else None, strategies.ALL[args["--strategy"]](), mesh)
+    plan = resolve_pipeline(model, plan, PipelineParallel(schedule=args["--schedule"],
+                                                          microbatches=int(args["--microbatches"])), mesh)
+    _assert_pipeline_equals_unsharded(results, plan, mesh, _baseline(True, "gpt-untied"))
+    for rank, r in enumerate(results):
+        for (x, _), metrics in zip(BATCHES, r["metrics"]):
+            want = pipeline_comm_per_step(plan, mesh, rank, batch_size=x.shape[0],
+                                          hidden=(x.shape[1], model.config.n_embd), dtype=torch.float64,
+                                          private=True)
+            assert metrics["comm"]["p2p"] == want["p2p"], (rank, metrics["comm"], want)
+            if tp == 1:  # with tp the activation collectives add all-reduces too
+                assert metrics["comm"]["all_reduce"] == want["all_reduce"], (rank, metrics["comm"], want)
+
+
 def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):
     start = time.monotonic()
     procs = spawn_ranks(3, [WORKER, "--out", str(tmp_path), "--die-rank", "1", "--die-after", "7",

@@ -34,7 +34,7 @@ def main() -> None:
     ap.add_argument("--die-after", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the model's plan); the rest is data")
-    ap.add_argument("--model", default="gpt", choices=("gpt", "hf-gpt2", "hf-llama"))
+    ap.add_argument("--model", default="gpt", choices=("gpt", "gpt-untied", "hf-gpt2", "hf-llama"))
     ap.add_argument("--pp", type=int, default=1, help="pipeline degree (stages over their own mesh axis)")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--microbatches", type=int, default=2)
