@@ -14,7 +14,8 @@ hyper-parameters; rank ``r`` runs stage ``r`` (``r`` and ``r + p`` when interlea
                        Mesh(dp=1, pp=p))``, ``make_sharded_step(..., donate=True)``; kinds gpipe,
                        1f1b, interleaved_1f1b (2 stages per rank), zero_bubble
 * ``fsdpx-1f1b-private`` the same 1F1B with ``DPConfig(method="ghost")``: one backward per stage,
-                       norms completed by one all-reduce over ``pp``, then each stage's clipped sums
+                       each microbatch's norms completed by an all-reduce over ``pp``, then its
+                       clipped sums at each stage (timed as that stage's ``W``)
 * ``torch-<kind>``     ``PipelineStage`` of hand-cut stage modules (embeddings + blocks, blocks,
                        blocks + final norm + head) and ``ScheduleGPipe`` / ``Schedule1F1B`` /
                        ``ScheduleInterleaved1F1B``, ``torch.optim.AdamW``
@@ -82,7 +83,7 @@ class ActionTimer:
     every duration, ``by_stage[(kind, stage)]`` the same split by stage."""
 
     def __init__(self):
-        self.active = False
+        self.active = self.in_loop = False
         self.reset()
 
     def reset(self):
@@ -96,12 +97,29 @@ class ActionTimer:
 
         def execute(self_, actions):
             t0 = time.perf_counter()
+            TIMER.in_loop = True
             try:
                 return real_execute(self_, actions)
             finally:
+                TIMER.in_loop = False
                 if TIMER.active:
                     TIMER.times["schedule"].append(time.perf_counter() - t0)
         P._Run.execute = execute
+
+        # a private pipeline's W: one microbatch's clipped sums at one stage, formed inside the
+        # schedule loop once its norms are complete (those left for after the loop are no bubble)
+        real_clip = P._Run._clip_record
+
+        def clip_record(self_, rec, stage, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return real_clip(self_, rec, stage, *a, **k)
+            finally:
+                if TIMER.active and TIMER.in_loop:
+                    took = time.perf_counter() - t0
+                    TIMER.times["W"].append(took)
+                    TIMER.by_stage.setdefault(("W", stage), []).append(took)
+        P._Run._clip_record = clip_record
 
         for kind, name in (("F", "_forward"), ("B", "_backward"), ("W", "_weights")):
             real = getattr(P._Run, name)
@@ -297,7 +315,7 @@ def worker(args) -> None:
         sched = schedule(kind, world, MICROBATCHES, virtual_stages=v)
         merged = {key: t for c in all_costs for key, t in c[mode].items()}
         per_stage = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
-        if mode.endswith("-private"):  # every W waits for the norms: simulate B with the W folded in
+        if mode.endswith("-private"):  # a W waits for its microbatch's norms: simulated folded into B
             per_stage = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per_stage]
         predictions[mode] = {"costs": per_stage, "bubble": simulate(sched, stage_costs=per_stage).bubble}
     everyone: list = [None] * world
