@@ -106,8 +106,9 @@ class ActionTimer:
                     TIMER.times["schedule"].append(time.perf_counter() - t0)
         P._Run.execute = execute
 
-        # a private pipeline's W: one microbatch's clipped sums at one stage, formed inside the
-        # schedule loop once its norms are complete (those left for after the loop are no bubble)
+        # a private pipeline's W: one microbatch's clipped sums at one stage, formed while the
+        # rank waits for a receive once its norms are complete (those left for after the loop
+        # are no bubble)
         real_clip = P._Run._clip_record
 
         def clip_record(self_, rec, stage, *a, **k):

@@ -364,6 +364,9 @@ class _PendingRecv:
     def __init__(self, comm: DistComm, req: Any, buf: Tensor):
         self.comm, self.req, self.buf = comm, req, buf
 
+    def done(self) -> bool:
+        return self.req.is_completed()
+
     def wait(self) -> Tensor:
         try:
             self.req.wait()

@@ -346,8 +346,6 @@ class _Run:
                         self._start_norms(item.mb)
             elif isinstance(item, W):
                 self._weights(item.mb, item.stage)
-            if early:
-                self._clip_ready(block=False)
         self.o.comm.flush_p2p()
 
     def _hidden(self, mb: int) -> tuple[tuple[int, ...], torch.dtype]:
@@ -387,7 +385,11 @@ class _Run:
         if sends:
             self.o.comm.exchange_p2p(sends, [])
         for key in keys:
-            self.inbox[key] = self.pending.pop(key).wait()
+            handle = self.pending.pop(key)
+            # a private pipeline's W fills the wait (the bubble), never the schedule's path
+            while self.o.early_norms and not handle.done() and self._clip_ready(block=False, one=True):
+                pass
+            self.inbox[key] = handle.wait()
 
     def _incoming(self, kind: str, mb: int, stage: int, local_from: int) -> Tensor:
         """The activation (``kind`` "F") or gradient ("B") for ``(mb, stage)``: received, or
@@ -508,14 +510,16 @@ class _Run:
                 sq += rec.sq
         self.norms_started[mb] = self.o.start_norms(sq)
 
-    def _clip_ready(self, *, block: bool) -> None:
+    def _clip_ready(self, *, block: bool, one: bool = False) -> bool:
         """Form the clipped sums of the next microbatches, in order, whose norms are complete
-        (``block``: wait for them, at the end of the step)."""
-        while self.next_clip in self.norms_started:
+        (``block``: wait for them, at the end of the step; ``one``: at most one microbatch).
+        Returns whether any was formed."""
+        formed = False
+        while self.next_clip in self.norms_started and not (one and formed):
             mb = self.next_clip
             handle = self.norms_started[mb]
             if handle is not None and not block and not handle.done():
-                return
+                return formed
             norms = handle.wait().sqrt() if handle is not None else torch.zeros(0)
             self.mb_norms[mb] = norms
             for s in sorted(self.o.stages):
@@ -523,6 +527,8 @@ class _Run:
                 if rec is not None:
                     self._clip_record(rec, s, norms, unpack(self.mbs[mb])[2])
             self.next_clip += 1
+            formed = True
+        return formed
 
     def _clip_record(self, rec: _InFlight, s: int, norms: Tensor, mask: Tensor | None) -> None:
         """Stage ``s``'s deferred ``W`` of one microbatch: its clipped sums, from its

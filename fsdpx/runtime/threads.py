@@ -213,6 +213,9 @@ class _MailboxRecv:
     def __init__(self, comm: ThreadComm, peer: int, number: int, shape: tuple[int, ...], dtype):
         self.comm, self.peer, self.number, self.shape, self.dtype = comm, peer, number, shape, dtype
 
+    def done(self) -> bool:
+        return False  # known only by taking it: wait
+
     def wait(self) -> Tensor:
         return self.comm._take(self.peer, self.number, self.shape, self.dtype)
 

@@ -35,6 +35,9 @@ class RankFailure(RuntimeError):
 
 
 class PendingRecv(Protocol):
+    def done(self) -> bool:
+        """Has it arrived (``wait`` would not block)? Never blocks; may say False until waited for."""
+
     def wait(self) -> Tensor:
         """The received tensor, once it has arrived (at most the timeout; else ``RankFailure``)."""
 
