@@ -4,11 +4,14 @@
     .venv/bin/python benchmarks/planner.py --jobs 8 --devices 8 --time-limit 2   # (a) smoke run
     .venv/bin/python benchmarks/planner.py --real --repeats 3                   # (b) on this machine's cores
 
-(a) For every (J, G): the plan's solve time (greedy + both MILP stages), and the makespan over the
-proven lower bound (``fsdpx.jobs.bounds.makespan_lower_bound``) of the returned plan (MILP or,
-when it is not better, greedy), of the greedy list schedule alone, and of Saturn's two
-baselines: one job after another on all devices with its best technique, and an equal split
-of the devices. Instances from ``fsdpx.jobs.synthetic.synthetic_options`` (seeded).
+(a) For every (J, G): the plan's solve time (greedy, search, bound, both MILP stages, the last
+search), and the makespan over the proven lower bound LB (``Plan.lower_bound``: the timeline
+bound, ``fsdpx.jobs.bounds.timeline_lower_bound``) of the returned plan, of the greedy list
+schedule alone, and of Saturn's two baselines: one job after another on all devices with its
+best technique, and an equal split of the devices. Beside them, the plan and LB over the area
+bound (``bounds.makespan_lower_bound``, the bound before the timeline one): what the plan
+gained and what the bound gained. The load average (1 min) is the mean of before and after the
+solve. Instances from ``fsdpx.jobs.synthetic.synthetic_options`` (seeded).
 Targets: plan <= 1.05x the bound where J >= G/4, never worse than greedy, solve < 10 s.
 
 (b) The four jobs of ``tests/test_jobs_run.py`` (different sizes, one private) on G = 2 devices
@@ -24,11 +27,13 @@ make every figure slower than its profile).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fsdpx.jobs.bounds import makespan_lower_bound  # noqa: E402
 from fsdpx.jobs.greedy import equal_split, greedy, makespan, one_after_another  # noqa: E402
 from fsdpx.jobs.solver import solve  # noqa: E402
 from fsdpx.jobs.synthetic import synthetic_options  # noqa: E402
@@ -36,12 +41,15 @@ from fsdpx.jobs.synthetic import synthetic_options  # noqa: E402
 
 def row(J: int, G: int, seed: int, time_limit: float) -> dict:
     options = synthetic_options(J, G, seed)
+    load = os.getloadavg()[0]
     plan = solve(options, G, time_limit=time_limit)
-    lb = plan.lower_bound
+    lb, area = plan.lower_bound, makespan_lower_bound(options, G)
     return {"J": J, "G": G, "seed": seed, "solve_s": plan.solve_seconds, "plan": plan.makespan / lb,
+            "plan_area": plan.makespan / area, "bound_area": lb / area,
             "greedy": makespan(greedy(options, G)) / lb, "sequential": makespan(one_after_another(options, G)) / lb,
             "split": makespan(equal_split(options, G)) / lb, "method": plan.method,
-            "milp": "; ".join(n.split(", ")[-1][:40] for n in plan.notes if n.startswith("MILP:"))}
+            "milp": "; ".join(n.split(", ")[-1][:20] for n in plan.notes if n.startswith("MILP:")),
+            "load": (load + os.getloadavg()[0]) / 2}
 
 
 def real_run(root: Path, counts: set[int], time_limit: float) -> dict:
@@ -116,17 +124,17 @@ def main() -> None:
     args = p.parse_args()
     if args.real:
         return main_real(args)
-    print("| J | G | seed | solve s | plan / LB | greedy / LB | one after another / LB | equal split / LB | "
-          "plan from | MILP stages | J >= G/4: plan <= 1.05 LB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| J | G | seed | load avg | solve s | plan / LB | plan / area LB | LB / area LB | greedy / LB | "
+          "one after another / LB | equal split / LB | plan from | MILP stages | J >= G/4: plan <= 1.05 LB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for J in args.jobs:
         for G in args.devices:
             for seed in range(args.seeds):
                 r = row(J, G, seed, args.time_limit)
                 target = ("met" if r["plan"] <= 1.05 else "**missed**") if J >= G / 4 else "n/a"
-                print(f"| {J} | {G} | {seed} | {r['solve_s']:.2f} | {r['plan']:.3f} | {r['greedy']:.3f} | "
-                      f"{r['sequential']:.3f} | {r['split']:.3f} | {r['method']} | {r['milp']} | {target} |",
-                      flush=True)
+                print(f"| {J} | {G} | {seed} | {r['load']:.1f} | {r['solve_s']:.2f} | {r['plan']:.3f} | "
+                      f"{r['plan_area']:.3f} | {r['bound_area']:.3f} | {r['greedy']:.3f} | {r['sequential']:.3f} | "
+                      f"{r['split']:.3f} | {r['method']} | {r['milp']} | {target} |", flush=True)
 
 
 if __name__ == "__main__":

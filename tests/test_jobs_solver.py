@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdpx.jobs.bounds import completion_lower_bound, makespan_lower_bound
+from fsdpx.jobs.bounds import completion_lower_bound, makespan_lower_bound, timeline_lower_bound
 from fsdpx.jobs.greedy import equal_split, makespan, one_after_another, place
 from fsdpx.jobs.plan import Option, PlanError
 from fsdpx.jobs.solver import solve
@@ -55,3 +55,15 @@ def test_lower_bounds_of_a_single_job():
     assert makespan_lower_bound(options, 4) == pytest.approx(3.0)  # alone, its fastest run
     assert makespan_lower_bound(options, 1) == pytest.approx(8.0)
     assert completion_lower_bound(options, {"a": 2.0}) == pytest.approx(6.0)
+
+
+def test_the_timeline_bound_knows_a_job_cannot_be_split_over_time():
+    """Three 6 s one-device jobs on 2 devices: the area bound is 9 s (18 device-seconds over 2),
+    but within less than 12 s a device runs at most one of them, so 2 devices cannot hold 3 --
+    the timeline bound is 12 s (to its tolerance), which the plan reaches."""
+    options = {f"j{i}": [Option("ddp", 1, 6.0)] for i in range(3)}
+    assert makespan_lower_bound(options, 2) == pytest.approx(9.0)
+    assert timeline_lower_bound(options, 2) == pytest.approx(12.0, rel=2e-3)
+    assert timeline_lower_bound(options, 2) <= 12.0
+    plan = solve(options, 2, time_limit=2.0)
+    assert plan.makespan == pytest.approx(12.0) and plan.lower_bound == pytest.approx(12.0, rel=2e-3)

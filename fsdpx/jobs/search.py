@@ -9,9 +9,10 @@ order decodes to an optimal plan; the search looks for one by moving a job at a 
 * *reinsert* a job: take it out and put it back at the position and with the option that decode
   best -- every position x every useful option, so option changes and moves are one
   neighbourhood --, trying the jobs that end last first and taking the first that improves;
-* when no job's reinsertion improves, *perturb* the best order found: move ``RUIN`` jobs, drawn
-  by a ``random.Random`` with a fixed seed, to random positions, each with its option or the
-  next narrower or wider one, and search on from there (iterated local search).
+* when no job's reinsertion improves, *perturb* the best order found: move ``RUIN`` jobs to
+  random positions (a ``random.Random`` with a fixed seed) -- one of the jobs that end last on
+  its next wider option, the others drawn at random, each on its option or the next narrower
+  or wider one -- and search on from there (iterated local search).
 
 Orders compare by ``(makespan, moment)`` or by the weighted completion time. The moment,
 ``sum_j g_j p_j (start_j + end_j)``, is the device-seconds weighted by when they are used: it
@@ -33,10 +34,11 @@ RUIN = 2
 """Jobs moved by one perturbation."""
 
 STEPS = (-1, 0, 1)
-"""A perturbed job's option moves by one of these steps in its list (by device count)."""
+"""A randomly perturbed job's option moves by one of these steps in its list (by device count)."""
 
-BUDGET = 400_000
-"""Default job placements a search may make (about 1-2 s of one core for 32 jobs)."""
+BUDGET = 1_000_000
+"""Default job placements a search may make: about 1.1 s of one core (a placement costs about
+1 us of Python); a search of 16 or more jobs uses all of it."""
 
 PATIENCE = 40
 """Perturbations in a row that did not improve the best order, after which the search stops."""
@@ -80,6 +82,9 @@ class _Profile:
         return start
 
 
+_NO_LIMIT = (float("inf"), float("inf"))
+
+
 class _Search:
     """Decodes orders and counts the placements made."""
 
@@ -89,10 +94,10 @@ class _Search:
     def _weight(self, job: str) -> float:
         return 1.0 if self.weights is None else self.weights.get(job, 1.0)
 
-    def decode(self, order: Order, profile: _Profile, key: tuple[float, float], stop: float = float("inf")):
+    def decode(self, order: Order, profile: _Profile, key: tuple[float, float], limit=_NO_LIMIT):
         """``key`` (``(makespan, moment)`` or ``(weighted completion, 0)``) of the jobs placed
-        on ``profile`` so far, extended by ``order``'s jobs placed on it; ``None`` once the first
-        component exceeds ``stop`` (it never decreases as jobs are added)."""
+        on ``profile`` so far, extended by ``order``'s jobs placed on it; ``None`` as soon as it
+        cannot end below ``limit`` (both components only grow as jobs are added)."""
         top, total = key
         for job, o in order:
             end = profile.place(o, self.G) + o.seconds
@@ -101,7 +106,7 @@ class _Search:
                 top, total = max(top, end), total + o.devices * o.seconds * (2 * end - o.seconds)
             else:
                 top += self._weight(job) * end
-            if top > stop:
+            if _beyond((top, total), limit):
                 return None
         return top, total
 
@@ -112,23 +117,50 @@ class _Search:
         profile = _Profile()
         return [profile.place(o, self.G) + o.seconds for _, o in order]
 
-    def reinsert(self, rest: Order, job: str, options: Sequence[Option], stop: float = float("inf")):
-        """The best ``(key, order)`` of ``rest`` with ``job`` put back at some position with one of
-        ``options`` (ties: the earlier position, then the earlier option), among those whose first
-        key is at most ``stop``; ``(None, None)`` if there is none."""
+    def reinsert(self, rest: Order, job: str, options: Sequence[Option], limit=_NO_LIMIT):
+        """The least ``(key, order)`` below ``limit`` of ``rest`` with ``job`` put back at some
+        position with one of ``options`` (ties: the earlier position, then the earlier option);
+        ``(None, None)`` if none is below ``limit``."""
         best_key, best = None, None
         prefix, prefix_key = _Profile(), (0.0, 0.0)
         for pos in range(len(rest) + 1):
             for o in options:
-                bound = stop if best_key is None else min(stop, best_key[0])
-                key = self.decode([(job, o)] + rest[pos:], prefix.copy(), prefix_key, bound)
-                if key is not None and (best_key is None or key < best_key):
+                key = self.decode([(job, o)] + rest[pos:], prefix.copy(), prefix_key, best_key or limit)
+                if key is not None:
                     best_key, best = key, rest[:pos] + [(job, o)] + rest[pos:]
             if pos < len(rest):
                 prefix_key = self.decode(rest[pos:pos + 1], prefix, prefix_key)
-            if prefix_key[0] > min(stop, best_key[0] if best_key else stop):
-                break  # every later position keeps this prefix
+                if _beyond(prefix_key, best_key or limit):
+                    break  # every later position keeps this prefix
         return best_key, best
+
+
+def _beyond(partial: tuple[float, float], limit: tuple[float, float]) -> bool:
+    """Whether a partial key, which adding jobs can only raise (component-wise), can no longer end
+    lexicographically below ``limit``: its makespan already exceeds the limit's, or reached it
+    with a moment at or above the limit's."""
+    return partial[0] > limit[0] or (partial[0] >= limit[0] and partial[1] >= limit[1])
+
+
+def _perturbed(order: Order, key: tuple[float, float], search: _Search, choices: Mapping[str, list[Option]],
+               rng: random.Random) -> Order:
+    """``order`` with ``RUIN`` jobs moved to random positions: for the makespan, one of the jobs
+    that end last, on its next wider option (it can only end earlier by starting earlier or
+    running faster); the others drawn at random, each on its option or the next narrower or
+    wider one (``STEPS``)."""
+    moved = rng.sample(sorted(choices), min(RUIN, len(choices)))
+    if search.weights is None:
+        ends = dict(zip((j for j, _ in order), search.ends(order)))
+        last = rng.choice(sorted(j for j, e in ends.items() if e >= key[0] * (1 - 1e-9)))
+        moved = [last] + [j for j in moved if j != last][: RUIN - 1]
+    out = list(order)
+    for n, job in enumerate(moved):
+        now = next(o for j, o in out if j == job)
+        step = 1 if n == 0 and search.weights is None else rng.choice(STEPS)
+        k = min(max(choices[job].index(now) + step, 0), len(choices[job]) - 1)
+        out = [(j, o) for j, o in out if j != job]
+        out.insert(rng.randrange(len(out) + 1), (job, choices[job][k]))
+    return out
 
 
 def _better(a: tuple[float, float], b: tuple[float, float], tol: float = 1e-9) -> bool:
@@ -167,7 +199,7 @@ def improve(options: Options, order: Sequence[tuple[str, Option]], cluster_size:
         improved = False
         for i in sorted(range(len(current)), key=lambda i: (-ends[i], current[i][0])):
             job = current[i][0]
-            key, candidate = search.reinsert(current[:i] + current[i + 1:], job, choices[job], current_key[0])
+            key, candidate = search.reinsert(current[:i] + current[i + 1:], job, choices[job], current_key)
             if key is not None and _better(key, current_key):
                 current, current_key, improved = candidate, key, True
                 break
@@ -177,11 +209,6 @@ def improve(options: Options, order: Sequence[tuple[str, Option]], cluster_size:
             best, best_key, stale = current, current_key, 0
         if not improved:
             stale += 1
-            current = list(best)
-            for job in rng.sample(sorted(choices), min(RUIN, len(choices))):
-                now = next(o for j, o in current if j == job)
-                k = choices[job].index(now) + rng.choice(STEPS)
-                current = [(j, o) for j, o in current if j != job]
-                current.insert(rng.randrange(len(current) + 1), (job, choices[job][min(max(k, 0), len(choices[job]) - 1)]))
+            current = _perturbed(best, best_key, search, choices, rng)
             current_key = search.key(current)
     return best

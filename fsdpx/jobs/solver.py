@@ -60,8 +60,8 @@ def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
     else:
         bound = completion_lower_bound(options, weights)
     if use_milp and options:
-        # what is left of time_limit, less the final search's expected time (at least a fifth)
-        milp_seconds = max(0.2 * time_limit, time_limit - (time.perf_counter() - start) - search_seconds / 2)
+        # what is left of time_limit, less the last search's expected time (at least a fifth)
+        milp_seconds = max(0.2 * time_limit, time_limit - (time.perf_counter() - start) - search_seconds / 4)
         milp_best = None
         # coarse to fine: all options on a coarse grid, then on a fine grid only the options the
         # best schedule so far and the coarse MILP chose (rounding costs less on a fine grid)
@@ -85,7 +85,7 @@ def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
                 best, method = shifted, "milp"
         # the MILP's choices may lead the search elsewhere, unless it only gave back the incumbent
         if searching and milp_best is not None and (method == "milp" or _start_order(milp_best) != _start_order(best)):
-            search_from(milp_best, "milp", search_budget // 2)
+            search_from(milp_best, "milp", search_budget // 4)
     greedy_makespan = max((b + o.seconds for _, o, b in base), default=0.0)
     return Plan(place(best, cluster_size), cluster_size, bound, method, greedy_makespan,
                 time.perf_counter() - start, tuple(notes))
