@@ -12,7 +12,7 @@ starting at slot ``t``, ``0 <= t <= T - d[j,o]``) and ``C`` continuous (the make
                end_j = sum_{o,t} (t + d[j,o]) x[j,o,t] <= C   for every job j
     where      eps = 1 / (2 (J T + 1)), so the tie-break never outweighs one slot of C.
 
-``T`` (the horizon) is the makespan, in slots, of an incumbent schedule (the greedy one)
+``T`` (the horizon) is the makespan, in slots, of an incumbent schedule (``solve``'s best so far)
 replayed with rounded durations, so that schedule is a feasible point and the MILP's slot
 makespan is at most the incumbent's. Options that cannot fit the horizon are dropped: one
 longer than ``T`` slots, or one whose device-slots plus every other job's least device-slots

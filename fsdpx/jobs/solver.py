@@ -1,12 +1,13 @@
-"""``solve``: the plan for a set of jobs -- the MILP's schedule, or the greedy one when that is
-at least as good (so a plan is never worse than greedy), with a proven lower bound."""
+"""``solve``: the plan for a set of jobs -- the best of the greedy list schedule, the local search
+(``search.py``) and the MILP (``milp.py``), never worse than greedy -- with a proven lower bound
+(``bounds.timeline_lower_bound``)."""
 
 from __future__ import annotations
 
 import time
 from typing import Mapping
 
-from .bounds import completion_lower_bound, makespan_lower_bound, timeline_lower_bound
+from .bounds import completion_lower_bound, timeline_lower_bound
 from .greedy import greedy, in_order, place
 from .milp import solve_milp
 from .plan import Options, Plan, check_options
@@ -14,7 +15,7 @@ from .search import BUDGET, improve
 
 
 STAGES = ((0.5, 0.5), (2.0, 0.5))
-"""MILP stages: (slots as a multiple of ``slots``, share of ``time_limit``); the first with every
+"""MILP stages: (slots as a multiple of ``slots``, share of the MILP's seconds); the first with every
 option, the later ones only with the options the best schedule so far and the previous stage chose."""
 
 
@@ -23,15 +24,21 @@ def solve(options: Options, cluster_size: int, *, objective: str = "makespan",
           use_milp: bool = True, search_budget: int = BUDGET) -> Plan:
     """The plan of ``options`` (``{job: [Option, ...]}``) on ``cluster_size`` devices.
 
-    Runs the greedy list schedule, then the MILP (``milp.py``) with ``time_limit`` seconds,
-    left-shifts the MILP's schedule, and returns whichever has the smaller objective (greedy on
-    a tie of no improvement, or when the MILP found nothing). ``lower_bound`` bounds every
-    schedule of these options; ``notes`` say what happened.
+    Runs the greedy list schedule; the search (``search.improve``, ``search_budget`` job
+    placements, 0 for none) from it; the lower bound; the MILP stages (``milp.py``, unless
+    ``use_milp`` is false) in what is left of ``time_limit`` seconds, warm-started from the best
+    schedule so far and left-shifted; and the search again (a quarter of the budget) from the
+    MILP's schedule when that is not the incumbent. Returns the schedule with the smallest
+    objective, a later one only when strictly better. ``lower_bound`` bounds every schedule of
+    these options (the timeline bound for the makespan); ``notes`` say what happened. The solve
+    takes about ``time_limit`` plus the last search (on a loaded machine the searches and the
+    bound take longer, and the MILP gets at least a fifth of ``time_limit``).
 
     Guarantees (``property_tests/test_jobs_properties.py``): every job appears exactly once
     with one of its options; at no time are more than ``cluster_size`` devices held, and
     jobs overlapping in time hold disjoint ids; objective <= greedy's; makespan >=
-    ``lower_bound``; the same input gives the same plan when the MILP ends by optimality.
+    ``lower_bound``; the same input gives the same plan when the MILP ends by optimality (the
+    search is deterministic; a MILP cut by its time limit is not).
     Raises :class:`fsdpx.jobs.plan.PlanError` for a job with no option or an option wider
     than the cluster. No jobs: an empty plan.
     """
