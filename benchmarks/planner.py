@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/planner.py                    # (a) J in {8,16,32} x G in {8,16,64}
     .venv/bin/python benchmarks/planner.py --jobs 8 --devices 8 --time-limit 2   # (a) smoke run
+    .venv/bin/python benchmarks/planner.py --first-seed 10 --seeds 3            # (a) other instances
     .venv/bin/python benchmarks/planner.py --real --repeats 3                   # (b) on this machine's cores
 
 (a) For every (J, G): the plan's solve time (greedy, search, bound, both MILP stages, the last
@@ -116,7 +117,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, nargs="+", default=[8, 16, 32])
     p.add_argument("--devices", type=int, nargs="+", default=[8, 16, 64])
-    p.add_argument("--seeds", type=int, default=1, help="instances per cell (seeds 0..N-1)")
+    p.add_argument("--seeds", type=int, default=1, help="instances per cell (seeds FIRST..FIRST+N-1)")
+    p.add_argument("--first-seed", type=int, default=0, help="FIRST: the first instance seed")
     p.add_argument("--time-limit", type=float, default=8.0, help="MILP seconds, split over its two stages")
     p.add_argument("--real", action="store_true", help="(b): the real 4-job run against one after another")
     p.add_argument("--repeats", type=int, default=3, help="(b): repeats, each profiling afresh")
@@ -129,7 +131,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for J in args.jobs:
         for G in args.devices:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 r = row(J, G, seed, args.time_limit)
                 target = ("met" if r["plan"] <= 1.05 else "**missed**") if J >= G / 4 else "n/a"
                 print(f"| {J} | {G} | {seed} | {r['load']:.1f} | {r['solve_s']:.2f} | {r['plan']:.3f} | "
