@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from fsdpx.jobs.bounds import makespan_lower_bound, timeline_lower_bound
 from fsdpx.jobs.greedy import greedy, in_order, makespan
 from fsdpx.jobs.plan import Option, useful_options
-from fsdpx.jobs.search import improve
+from fsdpx.jobs.search import _Profile, improve
 from fsdpx.jobs.solver import solve
 
 FAST = settings(max_examples=12, deadline=None)
@@ -147,3 +147,16 @@ def test_local_search_never_worsens_its_start(instance):
     assert sorted(j for j, _ in found) == sorted(options) and all(o in options[j] for j, o in found)
     assert makespan(in_order(found, G)) <= makespan(in_order(start, G)) * (1 + 1e-9)
     assert found == improve(options, start, G, budget=20_000)
+
+
+@FAST
+@given(st.one_of(instances(max_jobs=8), any_options(max_jobs=8)), st.randoms(use_true_random=False))
+def test_the_search_decodes_orders_as_in_order(instance, rnd):
+    """The search's fast decoder (``search._Profile.place``) starts every job where
+    ``greedy.in_order`` does, for any order and options."""
+    options, G = instance
+    order = [(j, rnd.choice(options[j])) for j in sorted(options)]
+    rnd.shuffle(order)
+    profile = _Profile()
+    starts = [profile.place(o, G) for _, o in order]
+    assert starts == [s for _, _, s in in_order(order, G)]
