@@ -13,7 +13,7 @@ from fsdpx.sharding.schedule import (
     COMPUTE, INTERLEAVED, KINDS, P2P, RECV_B, RECV_F, SEND_B, SEND_F, B, F, W, check, matching,
 )
 from fsdpx.sharding.schedule import schedule as make_schedule
-from fsdpx.sharding.schedule_sim import simulate
+from fsdpx.sharding.schedule_sim import Transfer, peak_held_by_rank, simulate
 
 MAX_RANKS, MAX_MICROBATCHES, MAX_VIRTUAL = 8, 16, 3
 
@@ -171,3 +171,65 @@ def test_each_action_costs_what_its_stage_is_given(sched, data):
     for entries in timeline.ranks:
         for e in entries:
             assert e.end - e.start == stage_costs[e.action.stage][e.action.kind]
+
+
+transfers = st.builds(Transfer, latency=st.fractions(0, 3, max_denominator=4),
+                      seconds_per_byte=st.fractions(0, 1, max_denominator=4), message_bytes=st.integers(0, 4))
+
+
+@given(schedules(), costs, st.data())
+def test_zero_transfer_gives_the_timeline_without_one(sched, cost, data):
+    """Free transit is the old simulator: every entry, the makespan and the compute time, exactly,
+    whichever field is zero."""
+    zero = data.draw(st.sampled_from([Transfer(), Transfer(0, 5, 0), Transfer(0, 0, 7)]), label="zero")
+    assert zero.delay == 0
+    old, new = simulate(sched, cost), simulate(sched, cost, transfer=zero)
+    assert new.ranks == old.ranks and new.makespan == old.makespan and new.compute_time == old.compute_time
+    assert new.peak_in_flight == old.peak_in_flight
+
+
+@given(schedules(), costs, transfers)
+def test_transit_time_delays_only_receivers(sched, cost, transfer):
+    """A message's time in transit ``d`` is paid by its receiver: no action starts earlier than
+    with free transit; each rank runs exactly as before up to its first receive (a send never
+    waits for its message to arrive); every receive ends at least ``d`` after its send; and the
+    makespan grows by at most ``d`` per receive of the step (each path through the schedule
+    crosses a receive at most once)."""
+    free, slow = simulate(sched, cost), simulate(sched, cost, transfer=transfer)
+    d = transfer.delay
+    before, after = free.by_action(), slow.by_action()
+    for a, e in after.items():
+        assert e.start >= before[a].start and e.end >= before[a].end
+    for old, new in zip(free.ranks, slow.ranks):
+        first = next((i for i, e in enumerate(new) if isinstance(e.action, (RECV_F, RECV_B))), len(new))
+        assert new[:first] == old[:first]
+    receives = [a for a in after if isinstance(a, (RECV_F, RECV_B))]
+    for a in receives:
+        assert after[a].start >= after[matching(a, sched.num_ranks)].end + d
+    assert slow.makespan <= free.makespan + d * len(receives)
+    assert slow.compute_time == free.compute_time
+
+
+@given(schedules(kinds=("gpipe",)), st.fractions(0, 4, max_denominator=8))
+def test_gpipe_makespan_grows_by_one_delay_per_boundary_each_way(sched, d):
+    """Unit costs, transit ``d``: the first forward reaches the last rank ``(p - 1)`` transits
+    late and the last backward returns ``(p - 1)`` transits later still, nothing else waits."""
+    p, m = sched.num_ranks, sched.num_microbatches
+    assert simulate(sched, transfer=Transfer(latency=d)).makespan == 3 * (m + p - 1) + 2 * (p - 1) * d
+
+
+@given(schedules(), st.data())
+def test_peak_held_weighs_in_flight_microbatches_by_stage(sched, data):
+    """Unit weights count microbatches (``peak_in_flight_by_rank``); with one stage per rank the
+    weighted peak is that stage's weight times its peak in flight; never more than every held
+    chunk at its rank's largest weight."""
+    timeline = simulate(sched)
+    assert peak_held_by_rank(sched, [1] * sched.num_stages) == timeline.peak_in_flight_by_rank
+    weights = data.draw(st.lists(st.integers(0, 9), min_size=sched.num_stages, max_size=sched.num_stages))
+    held = peak_held_by_rank(sched, weights)
+    p = sched.num_ranks
+    for r in range(p):
+        mine = [weights[s] for s in range(r, sched.num_stages, p)]
+        assert held[r] <= max(mine) * timeline.peak_in_flight_by_rank[r]
+    if sched.virtual_stages == 1:
+        assert held == tuple(w * n for w, n in zip(weights, timeline.peak_in_flight))

@@ -7,7 +7,7 @@ import pytest
 from fsdpx.sharding.schedule import (
     RECV_B, RECV_F, SEND_B, SEND_F, B, F, Schedule, W, check, schedule,
 )
-from fsdpx.sharding.schedule_sim import Deadlock, plot, simulate
+from fsdpx.sharding.schedule_sim import Deadlock, Transfer, plot, simulate
 
 
 def test_actions_are_hashable_values_with_readable_reprs():
@@ -97,6 +97,18 @@ def test_one_microbatch_with_a_costly_activation_transfer_by_hand():
     assert at[B(0, 0)][:2] == (5, 6)
     assert (t.makespan, t.compute_time, t.idle_time) == (7, 6, 8)
     assert t.peak_in_flight == (1, 1) and t.peak_in_flight_by_rank == (1, 1)
+
+
+def test_one_microbatch_with_a_message_in_transit_by_hand():
+    # transit 2 + 4 bytes x 0.25 = 3: rank 0 sends at 1 and goes on; rank 1's receive ends at 4,
+    # F [4, 5], B [5, 6], W [6, 7], send at 7; rank 0's receive ends at 10: B [10, 11], W [11, 12]
+    t = simulate(schedule("gpipe", 2, 1), transfer=Transfer(latency=2, seconds_per_byte=0.25, message_bytes=4))
+    at = t.by_action()
+    assert at[SEND_F(0, 0, 1)][:2] == (1, 1) and at[RECV_F(0, 1, 0)][:2] == (4, 4)
+    assert at[RECV_B(0, 0, 1)][:2] == (10, 10) and at[B(0, 0)][:2] == (10, 11)
+    assert (t.makespan, t.compute_time) == (12, 6)
+    with pytest.raises(ValueError, match="delay must be >= 0"):
+        simulate(schedule("gpipe", 2, 1), transfer=Transfer(latency=-1))
 
 
 def test_zero_costs_give_an_empty_timeline_without_dividing_by_zero():

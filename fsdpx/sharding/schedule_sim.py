@@ -12,14 +12,19 @@ action                     waits for
 ``W(mb, s)``               ``B(mb, s)``
 ``SEND_F`` / ``SEND_B``    the ``F`` / ``B`` whose data it sends (buffered: it never waits for
                            the receiver)
-``RECV_F`` / ``RECV_B``    the end of the matching send
+``RECV_F`` / ``RECV_B``    the end of the matching send, plus the message's time in transit
+                           (``Transfer``; ``0`` by default)
 =========================  =====================================================================
 
 A well-formed list already orders most of these (a receive sits before its consumer); the
 explicit waits make a malformed one (a receive listed after its consumer) deadlock instead of
 running on data that is not there yet.
 
-Costs (``DEFAULT_COSTS``): ``F = B = W = 1``, every transfer ``0``. With gpipe's and 1f1b's
+Costs (``DEFAULT_COSTS``): ``F = B = W = 1``, every transfer ``0``. A transfer's cost is the
+time it occupies its own rank (posting a send, waiting out a receive's bookkeeping); the time a
+message spends between the ranks is the ``Transfer`` model's, paid by the receiver only: a
+send never waits for it (buffered, as the executor's), a receive cannot end before its message
+arrives. With gpipe's and 1f1b's
 fused backward (``B, W`` then the send, see ``fsdpx.sharding.schedule``) the backward costs
 ``B + W = 2``, twice the forward, and the bubble is exactly ``(p - 1) / (m + p - 1)``.
 Measured costs differ by rank (``rank_costs``) and, on an interleaved rank, by stage
@@ -43,6 +48,7 @@ is stuck at and what that action waits for. ``plot(timeline, path)`` draws the G
 from __future__ import annotations
 
 from collections import deque
+from numbers import Real
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -53,6 +59,25 @@ from .schedule import ACTION_KINDS, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Act
 DEFAULT_COSTS: Mapping[str, float] = MappingProxyType(
     {"F": 1, "B": 1, "W": 1, "SEND_F": 0, "RECV_F": 0, "SEND_B": 0, "RECV_B": 0}
 )
+
+
+class Transfer(NamedTuple):
+    """The time a message spends between two ranks: ``latency + message_bytes *
+    seconds_per_byte`` (``delay``), from the end of its send to the earliest end of its
+    receive. One activation and its gradient have the same shape, so one ``message_bytes``
+    prices both directions. Every field ``0`` (the default) is free transit: ``simulate`` then
+    returns exactly the timeline it returns without a ``Transfer``.
+
+    Measured, not fitted: ``benchmarks/pipeline.py`` times a send/receive of a small message
+    (``latency``) and of one activation on the same gloo group."""
+
+    latency: Real = 0
+    seconds_per_byte: Real = 0
+    message_bytes: Real = 0
+
+    @property
+    def delay(self) -> Real:
+        return self.latency + self.message_bytes * self.seconds_per_byte
 
 
 class Deadlock(RuntimeError):
@@ -99,7 +124,8 @@ class Timeline:
 
 def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
              rank_costs: Sequence[Mapping[str, float]] | None = None,
-             stage_costs: Sequence[Mapping[str, float]] | None = None) -> Timeline:
+             stage_costs: Sequence[Mapping[str, float]] | None = None,
+             transfer: Transfer | None = None) -> Timeline:
     """Run ``schedule`` with durations ``costs`` (by action kind, merged over
     ``DEFAULT_COSTS``) and return its ``Timeline``. ``rank_costs[r]``, when given, overrides
     ``costs`` for rank ``r`` (unbalanced stages: the last also runs the LM head and the loss);
@@ -107,6 +133,8 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     own, for a transfer the stage that sends or receives it), which is what an interleaved
     rank needs, its chunks differing (the last holds the LM head). An action of stage ``s``
     on rank ``r`` costs ``{**DEFAULT_COSTS, **costs, **rank_costs[r], **stage_costs[s]}``.
+    ``transfer`` adds each message's time in transit: a receive starts no earlier than its
+    send's end plus ``transfer.delay``.
 
     Guarantees (``property_tests/test_schedule_properties.py``):
       * every action runs once; a rank's entries follow its list and never overlap; each
@@ -117,15 +145,25 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
         (``test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1``);
       * ``stage_costs`` repeating one mapping, or each stage its rank's ``rank_costs``, gives
         exactly the timeline of ``costs`` / ``rank_costs`` alone
-        (``test_stage_costs_equal_to_rank_costs_give_the_same_timeline``).
+        (``test_stage_costs_equal_to_rank_costs_give_the_same_timeline``);
+      * a zero ``Transfer`` gives exactly the timeline without one
+        (``test_zero_transfer_gives_the_timeline_without_one``); a delay ``d`` makes no
+        action earlier, leaves every rank's actions before its first receive where they were,
+        lets every receive end no earlier than its send's end plus ``d``, and delays the
+        makespan by at most ``d`` per receive (``test_transit_time_delays_only_receivers``);
+        gpipe's makespan with unit costs is ``3 (m + p - 1) + 2 (p - 1) d``, one ``d`` per
+        boundary each way (``test_gpipe_makespan_grows_by_one_delay_per_boundary_each_way``).
 
     Times are exact when the costs are ints (or ``Fraction``s).
 
-    Raises ``ValueError`` for a cost key not in ``ACTION_KINDS`` or a negative cost, for
+    Raises ``ValueError`` for a cost key not in ``ACTION_KINDS``, a negative cost or delay, for
     ``rank_costs`` / ``stage_costs`` of the wrong length, and for a schedule ``check`` rejects;
     ``Deadlock`` when the ranks block each other."""
     check(schedule)
     p, num_stages = schedule.num_ranks, schedule.num_stages
+    delay = transfer.delay if transfer is not None else 0
+    if delay < 0:
+        raise ValueError(f"a transfer's delay must be >= 0, got {transfer}")
     if rank_costs is not None and len(rank_costs) != p:
         raise ValueError(f"rank_costs has {len(rank_costs)} entries for {p} ranks")
     if stage_costs is not None and len(stage_costs) != num_stages:
@@ -149,6 +187,8 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
                 blocked_on.setdefault(missing, []).append(r)
                 break
             start = max([free[r], *(ends[d] for d in deps)])
+            if delay and isinstance(a, (RECV_F, RECV_B)):  # its only wait is the send, then transit
+                start = max(free[r], ends[deps[0]] + delay)
             end = start + cost_of[a.stage][a.kind]
             entries[r].append(Entry(start, end, a))
             ends[a] = free[r] = end
@@ -221,11 +261,22 @@ def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
     )
 
 
-def _peak(actions: tuple[Action, ...], counted) -> int:
+def peak_held_by_rank(schedule: Schedule, per_stage: Sequence[Real]) -> tuple[Real, ...]:
+    """Per rank, the most it holds at once when a microbatch at stage ``s`` holds
+    ``per_stage[s]`` (the bytes its activations keep, say) from the start of its ``F`` to the end
+    of its ``W``. All ones give ``peak_in_flight_by_rank``; with one stage per rank, ``per_stage``
+    times ``peak_in_flight`` (``test_peak_held_weighs_in_flight_microbatches_by_stage``)."""
+    if len(per_stage) != schedule.num_stages:
+        raise ValueError(f"per_stage has {len(per_stage)} entries for {schedule.num_stages} stages")
+    return tuple(_peak(actions, lambda a: True, per_stage) for actions in schedule.ranks)
+
+
+def _peak(actions: tuple[Action, ...], counted, per_stage: Sequence[Real] | None = None):
     held = peak = 0
     for a in actions:
-        if counted(a):
-            held += isinstance(a, F) - isinstance(a, W)
+        if counted(a) and isinstance(a, (F, W)):
+            weight = 1 if per_stage is None else per_stage[a.stage]
+            held += weight if isinstance(a, F) else -weight
             peak = max(peak, held)
     return peak
 
