@@ -12,7 +12,9 @@ from torch import nn
 import fsdpx.jobs as jobs
 from fsdpx.jobs import techniques
 from fsdpx.jobs.builtin import BUILTIN
-from fsdpx.jobs.gpt_job import UnsupportedTaskError, gpt_task, run_config
+from fsdpx.jobs.gpt_job import gpt_task
+from fsdpx.jobs.task import UnimportableTaskError
+from fsdpx.jobs.train_run import run_config
 from fsdpx.jobs.memory import job_memory, model_shape
 
 MiB = 2**20
@@ -106,8 +108,8 @@ def test_a_user_registers_a_toy_technique(tmp_path):
         jobs.register("broken", object())
 
 
-def test_builtin_techniques_refuse_a_job_that_is_not_a_gpt_job(tmp_path):
-    with pytest.raises(UnsupportedTaskError, match="reg"):
+def test_builtin_techniques_refuse_a_job_whose_functions_workers_cannot_import(tmp_path):
+    with pytest.raises(UnimportableTaskError, match="job 'reg': model_fn .*lambda"):
         run_config(regression_task("reg"), strategy="ddp", steps=1, out=tmp_path, ckpt_dir=tmp_path / "c")
 
 

@@ -1,5 +1,8 @@
 """The built-in techniques: this library's strategies (ddp, zero2, zero3, zero3 with ZenFlow
-offload), each plain and private, executed through ``fsdpx train``'s run under torchrun.
+offload), each plain and private, executed through ``fsdpx train``'s run under torchrun: a GPT
+job as ``fsdpx train``'s GPT, any other job as its own functions imported by the workers
+(``train_run.py``), which is why a job whose functions cannot be imported by name is refused
+(``check``) before anything runs.
 
 Importing this module registers them (``fsdpx.jobs`` does on import). Tensor and pipeline
 parallel plans join here as ``StrategyTechnique`` variants with their own memory model.
@@ -14,9 +17,9 @@ from typing import Any, Mapping
 from . import techniques
 from .devices import Devices
 from .execute import JobResult, launch
-from .gpt_job import run_config
 from .memory import job_memory
 from .task import Task
+from .train_run import check_runnable, run_config
 
 ZENFLOW_TOPK = (0.5, 0.25, 0.1, 0.05)
 """Fractions of columns ZenFlow may keep on the device, most preferred first (more columns
@@ -39,9 +42,15 @@ class StrategyTechnique:
         """The memory model's peak bytes per rank with ``params``."""
         return job_memory(task, self.strategy, devices.count, optimizer_fraction=self._fraction(params))
 
+    def check(self, task: Task) -> None:
+        """Raise ``UnimportableTaskError`` when the workers could not import the job's functions
+        (``train_run.check_runnable``); nothing for a GPT job."""
+        check_runnable(task)
+
     def search(self, task: Task, devices: Devices) -> dict[str, Any]:
         """``{}``; with ZenFlow the largest ``offload_topk`` of ``ZENFLOW_TOPK`` that fits (the
-        smallest when none does)."""
+        smallest when none does). Raises what ``check`` raises."""
+        self.check(task)
         if self.offload != "zenflow":
             return {}
         for topk in ZENFLOW_TOPK:
@@ -50,9 +59,10 @@ class StrategyTechnique:
         return {"offload_topk": ZENFLOW_TOPK[-1]}
 
     def feasible(self, task: Task, devices: Devices) -> bool:
-        """Whether the job's privacy matches this technique's and, with ``search``'s params, the
-        memory model fits ``devices.memory_bytes`` per rank."""
-        if task.private != self.private:
+        """Whether the job's privacy matches this technique's, its functions can be imported by the
+        workers (``check``) and, with ``search``'s params, the memory model fits
+        ``devices.memory_bytes`` per rank."""
+        if task.private != self.private or techniques.refusal(self, task) is not None:
             return False
         return self.memory(task, devices, self.search(task, devices)) <= devices.memory_bytes
 

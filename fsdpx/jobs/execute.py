@@ -1,7 +1,8 @@
 """Running one job on a device group: the impure edge (a torchrun process group per job).
 
 ``launch`` writes the job's ``RunConfig`` and starts ``torchrun -m fsdpx.jobs.worker`` on
-``devices.count`` processes (GPUs chosen by ``CUDA_VISIBLE_DEVICES``, CPU cores by affinity);
+``devices.count`` processes (GPUs chosen by ``CUDA_VISIBLE_DEVICES``, CPU cores by affinity;
+the directories a user job's functions were imported from on ``PYTHONPATH``);
 ``JobResult`` is what came back. torchrun dies with the process that launched it and its
 workers with torchrun or that process (``fsdpx.train.launch.die_with_parent`` /
 ``watch_launcher``), so stopping a job (``runner.py``) or killing the runner leaves nothing behind.
@@ -51,6 +52,9 @@ def launch(name: str, config: RunConfig, devices: Devices) -> JobResult:
     path = run_dir / "run_config.json"
     path.write_text(json.dumps(dataclasses.asdict(config), indent=2))
     env = {**os.environ, "OMP_NUM_THREADS": "1", LAUNCHER_PID: str(os.getpid())}
+    roots = import_roots(config)
+    if roots:
+        env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [os.environ.get("PYTHONPATH")])])
     cores: set[int] = set()
     if devices.ids is not None and devices.kind == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices.ids))
@@ -71,6 +75,18 @@ def launch(name: str, config: RunConfig, devices: Devices) -> JobResult:
         return JobResult(name, proc.returncode or 1, str(run_dir), seconds, error=proc.stdout[-4000:])
     peaks = tuple(json.loads((run_dir / f"rank{r}.json").read_text())["peak_bytes"] for r in range(devices.count))
     return JobResult(name, 0, str(run_dir), seconds, json.loads(summary_file.read_text()), peaks)
+
+
+def import_roots(config: RunConfig) -> list[str]:
+    """The ``sys.path`` directories this process imported a ``model = "python"`` run's functions
+    from (``fsdpx.train.refs.import_root``), for the workers' ``PYTHONPATH``: a module found
+    here (a test module beside its tests, a script's directory) is found there too."""
+    if config.model != "python":
+        return []
+    from fsdpx.train.refs import import_root
+
+    roots = (import_root(ref.partition(":")[0]) for ref in (config.model_fn, config.data_fn, config.loss_fn))
+    return sorted({r for r in roots if r is not None})
 
 
 def step_seconds(run_dir: str | Path) -> list[float]:

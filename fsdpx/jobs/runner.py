@@ -51,6 +51,7 @@ from .plan import Assignment, Option, Options, Plan
 from .replan import Running, drifted, profiled_step, replan, stays
 from .solver import solve
 from .task import Task, check_unique_names
+from .techniques import check_runnable
 
 EARLY_SECONDS = 1.0
 """A job ending less than this before its planned end is on time (no re-plan)."""
@@ -166,6 +167,7 @@ class Runner:
         missing = sorted(t.name for t in tasks if not options.get(t.name))
         if missing:
             raise ValueError(f"jobs {missing} have no options to run with")
+        check_runnable(tasks, {t.name: [o.technique for o in options[t.name]] for t in tasks})
         if retries < 0 or not 0 <= early < 1:
             raise ValueError(f"retries must be >= 0 and early in [0, 1), got {retries}, {early}")
         if drift_threshold is not None and not drift_threshold >= 0:
@@ -378,5 +380,6 @@ def run_jobs(tasks: Sequence[Task], options: Options, cluster: Devices, root: Pa
     pace drifting beyond ``drift_threshold`` (a fraction; None: never) re-plans the rest, a
     drift once per pace; a moved job resumes from its newest checkpoint. Raises ``ValueError``
     for a job without options, a plan of other jobs, or bad ``retries``/``early``/``drift_threshold``;
-    ``DuplicateJobError`` for repeated names -- before anything starts."""
+    ``DuplicateJobError`` for repeated names; a technique's refusal of a job it may run
+    (``techniques.check_runnable``: the built-ins' ``UnimportableTaskError``) -- before anything starts."""
     return Runner(tasks, options, cluster, root, **kwargs).run()

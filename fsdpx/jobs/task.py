@@ -10,6 +10,17 @@ class DuplicateJobError(ValueError):
     """Two jobs of one plan share a name (names key profiles, run directories and checkpoints)."""
 
 
+class UnsupportedTaskError(ValueError):
+    """A technique cannot run this job at all, on any devices (a technique's ``check``)."""
+
+
+class UnimportableTaskError(UnsupportedTaskError):
+    """A job's function cannot be imported by the processes that train it (a lambda, a function
+    defined inside another, one of the script run as ``__main__``), or its ``hparams`` are not
+    JSON values: the built-in techniques run a job in torchrun workers, which import its
+    functions by name."""
+
+
 @dataclass(frozen=True)
 class Privacy:
     """DP-SGD settings of a private job: noise from ``noise_multiplier`` when given, otherwise

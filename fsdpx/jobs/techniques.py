@@ -6,6 +6,10 @@ A technique is any object with three methods (the :class:`Technique` protocol)::
     search(task, devices) -> dict              # its own knobs on these devices (JSON-able)
     execute(task, devices, params, steps, ckpt_dir) -> JobResult   # train to ``steps``
 
+and optionally ``check(task)``, raising an ``UnsupportedTaskError`` (a named error saying how
+to fix it) when it cannot run the job on any devices: ``check_feasible`` raises it for a job
+no technique takes, and the runner (``check_runnable``) before anything starts.
+
 ``register(name, technique)`` adds one; the planner considers every registered technique for
 every job. Built-ins are registered by ``fsdpx.jobs.builtin`` on import.
 """
@@ -16,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 
 from .devices import Devices
-from .task import Task
+from .task import Task, UnsupportedTaskError
 
 
 class InfeasibleJobError(ValueError):
@@ -82,6 +86,27 @@ def device_counts(cluster: Devices) -> list[int]:
     return sorted({*out, cluster.count})
 
 
+def refusal(technique: Any, task: Task) -> UnsupportedTaskError | None:
+    """The error ``technique.check(task)`` raises (None when it has no ``check`` or runs the job)."""
+    check = getattr(technique, "check", None)
+    try:
+        if check is not None:
+            check(task)
+    except UnsupportedTaskError as e:
+        return e
+    return None
+
+
+def check_runnable(tasks: Iterable[Task], chosen: Mapping[str, Iterable[str]]) -> None:
+    """Raise the first refusal (:func:`refusal`) of a job by a registered technique among
+    ``chosen[job name]`` (the techniques a plan may run it with); unregistered names are
+    skipped."""
+    for task in tasks:
+        for name in sorted(set(chosen.get(task.name, ()))):
+            if name in _REGISTRY and (err := refusal(_REGISTRY[name], task)) is not None:
+                raise err
+
+
 def feasible_choices(task: Task, cluster: Devices, techniques: Iterable[str] | None = None) -> list[tuple[str, int]]:
     """Every (technique, device count) on which ``task`` fits, techniques in name order, counts
     ascending; empty when none fits."""
@@ -93,10 +118,16 @@ def check_feasible(tasks: Iterable[Task], cluster: Devices, techniques: Iterable
                    ) -> dict[str, list[tuple[str, int]]]:
     """``{job name: feasible_choices}`` for every job; raises :class:`InfeasibleJobError`
     naming every job that fits nowhere, before anything runs
-    (``tests/test_jobs_registry.py::test_a_job_too_large_for_the_cluster_is_a_named_error``)."""
+    (``tests/test_jobs_registry.py::test_a_job_too_large_for_the_cluster_is_a_named_error``),
+    or, when a technique refused such a job by its ``check``, that refusal (e.g. the built-ins'
+    ``UnimportableTaskError`` for a lambda: ``tests/test_jobs_user_task.py``)."""
+    tasks = list(tasks)
     techniques = None if techniques is None else list(techniques)
     out = {t.name: feasible_choices(t, cluster, techniques) for t in tasks}
     bad = sorted(name for name, choices in out.items() if not choices)
+    for task in tasks:
+        if task.name in bad:
+            check_runnable([task], {task.name: techniques or names()})
     if bad:
         raise InfeasibleJobError(
             f"jobs {bad} fit no technique on any group of up to {cluster.count} devices of "

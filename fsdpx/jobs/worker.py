@@ -37,7 +37,7 @@ def main(path: str) -> None:
 
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"])))
+        comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp))
     rank = 0 if comm is None else comm.rank
     summary = run(config, progress=False, comm=comm)
     config.run_dir.mkdir(parents=True, exist_ok=True)

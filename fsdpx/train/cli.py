@@ -219,7 +219,8 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
                         " offload, checkpoints, logging; every key is also a flag, and flags override it)")
     model = p.add_argument_group("your own model (default: the built-in GPT above)")
     model.add_argument("--model", choices=MODEL_KINDS, default=d.model,
-                       help="gpt, or a transformers causal LM by --model-path or --model-class (default %(default)s)")
+                       help="gpt, a transformers causal LM by --model-path or --model-class, or python: your own"
+                            " --model-fn, --data-fn and --loss-fn (default %(default)s)")
     model.add_argument("--model-path", metavar="PATH", default=None,
                        help="transformers: a local directory holding config.json (or the file); never downloaded")
     model.add_argument("--model-class", metavar="NAME", default=None,
@@ -228,11 +229,19 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
                        help="transformers: config fields, e.g. 'n_embd = 32, n_layer = 2' (over --model-path's)")
     model.add_argument("--vocab-size", type=_positive_int, metavar="N", default=None,
                        help="the built-in GPT's vocabulary (default: the data's)")
+    model.add_argument("--model-fn", metavar="MODULE:NAME", default=None,
+                       help="python: model_fn(hparams) -> nn.Module, importable by every process")
+    model.add_argument("--loss-fn", metavar="MODULE:NAME", default=None,
+                       help="python: loss_fn(output, targets) -> per-example losses (B,)")
+    model.add_argument("--hparams", type=_table, metavar="TABLE", default=None,
+                       help="python: the table passed to model_fn and data_fn, e.g. 'width = 32'")
     source = p.add_argument_group("your own data (default: the embedded corpus)")
     source.add_argument("--data", choices=DATA_KINDS, default=d.data,
                         help="the kind of --data-path; auto: .npy, .bin, a directory is a saved datasets dataset,"
                              " any other file text (default %(default)s)")
     source.add_argument("--data-path", metavar="PATH", default=None, help="the data file or dataset directory")
+    source.add_argument("--data-fn", metavar="MODULE:NAME", default=None,
+                        help="python: data_fn(hparams) -> (inputs, targets), the whole dataset")
     source.add_argument("--tokenizer", metavar="DIR", default=None,
                         help="'bytes' or a local directory with a saved tokenizer (default: bytes for text)")
     source.add_argument("--data-dtype", choices=TOKEN_DTYPES, default=d.data_dtype,
@@ -392,9 +401,9 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     else:
         privacy = f"DP-SGD with noise multiplier {config.noise_multiplier:g}"
     where = f", {config.strategy} on {comm.mesh}" if comm is not None else ""
-    model = (f"GPT {config.n_layer} layers x {config.n_embd}" if config.model == "gpt" else
-             f"transformers {config.model_class or config.model_path}")
-    data = config.data_path or "the embedded corpus"
+    model = {"gpt": f"GPT {config.n_layer} layers x {config.n_embd}", "python": f"{config.model_fn}",
+             "transformers": f"transformers {config.model_class or config.model_path}"}[config.model]
+    data = config.data_fn or config.data_path or "the embedded corpus"
     return f"fsdpx train: {config.steps} steps, {model} on {data}, {privacy}{where} -> {config.run_dir}"
 
 

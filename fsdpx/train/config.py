@@ -43,8 +43,8 @@ from fsdpx.sharding import strategies
 from . import data
 from .budget import MAX_NOISE_MULTIPLIER
 
-MODEL_KINDS = ("gpt", "transformers")
-DATA_KINDS = ("auto", "corpus", "text", "npy", "bin", "dataset")
+MODEL_KINDS = ("gpt", "transformers", "python")
+DATA_KINDS = ("auto", "corpus", "text", "npy", "bin", "dataset", "python")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
 
 
@@ -81,6 +81,15 @@ class RunConfig:
     model_class: str | None = None
     model_fields: dict | None = dataclasses.field(default=None, hash=False)
     vocab_size: int | None = None
+    # or "python": your own functions, each named "module:qualname" (fsdpx.train.refs) and imported by every
+    # process: ``model_fn(hparams) -> nn.Module`` (called with the torch RNG seeded by ``seed``),
+    # ``data_fn(hparams) -> (inputs, targets)`` (the whole dataset, its first dimension the examples; seeded
+    # likewise) and ``loss_fn(model output, targets) -> (B,)`` per-example losses; ``hparams`` (a table of
+    # JSON values) is passed to the three
+    model_fn: str | None = None
+    data_fn: str | None = None
+    loss_fn: str | None = None
+    hparams: dict | None = dataclasses.field(default=None, hash=False)
     # data
     corpus_chars: int = data.DEFAULT_CHARS
     # the data (fsdpx.train.sources): "corpus" (the embedded one) or a file at ``data_path``: "text"
@@ -236,6 +245,29 @@ class RunConfig:
             if self.sequence_parallel:
                 raise ConfigError("sequence_parallel is for the built-in GPT: transformers' models derive positions"
                                   " from the length of the (then split) sequence")
+        functions = {k: getattr(self, k) for k in ("model_fn", "data_fn", "loss_fn", "hparams")
+                     if getattr(self, k) is not None}
+        if self.model != "python" and functions:
+            raise ConfigError(f"{', '.join(functions)} describe your own functions: add model = \"python\"")
+        if self.model == "python":
+            missing = [k for k in ("model_fn", "data_fn", "loss_fn") if getattr(self, k) is None]
+            if missing:
+                raise ConfigError(f"model = \"python\" needs model_fn, data_fn and loss_fn (\"module:qualname\");"
+                                  f" missing {', '.join(missing)}")
+            bad = [k for k in ("model_fn", "data_fn", "loss_fn") if not _is_ref(getattr(self, k))]
+            if bad:
+                raise ConfigError(f"{', '.join(bad)} must be \"module:qualname\", got"
+                                  f" {', '.join(repr(getattr(self, k)) for k in bad)}")
+            if self.hparams is not None and not isinstance(self.hparams, dict):
+                raise ConfigError(f"hparams must be a table, got {self.hparams!r}")
+            given = [k for k in ("data_path", "tokenizer", "vocab_size") if getattr(self, k) is not None]
+            if given or self.data not in ("auto", "python"):
+                raise ConfigError(f"model = \"python\" reads its examples from data_fn; drop"
+                                  f" {', '.join(given) or 'data = ' + repr(self.data)}")
+            if self.sequence_parallel:
+                raise ConfigError("sequence_parallel is for the built-in GPT")
+        elif self.data == "python":
+            raise ConfigError("data = \"python\" is data_fn's, with model = \"python\"")
         if self.model_fields is not None and not isinstance(self.model_fields, dict):
             raise ConfigError(f"model_fields must be a table of config fields, got {self.model_fields!r}")
         if self.vocab_size is not None and self.vocab_size < 1:
@@ -261,6 +293,12 @@ class RunConfig:
 
 
 
+def _is_ref(value: Any) -> bool:
+    """Whether ``value`` reads as ``"module:qualname"`` (resolved later, by ``fsdpx.train.refs``)."""
+    module, sep, qualname = value.partition(":") if isinstance(value, str) else ("", "", "")
+    return bool(sep and all(p.isidentifier() for p in [*module.split("."), *qualname.split(".")]))
+
+
 # --------------------------------------------------------------------------- the config file
 
 
@@ -270,8 +308,9 @@ class ConfigFileError(ConfigError):
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "run": ("steps", "seed", "lr", "freeze"),
-    "model": ("model", "model_path", "model_class", "model_fields", "vocab_size", "n_layer", "n_head", "n_embd"),
-    "data": ("data", "data_path", "tokenizer", "data_dtype", "data_column", "data_split", "block_size",
+    "model": ("model", "model_path", "model_class", "model_fields", "vocab_size", "n_layer", "n_head", "n_embd",
+              "model_fn", "loss_fn", "hparams"),
+    "data": ("data", "data_path", "data_fn", "tokenizer", "data_dtype", "data_column", "data_split", "block_size",
              "corpus_chars"),
     "privacy": ("private", "target_epsilon", "noise_multiplier", "delta", "clip_norm", "batch_size", "sample_rate",
                 "method", "clipping", "epsilon_budget", "accountant", "accounting_interval", "max_noise_multiplier"),

@@ -531,7 +531,7 @@ def _update_bar(bar: tqdm, history: list[dict[str, Any]]) -> None:
 
 
 def _plot_title(config: RunConfig, dp: DPConfig | None, source: Source) -> str:
-    model = f"{source.model_name}, block {config.block_size}"
+    model = f"{source.model_name}, block {config.block_size}" if source.language_model else source.model_name
     if dp is None:
         return f"{config.name}: {model}, non-private"
     return f"{config.name}: {model}, DP-SGD sigma={dp.noise_multiplier:.3f}, q={dp.sample_rate:.4f}, C={dp.clip_norm:g}"

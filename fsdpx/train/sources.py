@@ -75,10 +75,13 @@ class Source(NamedTuple):
     decode: Decode | None
     model_name: str
     description: str
+    language_model: bool = True  # a causal LM over token ids: its text can be sampled
 
     @property
-    def vocab_size(self) -> int:
-        return input_embedding(self.model).num_embeddings
+    def vocab_size(self) -> int | None:
+        """The token embedding's size; None for a model without one (``model = "python"``)."""
+        emb = input_embedding(self.model)
+        return emb.num_embeddings if emb is not None else None
 
 
 def build_source(config: RunConfig) -> Source:
@@ -90,7 +93,9 @@ def build_source(config: RunConfig) -> Source:
     of ``data.make_examples`` and ``GPT(config.model_config())`` seeded by ``config.seed``, so
     runs and checkpoints from before config files continue bit for bit. Every token id is below
     the model's vocabulary size (else :class:`VocabularyError`). Proven by
-    ``tests/test_train_config.py``."""
+    ``tests/test_train_config.py``. ``model = "python"``: :func:`python_source`."""
+    if config.model == "python":
+        return python_source(config)
     tokens = build_tokens(config)
     if tokens.ids.numel() and int(tokens.ids.min()) < 0:
         raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {int(tokens.ids.min())}")
@@ -107,6 +112,41 @@ def build_source(config: RunConfig) -> Source:
     loss_fn = token_loss if isinstance(model, GPT) else lm_loss
     return Source(model, params, loss_fn, inputs, targets, tokens.encode, tokens.decode, model_name(model),
                   tokens.description)
+
+
+def python_source(config: RunConfig) -> Source:
+    """The source of your own functions (``model = "python"``): ``model_fn(hparams)`` and
+    ``data_fn(hparams)`` each called with the torch RNG seeded by ``config.seed`` (the global RNG
+    restored), ``loss_fn`` as it is.
+
+    Guarantees: every process calling it with one ``config`` builds the same parameters and
+    examples (the functions imported by reference, :func:`fsdpx.train.refs.resolve_ref`, and
+    seeded alike, so a ``torch.randn`` in them draws the same everywhere), provided the functions
+    depend on nothing but ``hparams`` and the torch RNG. Refused by name (:class:`ConfigError`):
+    a reference that does not import, a model that is no ``nn.Module``, data that is not two
+    tensors of the same number (>= 1) of examples."""
+    from .refs import resolve_ref
+
+    model_fn, data_fn, loss_fn = (resolve_ref(r) for r in (config.model_fn, config.data_fn, config.loss_fn))
+    hparams = dict(config.hparams or {})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = model_fn(hparams)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model_fn {config.model_fn} returned {type(model).__name__}, not a torch.nn.Module")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        examples = data_fn(hparams)
+    if not (isinstance(examples, (tuple, list)) and len(examples) == 2
+            and all(isinstance(t, Tensor) for t in examples)):
+        raise ConfigError(f"data_fn {config.data_fn} must return (inputs, targets), two tensors")
+    inputs, targets = examples
+    if inputs.ndim < 1 or inputs.shape[0] < 1 or targets.ndim < 1 or targets.shape[0] != inputs.shape[0]:
+        raise ConfigError(f"data_fn {config.data_fn}: inputs {tuple(inputs.shape)} and targets"
+                          f" {tuple(targets.shape)} need the same number (>= 1) of examples along the first dimension")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return Source(model, params, loss_fn, inputs, targets, None, None, f"{type(model).__name__} ({config.model_fn})",
+                  f"{config.data_fn}: {inputs.shape[0]} examples", language_model=False)
 
 
 # --------------------------------------------------------------------------- models
@@ -163,9 +203,13 @@ def _transformers_model(config: RunConfig) -> nn.Module:
         raise ConfigError(f"{type(hf_config).__name__} has no causal-LM model in transformers: {e}") from None
 
 
-def input_embedding(model: nn.Module) -> nn.Embedding:
-    """The token embedding of the built-in GPT or of a transformers model."""
-    return model.wte if isinstance(model, GPT) else model.get_input_embeddings()
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The token embedding of the built-in GPT or of a transformers model; None for a model
+    that has none."""
+    if isinstance(model, GPT):
+        return model.wte
+    get = getattr(model, "get_input_embeddings", None)
+    return get() if get is not None else None
 
 
 def model_name(model: nn.Module) -> str:
@@ -346,7 +390,10 @@ def sample_text(source: Source, params: dict[str, Tensor], num_tokens: int, *, s
                 prompt: str = "The ") -> str:
     """``prompt`` (or, without a tokenizer, the first data token) followed by ``num_tokens``
     tokens sampled from the model at temperature 1, decoded (without a tokenizer: the ids).
-    A pure function of ``(params, prompt, num_tokens, seed)``."""
+    A pure function of ``(params, prompt, num_tokens, seed)``; ``""`` for a source that is no
+    language model (``model = "python"``)."""
+    if not source.language_model:
+        return ""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.as_tensor(list(source.encode(prompt)) if source.encode else [], dtype=torch.int64)
     if ids.numel() == 0:
