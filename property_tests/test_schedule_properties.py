@@ -233,3 +233,17 @@ def test_peak_held_weighs_in_flight_microbatches_by_stage(sched, data):
         assert held[r] <= max(mine) * timeline.peak_in_flight_by_rank[r]
     if sched.virtual_stages == 1:
         assert held == tuple(w * n for w, n in zip(weights, timeline.peak_in_flight))
+
+
+@given(schedules(), st.data())
+def test_action_costs_equal_to_stage_costs_give_the_same_timeline(sched, data):
+    """A replay that gives every action (or some of them) the cost its stage and kind give it
+    runs exactly the timeline of the stage costs."""
+    stage_costs = [data.draw(costs, label=f"stage {s}") for s in range(sched.num_stages)]
+    by_stage = simulate(sched, stage_costs=stage_costs)
+    actions = [a for actions in sched.ranks for a in actions]
+    some = data.draw(st.lists(st.sampled_from(actions), unique=True), label="replayed") if actions else []
+    for chosen in (actions, some):
+        replay = simulate(sched, stage_costs=stage_costs,
+                          action_costs={a: stage_costs[a.stage][a.kind] for a in chosen})
+        assert replay.ranks == by_stage.ranks and replay.makespan == by_stage.makespan

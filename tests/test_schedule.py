@@ -141,6 +141,8 @@ def test_bad_costs_are_refused():
         simulate(s, {"X": 1})
     with pytest.raises(ValueError, match="cost of F must be >= 0"):
         simulate(s, {"F": -1})
+    with pytest.raises(ValueError, match="action costs must be >= 0"):
+        simulate(s, action_costs={F(0, 0): -1})
 
 
 def test_check_refuses_incomplete_or_mismatched_schedules():

@@ -125,7 +125,7 @@ class Timeline:
 def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
              rank_costs: Sequence[Mapping[str, float]] | None = None,
              stage_costs: Sequence[Mapping[str, float]] | None = None,
-             transfer: Transfer | None = None) -> Timeline:
+             transfer: Transfer | None = None, action_costs: Mapping[Action, float] | None = None) -> Timeline:
     """Run ``schedule`` with durations ``costs`` (by action kind, merged over
     ``DEFAULT_COSTS``) and return its ``Timeline``. ``rank_costs[r]``, when given, overrides
     ``costs`` for rank ``r`` (unbalanced stages: the last also runs the LM head and the loss);
@@ -134,7 +134,8 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     rank needs, its chunks differing (the last holds the LM head). An action of stage ``s``
     on rank ``r`` costs ``{**DEFAULT_COSTS, **costs, **rank_costs[r], **stage_costs[s]}``.
     ``transfer`` adds each message's time in transit: a receive starts no earlier than its
-    send's end plus ``transfer.delay``.
+    send's end plus ``transfer.delay``. ``action_costs[a]``, where given, is action ``a``'s own
+    duration, over all of these: a replay of one measured step, action by action.
 
     Guarantees (``property_tests/test_schedule_properties.py``):
       * every action runs once; a rank's entries follow its list and never overlap; each
@@ -146,6 +147,8 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
       * ``stage_costs`` repeating one mapping, or each stage its rank's ``rank_costs``, gives
         exactly the timeline of ``costs`` / ``rank_costs`` alone
         (``test_stage_costs_equal_to_rank_costs_give_the_same_timeline``);
+      * ``action_costs`` giving each action the cost its kind and stage give it is the same
+        timeline (``test_action_costs_equal_to_stage_costs_give_the_same_timeline``);
       * a zero ``Transfer`` gives exactly the timeline without one
         (``test_zero_transfer_gives_the_timeline_without_one``); a delay ``d`` makes no
         action earlier, leaves every rank's actions before its first receive where they were,
@@ -164,6 +167,9 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     delay = transfer.delay if transfer is not None else 0
     if delay < 0:
         raise ValueError(f"a transfer's delay must be >= 0, got {transfer}")
+    own = dict(action_costs or {})
+    if any(c < 0 for c in own.values()):
+        raise ValueError(f"action costs must be >= 0, got {min(own.values())}")
     if rank_costs is not None and len(rank_costs) != p:
         raise ValueError(f"rank_costs has {len(rank_costs)} entries for {p} ranks")
     if stage_costs is not None and len(stage_costs) != num_stages:
@@ -189,7 +195,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
             start = max([free[r], *(ends[d] for d in deps)])
             if delay and isinstance(a, (RECV_F, RECV_B)):  # its only wait is the send, then transit
                 start = max(free[r], ends[deps[0]] + delay)
-            end = start + cost_of[a.stage][a.kind]
+            end = start + (own[a] if a in own else cost_of[a.stage][a.kind])
             entries[r].append(Entry(start, end, a))
             ends[a] = free[r] = end
             runnable.extend(blocked_on.pop(a, ()))
