@@ -41,7 +41,8 @@ def test_a_job_too_large_for_the_cluster_is_a_named_error():
 def test_a_private_job_only_gets_private_techniques():
     choices = techniques.check_feasible([small("p", privacy=jobs.Privacy())], jobs.Devices(2, 2**30))["p"]
     assert choices and all(t.endswith("-private") for t, _ in choices)
-    assert {t for t, _ in choices} == {n for n in BUILTIN if n.endswith("-private")}
+    # one block cannot be cut into pipeline stages; a 3-D layout needs 4 devices
+    assert {t for t, _ in choices} == {n for n in BUILTIN if n.endswith("-private")} - {"pp-private", "3d-private"}
 
 
 def test_memory_model_shrinks_with_devices():

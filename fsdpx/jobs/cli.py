@@ -102,12 +102,18 @@ def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Opt
             if not chosen[(task.name, tech)]:
                 report.append(f"{task.name} / {tech}: no profiled count fits this machine; not planned")
                 continue
-            strategy = getattr(techniques.get(tech), "strategy", None)
+            obj = techniques.get(tech)
+            params_of = None
+            if hasattr(obj, "sent_bytes"):  # degrees chosen per count: its own traffic and params there
+                strategy = lambda n, o=obj, t=task: o.sent_bytes(t, cluster.group(n))  # noqa: E731
+                params_of = lambda n, o=obj, t=task: o.search(t, cluster.group(n))  # noqa: E731
+            else:
+                strategy = getattr(obj, "strategy", None)
             if strategy is None:
                 continue  # a user technique without a memory model: only its measured counts
             b = BUILTIN.get(tech)
             mem = (lambda n, b=b, t=task: b.memory(t, cluster.group(n), {})) if b else (lambda n: 0)
-            table.predict(task, tech, strategy, ns, mem)
+            table.predict(task, tech, strategy, ns, mem, params_of)
             errors = table.fit_errors(task, tech, strategy)
             measured_here = sorted(table.measured(task.name, tech))
             report.append(f"{task.name} / {tech}: profiled {measured_here}"

@@ -28,11 +28,19 @@ about twice the plain step's activations (an estimate; profiles measure the real
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the memory model needs of a job: parameter shapes, units, activation bytes per example."""
+    """What the memory model needs of a job: parameter shapes, units, activation bytes per
+    example (in total, and per module in ``named_modules`` order: ``module_bytes``), one
+    example's input shape and dtype, and the shape of one example's hidden state entering the
+    block list (``hidden``; None for a model without one)."""
 
     param_shapes: dict[str, tuple[int, ...]]
     units: tuple[tuple[str, ...], ...]
     activation_bytes_per_example: int
+    module_bytes: tuple[tuple[str, int], ...] = ()
+    example_shape: tuple[int, ...] = ()
+    target_shape: tuple[int, ...] = ()
+    input_dtype: torch.dtype = torch.float32
+    hidden: tuple[int, ...] | None = None
 
     @property
     def num_params(self) -> int:
@@ -45,24 +53,40 @@ def _shape_of(task: Task) -> ModelShape:
         model = task.model_fn(task.hparams)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     units = tuple(u.params for u in make_units(model, shapes) if u.params)
-    inputs, _ = task.data_fn(task.hparams)
+    inputs, targets = task.data_fn(task.hparams)
     example = inputs[:1].to("meta")
-    total = 0
+    by_module: dict[str, int] = {name: 0 for name, _ in model.named_modules()}
+    hidden: list[tuple[int, ...]] = []
 
-    def count(_module, _args, out) -> None:
-        nonlocal total
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
+    def count(name: str):
+        def hook(_module, _args, out) -> None:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    by_module[name] += t.numel() * t.element_size()
+        return hook
 
-    hooks = [m.register_forward_hook(count) for m in model.modules()]
+    hooks = [m.register_forward_hook(count(name)) for name, m in model.named_modules()]
+    blocks = _block_list(model)
+    if blocks is not None and len(blocks):
+        hooks.append(blocks[0].register_forward_pre_hook(
+            lambda _m, args: hidden.append(tuple(args[0].shape[1:])) if args and not hidden else None))
     try:
         with torch.no_grad():
             model(example)
     finally:
         for h in hooks:
             h.remove()
-    return ModelShape(shapes, units, total)
+    return ModelShape(shapes, units, sum(by_module.values()), tuple(by_module.items()), tuple(inputs.shape[1:]),
+                      tuple(targets.shape[1:]), inputs.dtype, hidden[0] if hidden else None)
+
+
+def _block_list(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    from fsdpx.sharding.pipeline import PipelinePlanError, find_blocks
+
+    try:
+        return dict(model.named_modules())[find_blocks(model)]
+    except PipelinePlanError:
+        return None
 
 
 def model_shape(task: Task) -> ModelShape:

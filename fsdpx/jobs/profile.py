@@ -11,7 +11,7 @@ peak memory is the memory model's (``job_memory``) plus what the measured peak e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
@@ -92,14 +92,18 @@ class ProfileTable:
     def measured(self, job: str, technique: str) -> dict[int, Measurement]:
         return {n: m for (j, t, n), m in self.entries.items() if j == job and t == technique and m.measured}
 
-    def predict(self, task: Task, technique: str, strategy: str, counts: Iterable[int],
-                memory_of=None) -> dict[int, Measurement]:
+    def predict(self, task: Task, technique: str, strategy: str | Callable[[int], int], counts: Iterable[int],
+                memory_of=None, params_of: Callable[[int], Mapping[str, object]] | None = None
+                ) -> dict[int, Measurement]:
         """Predictions for ``counts`` of ``task`` under ``technique`` (whose sharding is
-        ``strategy``), from the measured points (measured counts keep their measurement);
-        ``memory_of(n)`` is the memory model's estimate (default: no memory prediction, 0).
-        Adds them to the table and returns them. Raises ``ValueError`` with no measured point."""
+        ``strategy``, or whose bytes sent per step on ``n`` devices are ``strategy(n)``), from the
+        measured points (measured counts keep their measurement); ``memory_of(n)`` is the memory
+        model's estimate (default: no memory prediction, 0); ``params_of(n)`` the technique's
+        params on ``n`` devices (default: the nearest measured count's). Adds them to the table
+        and returns them. Raises ``ValueError`` with no measured point."""
+        sent = strategy if callable(strategy) else (lambda n: sent_bytes(task, strategy, n))
         got = self.measured(task.name, technique)
-        model = fit_step_model([(n, sent_bytes(task, strategy, n), m.step_seconds) for n, m in sorted(got.items())])
+        model = fit_step_model([(n, sent(n), m.step_seconds) for n, m in sorted(got.items())])
         out = {}
         for n in counts:
             if n in got:
@@ -108,18 +112,19 @@ class ProfileTable:
             near = min(got, key=lambda k: (abs(k - n), k))
             extra = got[near].peak_bytes - (memory_of(near) if memory_of else 0)
             peak = (memory_of(n) if memory_of else 0) + max(0, extra)
-            out[n] = Measurement(model.seconds(n, sent_bytes(task, strategy, n)), peak, False, got[near].params,
-                                 got[near].startup_seconds)
+            params = tuple(sorted(params_of(n).items())) if params_of else got[near].params
+            out[n] = Measurement(model.seconds(n, sent(n)), peak, False, params, got[near].startup_seconds)
             self.add(task.name, technique, n, out[n])
         return out
 
-    def fit_errors(self, task: Task, technique: str, strategy: str) -> dict[int, float]:
+    def fit_errors(self, task: Task, technique: str, strategy: str | Callable[[int], int]) -> dict[int, float]:
         """The prediction error at every measured count of ``task`` under ``technique``:
         ``|predicted / measured - 1|`` where the prediction is fitted to the OTHER measured
         counts (leave one out; the step model fits 3 coefficients, so an in-sample error on
         two or three points would be 0 and say nothing). Empty with fewer than two points."""
+        sent = strategy if callable(strategy) else (lambda n: sent_bytes(task, strategy, n))
         got = self.measured(task.name, technique)
-        points = {n: (n, sent_bytes(task, strategy, n), m.step_seconds) for n, m in got.items()}
+        points = {n: (n, sent(n), m.step_seconds) for n, m in got.items()}
         out = {}
         for n in sorted(points) if len(points) > 1 else []:
             model = fit_step_model([p for k, p in sorted(points.items()) if k != n])

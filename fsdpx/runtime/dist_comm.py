@@ -139,9 +139,17 @@ class DistComm:
 
     def _local_only(self, c: Collective, local: Tensor) -> Tensor:
         """Run a communication-free step: feed the simulated executor a list where only this
-        rank's entry matters (each rank's output depends on its own input alone)."""
-        xs = [local] * c.mesh.size
-        return SimulatedMesh(c.mesh).run(c, xs)[self._rank_in(c)]
+        rank's entry matters (each rank's output depends on its own input alone). A rank whose
+        block has another shape (uneven chunks: a vocabulary of 69 rows over ``tp = 2``) gets a
+        stand-in of its shape that owns no memory, so the executor's shape checks pass."""
+        me = self._rank_in(c)
+        stand_in = local.new_zeros(())
+
+        def entry(r: int) -> Tensor:
+            shape = local_shape(c.shape, c.src, c.mesh, r)
+            return local if r == me or tuple(shape) == tuple(local.shape) else stand_in.expand(shape)
+
+        return SimulatedMesh(c.mesh).run(c, [entry(r) for r in range(c.mesh.size)])[me]
 
     def _rank_in(self, c: Collective) -> int:
         """This rank's rank on ``c.mesh``: itself on the whole mesh, its index in its group on a

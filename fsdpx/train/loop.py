@@ -222,13 +222,24 @@ def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> Shar
     """The run's per-parameter layouts: the strategy's, with the model's tensor-parallel plan
     (:func:`fsdpx.train.sources.tp_plan`) when ``config.tp > 1`` and its blocks cut into
     pipeline stages when ``config.pp > 1``."""
-    strategy = strategies.ALL[config.strategy](**strategy_axes(config.strategy))
-    tp = tp_plan(model, config.tp, sequence_parallel=config.sequence_parallel) if config.tp > 1 else None
-    plan = resolve(model, tp, strategy, mesh)
-    if config.pp == 1:
+    return resolve_plan(model, mesh, strategy=config.strategy, tp=config.tp, pp=config.pp, schedule=config.schedule,
+                        microbatches=config.microbatches, virtual_stages=config.virtual_stages,
+                        sequence_parallel=config.sequence_parallel)
+
+
+def resolve_plan(model: torch.nn.Module, mesh: Mesh, *, strategy: str, tp: int = 1, pp: int = 1,
+                 schedule: str = "1f1b", microbatches: int = 4, virtual_stages: int = 1,
+                 sequence_parallel: bool = False) -> ShardingPlan:
+    """:func:`sharding_plan` from its parts (``model`` may live on ``meta``): the planner resolves
+    the plans it considers with it. Raises :class:`ConfigError` for a model without a
+    tensor-parallel plan or a pipeline that does not fit, ``TensorParallelPlanError`` for a plan
+    that does not fit the model or the mesh."""
+    data = strategies.ALL[strategy](**strategy_axes(strategy))
+    tensor = tp_plan(model, tp, sequence_parallel=sequence_parallel) if tp > 1 else None
+    plan = resolve(model, tensor, data, mesh)
+    if pp == 1:
         return plan
-    spec = PipelineParallel(schedule=config.schedule, microbatches=config.microbatches,
-                            virtual_stages=config.virtual_stages)
+    spec = PipelineParallel(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
     try:
         return resolve_pipeline(model, plan, spec, mesh)
     except PipelinePlanError as e:

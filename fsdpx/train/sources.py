@@ -248,15 +248,19 @@ TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "LlamaForCausalLM": llama_plan}
 
 
 def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:
-    """The tensor-parallel plan of ``model`` over ``tp`` ranks: the built-in GPT's, or the ready
-    plan of its transformers class. :class:`ConfigError` for a class without a plan or heads
-    that do not divide by ``tp`` (a rank holds whole heads)."""
+    """The tensor-parallel plan of ``model`` over ``tp`` ranks: the built-in GPT's, the ready
+    plan of its transformers class, or the model's own: ``model.tensor_parallel_plan(tp)``
+    (a :class:`TensorParallel`) when its class defines one. :class:`ConfigError` for a class
+    without a plan or heads that do not divide by ``tp`` (a rank holds whole heads)."""
     if isinstance(model, GPT):
         return gpt_plan(model.config, sequence_parallel=sequence_parallel)
+    own = getattr(model, "tensor_parallel_plan", None)
+    if callable(own) and not sequence_parallel:
+        return own(tp)
     name = type(model).__name__
     if name not in TP_PLANS:
         raise ConfigError(f"no tensor-parallel plan for {name}: tp > 1 runs the built-in GPT, "
-                          + " and ".join(TP_PLANS))
+                          + " and ".join(TP_PLANS) + ", or a model defining tensor_parallel_plan(tp)")
     config = model.config
     heads = {k: getattr(config, k) for k in ("n_head", "num_attention_heads", "num_key_value_heads")
              if isinstance(getattr(config, k, None), int)}
