@@ -13,7 +13,8 @@ Layer 3, beside ``fsdpx.train``; nothing imports it.
 
 from . import builtin  # registers the built-in techniques
 from .devices import Devices
-from .task import DuplicateJobError, Privacy, Task
+from .task import DuplicateJobError, Privacy, Task, UnimportableTaskError
 from .techniques import InfeasibleJobError, register
 
-__all__ = ["Devices", "DuplicateJobError", "InfeasibleJobError", "Privacy", "Task", "builtin", "register"]
+__all__ = ["Devices", "DuplicateJobError", "InfeasibleJobError", "Privacy", "Task", "UnimportableTaskError", "builtin",
+           "register"]

@@ -44,7 +44,10 @@ class Task:
     dataset; batches are Poisson draws of expected size ``batch_size``) and
     ``loss_fn(outputs, targets) -> per-example losses (B,)`` are called inside the process that
     trains the job, never by the planner (which only builds the model on the meta device to
-    read its shapes). ``privacy=None`` trains without DP-SGD. ``hparams`` is passed to the
+    read its shapes). The built-in techniques train in torchrun workers that import the three
+    functions by name: define them with ``def`` at the top level of an importable module, and
+    keep ``hparams`` JSON values (else ``UnimportableTaskError`` before anything runs).
+    ``privacy=None`` trains without DP-SGD. ``hparams`` is passed to the
     functions and is part of the job's identity (the profile cache key). Tasks compare and
     hash by identity: two jobs are two objects even with equal fields.
 
