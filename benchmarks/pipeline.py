@@ -1,10 +1,11 @@
 """Pipeline parallelism on 4 gloo processes: fsdpx's schedules vs torch.distributed.pipelining.
 
-    .venv/bin/python benchmarks/pipeline.py [--small] [--nproc 4] [--rounds 6] [--out results.json]
+    .venv/bin/python benchmarks/pipeline.py [--small] [--nproc 4] [--rounds 6] [--mem-rounds 2]
+                                            [--out results.json]
 
 Run plainly, this file is the driver: it launches itself under torchrun (one thread per
-process), runs every mode in the same processes (order rotated every round) and prints markdown
-tables. Progress goes to stderr.
+process) twice, a timing job and then a memory job, each running every mode in the same
+processes (order rotated every round), and prints markdown tables. Progress goes to stderr.
 
 Every mode trains the SAME GPT (``fsdpx.models.gpt.GPT``, 8 blocks, untied LM head, built from
 one seed) on the SAME global batch cut into the same microbatches, with AdamW of the same
@@ -28,7 +29,26 @@ excluded), per rank the longest loop's time minus the time inside the rank's com
 (``F``, ``B``, ``W``, timed as they run), summed over ranks, over ``p x`` the longest loop;
 beside it the simulator's (``fsdpx.sharding.schedule_sim.simulate(..., stage_costs=...)``) with
 each STAGE's measured median durations of ``F``, ``B`` and ``W`` (an interleaved rank's two
-chunks differ: the last holds the LM head), transfers free.
+chunks differ: the last holds the LM head), once with messages free in transit and once with
+the transit measured on the same gloo group (``Transfer``: the one-way time of a send/receive
+pair, half a ping-pong through ``Comm.post_recv_p2p`` / ``exchange_p2p`` as the executor uses
+them, of a one-element message (latency) and of one microbatch's activation (latency plus bytes
+over bandwidth), on every neighbouring pair of ranks, after the warm-up and after the last
+round; medians over all of them). Where the rest of the loop goes is reported beside it: per
+rank, the time inside ``_transfer`` (posting receives, sending, waiting) and its thread CPU.
+
+Memory (a separate job, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed activations leave the
+resident set, as ``benchmarks/max_batch.py``; marks would not disturb the timing job, the
+allocator setting would): for every mode after a warm-up round, each rank's peak RSS over the
+schedule loop above the RSS at its start (``VmHWM`` reset through ``/proc/self/clear_refs`` as
+the loop starts; fsdpx: ``_Run.execute``; torch: ``schedule.step``, the optimizer excluded),
+the largest over ``--mem-rounds`` rounds. Beside it the prediction: the simulator's peak of
+activations held (``peak_held_by_rank``: each microbatch in flight at stage ``s`` from its
+``F`` to its ``W`` holds what one microbatch's forward of stage ``s`` keeps, counted by
+``fsdpx.runtime.step_memory.LiveBytes`` on a real forward of the stage, loss included on the
+last) plus the gradients of the rank's parameters (formed in the loop by both libraries).
+A private pipeline keeps per-example contributions, not activations, until its norms are
+complete: measured only.
 Note: 4 processes on a 2-core machine share cores, so a rank that waits for a core is counted
 neither as computing nor as idle by the simulator; the comparison is meaningful only where each
 process has a core (``--nproc`` at most the core count, or a GPU machine).
@@ -41,9 +61,7 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -53,6 +71,8 @@ GLOBAL_BATCH, MICROBATCHES = 16, 8
 LR, WD = 1e-3, 0.01
 KINDS = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TORCH_KINDS = ("gpipe", "1f1b", "interleaved_1f1b")
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks >= 64 KiB go back to the OS
+PING_REPS = 20
 
 
 def log(msg: str) -> None:
@@ -87,8 +107,11 @@ class ActionTimer:
         self.reset()
 
     def reset(self):
-        self.times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "schedule": []}
+        self.times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "schedule": [], "T": [], "Tcpu": []}
         self.by_stage: dict[tuple[str, int], list[float]] = {}
+        self.events: list[tuple[str, int, int, float, float]] = []  # (kind, mb, stage, start, end), F/B/W
+        self.loop: list[float] = []  # the schedule loop's start and end
+        self.groups: list = []  # transfer groups: (start, end, [(action kind, mb, stage), ...])
 
     def install(self):
         import fsdpx.runtime.pipeline as P
@@ -99,12 +122,30 @@ class ActionTimer:
             t0 = time.perf_counter()
             TIMER.in_loop = True
             try:
-                return real_execute(self_, actions)
+                with MEM.window():
+                    return real_execute(self_, actions)
             finally:
                 TIMER.in_loop = False
                 if TIMER.active:
-                    TIMER.times["schedule"].append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    TIMER.times["schedule"].append(t1 - t0)
+                    TIMER.loop = [t0, t1]
         P._Run.execute = execute
+
+        # transfer groups: wall time (posting receives, sending, waiting) and this thread's CPU
+        real_transfer = P._Run._transfer
+
+        def transfer(self_, actions, *a, **k):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return real_transfer(self_, actions, *a, **k)
+            finally:
+                if TIMER.active:
+                    t1 = time.perf_counter()
+                    TIMER.times["T"].append(t1 - t0)
+                    TIMER.times["Tcpu"].append(time.thread_time() - c0)
+                    TIMER.groups.append((t0, t1, [(x.kind, x.mb, x.stage) for x in actions]))
+        P._Run._transfer = transfer
 
         # a private pipeline's W: one microbatch's clipped sums at one stage, formed while the
         # rank waits for a receive once its norms are complete (those left for after the loop
@@ -131,13 +172,40 @@ class ActionTimer:
                     return _real(self_, mb, stage, *a, **k)
                 finally:
                     if TIMER.active:
-                        took = time.perf_counter() - t0
-                        TIMER.times[_kind].append(took)
-                        TIMER.by_stage.setdefault((_kind, stage), []).append(took)
+                        t1 = time.perf_counter()
+                        TIMER.times[_kind].append(t1 - t0)
+                        TIMER.by_stage.setdefault((_kind, stage), []).append(t1 - t0)
+                        TIMER.events.append((_kind, mb, stage, t0, t1))
             setattr(P._Run, name, timed)
 
 
 TIMER = ActionTimer()
+
+
+class MemWindow:
+    """Peak RSS over a window above the RSS as it opens (memory job only): ``window()``
+    resets ``VmHWM`` through ``/proc/self/clear_refs`` and reads ``VmRSS``, and on exit adds
+    ``VmHWM - VmRSS at the start`` to ``peaks`` while ``active``."""
+
+    def __init__(self):
+        self.active = False
+        self.peaks: list[int] = []  # bytes
+
+    @__import__("contextlib").contextmanager
+    def window(self):
+        if not self.active:
+            yield
+            return
+        from bench_common import reset_hwm, status_kb
+
+        if not reset_hwm():
+            raise RuntimeError("cannot reset VmHWM (/proc/self/clear_refs): no peak over the schedule")
+        base = status_kb("VmRSS")
+        yield
+        self.peaks.append((status_kb("VmHWM") - base) * 1024)
+
+
+MEM = MemWindow()
 
 
 def build_fsdpx(kind: str, model, comm, private: bool):
@@ -228,7 +296,8 @@ def build_torch(kind: str, model, comm, cut):
         x, y = batch
         losses: list = []
         args = (x,) if holds_first else ()
-        sched.step(*args, target=y if holds_last else None, losses=losses if holds_last else None)
+        with MEM.window():
+            sched.step(*args, target=y if holds_last else None, losses=losses if holds_last else None)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(torch.stack(losses).mean()) if losses else float("nan")
@@ -249,15 +318,88 @@ def timed_step(run, batch) -> dict[str, float]:
     TIMER.active = False
     compute = sum(sum(TIMER.times[k]) for k in ("F", "B", "W"))
     sched = sum(TIMER.times["schedule"])
-    t = torch.tensor([mine, compute, sched, cpu], dtype=torch.float64)
-    everyone = [torch.zeros(4, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    t = torch.tensor([mine, compute, sched, cpu, sum(TIMER.times["T"]), sum(TIMER.times["Tcpu"])],
+                     dtype=torch.float64)
+    everyone = [torch.zeros(6, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, t)
     walls = [float(e[0]) for e in everyone]
     computes = [float(e[1]) for e in everyone]
     scheds = [float(e[2]) for e in everyone]
     means = {f"{k}{s}": statistics.mean(v) for (k, s), v in TIMER.by_stage.items()}  # e.g. "F2": stage 2's F
     return {"seconds": max(walls), "walls": walls, "computes": computes, "schedule": scheds, "loss": loss,
-            "action_means": means, "cpu": max(float(e[3]) for e in everyone)}
+            "action_means": means, "cpu": max(float(e[3]) for e in everyone),
+            "transfer": [float(e[4]) for e in everyone], "transfer_cpu": [float(e[5]) for e in everyone],
+            "events": TIMER.events, "loop": TIMER.loop, "groups": TIMER.groups}
+
+
+def one_way_seconds(comm, shape, dtype, reps: int) -> list[float]:
+    """One-way times of a message of ``shape`` on every neighbouring pair ``(r, r + 1 mod p)``
+    in turn (the others wait at a barrier): half of each ping-pong's round trip, through the
+    executor's own calls (receives posted before the matching send leaves, as
+    ``Comm.post_recv_p2p`` does two transfer groups ahead). Every rank returns every pair's."""
+    import torch
+    import torch.distributed as dist
+
+    p, me = comm.mesh.size, comm.rank
+    out: list[float] = []
+    for a in range(p if p > 2 else 1):
+        b = (a + 1) % p
+        dist.barrier()
+        mine = []
+        if me == b:
+            ahead = comm.post_recv_p2p([(a, shape, dtype)])[0]
+        for i in range(reps + 1):  # the first round trip warms the pair's connection up
+            if me == a:
+                back = comm.post_recv_p2p([(b, shape, dtype)])[0]
+                t0 = time.perf_counter()
+                comm.exchange_p2p([(b, torch.zeros(shape, dtype=dtype))], [])
+                back.wait()
+                if i:
+                    mine.append((time.perf_counter() - t0) / 2)
+                comm.flush_p2p()
+            elif me == b:
+                got = ahead.wait()
+                if i < reps:
+                    ahead = comm.post_recv_p2p([(a, shape, dtype)])[0]
+                comm.exchange_p2p([(a, got)], [])
+                comm.flush_p2p()
+        everyone: list = [None] * p
+        dist.all_gather_object(everyone, mine)
+        out += everyone[a]
+    return out
+
+
+def kept_bytes(stage_module, x, y, last: bool, split: bool) -> int:
+    """Bytes one microbatch keeps at a stage, counted by ``LiveBytes`` on a real forward (its
+    received input included; the loss at the last stage, whose logits the graph does not keep).
+    ``split`` (zero-bubble): the forward also keeps every parameter-owning module's output for
+    ``W`` (``fsdpx.runtime.weight_pass.capturing``), and ``B`` leaves their gradients, the
+    received gradient and the input gradient sent back: the larger of what is held before and
+    after ``B``."""
+    import torch
+
+    from fsdpx.models.gpt import token_loss
+    from fsdpx.runtime.step_memory import LiveBytes
+    from fsdpx.runtime.weight_pass import capturing, input_grads
+
+    mode = LiveBytes()
+    names = [n for n, _ in stage_module.named_parameters()] if split else []
+    with mode:
+        inp = x.clone().requires_grad_(x.is_floating_point())
+        with capturing(stage_module, names) as calls:
+            out = stage_module(inp)
+        if last:
+            root, grad_out = token_loss(out, y).sum(), None
+            del out
+        else:
+            root, grad_out = out, torch.randn(out.shape)
+        after_forward = mode.live
+        if not split:
+            return after_forward
+        g_in = input_grads(root, grad_out, inp if inp.requires_grad else None, calls)
+        after_backward = mode.live
+    del root, grad_out, g_in, inp, calls
+    return max(after_forward, after_backward)
 
 
 def worker(args) -> None:
@@ -267,7 +409,7 @@ def worker(args) -> None:
     from fsdpx import Mesh
     from fsdpx.runtime.dist_comm import init_from_env
     from fsdpx.sharding.schedule import schedule
-    from fsdpx.sharding.schedule_sim import simulate
+    from fsdpx.sharding.schedule_sim import Transfer, peak_held_by_rank, simulate
 
     world = int(os.environ["WORLD_SIZE"])
     comm = init_from_env(Mesh(dp=1, pp=world), timeout_s=1800.0)
@@ -290,14 +432,75 @@ def worker(args) -> None:
             fs = plans.get(f"fsdpx-{kind}") or build_fsdpx(kind, copy.deepcopy(base), comm, False)[1]
             runs[mode] = build_torch(kind, copy.deepcopy(base), comm, [(s[0], s[-1] + 1) for s in fs.pipeline.stages])
         say(f"built {mode}")
+    mb = GLOBAL_BATCH // MICROBATCHES
+    hidden = (mb, cfg["block_size"], cfg["n_embd"])
+    memory = args.job == "memory"
+    rounds = args.warmup + (args.mem_rounds if memory else args.rounds)
     steps: dict[str, list] = {m: [] for m in modes}
-    for i in range(args.warmup + args.rounds):
+    peaks: dict[str, list[int]] = {m: [] for m in modes}
+    ping: dict[str, list[float]] = {"latency": [], "activation": []}
+
+    def measure_transit():
+        ping["latency"].extend(one_way_seconds(comm, (1,), torch.float32, PING_REPS))
+        ping["activation"].extend(one_way_seconds(comm, hidden, torch.float32, PING_REPS))
+
+    for i in range(rounds):
+        if not memory and i == args.warmup:  # transit on the same gloo group, before and after the rounds
+            measure_transit()
         order = modes[i % len(modes):] + modes[:i % len(modes)]
         for mode in order:
+            MEM.active, MEM.peaks = memory and i >= args.warmup, []
             rec = timed_step(runs[mode], batch)
+            if MEM.active:
+                peaks[mode].append(max(MEM.peaks))
+            MEM.active = False
             rec["warmup"] = i < args.warmup
             steps[mode].append(rec)
-            say(f"round {i + 1}/{args.warmup + args.rounds} {mode}: {rec['seconds']:.3f}s")
+            say(f"{args.job} round {i + 1}/{rounds} {mode}: {rec['seconds']:.3f}s")
+    if not memory:
+        measure_transit()
+    result: dict[str, Any] = {"rank": rank}
+    if memory:
+        # what one microbatch keeps at each of this rank's stages (the same blocks for both
+        # libraries), and the rank's gradient bytes
+        gen = torch.Generator().manual_seed(2)
+        kept, grads = {}, {}
+        for mode in modes:
+            kind = mode.split("-", 1)[1].removesuffix("-private")
+            v = 2 if kind == "interleaved_1f1b" else 1
+            fs = plans.get(f"fsdpx-{kind}") or build_fsdpx(kind, copy.deepcopy(base), comm, False)[1]
+            cut = [(st[0], st[-1] + 1) for st in fs.pipeline.stages]
+            here = [rank + j * world for j in range(v)]
+            for s in here:
+                if (kind, s) in kept:
+                    continue
+                first, last = s == 0, s == len(cut) - 1
+                mod = _TorchStage(base, *cut[s], first, last)
+                x = batch[0][:mb] if first else torch.randn(hidden, generator=gen)
+                kept[(kind, s)] = kept_bytes(mod, x, batch[1][:mb], last, split=kind == "zero_bubble")
+                grads[(kind, s)] = sum(q.numel() * q.element_size() for q in mod.parameters())
+        result["memory"] = {"peaks": peaks, "kept": {f"{k}:{s}": b for (k, s), b in kept.items()},
+                            "grads": {f"{k}:{s}": b for (k, s), b in grads.items()}}
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, result)
+        if rank == 0:
+            predictions = {}
+            kept_all = {k: b for r in everyone for k, b in r["memory"]["kept"].items()}
+            grads_all = {k: b for r in everyone for k, b in r["memory"]["grads"].items()}
+            for mode in modes:
+                kind = mode.split("-", 1)[1].removesuffix("-private")
+                v = 2 if kind == "interleaved_1f1b" else 1
+                sched = schedule(kind, world, MICROBATCHES, virtual_stages=v)
+                per_stage = [kept_all[f"{kind}:{s}"] for s in range(sched.num_stages)]
+                held = peak_held_by_rank(sched, per_stage)
+                g = [sum(grads_all[f"{kind}:{s}"] for s in range(r, sched.num_stages, world)) for r in range(world)]
+                predictions[mode] = {"kept_per_stage": per_stage, "activations": list(held), "grads": g,
+                                     "in_flight": list(simulate(sched).peak_in_flight_by_rank)}
+            with open(args.result, "w") as f:
+                json.dump({"config": cfg, "ranks": everyone, "world": world, "predictions": predictions}, f)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     # the simulator's bubble from every stage's measured median action times (stages are
     # unbalanced: the last also runs the LM head and the loss, and an interleaved rank's chunks
     # differ); each rank measures its own stages
@@ -309,7 +512,11 @@ def worker(args) -> None:
                            for key in measured[0]["action_means"]}
     all_costs: list = [None] * world
     dist.all_gather_object(all_costs, costs)
-    predictions = {}
+    small, act = statistics.median(ping["latency"]), statistics.median(ping["activation"])
+    act_bytes = mb * cfg["block_size"] * cfg["n_embd"] * 4
+    transit = Transfer(latency=small, seconds_per_byte=max(act - small, 0.0) / (act_bytes - 4), message_bytes=act_bytes)
+    predictions = {"transit": {"latency_s": small, "activation_s": act, "activation_bytes": act_bytes,
+                               "delay_s": transit.delay}}
     for mode in costs:
         kind = mode.split("-", 1)[1].removesuffix("-private")
         v = 2 if kind == "interleaved_1f1b" else 1
@@ -318,8 +525,9 @@ def worker(args) -> None:
         per_stage = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
         if mode.endswith("-private"):  # a W waits for its microbatch's norms: simulated folded into B
             per_stage = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per_stage]
-        predictions[mode] = {"costs": per_stage, "bubble": simulate(sched, stage_costs=per_stage).bubble}
-    everyone: list = [None] * world
+        predictions[mode] = {"costs": per_stage, "bubble": simulate(sched, stage_costs=per_stage).bubble,
+                             "bubble_transit": simulate(sched, stage_costs=per_stage, transfer=transit).bubble}
+    everyone = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "steps": steps, "predictions": predictions})
     if rank == 0:
         with open(args.result, "w") as f:
@@ -331,14 +539,69 @@ def worker(args) -> None:
 
 # ---- driver ---------------------------------------------------------------------------------
 
+def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
+    """Step ``i`` of ``mode`` on the common clock (``perf_counter`` is the machine's monotonic
+    clock, shared by the processes): its makespan from the first rank's loop start to the last
+    one's end, the spread of the loop starts, and the simulator's replay of that step with every
+    F, B and W lasting what it lasted (``simulate(..., action_costs=...)``, transit free):
+    the schedule's model with the step's own durations instead of medians; and again with
+    ``transit`` (a ``Transfer``)."""
+    from fsdpx.sharding.schedule import B, F, W, schedule
+    from fsdpx.sharding.schedule_sim import simulate
+
+    p = res["world"]
+    kind = mode.split("-", 1)[1]
+    sched = schedule(kind, p, MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
+    steps = [r["steps"][mode][i] for r in res["ranks"]]
+    starts, ends = [s["loop"][0] for s in steps], [s["loop"][1] for s in steps]
+    cls = {"F": F, "B": B, "W": W}
+    own = {cls[k](mb, st): t1 - t0 for s in steps for k, mb, st, t0, t1 in s["events"]}
+    sim = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs=own)
+    in_situ = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs=own, transfer=transit)
+    makespan = max(ends) - min(starts)
+    compute = sum(own.values())
+    return {"makespan": makespan, "skew": max(starts) - min(starts), "bubble": 1 - compute / (p * makespan),
+            "replay_makespan": sim.makespan, "replay_bubble": sim.bubble,
+            "replay_transit_makespan": in_situ.makespan, "replay_transit_bubble": in_situ.bubble}
+
+
+def transit_in_schedule(res: dict, mode: str, i: int) -> list[float]:
+    """Step ``i``'s messages that a receiver waited for, on the common clock: from the start of
+    the sender's transfer group (its receives posted, then its sends leave) to the end of the
+    receiver's group, for each receive whose group began before the message was sent (one that
+    began later shows only an upper bound, left out). What a message costs its receiver in
+    the schedule, while the other ranks compute, against the ping-pong's idle pair."""
+    sent, waited = {}, []
+    for r in res["ranks"]:
+        for t0, t1, actions in r["steps"][mode][i]["groups"]:
+            for kind, mb, st in actions:
+                if kind == "SEND_F":
+                    sent[("F", mb, st + 1)] = t0
+                elif kind == "SEND_B":
+                    sent[("B", mb, st - 1)] = t0
+                else:
+                    waited.append(((kind[-1], mb, st), t0, t1))
+    return [t1 - sent[key] for key, t0, t1 in waited if key in sent and t0 < sent[key]]
+
+
 def summarize(res: dict) -> str:
     ranks = res["ranks"]
     steps0 = ranks[0]["steps"]
     modes = list(steps0)
     p = res["world"]
+    pred = ranks[0]["predictions"]
+    tr = pred["transit"]
+    from fsdpx.sharding.schedule import schedule
+    from fsdpx.sharding.schedule_sim import Transfer, simulate
 
     def measured(mode):
         return [s for s in steps0[mode] if not s["warmup"]]
+
+    plain = [m for m in modes if m.startswith("fsdpx-") and not m.endswith("-private")]
+    waits = {m: [d for i, s in enumerate(steps0[m]) if not s["warmup"] for d in transit_in_schedule(res, m, i)]
+             for m in plain}
+    pooled = [d for m in plain for d in waits[m]]
+    in_situ = Transfer(latency=statistics.median(pooled)) if pooled else Transfer()
 
     def ratio(mode, ref):
         """Median of same-round step-time ratios, with their quartiles (the spread a loaded
@@ -352,47 +615,120 @@ def summarize(res: dict) -> str:
 
     lines = [f"### {p} processes (Mesh(dp=1, pp={p})), GPT {res['config']}, global batch {GLOBAL_BATCH}, "
              f"{MICROBATCHES} microbatches, fp32, 1 thread per process", "",
-             "| mode | step s | vs torch, same schedule | vs fsdpx-1f1b | measured bubble | simulator's bubble "
-             "(measured F/B/W) | loss (last round) |", "|---|---|---|---|---|---|---|"]
+             f"Transit on the gloo group (one-way, median over every neighbouring pair, {PING_REPS} round trips "
+             f"each, before and after the rounds): "
+             f"1 element {tr['latency_s'] * 1e3:.3f} ms, one activation ({tr['activation_bytes']} bytes) "
+             f"{tr['activation_s'] * 1e3:.3f} ms; in the schedule (sender's transfer group start to the "
+             f"waiting receiver's end, median of {len(pooled)} messages, every plain fsdpx mode): "
+             f"{in_situ.delay * 1e3:.3f} ms", "",
+             "| mode | step s | vs torch, same schedule | vs fsdpx-1f1b | measured bubble | simulated bubble "
+             "(median F/B/W), transit: free / ping-pong / in schedule | replay of each step's own F/B/W, transit: "
+             "free / in schedule | loss (last round) |",
+             "|---|---|---|---|---|---|---|---|"]
+    diag = ["", "Per rank, median ms per step: schedule loop / inside F, B, W / inside transfers (wall, "
+            "thread CPU) / the rest of the loop (private: W's formed while waiting count in F, B, W and in "
+            "transfers); on the common clock: the loops' start spread, makespan measured / replayed (transit free, "
+            "in schedule), the mode's own in-schedule transit (median, quartiles)", "",
+            "| mode | " + " | ".join(f"rank {r}" for r in range(p)) + " | start spread ms | makespan ms | transit ms |",
+            "|---|" + "---|" * (p + 3)]
     for mode in modes:
         ms = measured(mode)
         sec = statistics.median(s["seconds"] for s in ms)
         kind = mode.split("-", 1)[1].removesuffix("-private")
         torch_ref = f"torch-{kind}" if mode.startswith("fsdpx-") and not mode.endswith("-private") else None
-        bubble = "-"
-        sim = "-"
+        bubble = sim = again = "-"
         if mode.startswith("fsdpx-"):
             # over the schedule loop only (the update and the step's bookkeeping are no bubble):
             # the loops start together after the step's first barrier-free work, so the longest
             # loop is the schedule's makespan
             b = [sum(max(s["schedule"]) - c for c in s["computes"]) / (p * max(s["schedule"])) for s in ms]
             bubble = f"{statistics.median(b):.3f}"
-            sim = f"{ranks[0]['predictions'][mode]['bubble']:.3f}"
+            sched = schedule(kind, p, MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
+            situ = simulate(sched, stage_costs=pred[mode]["costs"], transfer=in_situ).bubble
+            sim = f"{pred[mode]['bubble']:.3f} / {pred[mode]['bubble_transit']:.3f} / {situ:.3f}"
+            plays = [replay(res, mode, i, in_situ) for i, s in enumerate(steps0[mode]) if not s["warmup"]] \
+                if mode in plain else []
+            # a step agrees with its replay when its measured bubble is within 10% of the replay's
+            near = sum(abs(r["bubble"] - r["replay_transit_bubble"]) <= 0.1 * r["replay_transit_bubble"]
+                       for r in plays)
+            again = (f"{statistics.median(r['replay_bubble'] for r in plays):.3f} / "
+                     f"{statistics.median(r['replay_transit_bubble'] for r in plays):.3f} "
+                     f"({near}/{len(plays)} steps within 10%)") if plays else "-"
+
+            def med(f):
+                return statistics.median(f(s) for s in ms) * 1e3
+            cells = []
+            for r in range(p):
+                loop, comp = med(lambda s: s["schedule"][r]), med(lambda s: s["computes"][r])
+                tw, tc = med(lambda s: s["transfer"][r]), med(lambda s: s["transfer_cpu"][r])
+                rest = med(lambda s: s["schedule"][r] - s["computes"][r] - s["transfer"][r])
+                cells.append(f"{loop:.0f} / {comp:.0f} / {tw:.0f} ({tc:.1f}) / {rest:.1f}")
+            if plays:
+                clock = (f"{statistics.median(r['skew'] for r in plays) * 1e3:.1f} | "
+                         f"{statistics.median(r['makespan'] for r in plays) * 1e3:.0f} / "
+                         f"{statistics.median(r['replay_makespan'] for r in plays) * 1e3:.0f}, "
+                         f"{statistics.median(r['replay_transit_makespan'] for r in plays) * 1e3:.0f}")
+                if len(waits[mode]) > 1:
+                    q = statistics.quantiles(waits[mode], n=4)
+                    clock += f" | {statistics.median(waits[mode]) * 1e3:.2f} [{q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}]"
+                else:
+                    clock += " | -"
+            else:
+                clock = "- | - | -"
+            diag.append(f"| {mode} | " + " | ".join(cells) + f" | {clock} |")
         loss = ranks[-1]["steps"][mode][-1]["loss"]  # torch reports it on the last stage's rank
         lines.append(f"| {mode} | {sec:.3f} | {ratio(mode, torch_ref) if torch_ref else '-'} | "
-                     f"{ratio(mode, 'fsdpx-1f1b')} | {bubble} | {sim} | {loss:.5f} |")
+                     f"{ratio(mode, 'fsdpx-1f1b')} | {bubble} | {sim} | {again} | {loss:.5f} |")
+    return "\n".join(lines + diag)
+
+
+def summarize_memory(res: dict) -> str:
+    p = res["world"]
+    mib = 1 << 20
+    lines = [f"### Peak memory over the schedule, {p} processes (MiB above the loop's start, per rank 0..{p - 1}; "
+             f"MALLOC_MMAP_THRESHOLD_=65536, largest of the memory rounds)", "",
+             "| mode | peak in flight per rank (simulator) | measured | predicted: held activations + gradients "
+             "| of which activations | one microbatch keeps, per stage |", "|---|---|---|---|---|---|"]
+    for mode, pred in res["predictions"].items():
+        measured = [max(r["memory"]["peaks"][mode]) / mib for r in res["ranks"]]
+        if mode.endswith("-private"):
+            predicted = act = "- (contributions, not activations)"
+        else:
+            predicted = " / ".join(f"{(a + g) / mib:.1f}" for a, g in zip(pred["activations"], pred["grads"]))
+            act = " / ".join(f"{a / mib:.1f}" for a in pred["activations"])
+        kept = " / ".join(f"{b / mib:.1f}" for b in pred["kept_per_stage"]) if not mode.endswith("-private") else "-"
+        lines.append(f"| {mode} | {' / '.join(map(str, pred['in_flight']))} | "
+                     f"{' / '.join(f'{m:.1f}' for m in measured)} | {predicted} | {act} | {kept} |")
     return "\n".join(lines)
 
 
 def driver(args) -> None:
-    from fsdpx.train.launch import torchrun_command
+    from bench_common import launch_worker
 
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "result.json")
-        cmd = torchrun_command(args.nproc, [__file__, "--worker", "--result", path, "--rounds", str(args.rounds),
-                                            "--warmup", str(args.warmup), "--modes", args.modes,
-                                            *(["--small"] if args.small else [])])
-        log(f"launching {args.nproc} processes")
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        with open(path) as f:
-            res = json.load(f)
-    text = summarize(res)
-    print(text)
+    common = ["--worker", "--warmup", str(args.warmup), "--modes", args.modes, *(["--small"] if args.small else [])]
+    out: dict[str, Any] = {}
+    texts = []
+    if args.rounds:
+        load = os.getloadavg()[0]
+        log(f"timing job: {args.nproc} processes, {args.rounds} rounds; load average {load:.1f}")
+        res = launch_worker(os.path.abspath(__file__), [*common, "--job", "timing", "--rounds", str(args.rounds)], {},
+                            args.nproc, log)
+        texts.append(summarize(res))
+        out["timing"] = {**res, "load": [load, os.getloadavg()[0]], "table": texts[-1]}
+        log(f"timing job done; load average {os.getloadavg()[0]:.1f}")
+    if args.mem_rounds:
+        log(f"memory job: {args.nproc} processes, {args.mem_rounds} rounds")
+        res = launch_worker(os.path.abspath(__file__),
+                            [*common, "--job", "memory", "--mem-rounds", str(args.mem_rounds)], MALLOC_ENV,
+                            args.nproc, log)
+        texts.append(summarize_memory(res))
+        out["memory"] = {**res, "table": texts[-1]}
+    print("\n\n".join(texts))
     log(f"done in {time.perf_counter() - t0:.0f}s; load average {os.getloadavg()[0]:.1f}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({**res, "table": text}, f, indent=1)
+            json.dump(out, f, indent=1)
 
 
 def main() -> None:
@@ -401,6 +737,8 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--mem-rounds", type=int, default=2, help="rounds of the memory job (0: none)")
+    ap.add_argument("--job", choices=("timing", "memory"), default="timing", help=argparse.SUPPRESS)
     ap.add_argument("--modes", default=",".join([*(f"fsdpx-{k}" for k in KINDS), "fsdpx-1f1b-private",
                                                  *(f"torch-{k}" for k in TORCH_KINDS)]))
     ap.add_argument("--out", default=None)
