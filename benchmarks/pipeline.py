@@ -34,8 +34,14 @@ the transit measured on the same gloo group (``Transfer``: the one-way time of a
 pair, half a ping-pong through ``Comm.post_recv_p2p`` / ``exchange_p2p`` as the executor uses
 them, of a one-element message (latency) and of one microbatch's activation (latency plus bytes
 over bandwidth), on every neighbouring pair of ranks, after the warm-up and after the last
-round; medians over all of them). Where the rest of the loop goes is reported beside it: per
-rank, the time inside ``_transfer`` (posting receives, sending, waiting) and its thread CPU.
+round; medians over all of them), and a third time adding each rank's own time in a transfer
+(its thread's CPU in ``_transfer``: posting receives and sending, per transfer action, median
+over the rounds) as the transfer actions' cost on that rank. Then each step replayed
+(``simulate(..., action_costs=...)``, on the processes' common monotonic clock): its own F, B
+and W durations, transfers free; and with each transfer group's own CPU and the transit
+measured in the schedule (sender's group start to the waiting receiver's group end). Where the
+rest of the loop goes is reported beside it: per rank, the time inside ``_transfer`` (posting
+receives, sending, waiting) and its thread CPU.
 
 Memory (a separate job, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed activations leave the
 resident set, as ``benchmarks/max_batch.py``; marks would not disturb the timing job, the
@@ -111,7 +117,8 @@ class ActionTimer:
         self.by_stage: dict[tuple[str, int], list[float]] = {}
         self.events: list[tuple[str, int, int, float, float]] = []  # (kind, mb, stage, start, end), F/B/W
         self.loop: list[float] = []  # the schedule loop's start and end
-        self.groups: list = []  # transfer groups: (start, end, [(action kind, mb, stage), ...])
+        self.groups: list = []  # transfer groups: (start, end, thread CPU, [(kind, mb, stage, peer), ...])
+        self.clip_wall = self.clip_cpu = 0.0  # a private pipeline's W's so far (formed inside transfer groups)
 
     def install(self):
         import fsdpx.runtime.pipeline as P
@@ -132,19 +139,21 @@ class ActionTimer:
                     TIMER.loop = [t0, t1]
         P._Run.execute = execute
 
-        # transfer groups: wall time (posting receives, sending, waiting) and this thread's CPU
+        # transfer groups: wall time (posting receives, sending, waiting) and this thread's CPU,
+        # without the private W's formed while waiting (timed as W's)
         real_transfer = P._Run._transfer
 
         def transfer(self_, actions, *a, **k):
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0, w0, cw0 = time.perf_counter(), time.thread_time(), TIMER.clip_wall, TIMER.clip_cpu
             try:
                 return real_transfer(self_, actions, *a, **k)
             finally:
                 if TIMER.active:
                     t1 = time.perf_counter()
-                    TIMER.times["T"].append(t1 - t0)
-                    TIMER.times["Tcpu"].append(time.thread_time() - c0)
-                    TIMER.groups.append((t0, t1, [(x.kind, x.mb, x.stage) for x in actions]))
+                    cpu = time.thread_time() - c0 - (TIMER.clip_cpu - cw0)
+                    TIMER.times["T"].append(t1 - t0 - (TIMER.clip_wall - w0))
+                    TIMER.times["Tcpu"].append(cpu)
+                    TIMER.groups.append((t0, t1, cpu, [(x.kind, x.mb, x.stage, x.peer) for x in actions]))
         P._Run._transfer = transfer
 
         # a private pipeline's W: one microbatch's clipped sums at one stage, formed while the
@@ -153,12 +162,14 @@ class ActionTimer:
         real_clip = P._Run._clip_record
 
         def clip_record(self_, rec, stage, *a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return real_clip(self_, rec, stage, *a, **k)
             finally:
                 if TIMER.active and TIMER.in_loop:
                     took = time.perf_counter() - t0
+                    TIMER.clip_wall += took
+                    TIMER.clip_cpu += time.thread_time() - c0
                     TIMER.times["W"].append(took)
                     TIMER.by_stage.setdefault(("W", stage), []).append(took)
         P._Run._clip_record = clip_record
@@ -408,7 +419,7 @@ def worker(args) -> None:
 
     from fsdpx import Mesh
     from fsdpx.runtime.dist_comm import init_from_env
-    from fsdpx.sharding.schedule import schedule
+    from fsdpx.sharding.schedule import P2P, schedule
     from fsdpx.sharding.schedule_sim import Transfer, peak_held_by_rank, simulate
 
     world = int(os.environ["WORLD_SIZE"])
@@ -521,12 +532,24 @@ def worker(args) -> None:
         kind = mode.split("-", 1)[1].removesuffix("-private")
         v = 2 if kind == "interleaved_1f1b" else 1
         sched = schedule(kind, world, MICROBATCHES, virtual_stages=v)
+        # each rank's own time in a transfer (posting receives, sending: its thread's CPU in
+        # transfer groups per transfer action), which the simulator's transfer costs charge
+        # to the rank: measured, per rank
+        measured = [s for s in steps[mode] if not s["warmup"]]
+        occupancy = []
+        for r in range(world):
+            n = sum(isinstance(a, P2P) for a in sched.ranks[r])
+            per = statistics.median(s["transfer_cpu"][r] for s in measured) / n if n else 0.0
+            occupancy.append({k: per for k in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")})
         merged = {key: t for c in all_costs for key, t in c[mode].items()}
         per_stage = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
         if mode.endswith("-private"):  # a W waits for its microbatch's norms: simulated folded into B
             per_stage = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per_stage]
-        predictions[mode] = {"costs": per_stage, "bubble": simulate(sched, stage_costs=per_stage).bubble,
-                             "bubble_transit": simulate(sched, stage_costs=per_stage, transfer=transit).bubble}
+        predictions[mode] = {"costs": per_stage, "occupancy": occupancy,
+                             "bubble": simulate(sched, stage_costs=per_stage).bubble,
+                             "bubble_transit": simulate(sched, stage_costs=per_stage, transfer=transit).bubble,
+                             "bubble_occupied": simulate(sched, rank_costs=occupancy, stage_costs=per_stage,
+                                                         transfer=transit).bubble}
     everyone = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "steps": steps, "predictions": predictions})
     if rank == 0:
@@ -544,9 +567,10 @@ def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
     clock, shared by the processes): its makespan from the first rank's loop start to the last
     one's end, the spread of the loop starts, and the simulator's replay of that step with every
     F, B and W lasting what it lasted (``simulate(..., action_costs=...)``, transit free):
-    the schedule's model with the step's own durations instead of medians; and again with
-    ``transit`` (a ``Transfer``)."""
-    from fsdpx.sharding.schedule import B, F, W, schedule
+    the schedule's model with the step's own durations instead of medians; and again with each
+    transfer group's own thread CPU charged to its first action and ``transit`` (a ``Transfer``)
+    between ranks."""
+    from fsdpx.sharding.schedule import RECV_B, RECV_F, SEND_B, SEND_F, B, F, W, schedule
     from fsdpx.sharding.schedule_sim import simulate
 
     p = res["world"]
@@ -554,10 +578,12 @@ def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
     sched = schedule(kind, p, MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
     steps = [r["steps"][mode][i] for r in res["ranks"]]
     starts, ends = [s["loop"][0] for s in steps], [s["loop"][1] for s in steps]
-    cls = {"F": F, "B": B, "W": W}
+    cls = {"F": F, "B": B, "W": W, "SEND_F": SEND_F, "RECV_F": RECV_F, "SEND_B": SEND_B, "RECV_B": RECV_B}
     own = {cls[k](mb, st): t1 - t0 for s in steps for k, mb, st, t0, t1 in s["events"]}
     sim = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs=own)
-    in_situ = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs=own, transfer=transit)
+    # each transfer group's own CPU charged to its first action (posting and sending come first)
+    occupied = {cls[g[0][0]](*g[0][1:]): cpu for s in steps for _, _, cpu, g in s["groups"]}
+    in_situ = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs={**own, **occupied}, transfer=transit)
     makespan = max(ends) - min(starts)
     compute = sum(own.values())
     return {"makespan": makespan, "skew": max(starts) - min(starts), "bubble": 1 - compute / (p * makespan),
@@ -573,8 +599,8 @@ def transit_in_schedule(res: dict, mode: str, i: int) -> list[float]:
     the schedule, while the other ranks compute, against the ping-pong's idle pair."""
     sent, waited = {}, []
     for r in res["ranks"]:
-        for t0, t1, actions in r["steps"][mode][i]["groups"]:
-            for kind, mb, st in actions:
+        for t0, t1, _, actions in r["steps"][mode][i]["groups"]:
+            for kind, mb, st, _ in actions:
                 if kind == "SEND_F":
                     sent[("F", mb, st + 1)] = t0
                 elif kind == "SEND_B":
@@ -591,8 +617,7 @@ def summarize(res: dict) -> str:
     p = res["world"]
     pred = ranks[0]["predictions"]
     tr = pred["transit"]
-    from fsdpx.sharding.schedule import schedule
-    from fsdpx.sharding.schedule_sim import Transfer, simulate
+    from fsdpx.sharding.schedule_sim import Transfer
 
     def measured(mode):
         return [s for s in steps0[mode] if not s["warmup"]]
@@ -622,13 +647,15 @@ def summarize(res: dict) -> str:
              f"waiting receiver's end, median of {len(pooled)} messages, every plain fsdpx mode): "
              f"{in_situ.delay * 1e3:.3f} ms", "",
              "| mode | step s | vs torch, same schedule | vs fsdpx-1f1b | measured bubble | simulated bubble "
-             "(median F/B/W), transit: free / ping-pong / in schedule | replay of each step's own F/B/W, transit: "
-             "free / in schedule | loss (last round) |",
+             "(median F/B/W): transfers free / + ping-pong transit / + each rank's CPU per transfer | replay of each "
+             "step's own F/B/W: transfers free / + its transfer groups' CPU and in-schedule transit | "
+             "loss (last round) |",
              "|---|---|---|---|---|---|---|---|"]
     diag = ["", "Per rank, median ms per step: schedule loop / inside F, B, W / inside transfers (wall, "
             "thread CPU) / the rest of the loop (private: W's formed while waiting count in F, B, W and in "
-            "transfers); on the common clock: the loops' start spread, makespan measured / replayed (transit free, "
-            "in schedule), the mode's own in-schedule transit (median, quartiles)", "",
+            "transfers: left out of the latter); on the common clock: the loops' start spread, makespan measured / "
+            "replayed (transfers free; with their CPU and transit), the mode's own in-schedule transit (median, "
+            "quartiles)", "",
             "| mode | " + " | ".join(f"rank {r}" for r in range(p)) + " | start spread ms | makespan ms | transit ms |",
             "|---|" + "---|" * (p + 3)]
     for mode in modes:
@@ -643,9 +670,7 @@ def summarize(res: dict) -> str:
             # loop is the schedule's makespan
             b = [sum(max(s["schedule"]) - c for c in s["computes"]) / (p * max(s["schedule"])) for s in ms]
             bubble = f"{statistics.median(b):.3f}"
-            sched = schedule(kind, p, MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
-            situ = simulate(sched, stage_costs=pred[mode]["costs"], transfer=in_situ).bubble
-            sim = f"{pred[mode]['bubble']:.3f} / {pred[mode]['bubble_transit']:.3f} / {situ:.3f}"
+            sim = " / ".join(f"{pred[mode][k]:.3f}" for k in ("bubble", "bubble_transit", "bubble_occupied"))
             plays = [replay(res, mode, i, in_situ) for i, s in enumerate(steps0[mode]) if not s["warmup"]] \
                 if mode in plain else []
             # a step agrees with its replay when its measured bubble is within 10% of the replay's
