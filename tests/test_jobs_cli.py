@@ -68,3 +68,86 @@ def test_a_jobs_file_is_profiled_for_real_and_planned(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "solo / zero2: profiled [1, 2]" in r.stdout and "makespan" in r.stdout
     assert len(list((tmp_path / "prof").iterdir())) == 2 and (tmp_path / "plan.png").exists()
+
+
+USER_MODULE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def model(h):
+    return nn.Sequential(nn.Linear(4, h["hidden"]), nn.Tanh(), nn.Linear(h["hidden"], 2))
+
+
+def points(h):
+    x = torch.randn(h["n"], 4)
+    return x, (x[:, 0] > 0).long()
+
+
+def loss(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+'''
+
+USER_JOB = """
+[[job]]
+name = "{name}"
+model_fn = "{module}:model"
+data_fn = "{module}:points"
+loss_fn = "{module}:loss"
+steps = 4
+batch_size = 16
+hparams = {{ hidden = 8, n = 256, lr = 0.05 }}
+"""
+
+
+def user_jobs_dir(tmp_path, module: str, extra: str = "") -> "Path":
+    """A folder holding a user's module and a jobs file naming its functions."""
+    lab = tmp_path / "lab"
+    lab.mkdir()
+    (lab / f"{module}.py").write_text(USER_MODULE)
+    (lab / "jobs.toml").write_text(USER_JOB.format(name="mlp", module=module) + extra)
+    return lab
+
+
+def test_a_jobs_file_names_a_users_functions_importable_from_beside_it(tmp_path):
+    """A ``[[job]]`` with ``model_fn``/``data_fn``/``loss_fn`` is the user's Task: its functions
+    are the module's (imported from the file's folder), ``hparams`` its table; beside it a GPT job."""
+    from fsdpx.jobs.jobsfile import read_jobs
+    from fsdpx.jobs.train_run import function_refs
+
+    lab = user_jobs_dir(tmp_path, "userlab_a", TINY.format(name="gpt") + "privacy = { target_epsilon = 4.0 }\n")
+    tasks, _ = read_jobs(lab / "jobs.toml")
+    mlp, gpt = tasks
+    assert mlp.model_fn is sys.modules["userlab_a"].model and mlp.loss_fn is sys.modules["userlab_a"].loss
+    assert mlp.hparams == {"hidden": 8, "n": 256, "lr": 0.05} and mlp.privacy is None and mlp.steps == 4
+    assert function_refs(mlp)["model_fn"] == "userlab_a:model"
+    assert gpt.privacy.target_epsilon == 4.0 and gpt.hparams["n_embd"] == 32
+
+
+@pytest.mark.parametrize("change, match", [
+    (('loss_fn = "userlab_b:loss"\n', ""), "lacks \\['loss_fn'\\]"),
+    (('"userlab_b:points"', '"userlab_b:nowhere"'), "'mlp'.*has no nowhere"),
+    (('"userlab_b:points"', '"no_such_module_xyz:points"'), "'mlp'.*does not import"),
+    (("hparams", "width = 3\nhparams"), "'mlp': unknown keys \\['width'\\]"),
+])
+def test_a_user_job_that_cannot_be_built_is_named(tmp_path, change, match):
+    from fsdpx.jobs.jobsfile import read_jobs
+
+    lab = user_jobs_dir(tmp_path, "userlab_b")
+    path = lab / "jobs.toml"
+    path.write_text(path.read_text().replace(*change))
+    with pytest.raises(JobsFileError, match=match):
+        read_jobs(path)
+
+
+@pytest.mark.slow
+def test_a_users_jobs_file_runs_from_the_command_line(tmp_path):
+    """``fsdpx jobs run`` on a file naming a user's functions, from another folder: profiled,
+    planned and trained by torchrun workers that import the module from the file's folder."""
+    lab = user_jobs_dir(tmp_path, "userlab_c")
+    r = run_cli("run", str(lab / "jobs.toml"), "--devices", "1", "--techniques", "ddp", "--profile-counts", "1",
+                "--profiles", "prof", "--out", "out", "--gantt", "plan.png", "--time-limit", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    metrics = (tmp_path / "out" / "mlp" / "run").rglob("metrics.jsonl")
+    assert [len(p.read_text().splitlines()) for p in metrics] == [4]
