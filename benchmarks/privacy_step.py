@@ -18,19 +18,33 @@ Private modes use noise multiplier 1.0 and clip norm 1.0; fsdpx's expected batch
 ``poisson_sampling=False`` on a loader of that one batch. Every mode is checked to train (loss
 finite, every parameter tensor changed) on its first warm-up step, before anything is timed.
 
+Devices: ``--device cpu`` (default) or ``--device cuda``: models, batch, per-example norms,
+clipping, optimizers and Opacus all on the GPU; fsdpx's noise (a pure function of key, step,
+parameter and element, drawn by the host sampler) is drawn on the host while the GPU runs the
+forward and backward, then copied and added there (``privacy.noise.draw_ahead``). Configs: small
+and large (the CPU's), gpu (GPT-2 small's shape, the default on cuda), smoke (tiny, for
+``--smoke``: one warm-up step, one round, one memory step, on either device).
+
 Timing: warm-up steps, then ``--steps`` rounds; in each round every mode runs one step, so load
-from other processes hits all modes alike. Reported: median seconds per step and its ratio to
+from other processes hits all modes alike (on cuda the device is synchronised before each clock
+read). Reported: median seconds per step and its ratio to
 the non-private median, the median of same-round wall ratios, and the median of same-round
 ratios of process CPU time (all threads; time the hypervisor steals from this VM is not in it,
-which makes it the steadier figure on a shared machine). Memory: each mode runs alone in a fresh process
+which makes it the steadier figure on a shared machine). Memory on cpu: each mode runs alone in a fresh process
 (``--memory-mode MODE``, started by the parent with ``MALLOC_MMAP_THRESHOLD_=65536`` so glibc
 hands freed blocks back); the peak resident set over the baseline taken after the model and the
-batch exist (the high-water mark is reset there through ``/proc/self/clear_refs``).
+batch exist (the high-water mark is reset there through ``/proc/self/clear_refs``). Memory on
+cuda: each mode in turn in the same process once the timing is done, the peak of
+``torch.cuda.max_memory_allocated`` over the allocation after the model and the batch exist
+(``reset_peak_memory_stats`` there, after ``empty_cache``).
 
     .venv/bin/python benchmarks/privacy_step.py --config small              # table on stdout
     .venv/bin/python benchmarks/privacy_step.py --config small --steps 2 --warmup 1 --no-memory
+    .venv/bin/python benchmarks/privacy_step.py --smoke                     # every mode once, tiny model
     .venv/bin/python benchmarks/privacy_step.py --config small --profile    # + torch.profiler tables
     .venv/bin/python benchmarks/privacy_step.py --config both --phases      # where the private step's time goes
+    python3 benchmarks/privacy_step.py --device cuda --smoke && \
+        python3 benchmarks/privacy_step.py --device cuda --steps 10 --out privacy_step_gpu.json
 
 Progress goes to stderr; the markdown tables to stdout; ``--out FILE.json`` keeps the raw numbers.
 """
@@ -67,6 +81,11 @@ CONFIGS: dict[str, dict[str, int]] = {
     "small": dict(vocab=8192, d_model=256, n_layer=4, n_head=4, seq=128, batch=16),
     # The issue does not give the head count of the larger model; 8 keeps the head width at 64.
     "large": dict(vocab=8192, d_model=512, n_layer=6, n_head=8, seq=256, batch=8),
+    # --device cuda: GPT-2 small's shape (untied: 163M parameters), a batch of 8 x 512 tokens, so
+    # an H100's fp32 non-private step takes tens of milliseconds
+    "gpu": dict(vocab=50257, d_model=768, n_layer=12, n_head=12, seq=512, batch=8),
+    # --smoke: every mode and the memory path once, in seconds, on either device
+    "smoke": dict(vocab=512, d_model=64, n_layer=2, n_head=2, seq=32, batch=4),
 }
 MODES = ("torch", "fsdpx-vmap", "fsdpx-ghost", "opacus-hooks", "opacus-ghost", "fsdpx-ghost-tied")
 BASELINE = "torch"
@@ -84,18 +103,35 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------- model and batch
 
 
-def build_model(cfg: dict[str, int], *, tied: bool) -> GPT:
-    """The same initial weights for every mode (seeded); ``tied`` shares wte and lm_head."""
+def build_model(cfg: dict[str, int], *, tied: bool, device: str = "cpu") -> GPT:
+    """The same initial weights for every mode and device (seeded on the CPU, then moved);
+    ``tied`` shares wte and lm_head."""
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"],
-                         n_head=cfg["n_head"], n_embd=cfg["d_model"], tie_weights=tied))
+    model = GPT(GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"],
+                          n_head=cfg["n_head"], n_embd=cfg["d_model"], tie_weights=tied))
+    return model.to(device)
 
 
-def build_batch(cfg: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed batch of next-token pairs drawn from random token streams."""
+def build_batch(cfg: dict[str, int], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch of next-token pairs drawn from random token streams (the same on every device)."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work, so that a clock read after it counts that work."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(runner: Runner, device: str) -> tuple[float, float, float]:
+    """One step: ``(loss, wall s, process CPU s)``, the device synchronised before each clock read."""
+    sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss = runner.step()
+    sync(device)
+    return loss, time.perf_counter() - t0, time.process_time() - c0
 
 
 def tied_mode(mode: str) -> bool:
@@ -258,15 +294,26 @@ def skip_reason(mode: str, cfg: dict[str, int], model: GPT, max_mem_gb: float) -
     return None
 
 
+def max_mem_gb(arg: float | None, device: str) -> float:
+    """The vmap guard's limit: ``--max-mem-gb``, else 16 GB of host memory on the CPU and half
+    the GPU's memory on CUDA (the other modes' models and states share the device)."""
+    if arg is not None:
+        return arg
+    if device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory / 2 / 2**30
+    return 16.0
+
+
 # --------------------------------------------------------------------------- timing
 
 
 def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[str, Any]:
-    batch = build_batch(cfg)
+    device = args.device
+    batch = build_batch(cfg, device)
     runners: dict[str, Runner] = {}
     result: dict[str, Any] = {}
     for mode in modes:
-        model = build_model(cfg, tied=tied_mode(mode))
+        model = build_model(cfg, tied=tied_mode(mode), device=device)
         reason = skip_reason(mode, cfg, model, args.max_mem_gb)
         if reason:
             log(f"[{name}] {mode}: skipped ({reason})")
@@ -281,9 +328,7 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
         log(f"[{name}] {mode}: warm-up 1/{args.warmup} (+ check that it trains)")
         before = snapshot(runner)
         gc.collect()
-        t0 = time.perf_counter()
-        loss = runner.step()
-        dt = time.perf_counter() - t0
+        loss, dt, _ = timed(runner, device)
         check_trains(mode, runner, before, loss)
         del before
         result[mode].update(first_loss=loss, first_mean_norm=runner.norm)
@@ -294,13 +339,13 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
             log(f"[{name}] {mode}: skipped ({result[mode]['skipped']})")
             del runners[mode]
             gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
     def round_(label: str, key: str, i: int, n: int) -> None:
         for mode, runner in runners.items():
             gc.collect()
-            t0, c0 = time.perf_counter(), time.process_time()
-            runner.step()
-            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            _, dt, cpu = timed(runner, device)
             result[mode][key].append(dt)
             if key == "times":
                 result[mode]["cpu_times"].append(cpu)
@@ -387,6 +432,36 @@ def memory_config(name: str, modes: list[str], args, timing: dict[str, Any]) -> 
     return out
 
 
+def memory_config_cuda(name: str, modes: list[str], args, timing: dict[str, Any]) -> dict[str, Any]:
+    """CUDA: each mode in turn in this process (the timing runners are gone by now): the peak
+    of ``torch.cuda.max_memory_allocated`` over setup + ``--memory-steps`` steps, above what is
+    allocated once the model and the batch exist (the peak is reset there)."""
+    cfg, out = CONFIGS[name], {}
+    for mode in modes:
+        if timing.get(mode, {}).get("skipped"):
+            out[mode] = {"mode": mode, "skipped": "skipped in timing"}
+            continue
+        model, batch = build_model(cfg, tied=tied_mode(mode), device="cuda"), build_batch(cfg, "cuda")
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        baseline = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        runner = make_runner(mode, model, batch)
+        for i in range(args.memory_steps):
+            _, dt, _ = timed(runner, "cuda")
+            log(f"[{name}] memory {mode} step {i + 1}/{args.memory_steps}: {dt:.3f} s, "
+                f"GPU peak {(torch.cuda.max_memory_allocated() - baseline) / 2**20:.0f} MB over the baseline")
+        peak = torch.cuda.max_memory_allocated()
+        out[mode] = {"mode": mode, "baseline_mb": baseline / 2**20, "peak_mb": peak / 2**20,
+                     "delta_mb": (peak - baseline) / 2**20, "steps": args.memory_steps,
+                     "method": "torch.cuda.max_memory_allocated after reset_peak_memory_stats, in process"}
+        del runner, model, batch
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
 # --------------------------------------------------------------------------- profile
 
 
@@ -445,20 +520,20 @@ def fsdpx_phase_labels():
 def profile_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    batch = build_batch(cfg)
+    device = args.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    batch = build_batch(cfg, device)
     out = {}
     for mode in modes:
-        runner = make_runner(mode, build_model(cfg, tied=tied_mode(mode)), batch, annotate=True)
+        runner = make_runner(mode, build_model(cfg, tied=tied_mode(mode), device=device), batch, annotate=True)
         for i in range(args.warmup):
             log(f"[{name}] profile {mode}: warm-up {i + 1}/{args.warmup}")
             runner.step()
         log(f"[{name}] profile {mode}: profiled step")
         labels = fsdpx_phase_labels() if mode.startswith("fsdpx") else contextlib.nullcontext()
         gc.collect()
-        with labels, profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            runner.step()
-            wall = time.perf_counter() - t0
+        with labels, profile(activities=activities) as prof:
+            _, wall, _ = timed(runner, device)
         events = prof.key_averages()
         phases = sorted(((e.key, e.cpu_time_total / 1e3) for e in events if e.key.split(".")[0] in
                          ("torch", "fsdpx", "opacus") and not e.key.startswith("torch.ops")),
@@ -486,12 +561,13 @@ LABELS = {
 }
 
 
-def table(name: str, cfg: dict[str, int], timing: dict[str, Any], memory: dict[str, Any]) -> str:
+def table(name: str, cfg: dict[str, int], timing: dict[str, Any], memory: dict[str, Any], device: str = "cpu") -> str:
     c = cfg
     head = (f"**{name}**: vocab {c['vocab']}, d_model {c['d_model']}, {c['n_layer']} layers, {c['n_head']} heads, "
             f"seq {c['seq']}, batch {c['batch']}; untied embeddings unless stated\n\n")
+    peak = "peak GPU MB over baseline (max_memory_allocated)" if device == "cuda" else "peak MB over baseline"
     rows = ["| mode | median s/step | min s | ratio of medians to non-private | median of per-round ratios "
-            "| per-round ratios of CPU time | peak MB over baseline | first-step loss |",
+            f"| per-round ratios of CPU time | {peak} | first-step loss |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = timing.get(BASELINE, {}).get("times")
     for mode in timing or memory:
@@ -520,6 +596,12 @@ def table(name: str, cfg: dict[str, int], timing: dict[str, Any], memory: dict[s
             text += f"; fsdpx ghost peak memory / Opacus ghost: " \
                     f"{memory['fsdpx-ghost']['delta_mb'] / memory['opacus-ghost']['delta_mb']:.2f}x"
         text += "\n"
+    vm = timing.get("fsdpx-vmap", {})
+    if vm.get("median_s") and fg.get("median_s"):
+        text += f"fsdpx vmap / fsdpx ghost (time): {vm['median_s'] / fg['median_s']:.2f}x"
+        if "delta_mb" in memory.get("fsdpx-vmap", {}) and memory.get("fsdpx-ghost", {}).get("delta_mb"):
+            text += f"; peak memory: {memory['fsdpx-vmap']['delta_mb'] / memory['fsdpx-ghost']['delta_mb']:.2f}x"
+        text += "\n"
     norms = {m: t["first_mean_norm"] for m, t in timing.items() if t.get("first_mean_norm") is not None}
     if norms:
         text += "First-step mean per-example gradient norm (same weights, same batch): " + \
@@ -544,7 +626,7 @@ def profile_tables(prof: dict[str, Any]) -> str:
     return text
 
 
-def phases(name: str, cfg: dict[str, int], rounds: int) -> str:
+def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu") -> str:
     """Where a private step's time goes: the non-private torch step and its forward+backward,
     fsdpx's whole private step, ``clip_and_sum`` alone and the noise alone (drawn and added in
     place to parameter-shaped buffers, as the step does), interleaved in each round; medians, and
@@ -552,9 +634,10 @@ def phases(name: str, cfg: dict[str, int], rounds: int) -> str:
     from privacy.clipping import clip_and_sum
     from privacy.noise import add_gaussian_noise_
 
-    model = build_model(cfg, tied=False)
-    batch = build_batch(cfg)
-    torch_runner, fsdpx_runner = TorchRunner(build_model(cfg, tied=False), batch), FsdpxRunner(model, batch, "auto")
+    model = build_model(cfg, tied=False, device=device)
+    batch = build_batch(cfg, device)
+    torch_runner = TorchRunner(build_model(cfg, tied=False, device=device), batch)
+    fsdpx_runner = FsdpxRunner(model, batch, "auto")
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     numel = sum(p.numel() for p in params.values())
     sums = {k: torch.zeros_like(v) for k, v in params.items()}
@@ -571,13 +654,15 @@ def phases(name: str, cfg: dict[str, int], rounds: int) -> str:
     times: dict[str, list[float]] = {k: [] for k in parts}
     for i in range(rounds + 1):
         for label, fn in parts.items():
+            sync(device)
             t0 = time.perf_counter()
             fn()
+            sync(device)
             if i:  # round 0 warms up
                 times[label].append(time.perf_counter() - t0)
         log(f"[{name}] phases round {i}/{rounds}")
     base = times["non-private torch step"]
-    lines = [f"**{name}** phases, {rounds} interleaved rounds, {torch.get_num_threads()} threads", "",
+    lines = [f"**{name}** phases on {device}, {rounds} interleaved rounds, {torch.get_num_threads()} threads", "",
              "| part | median s | vs non-private step (median of same-round ratios) |", "|---|---:|---:|"]
     for label, ts in times.items():
         ratio = statistics.median(t / b for t, b in zip(ts, base))
@@ -585,6 +670,16 @@ def phases(name: str, cfg: dict[str, int], rounds: int) -> str:
     noise_s = statistics.median(times[f"noise ({numel / 1e6:.1f}M normals)"])
     lines.append(f"\nnoise: {noise_s / numel * 1e9:.1f} ns per normal (wall, all threads)")
     return "\n".join(lines) + "\n"
+
+
+def device_name(device: str) -> str:
+    """The device line of the report: on CUDA the card, its memory, the CUDA version and
+    whether float32 matrix products may use TF32 (torch's default: no)."""
+    if device != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(0)
+    return (f"cuda: {props.name}, {props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}, "
+            f"float32 matmul TF32 {torch.backends.cuda.matmul.allow_tf32}")
 
 
 def loadavg() -> list[float]:
@@ -599,12 +694,14 @@ def render(report: dict[str, Any]) -> str:
     env = report["env"]
     text = (f"torch {env['torch']}, Opacus {env['opacus']}, torch.get_num_threads() = {env['threads']}, "
             f"{env['cpus']} CPUs; {env['date']}\n")
+    text += f"device: {env.get('device_name', 'cpu')}\n"
     for name, c in report["configs"].items():
         base = c["timing"].get(BASELINE, {})
         if base.get("times"):
             text += (f"\n{len(base['times'])} timed rounds after {len(base['warmup_times'])} warm-up steps per "
                      "mode, modes interleaved within each round\n")
-        text += "\n" + table(name, c["config"], c["timing"], c["memory"]) + profile_tables(c["profile"])
+        text += "\n" + table(name, c["config"], c["timing"], c["memory"], env.get("device", "cpu")) + \
+            profile_tables(c["profile"])
     text += (f"\nload average (1, 5, 15 min) at start {[round(x, 1) for x in env['loadavg_start']]}, "
              f"at end {[round(x, 1) for x in env.get('loadavg_end', [])]}\n")
     return text
@@ -613,7 +710,11 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", choices=("small", "large", "both"), default="small")
+    ap.add_argument("--config", choices=(*CONFIGS, "both"),
+                    help="model and batch (default: small on cpu, gpu on cuda; both = small and large)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the smoke config, 1 warm-up step and 1 round, 1 memory step: checks the whole path")
     ap.add_argument("--steps", type=int, default=10, help="timed rounds (each mode one step per round)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per mode (>= 1: the first checks training)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -625,7 +726,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-top", type=int, default=15)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads(N) (default: leave torch's default)")
     ap.add_argument("--max-step-s", type=float, default=60.0, help="skip a mode whose first step is slower")
-    ap.add_argument("--max-mem-gb", type=float, default=16.0, help="skip vmap if per-example grads need more")
+    ap.add_argument("--max-mem-gb", type=float,
+                    help="skip vmap if per-example grads need more (default 16 on cpu, half the GPU's memory on cuda)")
     ap.add_argument("--report", metavar="FILE.json", help="print the tables of an earlier --out file and exit")
     ap.add_argument("--phases", action="store_true",
                     help="instead of the table: time the private step's parts alone, interleaved")
@@ -638,30 +740,42 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         print(render(json.loads(Path(args.report).read_text())))
         return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False")
+    if args.smoke:
+        args.config, args.warmup, args.steps, args.memory_steps = "smoke", 1, 1, 1
+    args.config = args.config or ("gpu" if args.device == "cuda" else "small")
+    args.max_mem_gb = max_mem_gb(args.max_mem_gb, args.device)
     if args.memory_mode:
         print(json.dumps(memory_child(args.memory_mode, args.config, args.memory_steps, args.max_mem_gb)))
         return
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
+    names = ["small", "large"] if args.config == "both" else [args.config]
     if args.phases:
-        for name in (["small", "large"] if args.config == "both" else [args.config]):
-            print(phases(name, CONFIGS[name], args.steps))
+        for name in names:
+            print(phases(name, CONFIGS[name], args.steps, args.device))
         return
     modes = list(dict.fromkeys(args.modes))
-    names = ["small", "large"] if args.config == "both" else [args.config]
 
     import opacus
 
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
            "opacus": opacus.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-           "cpus": os.cpu_count(), "loadavg_start": loadavg(), "argv": sys.argv}
+           "cpus": os.cpu_count(), "loadavg_start": loadavg(), "argv": sys.argv, "device": args.device,
+           "device_name": device_name(args.device)}
     log(f"torch {torch.__version__}, opacus {opacus.__version__}, torch.get_num_threads() = "
-        f"{torch.get_num_threads()}, load average {env['loadavg_start']}")
+        f"{torch.get_num_threads()}, load average {env['loadavg_start']}; device: {env['device_name']}")
     report: dict[str, Any] = {"env": env, "configs": {}}
     for name in names:
         cfg = CONFIGS[name]
         timing = time_config(name, cfg, modes, args)
-        memory = {} if args.no_memory else memory_config(name, modes, args, timing)
+        if args.no_memory:
+            memory = {}
+        elif args.device == "cuda":
+            memory = memory_config_cuda(name, modes, args, timing)
+        else:
+            memory = memory_config(name, modes, args, timing)
         prof = profile_config(name, cfg, args.profile_modes, args) if args.profile else {}
         report["configs"][name] = {"config": cfg, "timing": timing, "memory": memory, "profile": prof}
     env["loadavg_end"] = loadavg()

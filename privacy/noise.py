@@ -33,11 +33,10 @@ import hashlib
 import math
 import numbers
 import operator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -52,10 +51,10 @@ _BLOCKS_PER_WORKER = 8  # below this a thread pool costs more than it saves
 
 # Half types are drawn in float32 and rounded; float32 is the float64 draw rounded.
 _DRAW_DTYPE = {
-    torch.float16: np.float32,
-    torch.bfloat16: np.float32,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.float32: torch.float32,
+    torch.float64: torch.float64,
 }
 
 
@@ -143,20 +142,23 @@ def noise_slice(
 
 
 def _prepare(name: str, numel: int, start: int, stop: int, *, key: int, step: int, std: float,
-             dtype: torch.dtype) -> tuple[np.ndarray | None, list[Callable[[], None]], float]:
+             dtype: torch.dtype, pin: bool = False) -> tuple[Tensor | None, list[Callable[[], None]], float]:
     """Validate one slice's arguments; returns its output buffer (``None`` when nothing is
-    drawn), one task per block that fills its part of the buffer, and the checked ``std``."""
+    drawn; page-locked when ``pin``, so a copy to an accelerator can be asynchronous), one task
+    per block that fills its part of the buffer, and the checked ``std``."""
     numel, start, stop, key, step, std = _validate(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)
     if start == stop or std == 0.0:
         return None, [], std
-    draw_dtype = _DRAW_DTYPE[dtype]
-    out = np.empty(stop - start, dtype=draw_dtype)
+    # the tensor itself is returned, not a view of it: the allocator of pinned memory keeps a
+    # block from reuse until an asynchronous copy out of it ends only when it sees the tensor
+    out = torch.empty(stop - start, dtype=_DRAW_DTYPE[dtype], pin_memory=pin)
+    array = out.numpy()
 
     def draw(block: int) -> None:
         block_start = block * BLOCK
         lo, hi = max(start, block_start), min(stop, block_start + BLOCK)
         # a slice that begins inside this block skips the block's first draws
-        fill_normals(_block_state(key, step, name, block), lo - block_start, out[lo - start : hi - start])
+        fill_normals(_block_state(key, step, name, block), lo - block_start, array[lo - start : hi - start])
 
     return out, [partial(draw, b) for b in range(start // BLOCK, (stop - 1) // BLOCK + 1)], std
 
@@ -198,13 +200,23 @@ def _run_serially(tasks: list[Callable[[], None]]) -> None:
         task()
 
 
-def _finish(out: np.ndarray | None, std: float, dtype: torch.dtype, n: int) -> Tensor:
+def _finish(out: Tensor | None, std: float, dtype: torch.dtype, n: int, device: torch.device | None = None) -> Tensor:
+    """The drawn buffer scaled by ``std`` in the draw dtype, rounded to ``dtype``, on ``device``
+    (default CPU). Off the CPU the unit draw is copied first (asynchronously from a pinned
+    buffer) and scaled there: IEEE multiplication and rounding give the CPU's bits."""
     if out is None:
-        return torch.zeros(n, dtype=dtype)
-    noise = torch.from_numpy(out)
+        return torch.zeros(n, dtype=dtype, device=device)
+    noise = out
+    if device is not None and torch.device(device).type != "cpu":
+        noise = noise.to(device, non_blocking=noise.is_pinned())
     if std != 1.0:
         noise.mul_(std)
     return noise.to(dtype)
+
+
+def _pin(device: torch.device) -> bool:
+    """Draw into page-locked memory when the noise goes to a CUDA device."""
+    return device.type == "cuda" and torch.cuda.is_available()
 
 
 def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
@@ -220,29 +232,94 @@ def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: 
     Edge cases: an empty dict gives an empty dict; a zero-element tensor gives an empty tensor of
     its shape; a non-float tensor raises ``ValueError`` naming ``dtype``.
     """
-    prepared = {name: _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
+    prepared = {name: _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype,
+                               pin=_pin(t.device))
                 for name, t in params_like.items()}
     _run([task for _, tasks, _ in prepared.values() for task in tasks])  # one pool for every block
-    return {name: _finish(out, s, t.dtype, t.numel()).reshape(t.shape).to(t.device)
+    return {name: _finish(out, s, t.dtype, t.numel(), t.device).reshape(t.shape)
             for (name, t), (out, _, s) in zip(params_like.items(), prepared.values())}
 
 
-def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
+class DrawnNoise(NamedTuple):
+    """Unit draws made ahead of the tensors they go to (:func:`draw_ahead`): per name, the
+    buffer (``None`` when nothing is drawn), the checked ``std``, and the numel and dtype it
+    was drawn for."""
+
+    key: int
+    step: int
+    std: float
+    buffers: dict[str, tuple[Tensor | None, float, int, torch.dtype]]
+
+
+def _in_place(t: Tensor) -> bool:
+    """Whether :func:`add_gaussian_noise_` draws into ``t`` directly (no noise tensor)."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
+
+
+def draw_ahead(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> DrawnNoise:
+    """The draws :func:`add_gaussian_noise_` would make for those of ``params_like`` it cannot
+    draw into in place (off the CPU, half precision, not contiguous), made now: the noise does
+    not depend on the gradient, so a step can draw it on the host while an accelerator runs the
+    forward and backward (``privacy.step``). Reads names, shapes, dtypes and devices only;
+    buffers bound for a CUDA device are pinned."""
+    buffers = {}
+    tasks: list[Callable[[], None]] = []
+    for name, t in params_like.items():
+        if _in_place(t):
+            continue
+        out, block_tasks, checked = _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std,
+                                             dtype=t.dtype, pin=_pin(t.device))
+        buffers[name] = (out, checked, t.numel(), t.dtype)
+        tasks.extend(block_tasks)
+    _run(tasks)
+    return DrawnNoise(operator.index(key), operator.index(step), _check_std(std), buffers)
+
+
+_AHEAD: list[ThreadPoolExecutor] = []  # one background thread, started on first use
+
+
+def draw_ahead_async(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> Future[DrawnNoise]:
+    """:func:`draw_ahead` on a background thread (the sampler releases the GIL)."""
+    if not _AHEAD:
+        _AHEAD.append(ThreadPoolExecutor(1, thread_name_prefix="fsdpx-noise"))
+    return _AHEAD[0].submit(draw_ahead, params_like, key=key, step=step, std=std)
+
+
+def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std: float,
+                        drawn: DrawnNoise | None = None) -> dict[str, Tensor]:
     """Adds the noise of :func:`gaussian_noise` to each tensor IN PLACE; returns ``tensors``.
 
     Formal Guarantees:
       * Afterwards ``tensors[name]`` holds exactly the bits of ``t.add_(gaussian_noise(tensors,
-        ...)[name])`` (``tests/test_noise.py::test_adding_noise_in_place_gives_the_bits_of_adding_the_draw``).
-      * No noise tensor is formed: each block is drawn and added to its slice in one compiled
-        pass (:func:`privacy.ziggurat.add_scaled_normals`), so a step allocates (and the kernel
-        faults in) nothing for its noise and reads each gradient once.
-    Edge cases: tensors that are not contiguous float32/float64 CPU tensors take the allocating
-    path (same bits); ``std == 0`` adds ``+0.0`` (so ``-0.0`` becomes ``+0.0``, as adding zeros
-    does); an empty dict is returned unchanged."""
+        ...)[name])`` (``tests/test_noise.py::test_adding_noise_in_place_gives_the_bits_of_adding_the_draw``),
+        with or without ``drawn`` (``test_noise_drawn_ahead_gives_the_same_bits``).
+      * No noise tensor is formed for a contiguous float32/float64 CPU tensor: each block is
+        drawn and added to its slice in one compiled pass
+        (:func:`privacy.ziggurat.add_scaled_normals`), so a step allocates (and the kernel faults
+        in) nothing for its noise and reads each gradient once.
+      * Other tensors (on an accelerator, half precision, not contiguous) get the unit draw in a
+        host buffer (pinned for CUDA, copied asynchronously), scaled, rounded and added on their
+        device; every block of every tensor is drawn in one pool.
+    ``drawn``: the result of :func:`draw_ahead` for the same ``key``, ``step`` and ``std``; the
+    tensors it holds a buffer for are not drawn again.
+
+    Edge cases: ``std == 0`` adds ``+0.0`` (so ``-0.0`` becomes ``+0.0``, as adding zeros
+    does); an empty dict is returned unchanged; ``drawn`` for another key, step, std, numel or
+    dtype raises ``ValueError``."""
     tasks: list[Callable[[], None]] = []
+    allocated: dict[str, tuple[Tensor | None, float]] = {}
     for name, t in tensors.items():
-        if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) or not t.is_contiguous():
-            t.add_(gaussian_noise({name: t}, key=key, step=step, std=std)[name])
+        if not _in_place(t):
+            if drawn is not None and name in drawn.buffers:
+                out, checked, numel, dtype = drawn.buffers[name]
+                if (drawn.key, drawn.step, drawn.std, numel, dtype) != (key, step, _check_std(std), t.numel(), t.dtype):
+                    raise ValueError(f"noise drawn ahead for {name!r} was drawn for other arguments")
+                allocated[name] = (out, checked)
+                continue
+            out, block_tasks, checked = _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std,
+                                                 dtype=t.dtype, pin=_pin(t.device))
+            allocated[name] = (out, checked)
+            tasks.extend(block_tasks)
             continue
         numel, _, _, key, step, checked = _validate(name, t.numel(), 0, t.numel(), key=key, step=step, std=std,
                                                     dtype=t.dtype)
@@ -250,7 +327,10 @@ def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std:
             t.add_(0.0)
             continue
         tasks.extend(partial(_add_block, t.view(-1), name, b, key, step, checked) for b in range(-(-numel // BLOCK)))
-    _run(tasks)
+    _run(tasks)  # one pool for every block, in place or not
+    for name, (out, checked) in allocated.items():
+        t = tensors[name]
+        t.add_(_finish(out, checked, t.dtype, t.numel(), t.device).view(t.shape))
     return tensors
 
 

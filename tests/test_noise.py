@@ -198,3 +198,54 @@ def test_adding_noise_in_place_checks_its_arguments():
         add_gaussian_noise_({"w": torch.zeros(3)}, key=0, step=0, std=-1.0)
     with pytest.raises(TypeError):
         add_gaussian_noise_({"w": torch.zeros(3)}, key=0.5, step=0, std=1.0)
+
+
+def _mixed_tensors(device: str = "cpu") -> dict[str, torch.Tensor]:
+    """In-place and allocating cases: several blocks with a ragged end, float64, -0.0, half
+    precision, a transposed view, an empty tensor."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w32": torch.randn(3 * BLOCK + 17, generator=g),
+        "w64": torch.randn(5, BLOCK // 4, generator=g, dtype=torch.float64),
+        "neg0": torch.full((7,), -0.0),
+        "half": torch.randn(100, generator=g).to(torch.bfloat16),
+        "view": torch.randn(30, 40, generator=g).t(),
+        "empty": torch.empty(0, 3),
+    }
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("std", [0.0, 0.37])
+def test_noise_drawn_ahead_gives_the_same_bits(std):
+    """``draw_ahead`` (also on its background thread) then ``add_gaussian_noise_(drawn=...)``
+    == ``add_gaussian_noise_`` alone, bit for bit; the draws are made for the allocating cases
+    only, and a draw for other arguments is refused."""
+    from privacy.noise import add_gaussian_noise_, draw_ahead, draw_ahead_async
+
+    expected = add_gaussian_noise_(_mixed_tensors(), key=3, step=9, std=std)
+    for ahead in (draw_ahead(_mixed_tensors(), key=3, step=9, std=std),
+                  draw_ahead_async(_mixed_tensors(), key=3, step=9, std=std).result()):
+        assert set(ahead.buffers) == {"half", "view"}
+        got = add_gaussian_noise_(_mixed_tensors(), key=3, step=9, std=std, drawn=ahead)
+        for k in expected:
+            assert torch.equal(got[k], expected[k]), k
+            assert torch.equal(torch.signbit(got[k]), torch.signbit(expected[k])), k
+    with pytest.raises(ValueError, match="drawn ahead"):
+        add_gaussian_noise_(_mixed_tensors(), key=3, step=10, std=std, drawn=ahead)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_noise_on_cuda_has_the_cpu_bits():
+    """On a CUDA device (pinned host draw, asynchronous copy, scaled and added there), drawn
+    ahead or not, the noise is the CPU's bit for bit."""
+    from privacy.noise import add_gaussian_noise_, draw_ahead
+
+    expected = add_gaussian_noise_(_mixed_tensors(), key=3, step=9, std=0.37)
+    drawn = gaussian_noise(_mixed_tensors("cuda"), key=3, step=9, std=0.37)
+    for drawn_ahead in (None, draw_ahead(_mixed_tensors("cuda"), key=3, step=9, std=0.37)):
+        got = add_gaussian_noise_(_mixed_tensors("cuda"), key=3, step=9, std=0.37, drawn=drawn_ahead)
+        for k in expected:
+            assert got[k].device.type == "cuda" and drawn[k].device.type == "cuda"
+            assert torch.equal(got[k].cpu(), expected[k]), k
+    for k, t in _mixed_tensors().items():
+        assert torch.equal(drawn[k].cpu(), gaussian_noise({k: t}, key=3, step=9, std=0.37)[k]), k
