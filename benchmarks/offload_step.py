@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/offload_step.py --setup-deepspeed   # once: .bench-venv with DeepSpeed
     .venv/bin/python benchmarks/offload_step.py                     # the issue's setting (~63M GPT)
     .venv/bin/python benchmarks/offload_step.py --smoke             # tiny model, a few steps
+    python3 benchmarks/offload_step.py --device cuda --smoke --out bench_out/offload_gpu_smoke.json
+    python3 benchmarks/offload_step.py --device cuda --workloads "" --out bench_out/offload_gpu.json  # timing
 
 Two parts, each mode in its own process (started by this script with ``--worker``):
 
@@ -22,7 +24,8 @@ Two parts, each mode in its own process (started by this script with ``--worker`
   batch at the end. For ZenFlow both parts also report the share of the squared gradient that its
   selected columns hold (measured outside the timed region).
 
-Modes, all AdamW with the same hyper-parameters, fp32, one process, the CPU as "device":
+Modes, all AdamW with the same hyper-parameters, fp32, one process, the CPU as "device" (by default;
+``--device cuda`` below):
 
 * ``none``: ``fsdpx.optim.adamw`` on the device, in the loop.
 * ``zero_offload``: ``offload.zero_offload(adamw)``: the whole optimizer on the host, synchronously.
@@ -42,6 +45,25 @@ Modes, all AdamW with the same hyper-parameters, fp32, one process, the CPU as "
 Caveat of a CPU-only machine: "device" and "host" are the same cores, so copies cost a memory
 copy, not a PCIe transfer, and ZenFlow's background host update competes with the forward and
 backward for the same 2 cores. Wait times and bytes are what the library measures either way.
+
+``--device cuda`` (one GPU; the host is the CPU): the model, batch, gradients and the device-side
+optimizer (mode ``none``; ZenFlow's selected columns and non-2-D parameters) live on the GPU,
+the host side (``zero_offload``'s whole optimizer, ZenFlow's unselected columns and window sums)
+in CPU memory, gradients coming down through pinned buffers. Every clock read at a step boundary
+and on either side of the optimizer call follows a ``torch.cuda.synchronize()``, so "step",
+"optimizer call" and "loop wait" mean what they mean on the CPU. fp32 throughout (torch's default:
+no TF32 matrix products). The timing defaults grow to the setting of the ZenFlow paper, where the
+GPU's forward and backward take a few hundred ms and the host AdamW over the whole model longer
+(``CUDA_DEFAULTS``: 24 x 1024, vocabulary 8192, ~311M parameters, batch 8 x 512, 1 round of 4 + 16
+steps per mode, ``--threads`` = the host's cores minus one for the loop's thread; on one H100 with
+16 host cores the timing part took 70 s, the smoke 67 s, the loss part's ``scratch`` 33 s, each
+mode 13-28 s with its start-up); ``--n-layer``, ``--n-embd``, ``--n-head``, ``--batch``, ``--seq``,
+``--rounds`` override them. ``deepspeed`` runs
+only if this Python imports DeepSpeed (with its CUDA build), else it is skipped with the reason
+printed. The loss part runs on the GPU too, from the same seeds and batches (built on the CPU and
+copied); its losses differ from the CPU run's in the last bits (other kernels, other summation
+orders; on an H100 every loss agreed with the CPU's to the 4 decimals printed). Also reported per mode: peak GPU memory allocated (``torch.cuda.max_memory_allocated``)
+and the host's peak resident memory (``VmHWM``), both reset after the warm-up steps.
 """
 
 from __future__ import annotations
@@ -66,6 +88,10 @@ MODES = ["none", "zero_offload", "zenflow", "deepspeed"]
 LOSS_ONLY_MODES = ["accumulate"]
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": 16, "delay": 1, "overlap": True}
+CPU_DEFAULTS = {"n_layer": 8, "n_head": 12, "n_embd": 768, "batch": 4, "seq": 32, "rounds": 3}
+# ZenFlow's setting on one H100: forward + backward a few hundred ms, the host AdamW over the
+# whole model (~311M fp32 parameters, 8.7 GB of state traffic) and its PCIe copies longer.
+CUDA_DEFAULTS = {"n_layer": 24, "n_head": 16, "n_embd": 1024, "batch": 8, "seq": 512, "rounds": 1}
 
 
 def load_gpt():
@@ -116,6 +142,43 @@ def with_cpu(row: dict, before: tuple[float, float, int]) -> dict:
     return {**row, "user_s": after[0] - before[0], "sys_s": after[1] - before[1], "faults": after[2] - before[2]}
 
 
+def reset_host_peak() -> bool:
+    """Reset this process's peak resident set (``VmHWM``); False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident set in bytes (``VmHWM``; ``ru_maxrss`` where /proc has none)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def device_of(cfg: dict) -> torch.device:
+    return torch.device(cfg.get("device", "cpu"))
+
+
+def memory_marks(device: torch.device) -> dict:
+    """The peak-memory readings reset when the warm-up ends (the timed steps' peaks)."""
+    reset = reset_host_peak()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return {"host_peak_reset": reset}
+
+
+def memory_report(device: torch.device, marks: dict) -> dict:
+    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {**marks, "host_peak_bytes": host_peak_bytes(), "gpu_peak_bytes": gpu}
+
+
 # ---- workers ---------------------------------------------------------------------------------
 
 
@@ -130,13 +193,23 @@ def build_model(cfg: dict):
         aliases = set(model.state_dict()) - set(dict(model.named_parameters()))  # buffers, tied copies
         if unexpected or set(missing) - aliases:
             raise RuntimeError(f"pretrained weights do not fit: missing {missing}, unexpected {unexpected}")
+    if device_of(cfg).type != "cpu":  # built on the CPU from the same seed, so every device starts alike
+        model = model.to(device_of(cfg))
     return gpt, model
 
 
 def batch_for(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``step``'s training batch (``HELD_OUT``: the evaluation batch) of the run ``cfg``."""
+    """Step ``step``'s training batch (``HELD_OUT``: the evaluation batch) of the run ``cfg``,
+    drawn on the CPU (the same tokens on every device) and moved to the run's device."""
     size = 64 if step == HELD_OUT else cfg["batch"]
-    return markov_batch(cfg["vocab"], size, cfg["seq"], step + cfg.get("step_offset", 0), cfg.get("shift", 0.0))
+    x, y = markov_batch(cfg["vocab"], size, cfg["seq"], step + cfg.get("step_offset", 0), cfg.get("shift", 0.0))
+    device = device_of(cfg)
+    return (x, y) if device.type == "cpu" else (x.to(device), y.to(device))
+
+
+def synchronizer(device: torch.device):
+    """What to call before reading a clock: the device's queue drained (``None`` on the CPU)."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def fsdpx_worker(mode: str, cfg: dict) -> dict:
@@ -155,15 +228,25 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = optimizer.init(params)
     update = update_fn(optimizer, donate=True)  # the loop owns its state, as torch's in-place optimizers do
-    rows = []
+    device = device_of(cfg)
+    sync = synchronizer(device)
+    rows, marks = [], {}
     for step in range(cfg["warmup"] + cfg["steps"]):
+        if step == cfg["warmup"]:
+            marks = memory_marks(device)
         x, y = batch_for(cfg, step)
+        if sync:
+            sync()
         c0, t0 = cpu_counters(), time.perf_counter()
         live = {k: v.detach().requires_grad_(True) for k, v in params.items()}
         loss = gpt.token_loss(functional_call(model, live, (x,)), y).mean()
         grads = dict(zip(live, torch.autograd.grad(loss, list(live.values()))))
+        if sync:
+            sync()
         t1 = time.perf_counter()
         params, state = update(grads, state, params)
+        if sync:
+            sync()
         t2 = time.perf_counter()
         m = state.get("metrics", {}) if isinstance(state, dict) else {}
         rows.append(with_cpu({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": m.get("host_wait_s", 0.0),
@@ -172,12 +255,13 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
                               "loss": float(loss.detach())}, c0))
         if mode == "zenflow":  # untimed: how much of the gradient the selection updates at once
             rows[-1]["captured"] = captured_share(grads, state["selected"])
+    memory = memory_report(device, marks)
     x, y = batch_for(cfg, HELD_OUT)
     with torch.no_grad():
         held_out = float(gpt.token_loss(functional_call(model, params, (x,)), y).mean())
     if cfg.get("save"):  # the pretraining run: its weights start every fine-tuning run
-        torch.save(params, cfg["save"])
-    return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in params.values())}
+        torch.save(params if device.type == "cpu" else {k: v.cpu() for k, v in params.items()}, cfg["save"])
+    return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in params.values()), **memory}
 
 
 def captured_share(grads: dict, selected: dict) -> float:
@@ -189,7 +273,7 @@ def captured_share(grads: dict, selected: dict) -> float:
     for k, sel in selected.items():
         scores = column_scores(grads[k])
         total += scores.sum().item()
-        captured += scores[sel].sum().item()
+        captured += scores[sel.to(scores.device)].sum().item()
     return captured / total if total else float("nan")
 
 
@@ -204,27 +288,41 @@ def deepspeed_worker(cfg: dict) -> dict:
         "steps_per_print": 10**9,
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    rows = []
+    device = device_of(cfg)
+    sync = synchronizer(device)
+    rows, marks = [], {}
     for step in range(cfg["warmup"] + cfg["steps"]):
+        if step == cfg["warmup"]:
+            marks = memory_marks(device)
         x, y = batch_for(cfg, step)
+        if sync:
+            sync()
         c0, t0 = cpu_counters(), time.perf_counter()
         loss = gpt.token_loss(engine(x), y).mean()
         engine.backward(loss)
+        if sync:
+            sync()
         t1 = time.perf_counter()
         engine.step()
+        if sync:
+            sync()
         t2 = time.perf_counter()
         rows.append(with_cpu({"step_s": t2 - t0, "opt_s": t2 - t1, "wait_s": t2 - t1, "bytes": None,
                               "loss": float(loss.detach())}, c0))
+    memory = memory_report(device, marks)
     x, y = batch_for(cfg, HELD_OUT)
     with torch.no_grad():
         held_out = float(gpt.token_loss(engine.module(x), y).mean())
-    return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in model.parameters())}
+    return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in model.parameters()),
+            **memory}
 
 
 def worker(mode: str, cfg: dict) -> None:
     torch.set_num_threads(cfg["threads"])
     out = deepspeed_worker(cfg) if mode == "deepspeed" else fsdpx_worker(mode, cfg)
     out["threads"] = torch.get_num_threads()
+    device = device_of(cfg)
+    out["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -238,10 +336,22 @@ def setup_deepspeed() -> None:
     subprocess.run([str(BENCH_VENV / "bin" / "pip"), "install", *DEEPSPEED], check=True)
 
 
+def skip_reason(mode: str, device: str) -> str | None:
+    """Why ``mode`` cannot run on ``device`` here (``None``: it can). On a GPU, DeepSpeed must be
+    importable by this Python (``.bench-venv`` holds a CPU build of torch)."""
+    if mode == "deepspeed" and device == "cuda" and importlib.util.find_spec("deepspeed") is None:
+        return f"DeepSpeed is not importable by {sys.executable} (never a dependency of this project)"
+    return None
+
+
 def run_mode(mode: str, cfg: dict, log: Path) -> dict | str:
     """One worker process; its result, or the reason it failed (the tail of its log)."""
     env = dict(os.environ)
-    if mode == "deepspeed":
+    if mode == "deepspeed" and cfg.get("device", "cpu") == "cuda":  # this Python's DeepSpeed (skip_reason)
+        python = Path(sys.executable)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000),
+                   RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
+    elif mode == "deepspeed":
         python = BENCH_VENV / "bin" / "python"
         if not python.exists():
             return f"no {python}: run with --setup-deepspeed first"
@@ -270,6 +380,12 @@ def timing(args, modes: list[str], log: Path) -> dict:
     cfg = {"vocab": args.vocab, "seq": args.seq, "batch": args.batch, "n_layer": args.n_layer,
            "n_head": args.n_head, "n_embd": args.n_embd, "warmup": args.warmup, "steps": args.steps,
            "threads": args.threads}
+    if args.device != "cpu":  # the CPU's config (and so its JSON) stays as it was
+        cfg["device"] = args.device
+    skipped = {m: r for m in modes if (r := skip_reason(m, args.device))}
+    for mode, reason in skipped.items():
+        print(f"  {mode}: skipped: {reason}", flush=True)
+    modes = [m for m in modes if m not in skipped]
     runs: dict[str, list] = {m: [] for m in modes}
     errors: dict[str, str] = {}
     for r in range(args.rounds):
@@ -277,6 +393,7 @@ def timing(args, modes: list[str], log: Path) -> dict:
         for mode in order:
             if mode in errors:
                 continue
+            started = time.perf_counter()
             res = run_mode(mode, cfg, log)
             if isinstance(res, str):
                 errors[mode] = res
@@ -284,11 +401,15 @@ def timing(args, modes: list[str], log: Path) -> dict:
                 continue
             timed = res["rows"][args.warmup:]
             runs[mode].append(res)
+            gpu = res.get("gpu_peak_bytes")
             print(f"  round {r + 1}: {mode:13s} step {statistics.fmean(x['step_s'] for x in timed):.3f}s "
                   f"cpu {statistics.fmean(x['user_s'] + x['sys_s'] for x in timed):.3f}s "
                   f"(sys {statistics.fmean(x['sys_s'] for x in timed):.3f}s, "
                   f"{statistics.fmean(x['faults'] for x in timed):.0f} faults) "
-                  f"wait {statistics.fmean(x['wait_s'] for x in timed):.3f}s load {os.getloadavg()[0]:.1f}", flush=True)
+                  f"wait {statistics.fmean(x['wait_s'] for x in timed):.3f}s load {os.getloadavg()[0]:.1f}"
+                  + (f" gpu peak {gpu / 2**30:.2f} GiB" if gpu is not None else "")
+                  + f" host peak {res['host_peak_bytes'] / 2**30:.2f} GiB"
+                  f" ({time.perf_counter() - started:.0f}s with start-up)", flush=True)
     table = {}
     for mode, results in runs.items():
         if not results:
@@ -310,8 +431,62 @@ def timing(args, modes: list[str], log: Path) -> dict:
             "steps": len(timed),
             "captured": statistics.fmean(x["captured"] for x in timed) if mode == "zenflow" else None,
             "threads": results[0]["threads"],
+            "device": args.device,
+            "device_name": results[0]["device_name"],
+            "gpu_peak_bytes": max_or_none(res["gpu_peak_bytes"] for res in results),
+            "host_peak_bytes": max_or_none(res["host_peak_bytes"] for res in results),
+            "host_peak_reset": all(res["host_peak_reset"] for res in results),  # False: since the start
         }
-    return {"config": cfg, "table": table, "errors": errors}
+    return {"config": cfg, "table": table, "errors": errors, "skipped": skipped}
+
+
+def max_or_none(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+def summary(t: dict) -> dict:
+    """The issue's measures from the timing table: step time per mode, the ratios of ZenFlow's
+    step to zero_offload's and to none's, ZenFlow's loop wait against zero_offload's, host bytes
+    per step over the model's bytes, peak GPU and host memory."""
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    step = {m: r["step_s"] for m, r in t.items()}
+    zf, zo = t.get("zenflow", {}), t.get("zero_offload", {})
+    return {
+        "step_s": step,
+        "zenflow_over_zero_offload": ratio(step.get("zenflow"), step.get("zero_offload")),
+        "zenflow_over_none": ratio(step.get("zenflow"), step.get("none")),
+        "zenflow_wait_s": zf.get("wait_s"), "zero_offload_wait_s": zo.get("wait_s"),
+        "zenflow_wait_over_zero_offload": ratio(zf.get("wait_s"), zo.get("wait_s")),
+        "host_bytes_over_model": {m: ratio(r["bytes_per_step"], r["model_bytes"]) for m, r in t.items()
+                                  if r["bytes_per_step"] is not None},
+        "gpu_peak_bytes": {m: r.get("gpu_peak_bytes") for m, r in t.items()},
+        "host_peak_bytes": {m: r.get("host_peak_bytes") for m, r in t.items()},
+    }
+
+
+def summary_lines(s: dict, device: str) -> list[str]:
+    def x(v):
+        return f"{v:.2f}x" if v is not None else "-"
+
+    def gib(v):
+        return f"{v / 2**30:.2f} GiB" if v is not None else "-"
+
+    steps = ", ".join(f"{m} {v:.3f} s" for m, v in s["step_s"].items())
+    lines = [f"summary ({device}): step {steps}",
+             f"  zenflow step / zero_offload step {x(s['zenflow_over_zero_offload'])}, "
+             f"zenflow step / none step {x(s['zenflow_over_none'])}"]
+    if s["zenflow_wait_s"] is not None and s["zero_offload_wait_s"] is not None:
+        lines.append(f"  loop wait: zenflow {s['zenflow_wait_s']:.3f} s vs zero_offload {s['zero_offload_wait_s']:.3f} s "
+                     f"({x(s['zenflow_wait_over_zero_offload'])})")
+    by_design = ["deepspeed 2.00 (by its design)"] if "deepspeed" in s["step_s"] else []
+    lines.append("  host bytes per step / model bytes: "
+                 + ", ".join([f"{m} {v:.2f}" for m, v in s["host_bytes_over_model"].items()] + by_design))
+    lines.append("  peak memory (timed steps): " + ", ".join(
+        f"{m} GPU {gib(s['gpu_peak_bytes'][m])} host {gib(s['host_peak_bytes'][m])}" for m in s["step_s"]))
+    return lines
 
 
 FINETUNE_OFFSET = 1_000_000  # fine-tuning batches are drawn at step + this: never a pretraining batch
@@ -327,12 +502,18 @@ def loss_part(args, modes: list[str], log: Path, workload: str) -> dict:
     fresh optimizer, on the shifted chain (``--shift`` of the tokens have new successors)."""
     cfg = {"vocab": 512, "seq": 32, "batch": 16, "n_layer": 2, "n_head": 4, "n_embd": 128, "warmup": 0,
            "steps": args.loss_steps, "threads": args.threads}
+    if args.device != "cpu":
+        cfg["device"] = args.device
+    skipped = {m: r for m in modes if (r := skip_reason(m, args.device))}
+    for mode, reason in skipped.items():
+        print(f"  {workload}: {mode} skipped: {reason}", flush=True)
+    modes = [m for m in modes if m not in skipped]
     extra: dict = {}
     if workload == "finetune":
         weights = Path(args.out).with_suffix(".pretrained.pt")
         pre = run_mode("none", {**cfg, "steps": args.pretrain_steps, "save": str(weights)}, log)
         if isinstance(pre, str):
-            return {"config": cfg, "table": {}, "errors": {"pretrain": pre}}
+            return {"config": cfg, "table": {}, "errors": {"pretrain": pre}, "skipped": skipped}
         extra = {"pretrain_steps": args.pretrain_steps, "pretrained_held_out": pre["held_out"]}
         cfg = {**cfg, "init": str(weights), "shift": args.shift, "step_offset": FINETUNE_OFFSET}
         print(f"  {workload}: pretrained {args.pretrain_steps} steps, held-out loss {pre['held_out']:.4f}", flush=True)
@@ -350,18 +531,19 @@ def loss_part(args, modes: list[str], log: Path, workload: str) -> dict:
             out[mode]["captured"] = statistics.fmean(x["captured"] for x in res["rows"])
         print(f"  {workload}: {mode:13s} train {out[mode]['train_loss']:.4f} held-out {res['held_out']:.4f}",
               flush=True)
-    return {"config": cfg, "table": out, "errors": errors, **extra}
+    return {"config": cfg, "table": out, "errors": errors, "skipped": skipped, **extra}
 
 
 def markdown(result: dict) -> str:
     t, lo = result["timing"]["table"], result["loss"]["table"]
     ft = result.get("loss_finetune", {}).get("table", {})
     base_wait = t.get("zero_offload", {}).get("wait_s")
-    lines = ["| mode | step (s) | CPU s/step (sys) | optimizer call (s) | loop wait (s) | wait vs zero_offload "
-             "| loop's own host work (s) | host bytes/step | x model | from scratch: loss after {} steps "
-             "(train / held-out) | vs none | fine-tuning: held-out loss | vs none |".format(
-                 result["loss"]["config"]["steps"]),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | device | step (s) | CPU s/step (sys) | optimizer call (s) | loop wait (s) | wait vs zero_offload "
+             "| loop's own host work (s) | host bytes/step | x model | GPU peak (MiB) | host peak RSS (MiB) "
+             "| from scratch: loss after {} steps (train / held-out) | vs none | fine-tuning: held-out loss "
+             "| vs none |".format(result["loss"]["config"]["steps"]),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    device = result.get("device", "cpu")
     ref = lo.get("none", {}).get("held_out")
     ft_ref = ft.get("none", {}).get("held_out")
     for mode in MODES + LOSS_ONLY_MODES:
@@ -388,8 +570,10 @@ def markdown(result: dict) -> str:
         f = ft.get(mode)
         fs = f"{f['held_out']:.4f}" if f else "-"
         frel = f"{100 * (f['held_out'] - ft_ref) / ft_ref:+.2f}%" if f and ft_ref else "-"
-        lines.append(f"| {mode} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {loop} | {by} | {ratio} | {ls} | {rel} "
-                     f"| {fs} | {frel} |")
+        gpu = f"{r['gpu_peak_bytes'] / 2**20:.0f}" if r.get("gpu_peak_bytes") is not None else "-"
+        host = f"{r['host_peak_bytes'] / 2**20:.0f}" if r.get("host_peak_bytes") is not None else "-"
+        lines.append(f"| {mode} | {device} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {loop} | {by} | {ratio} | {gpu} "
+                     f"| {host} | {ls} | {rel} | {fs} | {frel} |")
     return "\n".join(lines)
 
 
@@ -397,8 +581,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--setup-deepspeed", action="store_true", help="create .bench-venv (torch + DeepSpeed) and exit")
     ap.add_argument("--smoke", action="store_true", help="tiny model, few steps: checks the script end to end")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the model, its gradients and the device-side optimizer live (the host is the CPU)")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None, help="default 3 (cpu), 1 (cuda)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--loss-steps", type=int, default=200)
@@ -407,12 +593,13 @@ def main() -> None:
     ap.add_argument("--shift", type=float, default=0.125, help="finetune: share of tokens with new successors")
     ap.add_argument("--skip-timing", action="store_true", help="run the loss part only")
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--n-layer", type=int, default=8)
-    ap.add_argument("--n-head", type=int, default=12)
-    ap.add_argument("--n-embd", type=int, default=768)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--seq", type=int, default=None, help="default 32 (cpu), 512 (cuda)")
+    ap.add_argument("--batch", type=int, default=None, help="default 4 (cpu), 8 (cuda)")
+    ap.add_argument("--n-layer", type=int, default=None, help="default 8 (cpu), 24 (cuda)")
+    ap.add_argument("--n-head", type=int, default=None, help="default 12 (cpu), 16 (cuda)")
+    ap.add_argument("--n-embd", type=int, default=None, help="default 768 (cpu), 1024 (cuda)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="host threads per worker; default torch's (cpu), the host's cores minus one (cuda)")
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "offload_step.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -421,9 +608,17 @@ def main() -> None:
         return worker(args.worker, json.loads(args.config))
     if args.setup_deepspeed:
         return setup_deepspeed()
-    if args.smoke:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch.cuda.is_available() is False in this Python")
+    if args.smoke:  # on any device: the CPU's batch shape, a tiny model, a few steps
         args.vocab, args.n_layer, args.n_head, args.n_embd = 256, 2, 2, 64
         args.rounds, args.warmup, args.steps, args.loss_steps, args.pretrain_steps = 1, 1, 8, 12, 6
+        args.batch, args.seq = args.batch or CPU_DEFAULTS["batch"], args.seq or CPU_DEFAULTS["seq"]
+    for key, value in (CUDA_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.threads is None:  # cuda: one core left to the loop's thread (kernel launches, copies)
+        args.threads = max(1, len(os.sched_getaffinity(0)) - 1) if args.device == "cuda" else torch.get_num_threads()
     modes = [m for m in args.modes.split(",") if m]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -433,8 +628,11 @@ def main() -> None:
     if args.skip_timing:
         result = {"timing": {"table": {}, "errors": {}}}
     else:
-        print(f"timing ({args.rounds} interleaved rounds; worker logs in {log})", flush=True)
+        print(f"timing on {args.device}: GPT {args.n_layer} x {args.n_embd}, batch {args.batch} x {args.seq}, "
+              f"{args.rounds} interleaved round(s) of {args.warmup} + {args.steps} steps per mode, "
+              f"{args.threads} host threads; worker logs in {log}", flush=True)
         result = {"timing": timing(args, modes, log)}
+    result["device"] = args.device
     workloads = [w for w in args.workloads.split(",") if w]
     for workload in workloads:
         print(f"loss ({workload})", flush=True)
@@ -442,8 +640,15 @@ def main() -> None:
         result[key] = loss_part(args, modes + LOSS_ONLY_MODES, log, workload)
     result.setdefault("loss", {"config": {"steps": args.loss_steps}, "table": {}})
     result["load"] = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
+    if result["timing"]["table"]:
+        result["summary"] = summary(result["timing"]["table"])
     out.write_text(json.dumps(result, indent=1))
     print(markdown(result))
+    if "summary" in result:
+        print("\n".join(summary_lines(result["summary"], args.device)))
+    if args.device == "cuda" and workloads:
+        print("loss part on cuda: the same seeds and batches as on the CPU; losses differ from the CPU run's "
+              "in the last bits (other kernels, other summation orders)")
     for part in ("timing", "loss", "loss_finetune"):
         share = result.get(part, {}).get("table", {}).get("zenflow", {}).get("captured")
         if share is not None:

@@ -413,11 +413,14 @@ def zenflow(
             if not uns.numel():
                 continue
             metrics["d2h_bytes"] += uns.numel() * grads[k].shape[0] * grads[k].element_size()
-            if inplace and not opening and update_interval != "auto":  # the window sum is ours to write
+            in_place_sum = inplace and not opening and update_interval != "auto"  # the window sum is ours to write
+            if in_place_sum and grads[k].device.type == HOST.type:  # one gather-and-add pass, no copy
                 add_gathered_columns_(acc[k], grads[k], uns)
             else:
+                # On a GPU the gathered columns come down through a pinned buffer (to_host) and are
+                # added on the host: the same one rounding per element as the pass above.
                 g = to_host(gather_columns(grads[k], uns.to(grads[k].device))).to(host[k]["master"].dtype)
-                acc[k] = g if opening else acc[k] + g
+                acc[k] = acc[k].add_(g) if in_place_sum else g if opening else acc[k] + g
                 if update_interval == "auto":
                     g_sq, s_sq = window_stats(k, g, acc[k])
                     window_sq += g_sq

@@ -383,3 +383,36 @@ def test_default_inner_is_adamw():
     params = {"w": torch.zeros(2, 3)}
     state = offload.zenflow().init(params)
     assert state["slots"] == ["mu", "nu"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("delay, overlap", [(1, True), (0, True), (1, False)])
+def test_cuda_params_keep_the_host_on_cpu_and_donated_equals_pure(delay, overlap):
+    """With parameters on a GPU: the returned parameters and the device state stay there, the
+    host state stays on the CPU, the donated update (window sum added in place through the pinned
+    copy) equals the pure one bit for bit, and both follow the CPU run closely (the device's
+    columns run torch's CUDA kernels, not the CPU's compiled loop)."""
+    gen = torch.Generator().manual_seed(29)
+    cpu = {"w": torch.randn(5, 12, generator=gen), "v": torch.randn(12, 4, generator=gen),
+           "b": torch.randn(5, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) * (1 + t % 3) for k, v in cpu.items()} for t in range(14)]
+    opt = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=4, delay=delay, overlap=overlap)
+    dev = torch.device("cuda")
+    on_dev = {k: v.to(dev) for k, v in cpu.items()}
+    pure_state, pure_p = opt.init(on_dev), on_dev
+    state, p = opt.init({k: v.clone() for k, v in on_dev.items()}), {k: v.clone() for k, v in on_dev.items()}
+    ref_state, ref = opt.init(cpu), cpu
+    for g in grads:
+        g_dev = {k: v.to(dev) for k, v in g.items()}
+        pure_p, pure_state = opt.update(g_dev, pure_state, pure_p)
+        p, state = opt.update_inplace(g_dev, state, p)
+        ref, ref_state = opt.update(g, ref_state, ref)
+        assert all(t.device.type == "cuda" for t in p.values())
+        _assert_same_tree(p, pure_p)
+        for k in ref:
+            torch.testing.assert_close(p[k].cpu(), ref[k], rtol=1e-5, atol=1e-6)
+    state = offload.materialize(state)
+    assert all(t.device.type == "cpu" for h in state["host"].values() for t in h.values())
+    assert all(t.device.type == "cpu" for t in state["acc"].values())
+    assert state["device"]["b"]["master"].device.type == "cuda"
+    _assert_same_tree(state, offload.materialize(pure_state))

@@ -86,3 +86,20 @@ def test_inputs_are_never_written_and_outputs_never_alias_the_state():
     assert all(torch.equal(params[k], before[0][k]) and torch.equal(grads[0][k], before[1][k]) for k in params)
     new["w"].add_(1.0)
     assert not torch.equal(state["master"]["w"], new["w"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("donate", [False, True])
+def test_cuda_params_give_the_cpu_run_bit_for_bit(donate):
+    """Parameters on a GPU: the update runs on the host (pinned gradient copies down, parameters
+    back up), so every step's parameters are the CPU run's, bit for bit, and stay on the GPU."""
+    params, grads = problem(torch.float32)
+    opt = zero_offload(INNERS[0])
+    want, _ = run(opt, params, grads)
+    state, p = opt.init(params), {k: v.cuda() for k, v in params.items()}
+    update = opt.update_inplace if donate else opt.update
+    for g, expected in zip(grads, want):
+        p, state = update({k: v.cuda() for k, v in g.items()}, state, p)
+        for k in p:
+            assert p[k].device.type == "cuda" and torch.equal(p[k].cpu(), expected[k])
+    assert all(m.device.type == "cpu" for m in state["master"].values())
