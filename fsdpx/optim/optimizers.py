@@ -138,6 +138,14 @@ def adamw_kernel(
         adamw_loop.adamw_(p, g, m, v, outs, keep=1 - lr * weight_decay, b1=b1, b2=b2, bc2_sqrt=bc2_sqrt, eps=eps,
                           step_size=step_size)
         return outs
+    return adamw_ops(p, g, m, v, count, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
+
+def adamw_ops(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr: float, b1: float, b2: float,
+              eps: float, weight_decay: float) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`adamw_kernel` as tensor operations, what it runs off the CPU's float32/float64
+    loop: ``(new_p, new_m, new_v)``, the inputs never modified."""
+    bc2_sqrt, step_size = _bias_correction(count, lr=lr, b1=b1, b2=b2)
     # Plain IEEE operations only (no fused alpha/addcmul/lerp, which may use FMA in SIMD lanes
     # and not in the scalar tail): every element rounds the same in any slice. In place on
     # fresh tensors to spare allocations; the inputs are never modified.
@@ -166,6 +174,13 @@ def adamw_kernel_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr:
         adamw_loop.adamw_(p, g, m, v, (p, m, v), keep=1 - lr * weight_decay, b1=b1, b2=b2, bc2_sqrt=bc2_sqrt,
                           eps=eps, step_size=step_size)
         return
+    adamw_ops_(p, g, m, v, count, lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
+
+def adamw_ops_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr: float, b1: float, b2: float,
+               eps: float, weight_decay: float) -> None:
+    """:func:`adamw_ops` written into ``p``, ``m`` and ``v``, the same bits."""
+    bc2_sqrt, step_size = _bias_correction(count, lr=lr, b1=b1, b2=b2)
     p.mul_(1 - lr * weight_decay)
     m.mul_(b1)
     m.add_(g * (1 - b1))
@@ -179,6 +194,70 @@ def adamw_kernel_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr:
     torch.div(m, t, out=t)
     t *= step_size
     p.sub_(t)
+
+
+FOREACH_DTYPES = (torch.float32, torch.float64)
+
+
+def _split_by_path(params: Params, grads: Params, state: OptState) -> tuple[list[str], list[list[str]]]:
+    """The keys :func:`adamw_kernel` runs one by one (CPU float32/float64: the compiled loop; half
+    types and mixed dtypes: tensor operations) and the rest, float32/float64 off the CPU, grouped by
+    (device, dtype) for :func:`adamw_foreach` (a few multi-tensor kernels per group instead of a
+    dozen launches per parameter). Half types stay out: their multi-tensor additions round
+    differently from ``add_`` on the CPU (seen with torch 2.13), and bits must not depend on the
+    path."""
+    looped, groups = [], {}
+    for k, p in params.items():
+        tensors = (p, grads[k], state["mu"][k], state["nu"][k])  # type: ignore[index]
+        if adamw_loop.applies(*tensors) or any(t.dtype not in FOREACH_DTYPES or t.dtype != p.dtype for t in tensors):
+            looped.append(k)
+        else:
+            groups.setdefault((p.device, p.dtype), []).append(k)
+    return looped, list(groups.values())
+
+
+def adamw_foreach(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], count: int, *,
+                  lr: float, b1: float, b2: float, eps: float,
+                  weight_decay: float) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """:func:`adamw_ops` over lists of tensors with ``torch._foreach_*`` operations: the same
+    IEEE operations in the same order on the same operands, so for float32/float64 each result
+    equals ``adamw_ops``'s (what ``adamw_kernel`` runs off the CPU) bit for bit (``tests/test_optim_foreach.py``; not for half types,
+    which ``adamw`` keeps off this path); on a GPU a handful of
+    multi-tensor launches replace a dozen per parameter. Inputs are never modified."""
+    bc2_sqrt, step_size = _bias_correction(count, lr=lr, b1=b1, b2=b2)
+    new_p = torch._foreach_mul(ps, 1 - lr * weight_decay)
+    new_m = torch._foreach_mul(ms, b1)
+    torch._foreach_add_(new_m, torch._foreach_mul(gs, 1 - b1))
+    new_v = torch._foreach_mul(gs, gs)
+    torch._foreach_mul_(new_v, 1 - b2)
+    torch._foreach_add_(new_v, torch._foreach_mul(vs, b2))
+    upd = torch._foreach_sqrt(new_v)
+    torch._foreach_div_(upd, bc2_sqrt)
+    torch._foreach_add_(upd, eps)
+    upd = torch._foreach_div(new_m, upd)
+    torch._foreach_mul_(upd, step_size)
+    torch._foreach_sub_(new_p, upd)
+    return new_p, new_m, new_v
+
+
+def adamw_foreach_(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], count: int, *,
+                   lr: float, b1: float, b2: float, eps: float, weight_decay: float) -> None:
+    """:func:`adamw_foreach` written into ``ps``, ``ms`` and ``vs`` (the operations of
+    :func:`adamw_ops_`), the same bits (``tests/test_optim_foreach.py``)."""
+    bc2_sqrt, step_size = _bias_correction(count, lr=lr, b1=b1, b2=b2)
+    torch._foreach_mul_(ps, 1 - lr * weight_decay)
+    torch._foreach_mul_(ms, b1)
+    torch._foreach_add_(ms, torch._foreach_mul(gs, 1 - b1))
+    t = torch._foreach_mul(gs, gs)
+    torch._foreach_mul_(t, 1 - b2)
+    torch._foreach_mul_(vs, b2)
+    torch._foreach_add_(vs, t)
+    t = torch._foreach_sqrt(vs)
+    torch._foreach_div_(t, bc2_sqrt)
+    torch._foreach_add_(t, eps)
+    t = torch._foreach_div(ms, t)
+    torch._foreach_mul_(t, step_size)
+    torch._foreach_sub_(ps, t)
 
 
 def adamw(
@@ -203,24 +282,36 @@ def adamw(
             "nu": {k: torch.zeros_like(v) for k, v in params.items()},
         }
 
+    hyper = dict(lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+
     def update(grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:
         check_same_keys(grads, params)
         count = state["count"] + 1  # type: ignore[operator]
         new_p, mu, nu = {}, {}, {}
-        for k, p in params.items():
-            new_p[k], mu[k], nu[k] = adamw_kernel(
-                p, grads[k], state["mu"][k], state["nu"][k], count,  # type: ignore[index]
-                lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-            )
-        return new_p, {"count": count, "mu": mu, "nu": nu}
+        looped, batched = _split_by_path(params, grads, state)
+        for k in looped:
+            new_p[k], mu[k], nu[k] = adamw_kernel(params[k], grads[k], state["mu"][k], state["nu"][k],  # type: ignore[index]
+                                                  count, **hyper)
+        for keys in batched:
+            outs = adamw_foreach([params[k] for k in keys], [grads[k] for k in keys],
+                                 [state["mu"][k] for k in keys], [state["nu"][k] for k in keys],  # type: ignore[index]
+                                 count, **hyper)
+            for k, p, m, v in zip(keys, *outs):
+                new_p[k], mu[k], nu[k] = p, m, v
+        return {k: new_p[k] for k in params}, {"count": count, "mu": {k: mu[k] for k in params},
+                                               "nu": {k: nu[k] for k in params}}
 
     def update_inplace(grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:
         check_same_keys(grads, params)
         count = state["count"] + 1  # type: ignore[operator]
+        looped, batched = _split_by_path(params, grads, state)
         with torch.no_grad():
-            for k, p in params.items():
-                adamw_kernel_(p, grads[k], state["mu"][k], state["nu"][k], count,  # type: ignore[index]
-                              lr=lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+            for k in looped:
+                adamw_kernel_(params[k], grads[k], state["mu"][k], state["nu"][k], count, **hyper)  # type: ignore[index]
+            for keys in batched:
+                adamw_foreach_([params[k] for k in keys], [grads[k] for k in keys],
+                               [state["mu"][k] for k in keys], [state["nu"][k] for k in keys],  # type: ignore[index]
+                               count, **hyper)
         return params, {**state, "count": count}
 
     def update_columns(p: Tensor, g: Tensor, slots: dict[str, Tensor], counts: Tensor):
