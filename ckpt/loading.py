@@ -7,7 +7,10 @@ sharding plan you load with, or ``specs``), the global shape from the manifest (
 view of the parameter: a tensor stored in one view and loaded in another is read whole and
 re-cut), and the rank's box from
 ``fsdpx.sharding.layout.local_box``; ``ckpt.reader`` reads the overlapping stored bytes. Non-tensor state
-comes from the manifest's JSON tree. Tensors come back on the CPU, as plain tensors.
+comes from the manifest's JSON tree. Tensors come back on the CPU, as plain tensors; with
+``like`` (a state of the same kind, e.g. the fresh state of the run resuming), each on the device
+of ``like``'s tensor at the same path, the others on the CPU: a GPU run's parameters and moments
+go to its GPU while an offloaded optimizer's host state stays on the host.
 
 Guarantees:
   * Every returned tensor equals ``fsdpx.shard(global, target_spec, mesh)[rank]`` bit for bit,
@@ -34,7 +37,7 @@ from fsdpx.sharding.layout import local_box
 
 from . import format as fmt
 from .errors import LayoutError, ManifestError, MissingAccountantError, MissingShardError, ShapeMismatchError, TruncatedShardError
-from .flatten import contains_type, top_level, unflatten
+from .flatten import contains_type, flatten, top_level, unflatten
 from .reader import Files, ReadStats, read_box
 from .rules import Layouts, Specs, make_rule
 
@@ -107,8 +110,10 @@ def load(
     private: bool = False,
     verify: bool = True,
     stats: ReadStats | None = None,
+    like: Any = None,
 ) -> Any:
-    """Rank ``rank``'s local state from the checkpoint ``directory`` (see module doc)."""
+    """Rank ``rank``'s local state from the checkpoint ``directory`` (see module doc); with
+    ``like``, each tensor on the device of ``like``'s tensor at its path (others on the CPU)."""
     directory = Path(directory)
     stats = stats if stats is not None else ReadStats()
     manifest = read_manifest(directory, stats)
@@ -137,7 +142,8 @@ def load(
                 tensors[path] = block.clone()
     finally:
         files.close()
-    return unflatten(_prune(manifest.state, tensors), tensors.__getitem__)
+    place = {} if like is None else {p: t.device for p, t in flatten(like)[1].items()}
+    return unflatten(_prune(manifest.state, tensors), lambda p: tensors[p].to(place[p]) if p in place else tensors[p])
 
 
 def _prune(tree: Any, tensors: Mapping[str, Any]) -> Any:

@@ -34,10 +34,10 @@ def main(path: str) -> None:
     comm = None
     if "WORLD_SIZE" in os.environ:
         from fsdpx.runtime.dist_comm import init_from_env
+        from fsdpx.train.device import torchrun_device
 
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp))
+        comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp),
+                             device=torchrun_device(config.device))
     rank = 0 if comm is None else comm.rank
     summary = run(config, progress=False, comm=comm)
     config.run_dir.mkdir(parents=True, exist_ok=True)

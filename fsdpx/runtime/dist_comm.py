@@ -1,4 +1,5 @@
-"""``Comm`` over real ``torch.distributed`` (gloo on CPU, NCCL on GPU), launched by torchrun.
+"""``Comm`` over real ``torch.distributed`` (gloo on CPU, NCCL on GPU: the backend is the run's
+device's, :func:`backend_for`), launched by torchrun.
 
 Each ``Collective`` of the algebra becomes one call on the process group of its mesh axes:
 
@@ -37,20 +38,32 @@ from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.simulated import SimulatedMesh
 
 
-def init_from_env(mesh: Mesh, *, timeout_s: float = 60.0) -> "DistComm":
+def backend_for(device: torch.device | str) -> str:
+    """The process group's backend for tensors on ``device``: ``nccl`` for CUDA, ``gloo`` for
+    the CPU (also on a machine with a GPU: the tensors, not the machine, decide)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_from_env(mesh: Mesh, *, device: torch.device | str = "cpu", timeout_s: float = 60.0) -> "DistComm":
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...)
-    and return this rank's communicator. Raises ``ValueError`` if the mesh size differs from
-    the world size."""
+    and return this rank's communicator, whose collectives take tensors on ``device``: the CPU
+    over gloo, or a GPU over NCCL (``cuda`` without an index is ``cuda:LOCAL_RANK``; it becomes
+    this process's current device first, as NCCL needs). Raises ``ValueError`` if the mesh size
+    differs from the world size."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
         # torchrun's agent keeps one store across the restarts of --max-restarts: without a
         # prefix per attempt a restarted rank reads its dead peers' addresses and never connects
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"fsdpx/attempt_{attempt}", store), rank=rank,
-                                world_size=world, timeout=timeout)
-    return DistComm(mesh, grace_s=min(10.0, timeout_s))
+        dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"fsdpx/attempt_{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
+    return DistComm(mesh, grace_s=min(10.0, timeout_s), device=device)
 
 
 def shutdown() -> None:
@@ -70,11 +83,12 @@ def shutdown() -> None:
 class DistComm:
     """One rank's ``Comm`` over the default process group (see the module docstring)."""
 
-    def __init__(self, mesh: Mesh, *, grace_s: float = 10.0):
+    def __init__(self, mesh: Mesh, *, grace_s: float = 10.0, device: torch.device | str = "cpu"):
         world = dist.get_world_size()
         if mesh.size != world:
             raise ValueError(f"mesh {mesh} has {mesh.size} ranks but the world has {world} processes")
         self.mesh, self.rank, self.grace_s = mesh, dist.get_rank(), grace_s
+        self.device = torch.device(device)  # where this rank's tensors live: what the backend moves
         self._groups: dict[tuple[str, ...], tuple[Any, list[int]]] = {}
         self._members: dict[tuple[str, ...], tuple[Any, list[int], int]] = {}  # _group, memoised per axes as asked
         self._counts: dict[str, int] = {}
@@ -285,11 +299,11 @@ class DistComm:
         kept (with their tensors) until ``flush_p2p``, so a send never waits for its receive."""
         ops, out, kept = [], [], []
         for peer, t in sends:
-            t = t.detach().contiguous()
+            t = t.detach().to(self.device).contiguous()  # a host header (parts_p2p) travels by the backend's device
             kept.append(t)
             ops.append(dist.P2POp(dist.isend, t, peer))
         for peer, shape, dtype in recvs:
-            buf = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
             out.append(buf)
             ops.append(dist.P2POp(dist.irecv, buf, peer))
         sent = sum(t.numel() * t.element_size() for _, t in sends)
@@ -310,7 +324,7 @@ class DistComm:
     def post_recv_p2p(self, recvs) -> list["_PendingRecv"]:
         """``fsdpx.sharding.comm.Comm.post_recv_p2p``: one ``irecv`` each, waited for by the
         handle (at most the process group's timeout)."""
-        bufs = [torch.empty(shape, dtype=dtype) for _, shape, dtype in recvs]
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for _, shape, dtype in recvs]
         self._counts["recv_bytes"] = self._counts.get("recv_bytes", 0) + sum(b.numel() * b.element_size() for b in bufs)
         try:
             reqs = [dist.irecv(buf, peer) for buf, (peer, _, _) in zip(bufs, recvs)]

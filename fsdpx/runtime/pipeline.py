@@ -275,7 +275,8 @@ def _trace_boundary(model: nn.Module, layout: PipelineLayout, inputs) -> tuple[t
 
     first = next(iter(dict(model.named_modules())[layout.blocks]))
     accessor = NamedMemberAccessor(model)
-    zeros = {n: torch.zeros((), dtype=p.dtype).expand(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    zeros = {n: torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+             for n, p in model.named_parameters(remove_duplicate=False)}
 
     def stop(module, a, kwargs):
         raise StageExit(a[0] if a else kwargs["hidden_states"])
@@ -503,7 +504,8 @@ class _Run:
         if size == 0:
             self.norms_started[mb] = None
             return
-        sq = torch.zeros(size, dtype=next(iter(self.state.params.values())).dtype)
+        held = next(iter(self.state.params.values()))
+        sq = torch.zeros(size, dtype=held.dtype, device=held.device)
         for s in sorted(self.o.stages):
             rec = self.flight.get((mb, s))
             if rec is not None and rec.size:
@@ -566,8 +568,8 @@ class _Run:
         mine = sorted(k for k in self.flight)  # (mb, stage) still holding contributions
         self._shared_norms(mine)
         sizes = [batch[1].shape[0] for batch in self.mbs]
-        dtype = next(iter(self.state.params.values())).dtype
-        sq = torch.zeros(sum(sizes), dtype=dtype)
+        held = next(iter(self.state.params.values()))
+        sq = torch.zeros(sum(sizes), dtype=held.dtype, device=held.device)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         for (mb, s) in mine:
             rec = self.flight[(mb, s)]

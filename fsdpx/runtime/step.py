@@ -118,9 +118,11 @@ def flat_runs(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> list[
     return runs
 
 
-def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, std: float, dtype) -> Tensor:
+def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, std: float, dtype,
+                device: torch.device | str = "cpu") -> Tensor:
     """The unsharded run's noise for the elements of ``box`` of parameter ``name``, shaped like
-    the box: ``noise_slice`` of each of the box's flat runs, concatenated.
+    the box: ``noise_slice`` of each of the box's flat runs, concatenated, on ``device``. It is
+    drawn on the host (the sampler is a CPU kernel) and copied: the same bits on any device.
 
     Runs closer than ``privacy.noise.BLOCK`` are drawn as one covering slice and cut out of it
     (partition invariance makes the bits the same): a column block of a row-parallel weight is
@@ -134,8 +136,8 @@ def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, 
         parts += [drawn] if len(runs) == 1 else [drawn[a - lo:b - lo] for a, b in runs]
     size = tuple(b - a for a, b in box)
     if not parts:
-        return torch.zeros(size, dtype=dtype)
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]).view(size)
+        return torch.zeros(size, dtype=dtype, device=device)
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).view(size).to(device)
 
 
 def _clusters(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -419,8 +421,9 @@ class OwnedNoise:
             raise KeyError(f"no noise for {name!r}: not a trainable parameter of this step")
         lay = self.plan.params[name]
         box = local_box(lay.shape, lay.opt_state, self.comm.mesh, self.comm.rank)
+        held = self.state.params[name]
         return shard_noise(name, lay.shape, box, key=self.state.key, step=self.state.step,
-                           std=self.config.noise_std, dtype=self.state.params[name].dtype)
+                           std=self.config.noise_std, dtype=held.dtype, device=held.device)
 
 
 def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm: Comm, units: list[Unit],

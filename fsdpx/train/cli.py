@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 from fsdpx.sharding import strategies
 from fsdpx.sharding.schedule import KINDS
-from .config import DATA_KINDS, MODEL_KINDS, TOKEN_DTYPES, merge, read_file
+from .config import DATA_KINDS, DEVICES, MODEL_KINDS, TOKEN_DTYPES, merge, read_file
+from .device import run_device, torchrun_device
 from .launch import launch, restart_count, torchrun_command, watch_launcher
 from .loop import ConfigError, RunConfig, check_layout, format_summary, run, run_mesh
 from .resume import restarted_config, segment_config, source_config
@@ -123,6 +124,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--corpus-chars", type=_positive_int, metavar="N", default=d.corpus_chars,
                      help="length of the embedded corpus (default %(default)s)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--device", choices=DEVICES, default=d.device,
+                     help="where the model, optimizer state and batches live: cpu, cuda (one GPU per process,"
+                          " cuda:LOCAL_RANK, NCCL between processes) or auto (cuda when there is a GPU for every"
+                          " process); a resume asks anew (default %(default)s)")
 
     model = p.add_argument_group("model and optimizer")
     model.add_argument("--n-layer", type=_positive_int, metavar="N", default=d.n_layer, help="(default %(default)s)")
@@ -348,6 +353,8 @@ def main(argv: list[str] | None = None) -> None:
         if config.strategy is not None:
             watch_launcher()  # a worker of `fsdpx train --nproc`: never outlive the launcher
             config = restarted_config(config, restart_count())  # torchrun restarted us: resume
+        if config.strategy is None:
+            run_device(config.device)  # cuda without a GPU: refused before anything is printed or written
         comm = _communicator(config)
         if comm is None or comm.rank == 0:
             print(_plan_line(config, comm), file=sys.stderr)
@@ -390,7 +397,8 @@ def _communicator(config: RunConfig):
         return None
     from fsdpx.runtime.dist_comm import init_from_env
 
-    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp))
+    device = torchrun_device(config.device)  # refused (no GPU for this rank) before the process group
+    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp), device=device)
 
 
 def _plan_line(config: RunConfig, comm=None) -> str:
@@ -401,6 +409,8 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     else:
         privacy = f"DP-SGD with noise multiplier {config.noise_multiplier:g}"
     where = f", {config.strategy} on {comm.mesh}" if comm is not None else ""
+    if config.device != "cpu":
+        where += f", on {comm.device if comm is not None else config.device}"
     model = {"gpt": f"GPT {config.n_layer} layers x {config.n_embd}", "python": f"{config.model_fn}",
              "transformers": f"transformers {config.model_class or config.model_path}"}[config.model]
     data = config.data_fn or config.data_path or "the embedded corpus"

@@ -46,6 +46,7 @@ from .budget import MAX_NOISE_MULTIPLIER
 MODEL_KINDS = ("gpt", "transformers", "python")
 DATA_KINDS = ("auto", "corpus", "text", "npy", "bin", "dataset", "python")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class ConfigError(ValueError):
@@ -67,6 +68,11 @@ class RunConfig:
     out: str = "runs"
     steps: int = 300
     seed: int = 0
+    # where the model, optimizer state and each step's batch live (fsdpx.train.device): "cpu", "cuda"
+    # (cuda:LOCAL_RANK under torchrun, NCCL between processes) or "auto" (cuda when there is a GPU per
+    # process). Default cpu: a run does not change with the machine it lands on. Asked anew by every
+    # segment: a checkpoint written on a GPU resumes on the CPU and back.
+    device: str = "cpu"
     # model
     n_layer: int = 2
     n_head: int = 4
@@ -165,6 +171,8 @@ class RunConfig:
             object.__setattr__(self, "batch_size", None)
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if min(self.n_layer, self.n_head, self.n_embd, self.block_size) < 1:
             raise ConfigError("n_layer, n_head, n_embd and block_size must all be >= 1")
         if self.n_embd % self.n_head:
@@ -307,7 +315,7 @@ class ConfigFileError(ConfigError):
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "run": ("steps", "seed", "lr", "freeze"),
+    "run": ("steps", "seed", "lr", "freeze", "device"),
     "model": ("model", "model_path", "model_class", "model_fields", "vocab_size", "n_layer", "n_head", "n_embd",
               "model_fn", "loss_fn", "hparams"),
     "data": ("data", "data_path", "data_fn", "tokenizer", "data_dtype", "data_column", "data_split", "block_size",

@@ -58,6 +58,7 @@ from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, TrainState, init_state, make_private_step, sample_batch
 
 from .config import ConfigError, RunConfig, to_toml
+from .device import run_device, to_device
 from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
 from .sources import Source, build_source, sample_text, tp_plan
 
@@ -247,10 +248,12 @@ def resolve_plan(model: torch.nn.Module, mesh: Mesh, *, strategy: str, tp: int =
 
 
 def check_layout(config: RunConfig, world: int) -> Source:
-    """Raise :class:`ConfigError` if the run's model and data cannot be built, or its mesh or
+    """Raise :class:`ConfigError` if the run's device is missing (:class:`DeviceUnavailableError`:
+    ``cuda`` without a GPU for each of ``world`` processes), its model and data cannot be built, or its mesh or
     sharding plan on ``world`` processes (a tp x pp that does not divide it, a pipeline
     schedule that cannot run the microbatches, a model without a tensor-parallel plan): checked
     once, before torchrun starts any process. Returns the source it built."""
+    run_device(config.device, processes=world)  # cuda without a GPU for each process: refused now
     source = build_source(config)
     freezing(config, source.model, source.params)
     mesh = run_mesh(config.strategy, world, config.tp, config.pp)
@@ -274,11 +277,11 @@ def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor
 
 def full_params(state: Any, config: RunConfig, comm: Comm | None, source: Source) -> dict[str, Tensor]:
     """The whole parameters: ``state.params`` in one process; in a sharded run every rank's
-    blocks, gathered and unsharded (called on every rank)."""
+    blocks, gathered and unsharded on the host (called on every rank)."""
     if comm is None:
         return state.params
     plan = sharding_plan(config, source.model, comm.mesh)
-    blocks = comm.all_gather_object(state.params)
+    blocks = comm.all_gather_object({k: v.cpu() for k, v in state.params.items()})  # pickled through the host
     whole = unshard_stages(blocks, plan, comm.mesh)
     return {k: whole[k].reshape(source.params[k].shape) for k in plan.params}
 
@@ -327,7 +330,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
 
     main = comm is None or comm.rank == 0
     start = time.perf_counter()
-    source = build_source(config)
+    # refused here, before any file: cuda without a GPU (a torchrun rank's comm already holds its device)
+    device = getattr(comm, "device", None) or run_device(config.device)
+    source = build_source(config).to(device)  # built on the host (the same bits anywhere), then moved
     model, params, inputs, targets = source.model, source.params, source.inputs, source.targets
     num_examples = int(inputs.shape[0])
     sample_rate = resolve_sample_rate(config, num_examples)
@@ -391,7 +396,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
             _progress_bar(config, progress and main, initial=plan.start) as bar:
         while state.step < config.steps:
             try:
-                state, metrics = step(state, sample_batch((inputs, targets), sampler, state.step))
+                # sampled on the host (the data stays there), moved as the step takes it
+                batch = to_device(sample_batch((inputs, targets), sampler, state.step), device)
+                state, metrics = step(state, batch)
             except BudgetExhaustedError as err:
                 stopped = str(err)
                 break

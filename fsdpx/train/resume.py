@@ -101,7 +101,7 @@ def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPCo
     notes = check_compatible(wrote["fingerprint"] if wrote else None, new_fp, checkpoint_shapes=shapes,
                              checkpoint_private=manifest.private, allow_new_data=config.allow_new_data)
     state = ckpt.load(source, mesh=manager.mesh, strategy=manager.strategy, specs=manager.specs,
-                      rank=manager.coordinator.rank, private=manager.private)
+                      rank=manager.coordinator.rank, private=manager.private, like=fresh)  # on the run's device
     increased_from = None
     if dp is not None:
         spent = state.accountant
@@ -184,9 +184,9 @@ def merge_overrides(base: Any, overrides: Mapping[str, Any]) -> Any:
 
 
 PER_SEGMENT = {"resume": False, "resume_from": None, "allow_budget_increase": False, "allow_new_data": False,
-               "config_file": None}
-"""Fields a segment never inherits from the one before it: how it starts and what it is allowed
-to loosen are asked for anew each time."""
+               "config_file": None, "device": "cpu"}
+"""Fields a segment never inherits from the one before it: how it starts, what it is allowed
+to loosen and where it runs (the machine may have changed) are asked for anew each time."""
 
 
 def segment_config(base: Any, overrides: Mapping[str, Any]) -> Any:

@@ -77,6 +77,16 @@ class Source(NamedTuple):
     description: str
     language_model: bool = True  # a causal LM over token ids: its text can be sampled
 
+    def to(self, device: torch.device) -> "Source":
+        """This source with the model (parameters and buffers) and ``params`` on ``device``; the
+        examples stay on the host (each step's batch is moved as it is taken). On the CPU it is
+        this very source: nothing is copied."""
+        if all(t.device == device for t in [*self.model.parameters(), *self.model.buffers()]):
+            return self
+        self.model.to(device)
+        params = {k: v.detach() for k, v in self.model.named_parameters()}
+        return self._replace(params=params)
+
     @property
     def vocab_size(self) -> int | None:
         """The token embedding's size; None for a model without one (``model = "python"``)."""
@@ -403,9 +413,11 @@ def sample_text(source: Source, params: dict[str, Tensor], num_tokens: int, *, s
     if ids.numel() == 0:
         ids = source.inputs[0, :1].clone()
     block = source.inputs.shape[1]
+    device = next(source.model.parameters()).device  # the model's (its buffers'); tokens are drawn on the host
+    params = {k: v.to(device) for k, v in params.items()}
     with torch.no_grad():
         for _ in range(num_tokens):
-            out = functional_call(source.model, params, (ids[-block:].unsqueeze(0),))  # (1, T, V)
-            logits = (out if isinstance(out, Tensor) else out.logits)[0, -1]  # (V,)
+            out = functional_call(source.model, params, (ids[-block:].unsqueeze(0).to(device),))  # (1, T, V)
+            logits = (out if isinstance(out, Tensor) else out.logits)[0, -1].cpu()  # (V,)
             ids = torch.cat([ids, torch.multinomial(logits.float().softmax(-1), 1, generator=gen)])
     return source.decode(ids.tolist()) if source.decode else " ".join(map(str, ids.tolist()))
