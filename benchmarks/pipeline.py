@@ -23,11 +23,13 @@ hyper-parameters; rank ``r`` runs stage ``r`` (``r`` and ``r + p`` when interlea
 
 Step time: the slowest rank's, median over the measured rounds; ratios are medians of same-round
 ratios, with their quartiles in brackets (the spread a loaded machine leaves) and the median
-ratio of the slowest rank's process CPU time (every thread; waiting costs none). Bubble, for
-fsdpx: over the schedule loop (``_Run.execute``: the update and the step's bookkeeping
-excluded), per rank the longest loop's time minus the time inside the rank's compute actions
-(``F``, ``B``, ``W``, timed as they run), summed over ranks, over ``p x`` the longest loop;
-beside it the simulator's (``fsdpx.sharding.schedule_sim.simulate(..., stage_costs=...)``) with
+ratio of the slowest rank's process CPU time (every thread; waiting costs none). Bubble: over
+the schedule loop (fsdpx: ``_Run.execute``; torch: ``schedule.step``; the update and the step's
+bookkeeping excluded), per rank the longest loop's time minus the time inside the rank's compute
+actions (``F``, ``B``, ``W``, timed as they run; torch's: its stages' ``forward_one_chunk``,
+``backward_one_chunk``, ``backward_weight_one_chunk`` and the schedule's loss, which fsdpx's last
+stage computes in ``F``), summed over ranks, over ``p x`` the longest loop; for fsdpx, beside it
+the simulator's (``fsdpx.sharding.schedule_sim.simulate(..., stage_costs=...)``) with
 each STAGE's measured median durations of ``F``, ``B`` and ``W`` (an interleaved rank's two
 chunks differ: the last holds the LM head), once with messages free in transit and once with
 the transit measured on the same gloo group (``Transfer``: the one-way time of a send/receive
@@ -189,6 +191,25 @@ class ActionTimer:
                         TIMER.events.append((_kind, mb, stage, t0, t1))
             setattr(P._Run, name, timed)
 
+        # torch's stages: the same F/B/W split (its loss, computed by the schedule, in F as
+        # fsdpx's last stage computes it in F), so its loop splits into compute and the rest
+        from torch.distributed.pipelining import schedules as TS, stage as TG
+
+        for kind, owner, name in (("F", TG._PipelineStageBase, "forward_one_chunk"),
+                                  ("B", TG._PipelineStageBase, "backward_one_chunk"),
+                                  ("W", TG._PipelineStageBase, "backward_weight_one_chunk"),
+                                  ("F", TS._PipelineSchedule, "_maybe_compute_loss")):
+            real = getattr(owner, name)
+
+            def timed_torch(self_, *a, _real=real, _kind=kind, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _real(self_, *a, **k)
+                finally:
+                    if TIMER.active:
+                        TIMER.times[_kind].append(time.perf_counter() - t0)
+            setattr(owner, name, timed_torch)
+
 
 TIMER = ActionTimer()
 
@@ -307,8 +328,10 @@ def build_torch(kind: str, model, comm, cut):
         x, y = batch
         losses: list = []
         args = (x,) if holds_first else ()
+        t0 = time.perf_counter()
         with MEM.window():
             sched.step(*args, target=y if holds_last else None, losses=losses if holds_last else None)
+        TIMER.times["schedule"].append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(torch.stack(losses).mean()) if losses else float("nan")
@@ -653,7 +676,8 @@ def summarize(res: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     diag = ["", "Per rank, median ms per step: schedule loop / inside F, B, W / inside transfers (wall, "
             "thread CPU) / the rest of the loop (private: W's formed while waiting count in F, B, W and in "
-            "transfers: left out of the latter); on the common clock: the loops' start spread, makespan measured / "
+            "transfers: left out of the latter; torch: its transfers untimed, the rest is transfers and waits); "
+            "on the common clock: the loops' start spread, makespan measured / "
             "replayed (transfers free; with their CPU and transit), the mode's own in-schedule transit (median, "
             "quartiles)", "",
             "| mode | " + " | ".join(f"rank {r}" for r in range(p)) + " | start spread ms | makespan ms | transit ms |",
@@ -663,13 +687,27 @@ def summarize(res: dict) -> str:
         sec = statistics.median(s["seconds"] for s in ms)
         kind = mode.split("-", 1)[1].removesuffix("-private")
         torch_ref = f"torch-{kind}" if mode.startswith("fsdpx-") and not mode.endswith("-private") else None
-        bubble = sim = again = "-"
-        if mode.startswith("fsdpx-"):
-            # over the schedule loop only (the update and the step's bookkeeping are no bubble):
-            # the loops start together after the step's first barrier-free work, so the longest
-            # loop is the schedule's makespan
-            b = [sum(max(s["schedule"]) - c for c in s["computes"]) / (p * max(s["schedule"])) for s in ms]
-            bubble = f"{statistics.median(b):.3f}"
+        sim = again = "-"
+        # over the schedule loop only (the update and the step's bookkeeping are no bubble): the
+        # loops start together after the step's first barrier-free work, so the longest loop is
+        # the schedule's makespan. torch's: its stages' F/B/W and loss timed the same way
+        b = [sum(max(s["schedule"]) - c for c in s["computes"]) / (p * max(s["schedule"])) for s in ms]
+        bubble = f"{statistics.median(b):.3f}"
+
+        def med(f):
+            return statistics.median(f(s) for s in ms) * 1e3
+        fsdpx = mode.startswith("fsdpx-")
+        cells = []
+        for r in range(p):
+            loop, comp = med(lambda s: s["schedule"][r]), med(lambda s: s["computes"][r])
+            if fsdpx:
+                tw, tc = med(lambda s: s["transfer"][r]), med(lambda s: s["transfer_cpu"][r])
+                rest = med(lambda s: s["schedule"][r] - s["computes"][r] - s["transfer"][r])
+                cells.append(f"{loop:.0f} / {comp:.0f} / {tw:.0f} ({tc:.1f}) / {rest:.1f}")
+            else:  # torch's transfers are not timed: the rest of its loop is transfers and waits
+                cells.append(f"{loop:.0f} / {comp:.0f} / - / {loop - comp:.1f}")
+        clock = "- | - | -"
+        if fsdpx:
             sim = " / ".join(f"{pred[mode][k]:.3f}" for k in ("bubble", "bubble_transit", "bubble_occupied"))
             plays = [replay(res, mode, i, in_situ) for i, s in enumerate(steps0[mode]) if not s["warmup"]] \
                 if mode in plain else []
@@ -679,15 +717,6 @@ def summarize(res: dict) -> str:
             again = (f"{statistics.median(r['replay_bubble'] for r in plays):.3f} / "
                      f"{statistics.median(r['replay_transit_bubble'] for r in plays):.3f} "
                      f"({near}/{len(plays)} steps within 10%)") if plays else "-"
-
-            def med(f):
-                return statistics.median(f(s) for s in ms) * 1e3
-            cells = []
-            for r in range(p):
-                loop, comp = med(lambda s: s["schedule"][r]), med(lambda s: s["computes"][r])
-                tw, tc = med(lambda s: s["transfer"][r]), med(lambda s: s["transfer_cpu"][r])
-                rest = med(lambda s: s["schedule"][r] - s["computes"][r] - s["transfer"][r])
-                cells.append(f"{loop:.0f} / {comp:.0f} / {tw:.0f} ({tc:.1f}) / {rest:.1f}")
             if plays:
                 clock = (f"{statistics.median(r['skew'] for r in plays) * 1e3:.1f} | "
                          f"{statistics.median(r['makespan'] for r in plays) * 1e3:.0f} / "
@@ -698,9 +727,7 @@ def summarize(res: dict) -> str:
                     clock += f" | {statistics.median(waits[mode]) * 1e3:.2f} [{q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}]"
                 else:
                     clock += " | -"
-            else:
-                clock = "- | - | -"
-            diag.append(f"| {mode} | " + " | ".join(cells) + f" | {clock} |")
+        diag.append(f"| {mode} | " + " | ".join(cells) + f" | {clock} |")
         loss = ranks[-1]["steps"][mode][-1]["loss"]  # torch reports it on the last stage's rank
         lines.append(f"| {mode} | {sec:.3f} | {ratio(mode, torch_ref) if torch_ref else '-'} | "
                      f"{ratio(mode, 'fsdpx-1f1b')} | {bubble} | {sim} | {again} | {loss:.5f} |")
