@@ -18,13 +18,15 @@ from pathlib import Path
 import torch
 
 from fsdpx.train import RunConfig, run, run_mesh
+from fsdpx.train.device import torchrun_device
 from fsdpx.train.launch import watch_launcher
 
 
-def peak_bytes() -> int:
-    """This process's peak memory: the CUDA allocator's peak on a GPU, else the peak RSS."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+def peak_bytes(device: torch.device) -> int:
+    """This process's peak memory on the run's device: the CUDA allocator's peak for a run on a
+    GPU, else the peak RSS (also for a CPU run on a machine that has a GPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -34,14 +36,14 @@ def main(path: str) -> None:
     comm = None
     if "WORLD_SIZE" in os.environ:
         from fsdpx.runtime.dist_comm import init_from_env
-        from fsdpx.train.device import torchrun_device
 
         comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp),
                              device=torchrun_device(config.device))
     rank = 0 if comm is None else comm.rank
     summary = run(config, progress=False, comm=comm)
+    device = torchrun_device(config.device)
     config.run_dir.mkdir(parents=True, exist_ok=True)
-    (config.run_dir / f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak_bytes()}))
+    (config.run_dir / f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak_bytes(device)}))
     if rank == 0:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
         (config.run_dir / "summary.json").write_text(json.dumps(clean, indent=2))
