@@ -60,6 +60,28 @@ def to_host(t: Tensor) -> Tensor:
     return t.to(HOST)
 
 
+def to_host_async(t: Tensor) -> tuple[Tensor, Callable[[], None]]:
+    """``(buf, ready)``: a host copy of ``t`` under way and a function that blocks until it can be
+    read. The training loop enqueues the copy and hands ``ready`` to the background thread, which
+    waits for the device there instead of on the loop. On ``cpu`` returns ``t`` itself (callers
+    pass a tensor they own) and a no-op. On CUDA ``buf`` is pinned, from torch's caching host
+    allocator (reused across steps: a block goes back to it only when the copies recorded on it
+    have finished, so no buffer in use is handed out again)."""
+    if t.device.type == "cpu":
+        return t, _ready
+    if t.device.type == "cuda":
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        return buf, done.synchronize
+    return t.to(HOST), _ready
+
+
+def _ready() -> None:
+    return None
+
+
 def to_device(t: Tensor, device: torch.device) -> Tensor:
     """``t`` on ``device``. The source is never written afterwards (host results are immutable),
     so an asynchronous copy is safe."""

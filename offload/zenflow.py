@@ -54,6 +54,18 @@ reselection, (c) in ``materialize`` / ``element_state`` / ``master_params``. Eve
 copies the unselected columns' gradient to the host and adds it to the window sum there, and a
 reselection reads the new column indices back to the host.
 
+What the loop thread does itself (``update_inplace``, ``overlap=True``, a fixed
+``update_interval``): on CUDA it gathers the unselected columns on the device and enqueues their
+copy into a pinned buffer; the background thread waits for the copy and adds it to the window
+sum (``_add_to_window_sum``), jobs in submission order, so the same adds happen in the same
+order and the window job, queued after them, sees them all. The state then carries the add
+job's ``Future`` under ``"window_sum_job"`` until it is waited for (``materialize`` drops it).
+On ``cpu`` the loop keeps its fused gather-and-add pass. At a ``delay=1`` window end without
+reselection the loop writes only the landed window's counts and the parameters' columns; its
+master and slots are written into the host tensors by the background thread just before the
+next window's deferred gathers (``_merge_then``). A reselection or ``delay=0`` waits for the
+queued adds and merges on the loop.
+
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
 the full-shape master, ``inner`` slots and per-column ``count`` (authoritative for unselected
 columns), ``device[name]`` the ``[out, n_selected]`` master and slots of the selected columns,
@@ -172,12 +184,15 @@ def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: 
 # --- state plumbing (out of place; in place on a donated state) ------------------------------
 
 
-def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = False) -> None:
+def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = False, part: str = "all") -> None:
     """Scatter a finished host window into ``host``: rebinding its entries to new tensors, or,
-    with ``inplace`` (a donated state), writing into the host tensors themselves."""
+    with ``inplace`` (a donated state), writing into the host tensors themselves. ``part``:
+    ``"all"``, ``"count"`` (the per-column counts only) or ``"state"`` (master and slots only)."""
     for k, r in result.items():
         h = dict(host[k])
         for f, v in r.items():
+            if (part == "count") != (f == "count") and part != "all":
+                continue
             if f == "count":
                 h[f] = h[f].index_copy_(0, r["cols"], v) if inplace else h[f].index_copy(0, r["cols"], v)
             elif f != "cols":
@@ -186,11 +201,12 @@ def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = Fals
 
 
 def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict,
-                       inplace: bool = False) -> None:
-    """Write a finished host window into the host state and the parameters: rebinding entries
-    of the caller's fresh ``host`` / ``params`` dicts, or with ``inplace`` (donated state and
-    parameters) writing into their tensors."""
-    _merge_host_result(result, host, inplace)
+                       inplace: bool = False, part: str = "all") -> None:
+    """Write a finished host window into the host state (``part`` of it, as in
+    :func:`_merge_host_result`) and the parameters: rebinding entries of the caller's fresh
+    ``host`` / ``params`` dicts, or with ``inplace`` (donated state and parameters) writing into
+    their tensors."""
+    _merge_host_result(result, host, inplace, part)
     for k, r in result.items():
         cols = r["cols"]
         p = params[k]
@@ -241,6 +257,49 @@ def _gather_deferred(job: dict) -> dict:
         return job
     rest = {f: v for f, v in job.items() if f != "deferred"}
     return {**rest, **{f: gather_columns(t, job["cols"]) for f, t in job["deferred"].items()}}
+
+
+def _merge_then(landed: dict[str, dict], host: dict, window: Callable[[], dict]) -> dict:
+    """Background job of a donated window end: write the landed window's master and slots into
+    the host tensors (in place; the loop has written its counts), then run ``window``, whose
+    deferred gathers read those tensors. Nothing else reads or writes those columns until the
+    loop resolves this job."""
+    _merge_host_result(landed, host, inplace=True, part="state")
+    return window()
+
+
+def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None]]], opening: bool) -> None:
+    """Background job of a donated step: for each ``(acc, g, ready)``, wait for ``g``'s copy
+    (``ready``), then ``acc = g`` (the window's first step) or ``acc += g``, the same one
+    rounding per element as the inline sum. Jobs run in submission order, so every window sum
+    sees its steps' adds in order, and the window job submitted after them sees them all
+    (``tests/test_zenflow.py::test_background_window_sum_equals_the_inline_sum``)."""
+    for acc, g, ready in adds:
+        ready()
+        if acc is g:
+            continue
+        if opening:
+            acc.copy_(g)
+        else:
+            acc.add_(g.to(acc.dtype))
+
+
+def _resolve_window_sum(job: Future | None) -> None:
+    """Wait for the in-flight window-sum job (if any), re-raising its exception; returns ``None``."""
+    if job is not None:
+        job.result()
+    return None
+
+
+def _async_window_sum(device: torch.device) -> bool:
+    """Whether a donated, overlapped step hands its window-sum adds to the background thread: on
+    CUDA, where the loop would otherwise wait for the device before adding. On ``cpu`` the fused
+    gather-and-add on the loop is cheaper than a gather plus a handoff (tests switch it on)."""
+    return device.type == "cuda" or _ASYNC_ON_CPU
+
+
+_ASYNC_ON_CPU = False
+_SUM_JOB = "window_sum_job"  # state key, only while a window-sum job is in flight
 
 
 def _timed(metrics: dict, fn, *args, key: str = "host_wait_s"):
@@ -402,21 +461,33 @@ def zenflow(
                 host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
                 new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
 
-        # Host: add the unselected columns' gradient to the window sum.
+        # Host: add the unselected columns' gradient to the window sum. A donated, overlapped,
+        # fixed-window step only enqueues the copy; the background thread adds it (in order,
+        # the same adds as inline), so the loop does not wait for the device here.
         loop_start = time.perf_counter()
         opening = state["window_steps"] == 0
         acc = {} if opening else dict(state["acc"])
         window_sq = 0.0 if opening else state["window_sq"]
         norm_sq_of_sum = 0.0
+        sum_job = state.get(_SUM_JOB)
+        adds = []
         for k in host:
             uns = unselected[k]
             if not uns.numel():
                 continue
             metrics["d2h_bytes"] += uns.numel() * grads[k].shape[0] * grads[k].element_size()
             in_place_sum = inplace and not opening and update_interval != "auto"  # the window sum is ours to write
-            if in_place_sum and grads[k].device.type == HOST.type:  # one gather-and-add pass, no copy
+            if inplace and overlap and update_interval != "auto" and _async_window_sum(grads[k].device):
+                g, ready = worker.to_host_async(gather_columns(grads[k], uns.to(grads[k].device)))
+                if opening:  # an owned CPU gather of the master's dtype is the sum itself
+                    dtype = host[k]["master"].dtype
+                    acc[k] = g if g.dtype == dtype and not g.is_pinned() else torch.empty(g.shape, dtype=dtype)
+                adds.append((acc[k], g, ready))
+            elif in_place_sum and grads[k].device.type == HOST.type:  # one gather-and-add pass, no copy
+                sum_job = _resolve_window_sum(sum_job)
                 add_gathered_columns_(acc[k], grads[k], uns)
             else:
+                sum_job = _resolve_window_sum(sum_job)
                 # On a GPU the gathered columns come down through a pinned buffer (to_host) and are
                 # added on the host: the same one rounding per element as the pass above.
                 g = to_host(gather_columns(grads[k], uns.to(grads[k].device))).to(host[k]["master"].dtype)
@@ -425,6 +496,8 @@ def zenflow(
                     g_sq, s_sq = window_stats(k, g, acc[k])
                     window_sq += g_sq
                     norm_sq_of_sum += s_sq
+        if adds:
+            sum_job = worker.submit(_add_to_window_sum, adds, opening)
         window_steps, since = state["window_steps"] + 1, since + 1
         metrics[_LOOP] += time.perf_counter() - loop_start
 
@@ -434,14 +507,23 @@ def zenflow(
             closing = window_steps == update_interval
         pending = state["pending"]
         if closing:
-            if pending is not None:  # delay=1: the previous window lands now
-                landed = _timed(metrics, worker.resolve, pending["result"])
-                _timed(metrics, _apply_host_result, landed, host, new_params, metrics, inplace, key=_LOOP)
-                pending = None
             reselect = _reselection(grads, selected, since)
             if reselect is not None and select_interval != "auto":
                 since = 0
             reselect = reselect or {}
+            # A donated, overlapped delay=1 window end without reselection reads no host column on
+            # the loop: the landed window's master and slots are written into the host state by the
+            # background thread, just before it gathers the next window's inputs (materialize waits
+            # for both). The loop writes only the counts and the parameters' columns.
+            defer_merge = inplace and overlap and delay == 1 and not reselect
+            if not defer_merge:
+                sum_job = _timed(metrics, _resolve_window_sum, sum_job)
+            landed = None
+            if pending is not None:  # delay=1: the previous window lands now
+                landed = _timed(metrics, worker.resolve, pending["result"])
+                part = "count" if defer_merge else "all"
+                _timed(metrics, _apply_host_result, landed, host, new_params, metrics, inplace, part, key=_LOOP)
+                pending = None
             divisor = window_steps if reduce == "mean" else 1
             # delay=0 needs every result now. delay=1 defers all but the entering columns, whose
             # result must land before the device owns them (the one synchronous exception).
@@ -461,16 +543,23 @@ def zenflow(
             if now:
                 result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
                 _timed(metrics, _apply_host_result, result, host, new_params, metrics, inplace, key=_LOOP)
+            if defer_merge and landed and not later:  # nothing to hand the merge to: write it here
+                _timed(metrics, _merge_host_result, landed, host, True, "state", key=_LOOP)
             if later:
                 job = partial(_host_window, inner, slot_names, divisor, later)
+                if defer_merge and landed:
+                    job = partial(_merge_then, landed, {k: host[k] for k in landed}, job)
                 pending = {"result": worker.submit(job) if overlap else _timed(metrics, job)}
+            sum_job = None  # the window job (or the resolve above) runs after every add
             for k, sel in reselect.items():
                 host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics, key=_LOOP)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
             acc, window_steps, window_sq = {}, 0, 0.0
 
+        extra = {_SUM_JOB: sum_job} if sum_job is not None else {}
         return new_params, {
-            **state,
+            **{f: v for f, v in state.items() if f != _SUM_JOB},
+            **extra,
             "step": state["step"] + 1,
             "selected": selected,
             "unselected": unselected,
@@ -522,6 +611,9 @@ def materialize(state: State) -> State:
     """``state`` with its in-flight host window (if any) waited for: plain data, safe to save.
     Continuing from it gives the same bits as continuing from ``state``
     (``test_materialized_state_resumes_bit_for_bit``)."""
+    if state.get(_SUM_JOB) is not None:
+        _resolve_window_sum(state[_SUM_JOB])
+        state = {f: v for f, v in state.items() if f != _SUM_JOB}
     pending = state.get("pending")
     if pending is None or not isinstance(pending["result"], Future):
         return state

@@ -3,6 +3,7 @@ small hand-checked cases. The exhaustive equalities are in property_tests/test_z
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import threading
@@ -241,6 +242,58 @@ def test_donated_update_gives_the_same_bits(dtype, delay, overlap, update_interv
         _assert_same_tree(p, pure_p)
     _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
     assert not all(torch.equal(pure_p[k], params[k]) for k in params)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("delay, hold", [(1, False), (1, True), (0, True)])
+def test_background_window_sum_equals_the_inline_sum(monkeypatch, dtype, delay, hold):
+    """With the window-sum adds handed to the background thread (as on CUDA; switched on here),
+    the donated update still returns ``update``'s parameters and state bit for bit, step after
+    step, through window closes and reselections. With ``hold`` the worker is blocked while the
+    loop runs on, so adds, the landed window's merge and the window job queue up behind each
+    other: they must run in order, and ``materialize`` must wait for all of them."""
+    zf = importlib.import_module("offload.zenflow")  # the package exports the function under that name
+
+    monkeypatch.setattr(zf, "_ASYNC_ON_CPU", True)
+    gen = torch.Generator().manual_seed(29)
+    params = {"w": torch.randn(4, 9, dtype=dtype, generator=gen), "v": torch.randn(9, 3, dtype=dtype, generator=gen),
+              "b": torch.randn(4, dtype=dtype, generator=gen)}
+    grads = [{k: torch.randn(v.shape, dtype=dtype, generator=gen) * (1 + t % 3) for k, v in params.items()}
+             for t in range(15)]
+    opt = offload.zenflow(INNER, topk_ratio=0.3, update_interval=2, select_interval=6, delay=delay, overlap=True)
+    pure_state, pure_p = opt.init(params), params
+    state, p = opt.init({k: v.clone() for k, v in params.items()}), {k: v.clone() for k, v in params.items()}
+    for t, g in enumerate(grads):
+        pure_p, pure_state = opt.update(g, pure_state, pure_p)
+        release = threading.Event()
+        if hold and t % 2 == 0:  # a window's first step (a closing one may wait for the worker)
+            worker.submit(release.wait)
+        p, state = opt.update_inplace({k: v.clone() for k, v in g.items()}, state, p)
+        if hold and t % 2 == 0:  # the add is queued behind the held worker
+            assert zf._SUM_JOB in state and not state[zf._SUM_JOB].done()
+        release.set()
+        _assert_same_tree(p, pure_p)
+    _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
+    assert zf._SUM_JOB not in offload.materialize(state)
+
+
+def test_donated_window_end_merges_the_landed_window_before_the_next_job():
+    """A donated ``delay=1`` window end without reselection leaves the landed window's master
+    and slots to the background thread; ``materialize`` (and so ``element_state``) shows them
+    merged, exactly as ``update`` does on the loop."""
+    gen = torch.Generator().manual_seed(31)
+    params = {"w": torch.randn(5, 8, dtype=F64, generator=gen)}
+    grads = [{"w": torch.randn(5, 8, dtype=F64, generator=gen)} for _ in range(6)]
+    opt = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=100, delay=1, overlap=True)
+    pure_state, pure_p = opt.init(params), params
+    state, p = opt.init({"w": params["w"].clone()}), {"w": params["w"].clone()}
+    for t, g in enumerate(grads):
+        pure_p, pure_state = opt.update(g, pure_state, pure_p)
+        p, state = opt.update_inplace(g, state, p)
+        if t in (3, 5):  # windows 2 and 3 closed: the merge of the window before queued with the job
+            assert isinstance(state["pending"]["result"], Future)
+        _assert_same_tree(offload.element_state(state), offload.element_state(pure_state))
+        _assert_same_tree(p, pure_p)
 
 
 @pytest.mark.parametrize("delay, overlap", [(1, True), (1, False), (0, True)])
