@@ -236,3 +236,57 @@ def test_a_split_backward_does_the_work_of_one_fused_backward():
 
         flops[kind] = run_threads(mesh, rank)
     assert flops["zero_bubble"] == flops["1f1b"] and all(flops["1f1b"])
+
+
+class _ViewSum(torch.nn.Module):
+    """``x.view(...) + p.view(...)``: with one example per microbatch both gradients are views
+    of the output's gradient, which ``AccumulateGrad`` steals as they are, so the stage's input
+    gradient (sent to the previous stage) and ``p``'s gradient share one storage."""
+
+    def __init__(self, block_size: int, width: int):
+        super().__init__()
+        self.p = torch.nn.Parameter(0.1 * torch.randn(block_size * width, dtype=torch.float64))
+
+    def forward(self, x):  # (B, T, C)
+        return x.view(x.shape) + self.p.view(1, *x.shape[1:]).expand(x.shape)
+
+
+def test_a_gradient_sum_never_writes_into_a_sent_tensor():
+    """A stage's gradient sums are added into in place; a sum that shares storage with the
+    input gradient it sends (``_ViewSum`` first on stage 1) is copied first: every tensor handed
+    to a send still holds, after the step, what it held when sent (gloo sends from it until the
+    end of the step), and the steps equal the unsharded ones."""
+    torch.manual_seed(0)
+    model = _gpt(tie=False)
+    model.blocks[2] = _ViewSum(4, 4)
+    mesh = Mesh(dp=1, pp=2)
+    plan = _plan(model, mesh, schedule="gpipe", microbatches=4, split=(2, 2))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 11, (4, 4), generator=g), torch.randint(0, 11, (4, 4), generator=g))
+               for _ in range(2)]
+    optimizer = _optimizer(torch.float64)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+
+    def rank(comm):
+        sent = []
+        send = comm.exchange_p2p
+
+        def watched(sends, recvs):
+            sent.extend((t, t.detach().clone()) for _, t in sends)
+            return send(sends, recvs)
+        comm.exchange_p2p = watched
+        step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer, plan, comm, param_shapes=shapes)
+        state = init_sharded(params, optimizer, plan, comm, key=7)
+        for b in batches:
+            state, _ = step(state, b)
+            assert sent and all(torch.equal(t, was) for t, was in sent)
+            sent.clear()
+        return state
+
+    from fsdpx.sharding.pipeline import unshard_stages
+
+    states = run_threads(mesh, rank, timeout=60)
+    got = unshard_stages([s.params for s in states], plan, mesh)
+    got = {k: t.reshape(shapes[k]) for k, t in got.items()}
+    _assert_close_to_reference(got, _baseline(model, batches, optimizer, None), model, 1e-10)

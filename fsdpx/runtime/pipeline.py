@@ -455,25 +455,56 @@ class _Run:
             if rec.inject is not None:
                 self.outbox[("B", mb, s)] = g_in if g_in is not None else torch.zeros_like(rec.inject)
             return
-        weights = weights or rec.captured is None  # not separable: form them now
-        leaves = [rec.gatherer.full[n] for n in self.o.stages[s].names] if weights else []
-        inputs = ([rec.inject] if rec.inject is not None else []) + leaves
-        if inputs:
-            grads = torch.autograd.grad(rec.root, inputs, grad_out, allow_unused=True, retain_graph=not weights)
-        else:
-            grads = ()
+        # no captured weight pass (fused schedule, or not separable): the weight gradients now
+        names = self.o.stages[s].names
+        self._backward_into_sums(rec, names, grad_out)
         if rec.inject is not None:
-            g_in = grads[0] if grads[0] is not None else torch.zeros_like(rec.inject)
+            g_in = rec.inject.grad if rec.inject.grad is not None else torch.zeros_like(rec.inject)
+            rec.inject.grad = None
             self.outbox[("B", mb, s)] = g_in
-            grads = grads[1:]
-        if weights:
-            self._accumulate(s, grads)
-            rec.gatherer.finish()
-            if self.o.split:
-                _free_all(rec.gatherer)
-            rec.root = None  # W has nothing left to do
-            if not self.o.split:
-                self.flight.pop((mb, s))
+        rec.gatherer.finish()
+        if self.o.split:
+            _free_all(rec.gatherer)
+        rec.root = None  # W has nothing left to do
+        if not self.o.split:
+            self.flight.pop((mb, s))
+
+    def _backward_into_sums(self, rec: _InFlight, names: list[str], grad_out: Tensor | None) -> None:
+        """One backward from ``rec.root`` into the stage input's ``.grad`` and into the step's
+        gradient sums of ``names``, the way ``AccumulateGrad`` fills ``.grad`` (what torch's own
+        pipeline stages do): each parameter's gradient is added to its sum as the backward
+        produces it (an owned sum is its leaf's ``.grad``, added into in place), not all of a
+        microbatch's at once after it, so a rank holds one microbatch's gradient at a time and
+        makes no sum of its own. A first gradient is taken only where ``AccumulateGrad`` may
+        steal it, else copied. ``AccumulateGrad`` steals a view whose storage another tensor
+        shares (``x.view(...)``'s gradient is the output gradient's view), so a new sum sharing
+        storage with the received gradient, the input gradient to be sent, or another sum is
+        copied: a sum added into in place never aliases another tensor. The same additions in
+        the same order as ``_accumulate``: the same bits."""
+        leaves = [rec.gatherer.full[n] for n in names]
+        inputs = ([rec.inject] if rec.inject is not None else []) + leaves
+        if not inputs:
+            return
+        for n, leaf in zip(names, leaves):
+            if n in self.owned:  # the running sum, in the leaf's shape: added into in place
+                leaf.grad = self.raw[n].view(leaf.shape)
+        torch.autograd.backward(rec.root, grad_out, inputs=inputs)
+        g_in = rec.inject.grad if rec.inject is not None else None
+        seen = {t.untyped_storage().data_ptr() for t in (grad_out, g_in) if t is not None and t.numel()}
+        for n, leaf in zip(names, leaves):
+            g, leaf.grad = leaf.grad, None
+            if g is None:
+                continue
+            if n not in self.owned:  # a new sum: its storage must be its own
+                ptr = g.untyped_storage().data_ptr()
+                if ptr in seen and g.numel():
+                    g = g.clone()
+                seen.add(g.untyped_storage().data_ptr())
+            g = g.reshape(self._local_shape(n))
+            if n in self.raw and n not in self.owned:  # a first gradient kept by _accumulate
+                g = self.raw[n] + g
+            self.raw[n] = g
+            self.owned.add(n)
 
     def _private_backward(self, mb: int, s: int, rec: _InFlight) -> None:
         """ONE backward to the stage input and the tape's outputs; the contributions are kept
