@@ -79,6 +79,7 @@ def real_run(root: Path, counts: set[int], time_limit: float) -> dict:
           + "; ".join(r.reason for r in report.replans[1:]), file=sys.stderr, flush=True)
     if not report.ok:
         raise RuntimeError({n: o.error for n, o in report.jobs.items() if o.error})
+    print_jobs(report)
     sequence = one_after_another(options, cluster.count)
     by_name = {t.name: t for t in tasks}
     start = time.perf_counter()
@@ -96,6 +97,19 @@ def real_run(root: Path, counts: set[int], time_limit: float) -> dict:
             "replans": f"{len(report.replans) - 1} ({sum(len(r.moved) for r in report.replans)} moved)",
             "plan": "; ".join(f"{a.job} {a.option.technique}x{a.option.devices}@{a.start:.1f}"
                               for a in report.replans[0].plan.assignments)}
+
+
+def print_jobs(report) -> None:
+    """Each job's planned ``[start, end)`` beside its measured one (first plan; every segment):
+    whether the makespan's error is in the jobs' durations or in when they started."""
+    planned = {a.job: a for a in report.replans[0].plan.assignments}
+    for name, outcome in report.jobs.items():
+        a, segs = planned[name], outcome.segments
+        got = sum(s.end - s.start for s in segs)
+        print(f"  {name:8s} {a.option.technique}x{a.option.devices} planned [{a.start:5.1f}, {a.end:5.1f}) "
+              f"{a.end - a.start:5.1f} s (startup {a.option.startup:.1f}); measured "
+              + ", ".join(f"[{s.start:5.1f}, {s.end:5.1f})" for s in segs)
+              + f" {got:5.1f} s ({got / (a.end - a.start) - 1:+.0%})", file=sys.stderr, flush=True)
 
 
 def main_real(args) -> None:
