@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fsdpx.optim import adamw
+from fsdpx.optim import optimizers
 from fsdpx.optim.optimizers import adamw_foreach, adamw_foreach_, adamw_ops, adamw_ops_
 
 HYPER = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
@@ -57,3 +58,15 @@ def test_adamw_update_mixes_both_paths_and_keeps_the_key_order():
     new2, st2 = opt.update_inplace(grads, dstate, donated)
     for k in params:
         assert torch.equal(new[k], new2[k]) and torch.equal(st["nu"][k], st2["nu"][k])
+
+
+def test_groups_are_chunked_by_bytes_in_order_and_meta_and_cpu_stay_one_by_one(monkeypatch):
+    """Chunks keep the key order and hold at most FOREACH_CHUNK_BYTES (a larger tensor alone);
+    CPU and meta tensors (the memory model's) never take the lists."""
+    monkeypatch.setattr(optimizers, "FOREACH_CHUNK_BYTES", 100)
+    params = {k: torch.zeros(n) for k, n in (("a", 10), ("b", 15), ("c", 30), ("d", 5), ("e", 20))}  # 4 bytes each
+    assert optimizers._chunks(list(params), params) == [["a", "b"], ["c"], ["d", "e"]]
+    for device in ("cpu", "meta"):
+        ps = {k: v.to(device) for k, v in params.items()}
+        state = {"mu": ps, "nu": ps}
+        assert optimizers._split_by_path(ps, ps, state) == (list(ps), [])

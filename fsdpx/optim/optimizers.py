@@ -197,23 +197,46 @@ def adamw_ops_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, count: int, *, lr: fl
 
 
 FOREACH_DTYPES = (torch.float32, torch.float64)
+FOREACH_CHUNK_BYTES = 64 * 2**20
+"""Largest parameter bytes one multi-tensor group updates at once: its temporaries (two
+tensors' worth per parameter) are alive together, so a group is cut into chunks of at most
+this many bytes (a larger tensor is a chunk alone). 64 MiB keeps the extra memory to ~128 MiB
+and the launches to a dozen per chunk."""
 
 
 def _split_by_path(params: Params, grads: Params, state: OptState) -> tuple[list[str], list[list[str]]]:
-    """The keys :func:`adamw_kernel` runs one by one (CPU float32/float64: the compiled loop; half
-    types and mixed dtypes: tensor operations) and the rest, float32/float64 off the CPU, grouped by
-    (device, dtype) for :func:`adamw_foreach` (a few multi-tensor kernels per group instead of a
-    dozen launches per parameter). Half types stay out: their multi-tensor additions round
+    """The keys :func:`adamw_kernel` runs one by one and the chunks of keys
+    :func:`adamw_foreach` runs together. One by one: CPU float32/float64 (the compiled loop),
+    half types and mixed dtypes, and the ``meta`` device (tensor operations). Together: the
+    float32/float64 tensors of an accelerator, grouped by (device, dtype) and cut into chunks of
+    at most :data:`FOREACH_CHUNK_BYTES` (a few multi-tensor kernels per chunk instead of a dozen
+    launches per parameter). Half types stay out: their multi-tensor additions round
     differently from ``add_`` on the CPU (seen with torch 2.13), and bits must not depend on the
-    path."""
+    path. ``meta`` stays out so that the memory model (``step_memory.step_peak``) counts the
+    one-tensor path's temporaries; an accelerator's chunks add at most two chunks' worth."""
     looped, groups = [], {}
     for k, p in params.items():
         tensors = (p, grads[k], state["mu"][k], state["nu"][k])  # type: ignore[index]
-        if adamw_loop.applies(*tensors) or any(t.dtype not in FOREACH_DTYPES or t.dtype != p.dtype for t in tensors):
+        if (adamw_loop.applies(*tensors) or p.device.type in ("cpu", "meta")
+                or any(t.dtype not in FOREACH_DTYPES or t.dtype != p.dtype or t.device != p.device for t in tensors)):
             looped.append(k)
         else:
             groups.setdefault((p.device, p.dtype), []).append(k)
-    return looped, list(groups.values())
+    return looped, [chunk for keys in groups.values() for chunk in _chunks(keys, params)]
+
+
+def _chunks(keys: list[str], params: Params) -> list[list[str]]:
+    """``keys`` cut in order into runs of at most :data:`FOREACH_CHUNK_BYTES` parameter bytes."""
+    out: list[list[str]] = []
+    size = FOREACH_CHUNK_BYTES
+    for k in keys:
+        n = params[k].numel() * params[k].element_size()
+        if not out or size + n > FOREACH_CHUNK_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += n
+    return out
 
 
 def adamw_foreach(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: list[Tensor], count: int, *,
@@ -252,7 +275,8 @@ def adamw_foreach_(ps: list[Tensor], gs: list[Tensor], ms: list[Tensor], vs: lis
     torch._foreach_mul_(t, 1 - b2)
     torch._foreach_mul_(vs, b2)
     torch._foreach_add_(vs, t)
-    t = torch._foreach_sqrt(vs)
+    torch._foreach_copy_(t, vs)  # sqrt(v) into the same temporaries: two sets alive at most
+    torch._foreach_sqrt_(t)
     torch._foreach_div_(t, bc2_sqrt)
     torch._foreach_add_(t, eps)
     t = torch._foreach_div(ms, t)
