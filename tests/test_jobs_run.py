@@ -319,11 +319,11 @@ def test_four_real_jobs_equal_their_solo_runs_and_the_predicted_makespan(tmp_pat
     profiles (measured side by side, pinned, as the plan runs them) on this machine's 2 cores and
     run with the local backend: every job's losses equal those of the same job run alone with
     the same technique and count (bit for bit; within 1e-5 relative for a job a re-plan moved to
-    another count), and the measured makespan is within 50% of the plan's. The issue's target
-    is 20%; it is asserted at 50% because on this machine, shared with other processes (load
-    averages of 6-12 on 2 cores), profiles and runs vary by 2-3x from one minute to the next
-    (``benchmarks/planner.py --real``); the bound is checked only when the load average stayed
-    below the cores + 0.5."""
+    another count), and the measured makespan is within 20% of the plan's (the issue's target).
+    The bound is checked only when the load average stayed below the cores + 0.5: these jobs
+    are mostly start-up, and other processes' load changes start-up from one minute to the next
+    (``benchmarks/planner.py --real``: +3% to +19% at loads 1.2-4.5 in 6 repeats, up to +230% at
+    loads 6-12 when other sessions' benchmarks shared the 2 cores)."""
     from fsdpx.jobs.cli import profiled_options
 
     tasks = [tiny_gpt(name, steps, **kw) for name, steps, kw in FOUR_JOBS]
@@ -351,7 +351,7 @@ def test_four_real_jobs_equal_their_solo_runs_and_the_predicted_makespan(tmp_pat
     if load > len(CORES) + 0.5:  # other processes on the cores: the profiles do not describe this machine now
         pytest.skip(f"load average {load:.1f} on {len(CORES)} cores: makespan {report.makespan:.1f} s measured vs"
                     f" {report.predicted:.1f} s planned is not a test of the plan (the losses were checked)")
-    assert report.makespan == pytest.approx(report.predicted, rel=0.5)
+    assert report.makespan == pytest.approx(report.predicted, rel=0.2)
 
 
 @pytest.mark.slow
