@@ -54,18 +54,23 @@ def _check(name: str, t: Tensor, cols: Tensor) -> None:
         raise ValueError(f"{name} needs a 2-D tensor and 1-D column indices, got {tuple(t.shape)} and {tuple(cols.shape)}")
 
 
-def gather_columns(src: Tensor, cols: Tensor) -> Tensor:
-    """A new ``[out, len(cols)]`` tensor holding ``src[:, cols]``, on ``src``'s device.
+def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None) -> Tensor:
+    """``src[:, cols]`` as a new ``[out, len(cols)]`` tensor on ``src``'s device, or written into
+    ``out`` (a buffer the caller reuses; any dtype and device, converted as ``copy_`` does).
 
-    Guarantee: equals ``src.index_select(1, cols)`` bit for bit (any ``cols``, sorted or not).
-    Edge cases: empty ``cols`` gives ``[out, 0]``; an index outside ``[0, in)`` raises
-    ``IndexError`` (checked before any copy)."""
+    Guarantee: equals ``src.index_select(1, cols)`` bit for bit (any ``cols``, sorted or not);
+    with ``out``, ``out.copy_(src.index_select(1, cols))``. Edge cases: empty ``cols`` gives
+    ``[out, 0]``; an index outside ``[0, in)`` raises ``IndexError`` (checked before any copy); an
+    ``out`` not shaped ``[out, len(cols)]`` raises ``ValueError``."""
     _check("gather_columns", src, cols)
-    if not _compiled(src) or not cols.numel():
-        return src.index_select(1, cols.to(src.device))
+    if out is not None and out.shape != (src.shape[0], cols.numel()):
+        raise ValueError(f"out must be {(src.shape[0], cols.numel())}, got {tuple(out.shape)}")
+    if not _compiled(src, *([] if out is None else [out])) or not cols.numel():
+        picked = src.index_select(1, cols.to(src.device))
+        return picked if out is None else out.copy_(picked)
     _check_range(cols, src.shape[1])
-    out = torch.empty((src.shape[0], cols.numel()), dtype=src.dtype)
-    _gather(_np(src), _np(cols), out.numpy(), False)
+    out = torch.empty((src.shape[0], cols.numel()), dtype=src.dtype) if out is None else out
+    _gather(_np(src), _np(cols), _np(out), False)
     return out
 
 

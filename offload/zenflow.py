@@ -79,6 +79,15 @@ pure: the same inputs give the same outputs bit for bit, except the clock readin
 ``update_inplace`` (a donated state) gives the same bits, writing the window sum, the host state
 and the parameters' columns in place; its background job gathers the columns it updates from the
 host tensors themselves, which nothing writes until the next window end has resolved the job.
+A donated fixed-window state also reuses its host buffers instead of allocating each window:
+two window sums per weight (a window opens into the one of the window before last, whose job
+the last window end resolved; the state keeps them under ``"window_sum_buffers"``, which
+``materialize`` drops); the background job divides its window sum in place, gathers its
+columns into the landed window's tensors (free once merged) and updates them in place with
+``inner.update_inplace`` where its columns share one count (mixed counts take
+``inner.update_columns``, which returns new tensors); a reselection writes the leaving columns
+into the host tensors (``tests/test_zenflow.py::
+test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``).
 
 ``state["metrics"]`` describes the last step: ``host_wait_s`` (seconds the call spent blocked on
 host optimizer work), ``host_loop_s`` (seconds the call itself spent on host-side bookkeeping:
@@ -138,21 +147,25 @@ def master_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _inner_step(inner: Optimizer, slot_names: list[str], master: Tensor, grad: Tensor,
-                slots: dict[str, Tensor], count: int) -> tuple[Tensor, dict[str, Tensor]]:
-    """``inner`` on one tensor whose elements all have ``count`` updates behind them."""
+                slots: dict[str, Tensor], count: int, inplace: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+    """``inner`` on one tensor whose elements all have ``count`` updates behind them. With
+    ``inplace`` (``master`` and ``slots`` are the caller's to overwrite) ``inner.update_inplace``
+    writes the result into them where ``inner`` has one: the same bits."""
     sub = {"count": count, **{s: ({_X: slots[s]} if s in slots else {}) for s in slot_names}}
-    new_p, new_state = inner.update({_X: grad}, sub, {_X: master})
+    fn = inner.update_inplace if inplace and inner.update_inplace is not None else inner.update
+    new_p, new_state = fn({_X: grad}, sub, {_X: master})
     return new_p[_X], {s: new_state[s][_X] for s in slots}
 
 
 def _update_columns(inner: Optimizer, slot_names: list[str], master: Tensor, grad: Tensor,
-                    slots: dict[str, Tensor], counts: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                    slots: dict[str, Tensor], counts: Tensor, inplace: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
     """``inner`` on ``[out, n]`` column slices; ``counts[j]`` (host) is column ``j``'s count.
-    Columns with different counts take ``inner.update_columns`` (one pass) when it applies, else
-    one ``inner`` call per distinct count."""
+    Columns with different counts take ``inner.update_columns`` (one pass, new tensors) when it
+    applies, else one ``inner`` call per distinct count. ``inplace``: as in :func:`_inner_step`,
+    for one count."""
     values = torch.unique(counts).tolist()
     if len(values) == 1:
-        return _inner_step(inner, slot_names, master, grad, slots, int(values[0]))
+        return _inner_step(inner, slot_names, master, grad, slots, int(values[0]), inplace)
     fast = inner.update_columns(master, grad, slots, counts) if inner.update_columns is not None else None
     if fast is not None:
         return fast
@@ -168,15 +181,23 @@ def _update_columns(inner: Optimizer, slot_names: list[str], master: Tensor, gra
     return out_master, out_slots
 
 
-def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: dict[str, dict]) -> dict[str, dict]:
+def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: dict[str, dict], *,
+                 owned: bool = False, into: dict[str, dict] | None = None) -> dict[str, dict]:
     """The host update of one window: pure, on tensors the job owns. ``inputs[k]`` holds the
-    columns ``cols``, their window gradient sum ``grad``, ``master``, slots and ``count``."""
+    columns ``cols``, their window gradient sum ``grad``, ``master``, slots and ``count``.
+
+    ``owned`` (the donated path): the job may overwrite ``grad`` (divided in place) and the
+    master and slots it gathers (updated in place by ``inner.update_inplace`` where the columns
+    share one count); ``into[k]`` offers buffers to gather them into (the landed window's
+    result, already merged). The same bits either way."""
     out = {}
     for k, job in inputs.items():
-        job = _gather_deferred(job)
+        job = _gather_deferred(job, (into or {}).get(k, {}))
         slots = {s: t for s, t in job.items() if s not in ("cols", "grad", "master", "count")}
-        grad = job["grad"] / divisor if divisor != 1 else job["grad"]
-        master, new_slots = _update_columns(inner, slot_names, job["master"], grad, slots, job["count"])
+        grad = job["grad"]
+        if divisor != 1:
+            grad = grad.div_(divisor) if owned else grad / divisor
+        master, new_slots = _update_columns(inner, slot_names, job["master"], grad, slots, job["count"], owned)
         out[k] = {"cols": job["cols"], "master": master, **new_slots, "count": job["count"] + 1}
     return out
 
@@ -215,9 +236,13 @@ def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metr
         params[k] = scatter_columns_(p if inplace else p.clone(), cols.to(p.device), to_device(value, p.device))
 
 
-def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict) -> tuple[dict, dict]:
+def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
+              inplace: bool = False) -> tuple[dict, dict]:
     """Move the state of columns leaving the selection to the host and of columns entering it to
-    the device. ``old`` and ``new`` are sorted host index tensors. Returns ``(host, device)``."""
+    the device. ``old`` and ``new`` are sorted host index tensors. Returns ``(host, device)``.
+    ``inplace`` (a donated state): the leaving columns are written into the host tensors
+    themselves, not into copies of them (a window job in flight reads only unselected columns,
+    never these)."""
     leaving = ~torch.isin(old, new)
     entering = ~torch.isin(new, old)
     dev = d["master"].device
@@ -227,7 +252,7 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict) -> tupl
         if leaving.any():
             v = to_host(t.index_select(1, leaving.nonzero().squeeze(1).to(dev)))
             metrics["d2h_bytes"] += nbytes(v)
-            new_h[f] = h[f].index_copy(1, old[leaving], v)
+            new_h[f] = h[f].index_copy_(1, old[leaving], v) if inplace else h[f].index_copy(1, old[leaving], v)
         out = torch.empty((t.shape[0], new.numel()), dtype=t.dtype, device=dev)
         out.index_copy_(1, kept_new, t.index_select(1, kept_old))
         if entering.any():
@@ -251,21 +276,31 @@ def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer
     return {"cols": cols, "grad": grad, **job, "count": count}
 
 
-def _gather_deferred(job: dict) -> dict:
-    """``job`` with its deferred host columns gathered (see :func:`_job_inputs`)."""
+def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
+    """``job`` with its deferred host columns gathered (see :func:`_job_inputs`), into the
+    buffers of ``into`` that have the right shape and dtype, else into new tensors."""
     if "deferred" not in job:
         return job
     rest = {f: v for f, v in job.items() if f != "deferred"}
-    return {**rest, **{f: gather_columns(t, job["cols"]) for f, t in job["deferred"].items()}}
+    cols = job["cols"]
+    return {**rest, **{f: gather_columns(t, cols, out=_fitting(into.get(f), (t.shape[0], cols.numel()), t.dtype))
+                       for f, t in job["deferred"].items()}}
 
 
-def _merge_then(landed: dict[str, dict], host: dict, window: Callable[[], dict]) -> dict:
+def _fitting(buf: Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> Tensor | None:
+    """``buf`` if it is a host tensor of ``shape`` and ``dtype``, else ``None``."""
+    ok = buf is not None and tuple(buf.shape) == shape and buf.dtype == dtype and buf.device.type == HOST.type
+    return buf if ok else None
+
+
+def _merge_then(landed: dict[str, dict], host: dict, window: Callable[..., dict]) -> dict:
     """Background job of a donated window end: write the landed window's master and slots into
     the host tensors (in place; the loop has written its counts), then run ``window``, whose
-    deferred gathers read those tensors. Nothing else reads or writes those columns until the
-    loop resolves this job."""
+    deferred gathers read those tensors and are written into the landed window's tensors, free
+    once merged (the loop has already scattered their master into the parameters). Nothing else
+    reads or writes those columns until the loop resolves this job."""
     _merge_host_result(landed, host, inplace=True, part="state")
-    return window()
+    return window(into=landed)
 
 
 def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None]]], opening: bool) -> None:
@@ -300,6 +335,7 @@ def _async_window_sum(device: torch.device) -> bool:
 
 _ASYNC_ON_CPU = False
 _SUM_JOB = "window_sum_job"  # state key, only while a window-sum job is in flight
+_BUFFERS = "window_sum_buffers"  # donated state key: {"free": {name: T}, "busy": {name: T}} (materialize drops it)
 
 
 def _timed(metrics: dict, fn, *args, key: str = "host_wait_s"):
@@ -467,6 +503,11 @@ def zenflow(
         loop_start = time.perf_counter()
         opening = state["window_steps"] == 0
         acc = {} if opening else dict(state["acc"])
+        # A donated fixed-window state keeps its window sums: a window opens into the buffers of
+        # the window before last, whose host job the last window end resolved (_BUFFERS).
+        reuse = inplace and update_interval != "auto"
+        buffers = state.get(_BUFFERS, {}) if reuse else {}
+        free, busy = dict(buffers.get("free", {})), buffers.get("busy", {})
         window_sq = 0.0 if opening else state["window_sq"]
         norm_sq_of_sum = 0.0
         sum_job = state.get(_SUM_JOB)
@@ -476,16 +517,21 @@ def zenflow(
             if not uns.numel():
                 continue
             metrics["d2h_bytes"] += uns.numel() * grads[k].shape[0] * grads[k].element_size()
-            in_place_sum = inplace and not opening and update_interval != "auto"  # the window sum is ours to write
-            if inplace and overlap and update_interval != "auto" and _async_window_sum(grads[k].device):
+            in_place_sum = reuse and not opening  # the window sum is ours to write
+            dtype = host[k]["master"].dtype
+            spare = _fitting(free.pop(k, None), (grads[k].shape[0], uns.numel()), dtype) if opening else None
+            if reuse and overlap and _async_window_sum(grads[k].device):
                 g, ready = worker.to_host_async(gather_columns(grads[k], uns.to(grads[k].device)))
-                if opening:  # an owned CPU gather of the master's dtype is the sum itself
-                    dtype = host[k]["master"].dtype
-                    acc[k] = g if g.dtype == dtype and not g.is_pinned() else torch.empty(g.shape, dtype=dtype)
+                if opening:  # a spare buffer, or an owned CPU gather of the master's dtype as the sum itself
+                    fresh = g if g.dtype == dtype and not g.is_pinned() else torch.empty(g.shape, dtype=dtype)
+                    acc[k] = spare if spare is not None else fresh
                 adds.append((acc[k], g, ready))
-            elif in_place_sum and grads[k].device.type == HOST.type:  # one gather-and-add pass, no copy
-                sum_job = _resolve_window_sum(sum_job)
-                add_gathered_columns_(acc[k], grads[k], uns)
+            elif (in_place_sum or spare is not None) and grads[k].device.type == HOST.type:
+                sum_job = _resolve_window_sum(sum_job)  # one gather (into the spare) or gather-and-add pass
+                if opening:
+                    acc[k] = gather_columns(grads[k], uns, out=spare)
+                else:
+                    add_gathered_columns_(acc[k], grads[k], uns)
             else:
                 sum_job = _resolve_window_sum(sum_job)
                 # On a GPU the gathered columns come down through a pinned buffer (to_host) and are
@@ -546,19 +592,25 @@ def zenflow(
             if defer_merge and landed and not later:  # nothing to hand the merge to: write it here
                 _timed(metrics, _merge_host_result, landed, host, True, "state", key=_LOOP)
             if later:
-                job = partial(_host_window, inner, slot_names, divisor, later)
+                job = partial(_host_window, inner, slot_names, divisor, later, owned=inplace and overlap)
                 if defer_merge and landed:
                     job = partial(_merge_then, landed, {k: host[k] for k in landed}, job)
                 pending = {"result": worker.submit(job) if overlap else _timed(metrics, job)}
             sum_job = None  # the window job (or the resolve above) runs after every add
             for k, sel in reselect.items():
-                host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics, key=_LOOP)
+                host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics,
+                                            inplace, key=_LOOP)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
+            if reuse:  # the resolved job's sums are free; the job just handed over reads this window's
+                in_flight = bool(later) and overlap
+                free, busy = {**free, **busy, **({} if in_flight else acc)}, (acc if in_flight else {})
             acc, window_steps, window_sq = {}, 0, 0.0
 
         extra = {_SUM_JOB: sum_job} if sum_job is not None else {}
+        if reuse:
+            extra[_BUFFERS] = {"free": free, "busy": busy}
         return new_params, {
-            **{f: v for f, v in state.items() if f != _SUM_JOB},
+            **{f: v for f, v in state.items() if f not in (_SUM_JOB, _BUFFERS)},
             **extra,
             "step": state["step"] + 1,
             "selected": selected,
@@ -613,7 +665,7 @@ def materialize(state: State) -> State:
     (``test_materialized_state_resumes_bit_for_bit``)."""
     if state.get(_SUM_JOB) is not None:
         _resolve_window_sum(state[_SUM_JOB])
-        state = {f: v for f, v in state.items() if f != _SUM_JOB}
+    state = {f: v for f, v in state.items() if f not in (_SUM_JOB, _BUFFERS)}
     pending = state.get("pending")
     if pending is None or not isinstance(pending["result"], Future):
         return state

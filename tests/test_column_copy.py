@@ -25,6 +25,18 @@ def test_gather_equals_index_select(dtype, sorted_):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float64])
+def test_gather_into_a_buffer_equals_copy_of_index_select(dtype, out_dtype):
+    src, cols = _problem(dtype)
+    out = torch.full((src.shape[0], cols.numel()), float("nan"), dtype=out_dtype)
+    assert gather_columns(src, cols, out=out) is out
+    assert torch.equal(out, torch.empty_like(out).copy_(src.index_select(1, cols)))
+    assert gather_columns(src, cols[:0], out=out[:, :0]).shape == (src.shape[0], 0)
+    with pytest.raises(ValueError, match="out must be"):
+        gather_columns(src, cols, out=out[:, 1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_gathered_equals_add_of_index_select(dtype):
     src, cols = _problem(dtype)
     acc = torch.randn(src.shape[0], cols.numel(), generator=torch.Generator().manual_seed(1)).to(dtype)

@@ -277,6 +277,43 @@ def test_background_window_sum_equals_the_inline_sum(monkeypatch, dtype, delay, 
     assert zf._SUM_JOB not in offload.materialize(state)
 
 
+@pytest.mark.parametrize("async_sum", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_reused_window_buffers_are_never_written_while_a_held_job_reads_them(monkeypatch, dtype, async_sum):
+    """A donated fixed-window state reuses its window-sum buffers and its landed windows'
+    tensors. Hold the worker from before each window end until after the next window's first
+    steps, so each window job runs only after the loop has written the next window's sum: a
+    buffer reused while a job still reads it changes that job's result. Step after step the
+    parameters and, at the end, the state equal ``update``'s bit for bit (through reselections,
+    so shapes change and mixed counts take ``update_columns``), and the buffers are reused."""
+    zf = importlib.import_module("offload.zenflow")
+    monkeypatch.setattr(zf, "_ASYNC_ON_CPU", async_sum)
+    gen = torch.Generator().manual_seed(37)
+    params = {"w": torch.randn(5, 11, dtype=dtype, generator=gen), "v": torch.randn(11, 4, dtype=dtype, generator=gen),
+              "b": torch.randn(5, dtype=dtype, generator=gen)}
+    grads = [{k: torch.randn(v.shape, dtype=dtype, generator=gen) * (1 + t % 4) for k, v in params.items()}
+             for t in range(25)]
+    opt = offload.zenflow(INNER, topk_ratio=0.3, update_interval=3, select_interval=9, delay=1, overlap=True)
+    pure_state, pure_p = opt.init(params), params
+    state, p = opt.init({k: v.clone() for k, v in params.items()}), {k: v.clone() for k, v in params.items()}
+    release, seen = threading.Event(), set()
+    try:
+        for t, g in enumerate(grads, start=1):
+            pure_p, pure_state = opt.update(g, pure_state, pure_p)
+            if t % 3 == 0 and not (async_sum and t % 9 == 0):  # a window end: its job queues behind the
+                release = threading.Event()  # held worker (a reselection waits for its queued adds: not held)
+                worker.submit(release.wait)
+            p, state = opt.update_inplace({k: v.clone() for k, v in g.items()}, state, p)
+            seen |= {id(a) for a in state["acc"].values()}
+            if t % 3 == 2:  # the next window's first two steps written: let the held job run
+                release.set()
+            _assert_same_tree(p, pure_p)
+    finally:
+        release.set()
+    _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
+    assert len(seen) < 2 * len(grads) // 3  # window sums were reused, not allocated per window
+
+
 def test_donated_window_end_merges_the_landed_window_before_the_next_job():
     """A donated ``delay=1`` window end without reselection leaves the landed window's master
     and slots to the background thread; ``materialize`` (and so ``element_state``) shows them
