@@ -85,7 +85,7 @@ the last window end resolved; the state keeps them under ``"window_sum_buffers"`
 ``materialize`` drops); the background job divides its window sum in place, gathers its
 columns into the landed window's tensors (free once merged) and updates them in place with
 ``inner.update_inplace`` where its columns share one count (mixed counts take
-``inner.update_columns``, which returns new tensors); a reselection writes the leaving columns
+``inner.update_columns(..., inplace=True)``, in place too for AdamW); a reselection writes the leaving columns
 into the host tensors (``tests/test_zenflow.py::
 test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``).
 
@@ -160,13 +160,14 @@ def _inner_step(inner: Optimizer, slot_names: list[str], master: Tensor, grad: T
 def _update_columns(inner: Optimizer, slot_names: list[str], master: Tensor, grad: Tensor,
                     slots: dict[str, Tensor], counts: Tensor, inplace: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
     """``inner`` on ``[out, n]`` column slices; ``counts[j]`` (host) is column ``j``'s count.
-    Columns with different counts take ``inner.update_columns`` (one pass, new tensors) when it
-    applies, else one ``inner`` call per distinct count. ``inplace``: as in :func:`_inner_step`,
-    for one count."""
+    Columns with different counts take ``inner.update_columns`` (one pass; with ``inplace``
+    written into ``master`` and ``slots`` where it can) when it applies, else one ``inner`` call
+    per distinct count. ``inplace``: as in :func:`_inner_step`."""
     values = torch.unique(counts).tolist()
     if len(values) == 1:
         return _inner_step(inner, slot_names, master, grad, slots, int(values[0]), inplace)
-    fast = inner.update_columns(master, grad, slots, counts) if inner.update_columns is not None else None
+    fast = (inner.update_columns(master, grad, slots, counts, inplace=inplace) if inner.update_columns is not None
+            else None)
     if fast is not None:
         return fast
     out_master = torch.empty_like(master)

@@ -106,6 +106,26 @@ def test_update_columns_equals_each_column_updated_alone_with_its_count(dtype):
         assert torch.equal(slots["mu"][:, j], want["mu"]["x"]) and torch.equal(slots["nu"][:, j], want["nu"]["x"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_update_columns_in_place_writes_the_same_bits_into_its_inputs(dtype):
+    """``update_columns(..., inplace=True)`` returns the param and slot tensors it was given,
+    holding the bits the pure call returns (rows over threads, per-column counts)."""
+    rows, n = 300, 1000
+    p, g, m, v = (t.view(rows, n) for t in _inputs(rows * n, dtype, seed=7))
+    counts = torch.randint(0, 40, (n,), generator=torch.Generator().manual_seed(8))
+    opt = optim.adamw(HP["lr"], betas=(HP["b1"], HP["b2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    want_p, want = opt.update_columns(p, g, {"mu": m, "nu": v}, counts)
+    mine = {"mu": m.clone(), "nu": v.clone()}
+    q = p.clone()
+    got_p, got = opt.update_columns(q, g, mine, counts, inplace=True)
+    assert got_p is q and got["mu"] is mine["mu"] and got["nu"] is mine["nu"]
+    assert torch.equal(q, want_p) and torch.equal(mine["mu"], want["mu"]) and torch.equal(mine["nu"], want["nu"])
+    strided = p.t().contiguous().t()  # not contiguous: a new tensor, the input untouched
+    before = strided.clone()
+    out_p, _ = opt.update_columns(strided, g, {"mu": m.clone(), "nu": v.clone()}, counts, inplace=True)
+    assert out_p is not strided and torch.equal(strided, before) and torch.equal(out_p, want_p)
+
+
 def test_update_columns_declines_what_it_does_not_cover():
     opt = optim.adamw(1e-3)
     p = torch.zeros(2, 3, dtype=torch.bfloat16)

@@ -118,14 +118,29 @@ def _adamw_columns(p, g, m, v, p_out, m_out, v_out, keep, b1, omb1, b2, omb2, bc
                                                              omb2, bc2_sqrt[j], eps, step_size[j])
 
 
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _adamw_columns_inplace(p, g, m, v, keep, b1, omb1, b2, omb2, bc2_sqrt, eps, step_size):  # noqa: ANN001, ANN202
+    """:func:`_adamw_columns` written over ``p``, ``m``, ``v`` (a kernel of its own for the
+    reason :func:`_adamw_inplace` is one)."""
+    for r in range(p.shape[0]):
+        for j in range(p.shape[1]):
+            p[r, j], m[r, j], v[r, j] = _element(p[r, j], g[r, j], m[r, j], v[r, j], keep, b1, omb1, b2, omb2,
+                                                 bc2_sqrt[j], eps, step_size[j])
+
+
 def adamw_columns(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, keep: float, b1: float, b2: float,
-                  bc2_sqrt: list[float], eps: float, step_size: list[float]) -> tuple[Tensor, Tensor, Tensor]:
+                  bc2_sqrt: list[float], eps: float, step_size: list[float],
+                  inplace: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """New ``(p, m, v)`` for 2-D CPU tensors (``applies`` holds) whose column ``j`` takes its own
     ``bc2_sqrt[j]`` and ``step_size[j]``: each column's bits are those :func:`adamw_` gives that
     column alone with those scalars (the scalars are rounded to the dtype the same way). Rows are
-    split over ``torch.get_num_threads()`` threads; that changes no bit."""
+    split over ``torch.get_num_threads()`` threads; that changes no bit. ``inplace`` (``p``,
+    ``m``, ``v`` contiguous and the caller's to overwrite): the results are written into them
+    and they are returned, the same bits (``tests/test_optim_loop.py``)."""
+    if inplace and not all(t.is_contiguous() for t in (p, m, v)):
+        raise ValueError("adamw_columns(inplace=True) needs contiguous p, m and v")
     arrays = [t.detach().contiguous().numpy() for t in (p, g, m, v)]
-    outs = tuple(torch.empty(p.shape, dtype=p.dtype) for _ in range(3))
+    outs = (p, m, v) if inplace else tuple(torch.empty(p.shape, dtype=p.dtype) for _ in range(3))
     scalar = np.float32 if p.dtype == torch.float32 else np.float64
     per_col = [np.asarray(x, dtype=np.float64).astype(scalar) for x in (bc2_sqrt, step_size)]
     consts = [scalar(c) for c in (keep, b1, 1 - b1, b2, 1 - b2)]
@@ -135,8 +150,11 @@ def adamw_columns(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, keep: float, b1
 
     def run(i: int) -> None:
         lo, hi = bounds[i], bounds[i + 1]
-        _adamw_columns(*(a[lo:hi] for a in arrays), *(o.numpy()[lo:hi] for o in outs), *consts, per_col[0],
-                       scalar(eps), per_col[1])
+        if inplace:
+            _adamw_columns_inplace(*(a[lo:hi] for a in arrays), *consts, per_col[0], scalar(eps), per_col[1])
+        else:
+            _adamw_columns(*(a[lo:hi] for a in arrays), *(o.numpy()[lo:hi] for o in outs), *consts, per_col[0],
+                           scalar(eps), per_col[1])
 
     if workers > 1:
         with ThreadPoolExecutor(workers) as pool:

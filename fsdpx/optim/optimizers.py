@@ -30,11 +30,13 @@ Params = dict[str, Tensor]
 OptState = dict[str, object]
 
 
-ColumnUpdate = Callable[[Tensor, Tensor, dict[str, Tensor], Tensor], tuple[Tensor, dict[str, Tensor]] | None]
-"""``(param [out, n], grad, slots {slot: [out, n]}, counts LongTensor[n]) -> (new_param, new_slots)``:
-the update of one 2-D tensor whose column ``j`` has ``counts[j]`` updates behind it, equal bit for
-bit to ``update`` applied to each column alone with its own count (ZenFlow's per-column counts);
-``None`` when the fast path does not apply (the caller then groups columns by count)."""
+ColumnUpdate = Callable[..., tuple[Tensor, dict[str, Tensor]] | None]
+"""``(param [out, n], grad, slots {slot: [out, n]}, counts LongTensor[n], inplace=False) ->
+(new_param, new_slots)``: the update of one 2-D tensor whose column ``j`` has ``counts[j]``
+updates behind it, equal bit for bit to ``update`` applied to each column alone with its own
+count (ZenFlow's per-column counts); ``None`` when the fast path does not apply (the caller then
+groups columns by count). ``inplace=True`` (the param and slots are the caller's to overwrite)
+may write the results into them and return them: the same bits."""
 
 
 class Optimizer(NamedTuple):
@@ -338,14 +340,15 @@ def adamw(
                                count, **hyper)
         return params, {**state, "count": count}
 
-    def update_columns(p: Tensor, g: Tensor, slots: dict[str, Tensor], counts: Tensor):
+    def update_columns(p: Tensor, g: Tensor, slots: dict[str, Tensor], counts: Tensor, inplace: bool = False):
         if p.dim() != 2 or slots.keys() != {"mu", "nu"} or not adamw_loop.applies(p, g, slots["mu"], slots["nu"]):
             return None
+        inplace = inplace and all(t.is_contiguous() for t in (p, slots["mu"], slots["nu"]))
         scalars = {c: _bias_correction(int(c) + 1, lr=lr, b1=b1, b2=b2) for c in torch.unique(counts).tolist()}
         per_col = [scalars[c] for c in counts.tolist()]
         new_p, mu, nu = adamw_loop.adamw_columns(p, g, slots["mu"], slots["nu"], keep=1 - lr * weight_decay, b1=b1,
                                                  b2=b2, bc2_sqrt=[x[0] for x in per_col], eps=eps,
-                                                 step_size=[x[1] for x in per_col])
+                                                 step_size=[x[1] for x in per_col], inplace=inplace)
         return new_p, {"mu": mu, "nu": nu}
 
     return Optimizer(init, update, update_inplace, update_columns)
