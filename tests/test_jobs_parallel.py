@@ -4,9 +4,7 @@ search picks degrees the model takes and the memory model fits, and their jobs t
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobs_support import run_losses as losses, wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import parallel, techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -179,18 +178,6 @@ def test_predictions_of_a_parallel_technique_use_its_degrees_and_traffic_at_each
 
 
 # ---------------------------------------------------------------------------- real jobs (torchrun, gloo)
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(r)["loss"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def wait(handle, timeout: float = 300):
-    end = time.monotonic() + timeout
-    while (msg := handle.poll()) is None:
-        assert time.monotonic() < end, "attempt did not finish"
-        time.sleep(0.1)
-    return msg
 
 
 @pytest.mark.slow

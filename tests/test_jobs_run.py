@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jobs_support import wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -271,14 +272,6 @@ def losses(job_dir: Path) -> list[float]:
 def attempt(task, technique: str, n: int, steps: int, root: Path):
     return Attempt(task, technique, jobs.Devices(n, 2**30, ids=tuple(CORES[i % len(CORES)] for i in range(n))),
                    {}, steps, root / task.name / "ckpt")
-
-
-def wait(handle, timeout: float = 300):
-    end = time.monotonic() + timeout
-    while (msg := handle.poll()) is None:
-        assert time.monotonic() < end, "attempt did not finish"
-        time.sleep(0.1)
-    return msg
 
 
 @pytest.mark.slow

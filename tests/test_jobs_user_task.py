@@ -4,7 +4,6 @@ workers that import them by name (``fsdpx.jobs.train_run``, ``model = "python"``
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jobs_support import run_losses as losses, wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -68,10 +68,6 @@ def gpt_user_task(name: str, steps: int) -> jobs.Task:
     return jobs.Task(name, tiny_gpt, corpus_windows, token_loss, steps=steps, batch_size=16,
                      privacy=jobs.Privacy(target_epsilon=8.0),
                      hparams={"block": 16, "width": 32, "chars": 20000, "ckpt_every": 5})
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(r)["loss"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def alone(task: jobs.Task, root: Path) -> list[float]:
@@ -170,14 +166,6 @@ def test_a_user_task_on_two_workers_equals_the_single_process_run(technique, ref
 def attempt(task, technique: str, n: int, root: Path) -> Attempt:
     return Attempt(task, technique, jobs.Devices(n, 2**30, ids=tuple(CORES[i % len(CORES)] for i in range(n))),
                    {}, task.steps, root / task.name / "ckpt")
-
-
-def wait(handle, timeout: float = 300):
-    end = time.monotonic() + timeout
-    while (msg := handle.poll()) is None:
-        assert time.monotonic() < end, "attempt did not finish"
-        time.sleep(0.1)
-    return msg
 
 
 @pytest.mark.slow

@@ -33,15 +33,15 @@ def peak_bytes(device: torch.device) -> int:
 def main(path: str) -> None:
     watch_launcher()  # die with torchrun and with the process that launched it (execute.launch)
     config = RunConfig(**json.loads(Path(path).read_text()))
+    device = torchrun_device(config.device)
     comm = None
     if "WORLD_SIZE" in os.environ:
         from fsdpx.runtime.dist_comm import init_from_env
 
         comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp),
-                             device=torchrun_device(config.device))
+                             device=device)
     rank = 0 if comm is None else comm.rank
     summary = run(config, progress=False, comm=comm)
-    device = torchrun_device(config.device)
     config.run_dir.mkdir(parents=True, exist_ok=True)
     (config.run_dir / f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak_bytes(device)}))
     if rank == 0:
