@@ -207,7 +207,12 @@ class ActionTimer:
                     return _real(self_, *a, **k)
                 finally:
                     if TIMER.active:
-                        TIMER.times[_kind].append(time.perf_counter() - t0)
+                        took = time.perf_counter() - t0
+                        TIMER.times[_kind].append(took)
+                        # per stage, as fsdpx's: the schedule's loss ("L") takes the stage first
+                        stage = getattr(self_, "stage_index", None)
+                        key = (_kind, stage) if stage is not None else ("L", a[0].stage_index)
+                        TIMER.by_stage.setdefault(key, []).append(took)
             setattr(owner, name, timed_torch)
 
 
@@ -731,7 +736,39 @@ def summarize(res: dict) -> str:
         loss = ranks[-1]["steps"][mode][-1]["loss"]  # torch reports it on the last stage's rank
         lines.append(f"| {mode} | {sec:.3f} | {ratio(mode, torch_ref) if torch_ref else '-'} | "
                      f"{ratio(mode, 'fsdpx-1f1b')} | {bubble} | {sim} | {again} | {loss:.5f} |")
-    return "\n".join(lines + diag)
+    return "\n".join(lines + diag + per_stage_table(res, modes))
+
+
+def per_stage_table(res: dict, modes: list[str]) -> list[str]:
+    """Median ms of one action per stage (F, B, W; torch's schedule-computed loss added to its
+    F, as fsdpx's last stage computes it in F) and the step's time outside the schedule loop (the
+    update and bookkeeping), fsdpx beside torch for each schedule both ran."""
+    out = ["", "Per stage, median ms of one action, fsdpx / torch (torch's F includes its loss); "
+           "outside the loop: the step minus the loop, per rank", "",
+           "| schedule | stage | F | B | W | outside the loop (rank of the stage) |", "|---|---|---|---|---|---|"]
+    p = res["world"]
+    for mode in modes:
+        kind = mode.split("-", 1)[1]
+        if not mode.startswith("fsdpx-") or f"torch-{kind}" not in modes:
+            continue
+        pair = (mode, f"torch-{kind}")
+        stages = sorted({int(k[1:]) for r in res["ranks"] for k in r["steps"][mode][-1]["action_means"]})
+        for st in stages:
+            rank = st % p
+            steps = {m: [s for s in res["ranks"][rank]["steps"][m] if not s["warmup"]] for m in pair}
+
+            def med(m, key):
+                vals = [s["action_means"].get(key, 0.0) for s in steps[m]]
+                return statistics.median(vals) * 1e3
+
+            def cell(key):
+                a = med(mode, key[0] + str(st))
+                b = sum(med(pair[1], k + str(st)) for k in key)
+                return f"{a:.1f} / {b:.1f}"
+            outside = " / ".join(f"{statistics.median(s['walls'][rank] - s['schedule'][rank] for s in steps[m]) * 1e3:.1f}"
+                                 for m in pair)
+            out.append(f"| {kind} | {st} | {cell('FL')} | {cell('B')} | {cell('W')} | {outside} |")
+    return out
 
 
 def summarize_memory(res: dict) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -348,6 +348,19 @@ class DistComm:
         except RuntimeError as e:
             raise self._failure(e) from e
         return out
+
+    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's ``values`` (the same count on every rank), index = rank, as Python floats:
+        one all-gather of a float64 tensor on this rank's device, nothing pickled (the step's
+        metrics, every step). Integers of magnitude below 2**53 come back exact. Not counted in
+        ``counts`` (bookkeeping, as ``all_gather_object``)."""
+        local = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(local) for _ in range(self.mesh.size)]
+        try:
+            dist.all_gather(out, local)
+        except RuntimeError as e:
+            raise self._failure(e) from e
+        return [t.tolist() for t in out]
 
     def _failure(self, error: Exception) -> Exception:
         """Mark this rank alive in the store, wait for the other survivors, name the rest."""

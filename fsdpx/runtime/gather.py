@@ -23,12 +23,11 @@ from typing import Collection, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils._named_member_accessor import NamedMemberAccessor
-
 from fsdpx.sharding.collectives import Collective, cached_plan
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_shape
 from fsdpx.sharding.plan import ShardingPlan
+from .slots import Slots
 from .units import Unit
 
 
@@ -60,23 +59,34 @@ class Gatherer:
                              for n, lay in plan.params.items()}
         self.batched = {u.module: self._batchable(u) for u in units}  # decided once, used every gather
         self.moving = {u.module: any(self.plans[n] for n in u.params) for u in units}
+        # where each alias lives in the model, resolved once (``installed`` swaps by key)
+        self.slots = Slots(model, [alias for u in units for alias, _ in u.aliases])
         self._start()
 
-    def _start(self) -> None:
-        """The state of one forward and backward: fresh leaves, nothing gathered."""
-        self.full = {n: self._placeholder(n) for n in self.plans}
+    def _start(self, leaves: dict[str, tuple[Tensor, Tensor]] | None = None) -> None:
+        """The state of one forward and backward: fresh leaves (those of ``leaves`` reused, see
+        ``renewed``), nothing gathered."""
+        self.full = {n: self._placeholder(n, leaves) for n in self.plans}
         self.live: set[str] = set()  # units whose storage is currently allocated
         self.backward_done: set[str] = set()
 
-    def renewed(self, at_rest: dict[str, Tensor], *, trainable: Collection[str] | None = None) -> "Gatherer":
+    def renewed(self, at_rest: dict[str, Tensor], *, trainable: Collection[str] | None = None,
+                leaves: dict[str, tuple[Tensor, Tensor]] | None = None) -> "Gatherer":
         """A Gatherer for another forward and backward of the same units, plan and communicator
         (a pipeline's next microbatch or step): what was decided from the plan (collectives,
         local shapes, batching) is shared, the leaves and their state are new. Equal to
-        constructing one with the same arguments (``at_rest`` with the same dtypes)."""
+        constructing one with the same arguments (``at_rest`` with the same dtypes).
+
+        ``leaves``: a dict shared by the Gatherers of one step (a pipeline's microbatches of one
+        stage). A parameter that needs no collective gets one leaf for all of them, as a
+        module's ``nn.Parameter`` is one leaf for every microbatch: its first Gatherer stores
+        the leaf there, later ones with the same at-rest tensor and the same ``requires_grad``
+        reuse it. The caller keeps the leaves' ``.grad`` empty between backwards and drops the
+        dict at the step's end (a leaf aliases its at-rest tensor)."""
         g = copy.copy(self)
         g.at_rest = at_rest
         g.trainable = frozenset(self.layouts if trainable is None else trainable)
-        g._start()
+        g._start(leaves)
         return g
 
     def _moves(self, unit: Unit) -> bool:
@@ -120,15 +130,24 @@ class Gatherer:
             self.comm.gather_into([self.plans[n][0] for n in names], [self.at_rest[n] for n in names],
                                   [self.full[n].view(self.local_shapes[n]) for n in names])
 
-    def _placeholder(self, name: str) -> Tensor:
+    def _placeholder(self, name: str, leaves: dict[str, tuple[Tensor, Tensor]] | None = None) -> Tensor:
         """The step's leaf for ``name`` in the compute layout, shaped as the module's parameter
-        (a fused view merged back): an alias of the at-rest tensor when no gather is needed,
-        else a tensor of the right shape whose storage is not allocated."""
+        (a fused view merged back): an alias of the at-rest tensor when no gather is needed
+        (taken from ``leaves`` when one there aliases the same tensor with the same
+        ``requires_grad``, else stored there), else a tensor of the right shape whose storage
+        is not allocated."""
         rest = self.at_rest[name]
-        shape = self.layouts[name].param_shape(self.local_shapes[name])
         grad = name in self.trainable
         if not self.plans[name]:
-            return rest.detach().view(shape).requires_grad_(grad)
+            if leaves is not None:
+                was, leaf = leaves.get(name, (None, None))
+                if was is rest and leaf.requires_grad == grad:
+                    return leaf
+            leaf = rest.detach().view(self.layouts[name].param_shape(self.local_shapes[name])).requires_grad_(grad)
+            if leaves is not None:
+                leaves[name] = (rest, leaf)
+            return leaf
+        shape = self.layouts[name].param_shape(self.local_shapes[name])
         full = torch.empty(shape, dtype=rest.dtype, device=rest.device)
         full.untyped_storage().resize_(0)
         return full.requires_grad_(grad)
@@ -171,17 +190,17 @@ class Gatherer:
         parameters need no collective (at rest already in the compute layout: DDP, a replicated
         parameter) has nothing to gather or free: its leaves are swapped in once, here, and it
         gets no hooks (a pipeline enters this once per microbatch and stage)."""
-        accessor = NamedMemberAccessor(self.model)
+        slots = self.slots
         handles, swapped = [], {}
         still = {alias: self.full[name] for u in self.units if not self.moving[u.module] for alias, name in u.aliases}
         if still:
-            swapped[None] = accessor.swap_tensors_dict(still, allow_missing=True)[0]
+            swapped[None] = slots.swap(still)
 
         def pre(unit: Unit):
             def hook(module: nn.Module, args: tuple) -> None:
                 self.gather(unit)
                 tensors = {alias: self.full[name] for alias, name in unit.aliases}
-                swapped[unit.module] = accessor.swap_tensors_dict(tensors, allow_missing=True)[0]
+                swapped[unit.module] = slots.swap(tensors)
                 for a in args:
                     if isinstance(a, Tensor) and a.requires_grad and unit.module:
                         a.register_hook(lambda g, u=unit: self._after_backward(u))
@@ -189,7 +208,7 @@ class Gatherer:
 
         def post(unit: Unit):
             def hook(module: nn.Module, args: tuple, output) -> None:
-                accessor.swap_tensors_dict(swapped.pop(unit.module), allow_missing=True)
+                slots.swap(swapped.pop(unit.module))
                 if self.reshard_after_forward:
                     self.free(unit)
                 for t in torch.utils._pytree.tree_leaves(output):
@@ -209,7 +228,7 @@ class Gatherer:
             for h in handles:
                 h.remove()
             for saved in swapped.values():
-                accessor.swap_tensors_dict(saved, allow_missing=True)
+                slots.swap(saved)
 
     def _before_backward(self, unit: Unit) -> None:
         if unit.module not in self.backward_done:

@@ -166,16 +166,18 @@ class PipelineStep:
         absent = absent_uses(self.model, self.plan.params, self.layout, s)
         return _Stage(s, names, plan, units, StageForward(self.model, self.layout, absent))
 
-    def gatherer(self, s: int, at_rest: dict[str, Tensor], trainable: list[str]) -> Gatherer:
+    def gatherer(self, s: int, at_rest: dict[str, Tensor], trainable: list[str], leaves: dict) -> Gatherer:
         """A Gatherer of stage ``s`` for one microbatch's forward and backward: ``renewed``
-        from the stage's first, so the plan is read once per run, not per microbatch. ``keep``:
-        a split backward walks the graph twice, and a private layer without a ghost rule reads
-        its parameters after the backward, so gathered parameters stay until then."""
+        from the stage's first, so the plan is read once per run, not per microbatch; ``leaves``
+        (one dict per stage and step) gives a parameter that needs no collective one leaf for
+        every microbatch of the step. ``keep``: a split backward walks the graph twice, and a
+        private layer without a ghost rule reads its parameters after the backward, so gathered
+        parameters stay until then."""
         if s not in self._gatherers:
             st = self.all_stages[s]
             self._gatherers[s] = Gatherer(self.model, st.units, st.plan, self.group, at_rest,
                                           keep_after_backward=self.keep)
-        return self._gatherers[s].renewed(at_rest, trainable=trainable)
+        return self._gatherers[s].renewed(at_rest, trainable=trainable, leaves=leaves)
 
     def _train_now(self, step: int) -> None:
         """Under a freezing schedule, this step's stages: each one's ``names`` (what gets a tape,
@@ -304,6 +306,10 @@ class _Run:
         self.outbox: dict[tuple[str, int, int], Tensor] = {}
         self.raw: dict[str, Tensor] = {}
         self.owned: set[str] = set()  # sums this step allocated (safe to add into in place)
+        # per stage: the step's leaves of parameters that need no collective (Gatherer.renewed);
+        # their .grad is empty between backwards (_backward_into_sums takes it)
+        self.leaves: dict[int, dict] = {}
+        self.sum_views: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (its running sum, the leaf-shaped view)
         self.loss_sum, self.count = 0.0, 0
 
     # ---- the action loop ---------------------------------------------------------------------
@@ -405,7 +411,8 @@ class _Run:
         o, st = self.o, self.o.stages[s]
         inputs, targets, mask = unpack(self.mbs[mb])
         last = s == o.layout.num_stages - 1
-        gatherer = o.gatherer(s, {n: self.state.params[n] for n in st.plan.params}, st.names)
+        gatherer = o.gatherer(s, {n: self.state.params[n] for n in st.plan.params}, st.names,
+                              self.leaves.setdefault(s, {}))
         size = targets.shape[0]
         if size == 0:
             _dry_forward(gatherer, last)
@@ -485,16 +492,25 @@ class _Run:
         inputs = ([rec.inject] if rec.inject is not None else []) + leaves
         if not inputs:
             return
+        views = self.sum_views
         for n, leaf in zip(names, leaves):
             if n in self.owned:  # the running sum, in the leaf's shape: added into in place
-                leaf.grad = self.raw[n].view(leaf.shape)
+                raw, view = views.get(n, (None, None))
+                if raw is not self.raw[n] or view.shape != leaf.shape:
+                    raw, view = self.raw[n], self.raw[n].view(leaf.shape)
+                    views[n] = (raw, view)
+                leaf.grad = view
         torch.autograd.backward(rec.root, grad_out, inputs=inputs)
         g_in = rec.inject.grad if rec.inject is not None else None
-        seen = {t.untyped_storage().data_ptr() for t in (grad_out, g_in) if t is not None and t.numel()}
+        seen = None
         for n, leaf in zip(names, leaves):
             g, leaf.grad = leaf.grad, None
             if g is None:
                 continue
+            if n in self.owned and g is views[n][1]:
+                continue  # added into the running sum in place: nothing to take
+            if seen is None:
+                seen = {t.untyped_storage().data_ptr() for t in (grad_out, g_in) if t is not None and t.numel()}
             if n not in self.owned:  # a new sum: its storage must be its own
                 ptr = g.untyped_storage().data_ptr()
                 if ptr in seen and g.numel():

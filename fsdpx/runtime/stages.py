@@ -24,9 +24,8 @@ from typing import Any, Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils._named_member_accessor import NamedMemberAccessor
-
 from fsdpx.sharding.pipeline import PipelineLayout
+from .slots import Slots
 
 
 class StageExit(Exception):
@@ -76,7 +75,7 @@ class StageForward:
         # stand-ins built once: zeros owning one element, never written, never a leaf
         self.zeros = {alias: torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
                       for alias, (shape, dtype) in absent.items()}
-        self.accessor = NamedMemberAccessor(model)
+        self.slots = Slots(model, self.zeros)
 
     @contextlib.contextmanager
     def running(self, stage: int, inject: Tensor | None) -> Iterator[None]:
@@ -85,8 +84,7 @@ class StageForward:
         blocks = [self.block_list._modules[self.keys[i]] for i in self.layout.stages[stage]]
         saved = self.block_list._modules
         handles = []
-        accessor = self.accessor
-        swapped = accessor.swap_tensors_dict(self.zeros, allow_missing=True)[0] if self.zeros else {}
+        swapped = self.slots.swap(self.zeros) if self.zeros else {}
         try:
             self.block_list._modules = {self.keys[i]: b for i, b in zip(self.layout.stages[stage], blocks)}
             if inject is not None:
@@ -99,7 +97,7 @@ class StageForward:
                 h.remove()
             self.block_list._modules = saved
             if swapped:
-                accessor.swap_tensors_dict(swapped, allow_missing=True)
+                self.slots.swap(swapped)
 
 
 def _injector(x: Tensor):

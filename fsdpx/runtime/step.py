@@ -484,9 +484,13 @@ def _run_plan(comm: Comm, collectives, x: Tensor) -> Tensor:
 
 
 def _global_metrics(comm: Comm, stats, config: DPConfig | None) -> dict[str, Any]:
-    everyone = comm.all_gather_object(stats)
+    """The step's metrics over every rank from each rank's ``stats`` (loss sum, examples,
+    clipped examples, norm sum): summed in rank order, the same floats whichever way they
+    travel (``all_gather_floats`` where the communicator has it: one float64 all-gather)."""
+    floats = getattr(comm, "all_gather_floats", None)
+    everyone = floats(stats) if floats is not None else comm.all_gather_object(stats)
     loss = sum(s[0] for s in everyone)
-    n = sum(s[1] for s in everyone)
+    n = int(sum(s[1] for s in everyone))
     metrics: dict[str, Any] = {"loss": loss / n if n else float("nan"), "batch_size": n}
     if config is not None:
         metrics["clipped_fraction"] = sum(s[2] for s in everyone) / n if n else 0.0
