@@ -67,6 +67,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -638,6 +639,43 @@ def transit_in_schedule(res: dict, mode: str, i: int) -> list[float]:
     return [t1 - sent[key] for key, t0, t1 in waited if key in sent and t0 < sent[key]]
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``values`` (binomial order statistics:
+    the k-th smallest and k-th largest, k the largest with P(Bin(n, 1/2) < k) <= (1 - level) / 2),
+    at least ``level`` coverage; the extremes when n is too small for that."""
+    xs, n = sorted(values), len(values)
+    tail, k, below = (1 - level) / 2, 0, 0.0
+    while k < n // 2 and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    k = max(k, 1)
+    return xs[k - 1], xs[n - k]
+
+
+def paired(paths: list[str]) -> str:
+    """fsdpx / torch step-time ratios of the same rounds pooled over the timing jobs of
+    ``paths`` (``--out`` files of runs with the same nproc), per schedule both ran: median,
+    quartiles, the median's 95% interval, rounds where fsdpx was faster."""
+    pooled: dict[str, list[float]] = {}
+    for path in paths:
+        with open(path) as f:
+            steps = json.load(f)["timing"]["ranks"][0]["steps"]
+        for mode in steps:
+            kind = mode.split("-", 1)[1]
+            if mode.startswith("fsdpx-") and f"torch-{kind}" in steps:
+                mine = [s for s in steps[mode] if not s["warmup"]]
+                ref = [s for s in steps[f"torch-{kind}"] if not s["warmup"]]
+                pooled.setdefault(kind, []).extend(a["seconds"] / b["seconds"] for a, b in zip(mine, ref))
+    lines = ["| schedule | rounds | fsdpx / torch: median [quartiles] | 95% interval of the median | fsdpx faster |",
+             "|---|---|---|---|---|"]
+    for kind, rs in pooled.items():
+        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3
+        lo, hi = median_interval(rs)
+        lines.append(f"| {kind} | {len(rs)} | {statistics.median(rs):.3f} [{q[0]:.3f}-{q[2]:.3f}] | "
+                     f"{lo:.3f}-{hi:.3f} | {sum(r < 1 for r in rs)} |")
+    return "\n".join(lines)
+
+
 def summarize(res: dict) -> str:
     ranks = res["ranks"]
     steps0 = ranks[0]["steps"]
@@ -664,7 +702,9 @@ def summarize(res: dict) -> str:
         rs = sorted(a["seconds"] / b["seconds"] for a, b in zip(measured(mode), measured(ref)))
         q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3
         cpu = statistics.median(a["cpu"] / b["cpu"] for a, b in zip(measured(mode), measured(ref)))
-        return f"{statistics.median(rs):.2f}x [{q[0]:.2f}-{q[2]:.2f}] cpu {cpu:.2f}x"
+        lo, hi = median_interval(rs)
+        return (f"{statistics.median(rs):.3f}x [{q[0]:.2f}-{q[2]:.2f}] 95% {lo:.3f}-{hi:.3f}, "
+                f"faster {sum(r < 1 for r in rs)}/{len(rs)}, cpu {cpu:.2f}x")
 
     lines = [f"### {p} processes (Mesh(dp=1, pp={p})), GPT {res['config']}, global batch {GLOBAL_BATCH}, "
              f"{MICROBATCHES} microbatches, fp32, 1 thread per process", "",
@@ -833,7 +873,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--paired", nargs="+", metavar="JSON", default=None,
+                    help="print the fsdpx / torch ratios pooled over these --out files, run nothing")
     args = ap.parse_args()
+    if args.paired:
+        print(paired(args.paired))
+        return
     (worker if args.worker else driver)(args)
 
 
