@@ -81,6 +81,13 @@ LR, WD = 1e-3, 0.01
 KINDS = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TORCH_KINDS = ("gpipe", "1f1b", "interleaved_1f1b")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks >= 64 KiB go back to the OS
+# --malloc keep (timing job): glibc serves every block from its heap and never gives freed memory
+# back, so no step's temporaries land on freshly mapped pages (no first-touch page faults). Under
+# glibc's defaults whether an 8 MiB temporary (logits, their gradient) is served from mapped
+# memory depends on the process's allocation history, and either library's last stage can lose
+# 2-4 ms a microbatch to it in one launch and not the next.
+KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296",
+            "MALLOC_TOP_PAD_": "268435456"}
 PING_REPS = 20
 
 
@@ -841,10 +848,10 @@ def driver(args) -> None:
     if args.rounds:
         load = os.getloadavg()[0]
         log(f"timing job: {args.nproc} processes, {args.rounds} rounds; load average {load:.1f}")
-        res = launch_worker(os.path.abspath(__file__), [*common, "--job", "timing", "--rounds", str(args.rounds)], {},
-                            args.nproc, log)
+        res = launch_worker(os.path.abspath(__file__), [*common, "--job", "timing", "--rounds", str(args.rounds)],
+                            KEEP_ENV if args.malloc == "keep" else {}, args.nproc, log)
         texts.append(summarize(res))
-        out["timing"] = {**res, "load": [load, os.getloadavg()[0]], "table": texts[-1]}
+        out["timing"] = {**res, "load": [load, os.getloadavg()[0]], "table": texts[-1], "malloc": args.malloc}
         log(f"timing job done; load average {os.getloadavg()[0]:.1f}")
     if args.mem_rounds:
         log(f"memory job: {args.nproc} processes, {args.mem_rounds} rounds")
@@ -871,6 +878,8 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join([*(f"fsdpx-{k}" for k in KINDS), "fsdpx-1f1b-private",
                                                  *(f"torch-{k}" for k in TORCH_KINDS)]))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--malloc", choices=("default", "keep"), default="default",
+                    help="timing job's glibc malloc: its defaults, or keep freed memory (no page faults on reuse)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--paired", nargs="+", metavar="JSON", default=None,
