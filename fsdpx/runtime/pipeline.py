@@ -53,6 +53,7 @@ from privacy.batch import call_model, first_tensor, real_count, slice_batch, unp
 from privacy.tape import LossFn, Tape, fill_grads, taping
 
 from .gather import Gatherer
+from .host_heap import raise_thresholds
 from .stages import StageExit, StageForward, absent_uses
 from .parts_p2p import recv_parts, send_parts
 from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
@@ -155,6 +156,9 @@ class PipelineStep:
         self._gatherers: dict[int, Gatherer] = {}
         self.local_shapes = {n: local_shape(lay.shape, lay.compute, self.group.mesh, self.group.rank)
                              for n, lay in self.local_plan.params.items()}
+        # each microbatch frees its temporaries and the next allocates the same sizes: keep them
+        # on mapped pages (glibc's own threshold adjustment, once; a no-op elsewhere)
+        raise_thresholds()
 
     def _stage(self, s: int) -> _Stage:
         names = self.layout.params_of([s])
