@@ -66,7 +66,11 @@ from .units import Unit, make_units
 
 # receives are posted this many transfer groups ahead of the one that waits for them: that
 # many more activation-sized buffers held, against a send that finds no receive posted
-# (gloo then sends only a notice, and the data waits for the receiver's request)
+# (gloo then sends only a notice, and the data waits for the receiver's request, i.e. for the
+# sender's I/O thread to get a core back from its compute). An interleaved rank has about
+# 2v - 1 times as many transfer groups per microbatch (v chunks each way), so it looks that much
+# further ahead (PipelineStep.recv_ahead): at v = 2, 2 processes, 2 groups left the upper
+# quartile of in-schedule transit at 0.95-2.1 ms, 6 at 0.46-0.48 (benchmarks/pipeline.py)
 RECV_AHEAD = 2
 
 
@@ -135,6 +139,7 @@ class PipelineStep:
         self.schedule: Schedule = schedule(layout.schedule, self.p, layout.microbatches,
                                            virtual_stages=layout.virtual_stages)
         self.split = layout.schedule in SPLIT_BACKWARD
+        self.recv_ahead = RECV_AHEAD * (2 * layout.virtual_stages - 1)
         self.local_plan = rank_plan(plan, mesh, comm.rank)
         self.group = StageGroupComm(comm, layout.axis)
         self.tensor_parallel = TensorParallelHooks(model, plan, self.group)
@@ -376,12 +381,12 @@ class _Run:
             self.pending[("F" if isinstance(a, RECV_F) else "B", a.mb, a.stage)] = handle
 
     def _transfer(self, actions: list[P2P], group: int) -> None:
-        """Transfer group ``group``: its receives and those of the next ``RECV_AHEAD`` groups
+        """Transfer group ``group``: its receives and those of the next ``recv_ahead`` groups
         are posted (before this group's sends: a peer that answers one of these sends finds
         them posted), then its sends leave (never waited for until ``flush_p2p``), then its
         receives are waited for. Receives are posted in schedule order, so each matches its
         send; posting never blocks, so a schedule that simulates still cannot deadlock."""
-        self._post_receives(group + RECV_AHEAD)
+        self._post_receives(group + self.o.recv_ahead)
         sends, keys = [], []
         for a in actions:
             if self.mbs[a.mb][1].shape[0] == 0:
