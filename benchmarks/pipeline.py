@@ -82,10 +82,9 @@ KINDS = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TORCH_KINDS = ("gpipe", "1f1b", "interleaved_1f1b")
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks >= 64 KiB go back to the OS
 # --malloc keep (timing job): glibc serves every block from its heap and never gives freed memory
-# back, so no step's temporaries land on freshly mapped pages (no first-touch page faults). Under
-# glibc's defaults whether an 8 MiB temporary (logits, their gradient) is served from mapped
-# memory depends on the process's allocation history, and either library's last stage can lose
-# 2-4 ms a microbatch to it in one launch and not the next.
+# back, so no step's temporaries land on freshly mapped pages (no first-touch page faults), for
+# any size. Without it the processes run with glibc's defaults, whose thresholds fsdpx's
+# PipelineStep raises once (fsdpx/runtime/host_heap.py: blocks up to 32 MiB stay mapped).
 KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296",
             "MALLOC_TOP_PAD_": "268435456"}
 PING_REPS = 20
@@ -659,6 +658,13 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return xs[k - 1], xs[n - k]
 
 
+def ratio_summary(ratios: list[float]) -> tuple[float, float, float, float, float, int]:
+    """``(median, first quartile, third quartile, interval low, interval high, ratios < 1)`` of
+    same-round fsdpx / reference ratios (the interval: ``median_interval``)."""
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return (statistics.median(ratios), q[0], q[2], *median_interval(ratios), sum(r < 1 for r in ratios))
+
+
 def paired(paths: list[str]) -> str:
     """fsdpx / torch step-time ratios of the same rounds pooled over the timing jobs of
     ``paths`` (``--out`` files of runs with the same nproc), per schedule both ran: median,
@@ -676,10 +682,8 @@ def paired(paths: list[str]) -> str:
     lines = ["| schedule | rounds | fsdpx / torch: median [quartiles] | 95% interval of the median | fsdpx faster |",
              "|---|---|---|---|---|"]
     for kind, rs in pooled.items():
-        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3
-        lo, hi = median_interval(rs)
-        lines.append(f"| {kind} | {len(rs)} | {statistics.median(rs):.3f} [{q[0]:.3f}-{q[2]:.3f}] | "
-                     f"{lo:.3f}-{hi:.3f} | {sum(r < 1 for r in rs)} |")
+        med, q1, q3, lo, hi, faster = ratio_summary(rs)
+        lines.append(f"| {kind} | {len(rs)} | {med:.3f} [{q1:.3f}-{q3:.3f}] | {lo:.3f}-{hi:.3f} | {faster} |")
     return "\n".join(lines)
 
 
@@ -706,12 +710,10 @@ def summarize(res: dict) -> str:
         machine leaves), and the median ratio of the slowest rank's process CPU time."""
         if ref not in steps0:
             return "-"
-        rs = sorted(a["seconds"] / b["seconds"] for a, b in zip(measured(mode), measured(ref)))
-        q = statistics.quantiles(rs, n=4) if len(rs) > 1 else [rs[0]] * 3
+        rs = [a["seconds"] / b["seconds"] for a, b in zip(measured(mode), measured(ref))]
         cpu = statistics.median(a["cpu"] / b["cpu"] for a, b in zip(measured(mode), measured(ref)))
-        lo, hi = median_interval(rs)
-        return (f"{statistics.median(rs):.3f}x [{q[0]:.2f}-{q[2]:.2f}] 95% {lo:.3f}-{hi:.3f}, "
-                f"faster {sum(r < 1 for r in rs)}/{len(rs)}, cpu {cpu:.2f}x")
+        med, q1, q3, lo, hi, faster = ratio_summary(rs)
+        return f"{med:.3f}x [{q1:.2f}-{q3:.2f}] 95% {lo:.3f}-{hi:.3f}, faster {faster}/{len(rs)}, cpu {cpu:.2f}x"
 
     lines = [f"### {p} processes (Mesh(dp=1, pp={p})), GPT {res['config']}, global batch {GLOBAL_BATCH}, "
              f"{MICROBATCHES} microbatches, fp32, 1 thread per process", "",

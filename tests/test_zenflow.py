@@ -220,6 +220,25 @@ def test_background_worker_reads_only_its_own_copies():
     _assert_same_tree(window_result(scribble=True), window_result(scribble=False))
 
 
+def _weights_and_grads(seed: int, dtype: torch.dtype, *, rows: int, cols: int, out: int, steps: int,
+                       period: int) -> tuple[dict, list[dict]]:
+    """Two 2-D weights (``w [rows, cols]``, ``v [cols, out]``) and a bias, and ``steps`` gradients
+    whose scale cycles through 1..``period`` (so column scores change and windows reselect)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(rows, cols, dtype=dtype, generator=gen),
+              "v": torch.randn(cols, out, dtype=dtype, generator=gen), "b": torch.randn(rows, dtype=dtype, generator=gen)}
+    grads = [{k: torch.randn(v.shape, dtype=dtype, generator=gen) * (1 + t % period) for k, v in params.items()}
+             for t in range(steps)]
+    return params, grads
+
+
+def _twins(opt, params: dict) -> tuple:
+    """``(pure_state, pure_params, state, params)``: a state for ``update`` on ``params`` and one
+    for ``update_inplace`` on copies it may overwrite."""
+    copies = {k: v.clone() for k, v in params.items()}
+    return opt.init(params), params, opt.init({k: v.clone() for k, v in params.items()}), copies
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("delay, overlap, update_interval", [(1, True, 2), (1, False, 3), (0, True, 2), (1, True, "auto")])
 def test_donated_update_gives_the_same_bits(dtype, delay, overlap, update_interval):
@@ -234,8 +253,7 @@ def test_donated_update_gives_the_same_bits(dtype, delay, overlap, update_interv
     select = 2 if update_interval == "auto" else 2 * update_interval
     opt = offload.zenflow(INNER, topk_ratio=0.3, update_interval=update_interval, select_interval=select,
                           delay=delay, overlap=overlap, auto=AutoConfig(min_interval=1, max_interval=3))
-    pure_state, pure_p = opt.init(params), params
-    state, p = opt.init({k: v.clone() for k, v in params.items()}), {k: v.clone() for k, v in params.items()}
+    pure_state, pure_p, state, p = _twins(opt, params)
     for g in grads:
         pure_p, pure_state = opt.update(g, pure_state, pure_p)
         p, state = opt.update_inplace(g, state, p)
@@ -255,14 +273,9 @@ def test_background_window_sum_equals_the_inline_sum(monkeypatch, dtype, delay, 
     zf = importlib.import_module("offload.zenflow")  # the package exports the function under that name
 
     monkeypatch.setattr(zf, "_ASYNC_ON_CPU", True)
-    gen = torch.Generator().manual_seed(29)
-    params = {"w": torch.randn(4, 9, dtype=dtype, generator=gen), "v": torch.randn(9, 3, dtype=dtype, generator=gen),
-              "b": torch.randn(4, dtype=dtype, generator=gen)}
-    grads = [{k: torch.randn(v.shape, dtype=dtype, generator=gen) * (1 + t % 3) for k, v in params.items()}
-             for t in range(15)]
+    params, grads = _weights_and_grads(29, dtype, rows=4, cols=9, out=3, steps=15, period=3)
     opt = offload.zenflow(INNER, topk_ratio=0.3, update_interval=2, select_interval=6, delay=delay, overlap=True)
-    pure_state, pure_p = opt.init(params), params
-    state, p = opt.init({k: v.clone() for k, v in params.items()}), {k: v.clone() for k, v in params.items()}
+    pure_state, pure_p, state, p = _twins(opt, params)
     for t, g in enumerate(grads):
         pure_p, pure_state = opt.update(g, pure_state, pure_p)
         release = threading.Event()
@@ -288,14 +301,9 @@ def test_reused_window_buffers_are_never_written_while_a_held_job_reads_them(mon
     so shapes change and mixed counts take ``update_columns``), and the buffers are reused."""
     zf = importlib.import_module("offload.zenflow")
     monkeypatch.setattr(zf, "_ASYNC_ON_CPU", async_sum)
-    gen = torch.Generator().manual_seed(37)
-    params = {"w": torch.randn(5, 11, dtype=dtype, generator=gen), "v": torch.randn(11, 4, dtype=dtype, generator=gen),
-              "b": torch.randn(5, dtype=dtype, generator=gen)}
-    grads = [{k: torch.randn(v.shape, dtype=dtype, generator=gen) * (1 + t % 4) for k, v in params.items()}
-             for t in range(25)]
+    params, grads = _weights_and_grads(37, dtype, rows=5, cols=11, out=4, steps=25, period=4)
     opt = offload.zenflow(INNER, topk_ratio=0.3, update_interval=3, select_interval=9, delay=1, overlap=True)
-    pure_state, pure_p = opt.init(params), params
-    state, p = opt.init({k: v.clone() for k, v in params.items()}), {k: v.clone() for k, v in params.items()}
+    pure_state, pure_p, state, p = _twins(opt, params)
     release, seen = threading.Event(), set()
     try:
         for t, g in enumerate(grads, start=1):
@@ -322,8 +330,7 @@ def test_donated_window_end_merges_the_landed_window_before_the_next_job():
     params = {"w": torch.randn(5, 8, dtype=F64, generator=gen)}
     grads = [{"w": torch.randn(5, 8, dtype=F64, generator=gen)} for _ in range(6)]
     opt = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=100, delay=1, overlap=True)
-    pure_state, pure_p = opt.init(params), params
-    state, p = opt.init({"w": params["w"].clone()}), {"w": params["w"].clone()}
+    pure_state, pure_p, state, p = _twins(opt, params)
     for t, g in enumerate(grads):
         pure_p, pure_state = opt.update(g, pure_state, pure_p)
         p, state = opt.update_inplace(g, state, p)
