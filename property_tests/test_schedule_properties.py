@@ -247,3 +247,52 @@ def test_action_costs_equal_to_stage_costs_give_the_same_timeline(sched, data):
         replay = simulate(sched, stage_costs=stage_costs,
                           action_costs={a: stage_costs[a.stage][a.kind] for a in chosen})
         assert replay.ranks == by_stage.ranks and replay.makespan == by_stage.makespan
+
+
+def _ordered(timeline, sched) -> None:
+    """Each rank runs its list in order, one action at a time, each F before its B before its W."""
+    assert [tuple(e.action for e in entries) for entries in timeline.ranks] == list(sched.ranks)
+    for entries in timeline.ranks:
+        for before, after in zip(entries, entries[1:]):
+            assert before.start <= before.end <= after.start
+    at = timeline.by_action()
+    for mb in range(sched.num_microbatches):
+        for s in range(sched.num_stages):
+            assert at[F(mb, s)].end <= at[B(mb, s)].start and at[B(mb, s)].end <= at[W(mb, s)].start
+
+
+@given(schedules(), costs, transfers, st.data())
+def test_as_many_cores_as_ranks_changes_nothing(sched, cost, transfer, data):
+    """With a core for every rank, sharing never slows a rank: the shared-core event loop gives
+    exactly the timeline of a core each (exact costs); with fewer it keeps the schedule's order."""
+    cores = data.draw(st.integers(sched.num_ranks, sched.num_ranks + 2), label="cores")
+    own, shared = simulate(sched, cost, transfer=transfer), simulate(sched, cost, transfer=transfer, cores=cores)
+    assert shared.ranks == own.ranks and shared.makespan == own.makespan
+    assert shared.compute_time == own.compute_time
+    fewer = simulate(sched, cost, transfer=transfer, cores=data.draw(st.integers(1, sched.num_ranks), label="c"))
+    _ordered(fewer, sched)
+
+
+@given(schedules(), costs)
+def test_one_core_runs_the_total_work_back_to_back(sched, cost):
+    """Free transit, one core: some rank can always move (no deadlock), so the core never idles
+    and the makespan is the step's total work."""
+    own = simulate(sched, cost)
+    work = sum(e.end - e.start for entries in own.ranks for e in entries)
+    assert simulate(sched, cost, cores=1).makespan == work
+
+
+@given(schedules(), costs, transfers, st.data())
+def test_shared_cores_stretch_the_timeline_by_at_most_p_over_c(sched, cost, transfer, data):
+    """Each running action advances at between ``c / p`` and 1 of a core: no action ends earlier
+    than with a core per rank nor later than that timeline stretched by ``p / c``; the makespan
+    is at least the work over ``c``; waiting for a core counts as computing."""
+    p = sched.num_ranks
+    c = data.draw(st.integers(1, p), label="cores")
+    own, shared = simulate(sched, cost, transfer=transfer), simulate(sched, cost, transfer=transfer, cores=c)
+    before, after = own.by_action(), shared.by_action()
+    for a, e in after.items():
+        assert before[a].end <= e.end <= before[a].end * Fraction(p, c)
+    work = sum(e.end - e.start for entries in own.ranks for e in entries)
+    assert max(own.makespan, Fraction(work, c)) <= shared.makespan <= own.makespan * Fraction(p, c)
+    assert shared.compute_time >= own.compute_time

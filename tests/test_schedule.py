@@ -225,3 +225,21 @@ def test_stage_costs_price_an_interleaved_rank_s_chunks_apart():
     assert by_rank.makespan == 30
     with pytest.raises(ValueError, match="stage_costs"):
         simulate(sched, stage_costs=per_stage[:3])
+
+
+def test_two_ranks_on_one_core_share_it_while_both_compute():
+    """gpipe, 2 ranks, 2 microbatches, unit costs, one core: rank 0's second forward and rank 1's
+    first start together at 1 and each gets half the core, so both end at 3; the whole step is
+    its 12 units of work back to back, against 9 with a core each."""
+    sched = schedule("gpipe", 2, 2)
+    t = simulate(sched, cores=1)
+    at = t.by_action()
+    assert at[F(0, 0)][:2] == (0, 1)
+    assert at[F(1, 0)][:2] == (1, 3) and at[F(0, 1)][:2] == (1, 3)
+    assert t.makespan == 12 and simulate(sched).makespan == 9
+    # the time a rank waits for the core inside an action counts as computing: three times two
+    # unit actions share the core for 2 units each, so 12 units of work take 18 rank-units
+    assert t.compute_time == 18 and simulate(sched).compute_time == 12
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="cores"):
+            simulate(sched, cores=bad)

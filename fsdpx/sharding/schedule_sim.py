@@ -30,6 +30,14 @@ fused backward (``B, W`` then the send, see ``fsdpx.sharding.schedule``) the bac
 Measured costs differ by rank (``rank_costs``) and, on an interleaved rank, by stage
 (``stage_costs``: a rank's chunks need not cost the same).
 
+Shared cores (``cores=c``): the ranks run on ``c`` cores of one host instead of one core each
+(four gloo processes on a two-core machine). An action's cost is then the CPU work it needs,
+and while ``n`` ranks are inside actions that need work each advances at ``min(1, c / n)`` per
+unit of time (processor sharing, what the kernel's fair scheduler approximates over a time
+slice); a rank waiting for its inputs, or a message in transit, uses no core. An action's
+duration (``end - start``) is its wall time, so time a rank spends inside an ``F`` waiting for
+a core counts as computing, as a timer around the real ``F`` counts it.
+
 Definitions (``Timeline``):
   * ``makespan``: the last action's end (all ranks start at 0).
   * ``idle_time``: rank-time not spent in ``F``/``B``/``W``, ``p * makespan - compute``; time
@@ -50,6 +58,7 @@ from __future__ import annotations
 from collections import deque
 from numbers import Real
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Sequence
@@ -125,7 +134,8 @@ class Timeline:
 def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
              rank_costs: Sequence[Mapping[str, float]] | None = None,
              stage_costs: Sequence[Mapping[str, float]] | None = None,
-             transfer: Transfer | None = None, action_costs: Mapping[Action, float] | None = None) -> Timeline:
+             transfer: Transfer | None = None, action_costs: Mapping[Action, float] | None = None,
+             cores: int | None = None) -> Timeline:
     """Run ``schedule`` with durations ``costs`` (by action kind, merged over
     ``DEFAULT_COSTS``) and return its ``Timeline``. ``rank_costs[r]``, when given, overrides
     ``costs`` for rank ``r`` (unbalanced stages: the last also runs the LM head and the loss);
@@ -135,7 +145,9 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     on rank ``r`` costs ``{**DEFAULT_COSTS, **costs, **rank_costs[r], **stage_costs[s]}``.
     ``transfer`` adds each message's time in transit: a receive starts no earlier than its
     send's end plus ``transfer.delay``. ``action_costs[a]``, where given, is action ``a``'s own
-    duration, over all of these: a replay of one measured step, action by action.
+    duration, over all of these: a replay of one measured step, action by action. ``cores``:
+    the ranks share that many cores (module docstring; ``None``: a core each), costs being
+    CPU work.
 
     Guarantees (``property_tests/test_schedule_properties.py``):
       * every action runs once; a rank's entries follow its list and never overlap; each
@@ -155,11 +167,19 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
         lets every receive end no earlier than its send's end plus ``d``, and delays the
         makespan by at most ``d`` per receive (``test_transit_time_delays_only_receivers``);
         gpipe's makespan with unit costs is ``3 (m + p - 1) + 2 (p - 1) d``, one ``d`` per
-        boundary each way (``test_gpipe_makespan_grows_by_one_delay_per_boundary_each_way``).
+        boundary each way (``test_gpipe_makespan_grows_by_one_delay_per_boundary_each_way``);
+      * ``cores >= p`` gives the timeline of a core per rank (exactly for exact costs, within
+        rounding for floats), with the ordering guarantees above for any ``cores``
+        (``test_as_many_cores_as_ranks_changes_nothing``); one core and free transit run the
+        step's total work back to back (``test_one_core_runs_the_total_work_back_to_back``);
+        ``c`` cores make no action end earlier than with a core per rank, and none later than
+        that timeline stretched by ``p / c``, so ``max(M, work / c) <= makespan <= M p / c``
+        (``test_shared_cores_stretch_the_timeline_by_at_most_p_over_c``).
 
     Times are exact when the costs are ints (or ``Fraction``s).
 
-    Raises ``ValueError`` for a cost key not in ``ACTION_KINDS``, a negative cost or delay, for
+    Raises ``ValueError`` for a cost key not in ``ACTION_KINDS``, a negative cost or delay,
+    ``cores`` below 1, for
     ``rank_costs`` / ``stage_costs`` of the wrong length, and for a schedule ``check`` rejects;
     ``Deadlock`` when the ranks block each other."""
     check(schedule)
@@ -177,6 +197,38 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     # per stage (each stage runs on one rank), the merged durations by action kind
     cost_of = [_costs({**(costs or {}), **(rank_costs[schedule.rank_of(st)] if rank_costs is not None else {}),
                        **(stage_costs[st] if stage_costs is not None else {})}) for st in range(num_stages)]
+    if cores is not None and (not isinstance(cores, int) or cores < 1):
+        raise ValueError(f"cores must be a positive int, got {cores!r}")
+
+    def work(a: Action) -> float:
+        return own[a] if a in own else cost_of[a.stage][a.kind]
+
+    if cores is None:
+        entries = _run_core_each(schedule, work, delay)
+    else:
+        entries = _run_shared(schedule, work, delay, cores)
+    compute = sum(e.end - e.start for rank in entries for e in rank if isinstance(e.action, COMPUTE))
+    return Timeline(
+        schedule=schedule,
+        ranks=tuple(tuple(e) for e in entries),
+        makespan=max((rank[-1].end for rank in entries if rank), default=0),
+        compute_time=compute,
+        peak_in_flight=peak_in_flight(schedule),
+        peak_in_flight_by_rank=tuple(_peak(schedule.ranks[r], lambda a: True) for r in range(p)),
+    )
+
+
+def _ready(a: Action, deps: list[Action], ends: Mapping[Action, float], free: float, delay: float) -> float:
+    """When ``a`` may start: its rank free, what it waits for ended (a receive's send plus the
+    message's transit)."""
+    if delay and isinstance(a, (RECV_F, RECV_B)):  # its only wait is the send, then transit
+        return max(free, ends[deps[0]] + delay)
+    return max([free, *(ends[d] for d in deps)])
+
+
+def _run_core_each(schedule: Schedule, work, delay: float) -> list[list[Entry]]:
+    """Every rank on its own core: each action ends its cost after it may start."""
+    p = schedule.num_ranks
     ends: dict[Action, float] = {}
     entries: list[list[Entry]] = [[] for _ in range(p)]
     free = [0] * p
@@ -192,24 +244,66 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
             if missing is not None:
                 blocked_on.setdefault(missing, []).append(r)
                 break
-            start = max([free[r], *(ends[d] for d in deps)])
-            if delay and isinstance(a, (RECV_F, RECV_B)):  # its only wait is the send, then transit
-                start = max(free[r], ends[deps[0]] + delay)
-            end = start + (own[a] if a in own else cost_of[a.stage][a.kind])
+            start = _ready(a, deps, ends, free[r], delay)
+            end = start + work(a)
             entries[r].append(Entry(start, end, a))
             ends[a] = free[r] = end
             runnable.extend(blocked_on.pop(a, ()))
     if any(len(e) < len(a) for e, a in zip(entries, schedule.ranks)):
         raise Deadlock(_deadlock_message(schedule, entries, ends))
-    compute = sum(e.end - e.start for rank in entries for e in rank if isinstance(e.action, COMPUTE))
-    return Timeline(
-        schedule=schedule,
-        ranks=tuple(tuple(e) for e in entries),
-        makespan=max(free),
-        compute_time=compute,
-        peak_in_flight=peak_in_flight(schedule),
-        peak_in_flight_by_rank=tuple(_peak(schedule.ranks[r], lambda a: True) for r in range(p)),
-    )
+    return entries
+
+
+def _run_shared(schedule: Schedule, work, delay: float, cores: int) -> list[list[Entry]]:
+    """The ranks on ``cores`` shared cores (processor sharing, module docstring): an event loop
+    over the times an action ends or a message arrives. Between two events the ``n`` ranks
+    inside an action with work left each do ``min(1, cores / n)`` work per unit of time; a
+    zero-cost action ends as it starts. Exact for exact costs (``Fraction`` shares)."""
+    p = schedule.num_ranks
+    ends: dict[Action, float] = {}
+    entries: list[list[Entry]] = [[] for _ in range(p)]
+    free: list[float] = [0] * p
+    running: dict[int, list] = {}  # rank -> [start, work left, action, work]
+    t: float = 0
+    while True:
+        arrival = None  # the next time a waiting receive's message arrives
+        started = True
+        while started:  # start what may start now; zero-cost actions end at once, unblocking more
+            started, arrival = False, None
+            for r in range(p):
+                if r in running or len(entries[r]) == len(schedule.ranks[r]):
+                    continue
+                a = schedule.ranks[r][len(entries[r])]
+                deps = _waits_for(a, schedule)
+                if any(d not in ends for d in deps):
+                    continue
+                ready = _ready(a, deps, ends, free[r], delay)
+                if ready > t:
+                    arrival = ready if arrival is None else min(arrival, ready)
+                elif work(a) == 0:
+                    entries[r].append(Entry(ready, ready, a))
+                    ends[a] = free[r] = ready
+                    started = True
+                else:
+                    running[r] = [ready, work(a), a, work(a)]
+        if not running and arrival is None:
+            break
+        share = Fraction(min(cores, len(running)), max(len(running), 1))  # a Fraction: int costs stay exact
+        step = min((left / share for _, left, _, _ in running.values()), default=None)
+        if step is None or (arrival is not None and arrival - t <= step):
+            step, t = arrival - t, arrival  # land on the arrival exactly, floats included
+        else:
+            t = t + step
+        for r, job in list(running.items()):
+            start, left, a, total = job
+            job[1] = left - step * share
+            if job[1] <= (0 if isinstance(job[1], (int, Fraction)) else 1e-12 * total):
+                entries[r].append(Entry(start, t, a))
+                ends[a] = free[r] = t
+                del running[r]
+    if any(len(e) < len(a) for e, a in zip(entries, schedule.ranks)):
+        raise Deadlock(_deadlock_message(schedule, entries, ends))
+    return entries
 
 
 def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
