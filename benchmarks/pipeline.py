@@ -38,7 +38,9 @@ them, of a one-element message (latency) and of one microbatch's activation (lat
 over bandwidth), on every neighbouring pair of ranks, after the warm-up and after the last
 round; medians over all of them), and a third time adding each rank's own time in a transfer
 (its thread's CPU in ``_transfer``: posting receives and sending, per transfer action, median
-over the rounds) as the transfer actions' cost on that rank. Then each step replayed
+over the rounds) as the transfer actions' cost on that rank; a fourth time the same on the
+host's shared cores (``simulate(..., cores=...)``, the cores this process may run on), each F,
+B and W costing its median thread CPU instead of its wall time. Then each step replayed
 (``simulate(..., action_costs=...)``, on the processes' common monotonic clock): its own F, B
 and W durations, transfers free; and with each transfer group's own CPU and the transit
 measured in the schedule (sender's group start to the waiting receiver's group end). Where the
@@ -57,9 +59,11 @@ activations held (``peak_held_by_rank``: each microbatch in flight at stage ``s`
 last) plus the gradients of the rank's parameters (formed in the loop by both libraries).
 A private pipeline keeps per-example contributions, not activations, until its norms are
 complete: measured only.
-Note: 4 processes on a 2-core machine share cores, so a rank that waits for a core is counted
-neither as computing nor as idle by the simulator; the comparison is meaningful only where each
-process has a core (``--nproc`` at most the core count, or a GPU machine).
+Note: 4 processes on a 2-core machine share cores. The shared-core simulation charges each
+action its CPU and lets busy ranks share the cores; what it cannot see is gloo's delivery on an
+oversubscribed host (a message whose receive was posted can wait for both ranks' I/O threads
+to get a core: tens of ms, now and then), so the comparison is meaningful only where each
+process has a core (``--nproc`` at most the core count, or a GPU machine's host).
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ class ActionTimer:
     def reset(self):
         self.times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "schedule": [], "T": [], "Tcpu": []}
         self.by_stage: dict[tuple[str, int], list[float]] = {}
+        self.cpu_by_stage: dict[tuple[str, int], list[float]] = {}  # fsdpx: each action's thread CPU
         self.events: list[tuple[str, int, int, float, float]] = []  # (kind, mb, stage, start, end), F/B/W
         self.loop: list[float] = []  # the schedule loop's start and end
         self.groups: list = []  # transfer groups: (start, end, thread CPU, [(kind, mb, stage, peer), ...])
@@ -181,13 +186,14 @@ class ActionTimer:
                     TIMER.clip_cpu += time.thread_time() - c0
                     TIMER.times["W"].append(took)
                     TIMER.by_stage.setdefault(("W", stage), []).append(took)
+                    TIMER.cpu_by_stage.setdefault(("W", stage), []).append(time.thread_time() - c0)
         P._Run._clip_record = clip_record
 
         for kind, name in (("F", "_forward"), ("B", "_backward"), ("W", "_weights")):
             real = getattr(P._Run, name)
 
             def timed(self_, mb, stage, *a, _real=real, _kind=kind, **k):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     return _real(self_, mb, stage, *a, **k)
                 finally:
@@ -195,6 +201,7 @@ class ActionTimer:
                         t1 = time.perf_counter()
                         TIMER.times[_kind].append(t1 - t0)
                         TIMER.by_stage.setdefault((_kind, stage), []).append(t1 - t0)
+                        TIMER.cpu_by_stage.setdefault((_kind, stage), []).append(time.thread_time() - c0)
                         TIMER.events.append((_kind, mb, stage, t0, t1))
             setattr(P._Run, name, timed)
 
@@ -372,8 +379,9 @@ def timed_step(run, batch) -> dict[str, float]:
     computes = [float(e[1]) for e in everyone]
     scheds = [float(e[2]) for e in everyone]
     means = {f"{k}{s}": statistics.mean(v) for (k, s), v in TIMER.by_stage.items()}  # e.g. "F2": stage 2's F
+    cpu_means = {f"{k}{s}": statistics.mean(v) for (k, s), v in TIMER.cpu_by_stage.items()}
     return {"seconds": max(walls), "walls": walls, "computes": computes, "schedule": scheds, "loss": loss,
-            "action_means": means, "cpu": max(float(e[3]) for e in everyone),
+            "action_means": means, "action_cpu_means": cpu_means, "cpu": max(float(e[3]) for e in everyone),
             "transfer": [float(e[4]) for e in everyone], "transfer_cpu": [float(e[5]) for e in everyone],
             "events": TIMER.events, "loop": TIMER.loop, "groups": TIMER.groups}
 
@@ -556,6 +564,8 @@ def worker(args) -> None:
             measured = [s for s in steps[mode] if not s["warmup"]]
             costs[mode] = {key: statistics.median(s["action_means"].get(key, 0.0) for s in measured)
                            for key in measured[0]["action_means"]}
+            costs[mode + ":cpu"] = {key: statistics.median(s["action_cpu_means"].get(key, 0.0) for s in measured)
+                                    for key in measured[0]["action_cpu_means"]}
     all_costs: list = [None] * world
     dist.all_gather_object(all_costs, costs)
     small, act = statistics.median(ping["latency"]), statistics.median(ping["activation"])
@@ -563,7 +573,9 @@ def worker(args) -> None:
     transit = Transfer(latency=small, seconds_per_byte=max(act - small, 0.0) / (act_bytes - 4), message_bytes=act_bytes)
     predictions = {"transit": {"latency_s": small, "activation_s": act, "activation_bytes": act_bytes,
                                "delay_s": transit.delay}}
-    for mode in costs:
+    cores = len(os.sched_getaffinity(0))
+    predictions["cores"] = cores
+    for mode in (m for m in costs if not m.endswith(":cpu")):
         kind = mode.split("-", 1)[1].removesuffix("-private")
         v = 2 if kind == "interleaved_1f1b" else 1
         sched = schedule(kind, world, MICROBATCHES, virtual_stages=v)
@@ -576,15 +588,21 @@ def worker(args) -> None:
             n = sum(isinstance(a, P2P) for a in sched.ranks[r])
             per = statistics.median(s["transfer_cpu"][r] for s in measured) / n if n else 0.0
             occupancy.append({k: per for k in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")})
-        merged = {key: t for c in all_costs for key, t in c[mode].items()}
-        per_stage = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
-        if mode.endswith("-private"):  # a W waits for its microbatch's norms: simulated folded into B
-            per_stage = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per_stage]
-        predictions[mode] = {"costs": per_stage, "occupancy": occupancy,
+        def stage_costs(key):
+            merged = {k: t for c in all_costs for k, t in c[key].items()}
+            per = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
+            if mode.endswith("-private"):  # a W waits for its microbatch's norms: simulated folded into B
+                per = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per]
+            return per
+        per_stage, per_stage_cpu = stage_costs(mode), stage_costs(mode + ":cpu")
+        predictions[mode] = {"costs": per_stage, "cpu_costs": per_stage_cpu, "occupancy": occupancy,
                              "bubble": simulate(sched, stage_costs=per_stage).bubble,
                              "bubble_transit": simulate(sched, stage_costs=per_stage, transfer=transit).bubble,
                              "bubble_occupied": simulate(sched, rank_costs=occupancy, stage_costs=per_stage,
-                                                         transfer=transit).bubble}
+                                                         transfer=transit).bubble,
+                             # the host's cores shared by the ranks: each action's CPU work
+                             "bubble_cores": simulate(sched, rank_costs=occupancy, stage_costs=per_stage_cpu,
+                                                      transfer=transit, cores=cores).bubble}
     everyone = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "steps": steps, "predictions": predictions})
     if rank == 0:
@@ -724,7 +742,8 @@ def summarize(res: dict) -> str:
              f"waiting receiver's end, median of {len(pooled)} messages, every plain fsdpx mode): "
              f"{in_situ.delay * 1e3:.3f} ms", "",
              "| mode | step s | vs torch, same schedule | vs fsdpx-1f1b | measured bubble | simulated bubble "
-             "(median F/B/W): transfers free / + ping-pong transit / + each rank's CPU per transfer | replay of each "
+             "(median F/B/W): transfers free / + ping-pong transit / + each rank's CPU per transfer / the same with "
+             f"each action's CPU on the host's {pred.get('cores', '?')} shared cores | replay of each "
              "step's own F/B/W: transfers free / + its transfer groups' CPU and in-schedule transit | "
              "loss (last round) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -763,6 +782,7 @@ def summarize(res: dict) -> str:
         clock = "- | - | -"
         if fsdpx:
             sim = " / ".join(f"{pred[mode][k]:.3f}" for k in ("bubble", "bubble_transit", "bubble_occupied"))
+            sim += f" / {pred[mode]['bubble_cores']:.3f}" if "bubble_cores" in pred[mode] else " / -"
             plays = [replay(res, mode, i, in_situ) for i, s in enumerate(steps0[mode]) if not s["warmup"]] \
                 if mode in plain else []
             # a step agrees with its replay when its measured bubble is within 10% of the replay's
