@@ -45,7 +45,9 @@ B and W costing its median thread CPU instead of its wall time. Then each step r
 and W durations, transfers free; and with each transfer group's own CPU and the transit
 measured in the schedule (sender's group start to the waiting receiver's group end). Where the
 rest of the loop goes is reported beside it: per rank, the time inside ``_transfer`` (posting
-receives, sending, waiting) and its thread CPU.
+receives, sending, waiting), its thread CPU and its time runnable but waiting for a core
+(``/proc/thread-self/schedstat``'s run delay: on a shared host a rank whose send wakes its peer
+can lose its core to it), also shown as a share of the bubble.
 
 Memory (a separate job, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed activations leave the
 resident set, as ``benchmarks/max_batch.py``; marks would not disturb the timing job, the
@@ -94,6 +96,16 @@ KEEP_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4
 PING_REPS = 20
 
 
+def run_delay() -> float:
+    """Seconds this thread has spent runnable but waiting for a core (Linux schedstat's run
+    delay; 0 where the kernel does not report it)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def log(msg: str) -> None:
     print(f"[pipeline {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -126,7 +138,8 @@ class ActionTimer:
         self.reset()
 
     def reset(self):
-        self.times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "schedule": [], "T": [], "Tcpu": []}
+        self.times: dict[str, list[float]] = {"F": [], "B": [], "W": [], "schedule": [], "T": [], "Tcpu": [],
+                                              "Tdelay": []}
         self.by_stage: dict[tuple[str, int], list[float]] = {}
         self.cpu_by_stage: dict[tuple[str, int], list[float]] = {}  # fsdpx: each action's thread CPU
         self.events: list[tuple[str, int, int, float, float]] = []  # (kind, mb, stage, start, end), F/B/W
@@ -159,6 +172,7 @@ class ActionTimer:
 
         def transfer(self_, actions, *a, **k):
             t0, c0, w0, cw0 = time.perf_counter(), time.thread_time(), TIMER.clip_wall, TIMER.clip_cpu
+            d0 = run_delay()
             try:
                 return real_transfer(self_, actions, *a, **k)
             finally:
@@ -167,6 +181,9 @@ class ActionTimer:
                     cpu = time.thread_time() - c0 - (TIMER.clip_cpu - cw0)
                     TIMER.times["T"].append(t1 - t0 - (TIMER.clip_wall - w0))
                     TIMER.times["Tcpu"].append(cpu)
+                    # runnable, waiting for a core (a shared host: a rank whose send woke its
+                    # peer can lose its core to it), not for a message
+                    TIMER.times["Tdelay"].append(run_delay() - d0)
                     TIMER.groups.append((t0, t1, cpu, [(x.kind, x.mb, x.stage, x.peer) for x in actions]))
         P._Run._transfer = transfer
 
@@ -371,9 +388,9 @@ def timed_step(run, batch) -> dict[str, float]:
     TIMER.active = False
     compute = sum(sum(TIMER.times[k]) for k in ("F", "B", "W"))
     sched = sum(TIMER.times["schedule"])
-    t = torch.tensor([mine, compute, sched, cpu, sum(TIMER.times["T"]), sum(TIMER.times["Tcpu"])],
-                     dtype=torch.float64)
-    everyone = [torch.zeros(6, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    t = torch.tensor([mine, compute, sched, cpu, sum(TIMER.times["T"]), sum(TIMER.times["Tcpu"]),
+                      sum(TIMER.times["Tdelay"])], dtype=torch.float64)
+    everyone = [torch.zeros(7, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, t)
     walls = [float(e[0]) for e in everyone]
     computes = [float(e[1]) for e in everyone]
@@ -383,6 +400,7 @@ def timed_step(run, batch) -> dict[str, float]:
     return {"seconds": max(walls), "walls": walls, "computes": computes, "schedule": scheds, "loss": loss,
             "action_means": means, "action_cpu_means": cpu_means, "cpu": max(float(e[3]) for e in everyone),
             "transfer": [float(e[4]) for e in everyone], "transfer_cpu": [float(e[5]) for e in everyone],
+            "transfer_core_wait": [float(e[6]) for e in everyone],
             "events": TIMER.events, "loop": TIMER.loop, "groups": TIMER.groups}
 
 
@@ -741,14 +759,15 @@ def summarize(res: dict) -> str:
              f"{tr['activation_s'] * 1e3:.3f} ms; in the schedule (sender's transfer group start to the "
              f"waiting receiver's end, median of {len(pooled)} messages, every plain fsdpx mode): "
              f"{in_situ.delay * 1e3:.3f} ms", "",
-             "| mode | step s | vs torch, same schedule | vs fsdpx-1f1b | measured bubble | simulated bubble "
+             "| mode | step s | vs torch, same schedule | vs fsdpx-1f1b | measured bubble (of it, in transfers waiting "
+             "for a core) | simulated bubble "
              "(median F/B/W): transfers free / + ping-pong transit / + each rank's CPU per transfer / the same with "
              f"each action's CPU on the host's {pred.get('cores', '?')} shared cores | replay of each "
              "step's own F/B/W: transfers free / + its transfer groups' CPU and in-schedule transit | "
              "loss (last round) |",
              "|---|---|---|---|---|---|---|---|"]
     diag = ["", "Per rank, median ms per step: schedule loop / inside F, B, W / inside transfers (wall, "
-            "thread CPU) / the rest of the loop (private: W's formed while waiting count in F, B, W and in "
+            "thread CPU, waiting for a core) / the rest of the loop (private: W's formed while waiting count in F, B, W and in "
             "transfers: left out of the latter; torch: its transfers untimed, the rest is transfers and waits); "
             "on the common clock: the loops' start spread, makespan measured / "
             "replayed (transfers free; with their CPU and transit), the mode's own in-schedule transit (median, "
@@ -766,6 +785,10 @@ def summarize(res: dict) -> str:
         # the schedule's makespan. torch's: its stages' F/B/W and loss timed the same way
         b = [sum(max(s["schedule"]) - c for c in s["computes"]) / (p * max(s["schedule"])) for s in ms]
         bubble = f"{statistics.median(b):.3f}"
+        if mode.startswith("fsdpx-") and "transfer_core_wait" in ms[0]:
+            # of it, the ranks' time in transfers waiting for a core, not for a message
+            core = [sum(s["transfer_core_wait"]) / (p * max(s["schedule"])) for s in ms]
+            bubble += f" (core {statistics.median(core):.3f})"
 
         def med(f):
             return statistics.median(f(s) for s in ms) * 1e3
@@ -775,8 +798,9 @@ def summarize(res: dict) -> str:
             loop, comp = med(lambda s: s["schedule"][r]), med(lambda s: s["computes"][r])
             if fsdpx:
                 tw, tc = med(lambda s: s["transfer"][r]), med(lambda s: s["transfer_cpu"][r])
+                td = med(lambda s: s.get("transfer_core_wait", [0.0] * p)[r])
                 rest = med(lambda s: s["schedule"][r] - s["computes"][r] - s["transfer"][r])
-                cells.append(f"{loop:.0f} / {comp:.0f} / {tw:.0f} ({tc:.1f}) / {rest:.1f}")
+                cells.append(f"{loop:.0f} / {comp:.0f} / {tw:.0f} ({tc:.1f}, {td:.1f}) / {rest:.1f}")
             else:  # torch's transfers are not timed: the rest of its loop is transfers and waits
                 cells.append(f"{loop:.0f} / {comp:.0f} / - / {loop - comp:.1f}")
         clock = "- | - | -"
