@@ -415,7 +415,7 @@ def plot(timeline: Timeline, path: str | Path) -> None:
     ax.set_xlim(0, max(float(timeline.makespan), 1.0))
     ax.set_xlabel("time")
     ax.set_title(f"{sched.kind}: p={p}, v={sched.virtual_stages}, m={sched.num_microbatches},"
-                 f" bubble {timeline.bubble:.1%}", loc="left")
+                 f" bubble {float(timeline.bubble):.1%}", loc="left")
     ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in ("F", "B", "W")], loc="lower right",
               bbox_to_anchor=(1.0, 1.0), ncols=3, fontsize=7, frameon=False)
     fig.tight_layout()

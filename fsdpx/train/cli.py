@@ -4,6 +4,8 @@
     fsdpx train --non-private            # the same loop without clipping or noise -> runs/non-private/
     fsdpx train --noise-multiplier 1.0 --batch-size 256 --steps 100 --name sigma1
     fsdpx train --config run.toml --steps 50   # a config file (fsdpx.train.config); flags override it
+    fsdpx jobs plan examples/jobs.toml   # many jobs at once (fsdpx.jobs.cli)
+    fsdpx schedule 1f1b --ranks 4 --microbatches 8   # a pipeline schedule simulated (schedule_cli)
 
 Flags map one to one onto :class:`fsdpx.train.RunConfig` fields (``--n-embd`` -> ``n_embd``)
 and onto the keys of a ``--config`` file, so a new option is one ``add_argument`` here, one
@@ -260,7 +262,10 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdpx", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="fsdpx", description=__doc__.splitlines()[0],
+        epilog="also: 'fsdpx jobs plan|run ...' (many jobs at once; fsdpx jobs --help) and 'fsdpx schedule KIND"
+               " --ranks P --microbatches M' (a pipeline schedule simulated and drawn; fsdpx schedule --help)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser("train", help="train a model privately (default: the small GPT on the embedded"
                                 " corpus)", description="Train a model with DP-SGD: the small GPT on the embedded"
@@ -333,6 +338,10 @@ def main(argv: list[str] | None = None) -> None:
         from fsdpx.jobs.cli import main as jobs_main
 
         return jobs_main(argv[1:])
+    if argv[:1] == ["schedule"]:  # a pipeline schedule simulated and shown
+        from fsdpx.train.schedule_cli import main as schedule_main
+
+        return schedule_main(argv[1:])
     args = parser.parse_args(argv)
     explicit = explicit_flags(argv)
     try:
