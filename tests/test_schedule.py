@@ -240,6 +240,6 @@ def test_two_ranks_on_one_core_share_it_while_both_compute():
     # the time a rank waits for the core inside an action counts as computing: three times two
     # unit actions share the core for 2 units each, so 12 units of work take 18 rank-units
     assert t.compute_time == 18 and simulate(sched).compute_time == 12
-    for bad in (0, -1, 1.5):
+    for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="cores"):
             simulate(sched, cores=bad)

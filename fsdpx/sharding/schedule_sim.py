@@ -197,7 +197,7 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     # per stage (each stage runs on one rank), the merged durations by action kind
     cost_of = [_costs({**(costs or {}), **(rank_costs[schedule.rank_of(st)] if rank_costs is not None else {}),
                        **(stage_costs[st] if stage_costs is not None else {})}) for st in range(num_stages)]
-    if cores is not None and (not isinstance(cores, int) or cores < 1):
+    if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
         raise ValueError(f"cores must be a positive int, got {cores!r}")
 
     def work(a: Action) -> float:
