@@ -891,6 +891,11 @@ def driver(args) -> None:
     common = ["--worker", "--warmup", str(args.warmup), "--modes", args.modes, *(["--small"] if args.small else [])]
     out: dict[str, Any] = {}
     texts = []
+    cores = len(os.sched_getaffinity(0))
+    if args.nproc > cores:
+        log(f"note: {args.nproc} processes share {cores} cores; a rank can wait for a core inside a transfer "
+            "(the 'waiting for a core' share), which no core-per-rank simulation predicts: judge the bubble "
+            "where every process has a core")
     if args.rounds:
         load = os.getloadavg()[0]
         log(f"timing job: {args.nproc} processes, {args.rounds} rounds; load average {load:.1f}")
