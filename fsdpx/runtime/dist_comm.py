@@ -400,6 +400,9 @@ class _PendingRecv:
         self.comm, self.req, self.buf = comm, req, buf
 
     def done(self) -> bool:
+        """Whether the message is known to be in. gloo's receive work reports completion only
+        once ``wait`` has run (checked with torch 2.13), so on gloo this is False until then;
+        NCCL's checks the work's CUDA event."""
         return self.req.is_completed()
 
     def wait(self) -> Tensor:

@@ -402,7 +402,11 @@ class _Run:
             self.o.comm.exchange_p2p(sends, [])
         for key in keys:
             handle = self.pending.pop(key)
-            # a private pipeline's W fills the wait (the bubble), never the schedule's path
+            # a private pipeline's W fills the wait (the bubble): clipped sums whose norms are
+            # complete, one at a time until the message is known to be in. Neither gloo's receive
+            # nor the thread mesh's can report arrival before it is waited for (done() stays
+            # False), so there every ready W runs first, and one that outlasts the message
+            # delays this rank's next action by the difference
             while self.o.early_norms and not handle.done() and self._clip_ready(block=False, one=True):
                 pass
             self.inbox[key] = handle.wait()
