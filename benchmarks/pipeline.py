@@ -609,7 +609,9 @@ def worker(args) -> None:
         def stage_costs(key):
             merged = {k: t for c in all_costs for k, t in c[key].items()}
             per = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
-            if mode.endswith("-private"):  # a W waits for its microbatch's norms: simulated folded into B
+            # a private W waits for its microbatch's norms: simulated folded into B (an upper
+            # bound: the executor forms ready W's while it waits for a receive, off the path)
+            if mode.endswith("-private"):
                 per = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per]
             return per
         per_stage, per_stage_cpu = stage_costs(mode), stage_costs(mode + ":cpu")

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
+import threading
 import time
 from typing import Any, Sequence
 
@@ -93,6 +95,7 @@ class DistComm:
         self._members: dict[tuple[str, ...], tuple[Any, list[int], int]] = {}  # _group, memoised per axes as asked
         self._counts: dict[str, int] = {}
         self._pending_sends: list = []  # (request, tensor) of isends not yet waited for (flush_p2p)
+        self._waiter: _Waiter | None = None  # started by the first watched receive
         self._make_groups()
 
     def _make_groups(self) -> None:
@@ -321,16 +324,26 @@ class DistComm:
             raise self._failure(e) from e
         return out
 
-    def post_recv_p2p(self, recvs) -> list["_PendingRecv"]:
+    def post_recv_p2p(self, recvs, *, watch: bool = False) -> list["_PendingRecv"]:
         """``fsdpx.sharding.comm.Comm.post_recv_p2p``: one ``irecv`` each, waited for by the
-        handle (at most the process group's timeout)."""
+        handle (at most the process group's timeout). ``watch`` on a CPU (gloo) group: one
+        daemon thread per ``DistComm`` waits for the watched receives in posting order and
+        marks each handle done (gloo's receive reports arrival only once waited for, and a
+        receive must be waited for by one thread only: the handle then waits on that mark)
+        (``tests/test_p2p.py::test_a_watched_receive_reports_arrival_before_its_wait``)."""
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for _, shape, dtype in recvs]
         self._counts["recv_bytes"] = self._counts.get("recv_bytes", 0) + sum(b.numel() * b.element_size() for b in bufs)
         try:
             reqs = [dist.irecv(buf, peer) for buf, (peer, _, _) in zip(bufs, recvs)]
         except RuntimeError as e:
             raise self._failure(e) from e
-        return [_PendingRecv(self, req, buf) for req, buf in zip(reqs, bufs)]
+        handles = [_PendingRecv(self, req, buf) for req, buf in zip(reqs, bufs)]
+        if watch and self.device.type == "cpu":
+            if self._waiter is None:
+                self._waiter = _Waiter()
+            for h in handles:
+                self._waiter.watch(h)
+        return handles
 
     def flush_p2p(self) -> None:
         """Wait for every send still in flight (each at most the process group's timeout)."""
@@ -394,23 +407,56 @@ def _pad(t: Tensor, dim: int, size: int) -> Tensor:
 
 
 class _PendingRecv:
-    """A posted ``irecv`` of ``DistComm.post_recv_p2p``."""
+    """A posted ``irecv`` of ``DistComm.post_recv_p2p``; ``arrived`` is set by the ``_Waiter``
+    when the receive is watched (``error``: what its wait raised)."""
 
     def __init__(self, comm: DistComm, req: Any, buf: Tensor):
         self.comm, self.req, self.buf = comm, req, buf
+        self.arrived: threading.Event | None = None
+        self.error: BaseException | None = None
 
     def done(self) -> bool:
         """Whether the message is known to be in. gloo's receive work reports completion only
-        once ``wait`` has run (checked with torch 2.13), so on gloo this is False until then;
-        NCCL's checks the work's CUDA event."""
+        once ``wait`` has run (checked with torch 2.13), so on gloo this is False until then
+        unless the receive is watched; NCCL's checks the work's CUDA event."""
+        if self.arrived is not None:
+            return self.arrived.is_set()
         return self.req.is_completed()
 
     def wait(self) -> Tensor:
         try:
-            self.req.wait()
+            if self.arrived is None:
+                self.req.wait()
+            else:  # the waiter thread waits on the work (bounded by the group's timeout)
+                self.arrived.wait()
+                if self.error is not None:
+                    raise self.error
         except RuntimeError as e:
             raise self.comm._failure(e) from e
         return self.buf
+
+
+class _Waiter:
+    """A daemon thread that waits for watched receives in the order they were posted and marks
+    each one's ``arrived`` (its error kept for the handle to raise). Waiting releases the GIL;
+    a receive that never comes ends in the group's timeout, as a direct wait would."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue[_PendingRecv] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="fsdpx-recv-waiter", daemon=True).start()
+
+    def watch(self, handle: _PendingRecv) -> None:
+        handle.arrived = threading.Event()
+        self._queue.put(handle)
+
+    def _run(self) -> None:
+        while True:
+            handle = self._queue.get()
+            try:
+                handle.req.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting handle
+                handle.error = e
+            handle.arrived.set()
 
 
 class _Pending:

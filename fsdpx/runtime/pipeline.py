@@ -377,7 +377,8 @@ class _Run:
         if not todo:
             return
         wanted = [(self.o.peer[a.peer], *self._hidden(a.mb)) for a in todo]
-        for a, handle in zip(todo, self.o.comm.post_recv_p2p(wanted)):
+        # a private pipeline fills its waits with W's: its receives say when they are in
+        for a, handle in zip(todo, self.o.comm.post_recv_p2p(wanted, watch=self.o.early_norms)):
             self.pending[("F" if isinstance(a, RECV_F) else "B", a.mb, a.stage)] = handle
 
     def _transfer(self, actions: list[P2P], group: int) -> None:
@@ -403,10 +404,9 @@ class _Run:
         for key in keys:
             handle = self.pending.pop(key)
             # a private pipeline's W fills the wait (the bubble): clipped sums whose norms are
-            # complete, one at a time until the message is known to be in. Neither gloo's receive
-            # nor the thread mesh's can report arrival before it is waited for (done() stays
-            # False), so there every ready W runs first, and one that outlasts the message
-            # delays this rank's next action by the difference
+            # complete, one at a time until the message is in (watched receives: gloo's report
+            # arrival through a waiter thread; the thread mesh's cannot before the wait, so there
+            # every ready W runs first)
             while self.o.early_norms and not handle.done() and self._clip_ready(block=False, one=True):
                 pass
             self.inbox[key] = handle.wait()

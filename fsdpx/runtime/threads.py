@@ -150,10 +150,11 @@ class ThreadComm:
             self._ex.sim.add_counts({"p2p": sent, "send_bytes": sent})
         return [r.wait() for r in self.post_recv_p2p(recvs)]
 
-    def post_recv_p2p(self, recvs) -> list["_MailboxRecv"]:
+    def post_recv_p2p(self, recvs, *, watch: bool = False) -> list["_MailboxRecv"]:
         """``fsdpx.sharding.comm.Comm.post_recv_p2p``: each receive gets the next number
         from its peer and, when waited for, the message of that number (mailboxes keep every
-        send, so messages taken for later receives wait here). Bytes count when posted."""
+        send, so messages taken for later receives wait here). Bytes count when posted.
+        ``watch`` changes nothing: ``done()`` stays False until the wait (conservative)."""
         if self.rank == 0:
             self._ex.sim.add_counts({"recv_bytes": sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in recvs)})
         handles = []

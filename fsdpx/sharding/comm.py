@@ -75,13 +75,20 @@ class Comm(Protocol):
         complete after the call returns (never wait for their receive): the tensors must not
         change until ``flush_p2p``."""
 
-    def post_recv_p2p(self, recvs: Sequence[tuple[int, tuple[int, ...], torch.dtype]]) -> list["PendingRecv"]:
+    def post_recv_p2p(self, recvs: Sequence[tuple[int, tuple[int, ...], torch.dtype]], *,
+                      watch: bool = False) -> list["PendingRecv"]:
         """Post receives of ``(peer, shape, dtype)`` now and return at once, one handle each
         (``wait()`` gives the tensor). A peer's messages fill this rank's receives in the
         order they were posted, here or by ``exchange_p2p``. A pipeline posts its receives
         ahead of need: on a rendezvous transport (gloo) a send whose receive is already
         posted leaves at once from the sender's own thread, instead of waiting for the
-        receiver to ask and the sender's transport thread to answer."""
+        receiver to ask and the sender's transport thread to answer.
+
+        ``done()`` never says True for a message that is not in; without ``watch`` it may say
+        False for one that is (gloo's receive reports arrival only once waited for). With
+        ``watch`` a transport that cannot tell otherwise has a thread wait for the receives
+        (in posting order) so ``done()`` turns True soon after each arrives, at the price of
+        a thread handoff per receive: for a caller with other work to fill the wait."""
 
     def flush_p2p(self) -> None:
         """Wait until every send of ``exchange_p2p`` so far has completed (end of a step)."""

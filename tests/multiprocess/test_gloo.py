@@ -243,9 +243,24 @@ def test_point_to_point_exchanges_on_gloo_arrive_in_order_and_are_counted(tmp_pa
     assert r0["counts"]["p2p"] == r0["counts"]["send_bytes"] == r0["counts"]["recv_bytes"] == (6 + 5 + 3 * 2) * 4
 
 
-def test_a_stage_that_dies_before_sending_is_named_by_its_peer(tmp_path):
+def test_a_watched_receive_reports_arrival_before_its_wait(tmp_path):
+    """gloo's receive reports arrival only once waited for; a watched one (a private pipeline's)
+    says ``done()`` as soon as its message is in, and still delivers it in posting order."""
+    cmd = torchrun_command(2, [P2P_WORKER, "--out", str(tmp_path), "--watch"])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for me in range(2):
+        r = torch.load(tmp_path / f"rank{me}.pt", weights_only=False)
+        assert r["done_before_wait"] == [True, True]
+        assert [t.tolist() for t in r["got"][2:]] == [[1.0, 1 - me], [2.0, 1 - me], [3.0, 1 - me]]
+
+
+@pytest.mark.parametrize("when", ["--die", "--die-late"])
+def test_a_stage_that_dies_before_sending_is_named_by_its_peer(tmp_path, when):
+    """Before the first exchange, or after it while the peer waits on a watched receive (the
+    waiter thread's wait fails at the group's timeout and hands the error to the handle)."""
     start = time.monotonic()
-    procs = spawn_ranks(2, [P2P_WORKER, "--out", str(tmp_path), "--die"])
+    procs = spawn_ranks(2, [P2P_WORKER, "--out", str(tmp_path), when])
     for p in procs:
         p.communicate(timeout=120)
     assert procs[1].returncode == 3
