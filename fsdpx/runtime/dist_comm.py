@@ -330,7 +330,7 @@ class DistComm:
         daemon thread per ``DistComm`` waits for the watched receives in posting order and
         marks each handle done (gloo's receive reports arrival only once waited for, and a
         receive must be waited for by one thread only: the handle then waits on that mark)
-        (``tests/test_p2p.py::test_a_watched_receive_reports_arrival_before_its_wait``)."""
+        (``tests/multiprocess/test_gloo.py::test_a_watched_receive_reports_arrival_before_its_wait``)."""
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for _, shape, dtype in recvs]
         self._counts["recv_bytes"] = self._counts.get("recv_bytes", 0) + sum(b.numel() * b.element_size() for b in bufs)
         try:
