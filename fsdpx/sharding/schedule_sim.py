@@ -277,19 +277,21 @@ def _run_shared(schedule: Schedule, work, delay: float, cores: int) -> list[list
                 deps = _waits_for(a, schedule)
                 if any(d not in ends for d in deps):
                     continue
-                ready = _ready(a, deps, ends, free[r], delay)
+                ready, cost = _ready(a, deps, ends, free[r], delay), work(a)
                 if ready > t:
                     arrival = ready if arrival is None else min(arrival, ready)
-                elif work(a) == 0:
+                elif cost == 0:
                     entries[r].append(Entry(ready, ready, a))
                     ends[a] = free[r] = ready
                     started = True
                 else:
-                    running[r] = [ready, work(a), a, work(a)]
+                    running[r] = [ready, cost, a, cost]
         if not running and arrival is None:
             break
-        share = Fraction(min(cores, len(running)), max(len(running), 1))  # a Fraction: int costs stay exact
-        step = min((left / share for _, left, _, _ in running.values()), default=None)
+        share, step = 1, None
+        if running:
+            share = Fraction(min(cores, len(running)), len(running))  # a Fraction: int costs stay exact
+            step = min(left / share for _, left, _, _ in running.values())
         if step is None or (arrival is not None and arrival - t <= step):
             step, t = arrival - t, arrival  # land on the arrival exactly, floats included
         else:
