@@ -15,8 +15,13 @@ hyper-parameters; rank ``r`` runs stage ``r`` (``r`` and ``r + p`` when interlea
                        Mesh(dp=1, pp=p))``, ``make_sharded_step(..., donate=True)``; kinds gpipe,
                        1f1b, interleaved_1f1b (2 stages per rank), zero_bubble
 * ``fsdpx-1f1b-private`` the same 1F1B with ``DPConfig(method="ghost")``: one backward per stage,
-                       each microbatch's norms completed by an all-reduce over ``pp``, then its
-                       clipped sums at each stage (timed as that stage's ``W``)
+                       each microbatch's norms completed by an all-reduce over ``pp`` (started at
+                       the end of the rank's last ``B`` of it, timed as part of that ``B``), then
+                       its clipped sums at each stage (timed as that stage's ``W``; the listed
+                       ``W``s do nothing), formed while the rank waits for a message or after
+                       the list: its loop runs on to its last ``W`` (``_Run.clip``), and its
+                       simulated bubble is ``fsdpx.sharding.private_sim.simulate_private``'s,
+                       the all-reduce taking its measured time (from a barrier, median)
 * ``torch-<kind>``     ``PipelineStage`` of hand-cut stage modules (embeddings + blocks, blocks,
                        blocks + final norm + head) and ``ScheduleGPipe`` / ``Schedule1F1B`` /
                        ``ScheduleInterleaved1F1B``, ``torch.optim.AdamW``
@@ -72,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import os
@@ -166,6 +172,22 @@ class ActionTimer:
                     TIMER.loop = [t0, t1]
         P._Run.execute = execute
 
+        # a private pipeline's loop goes on after the list: the W's of the microbatches whose
+        # norms were not complete while it waited (``_Run.clip``) are part of its schedule
+        real_clip_all = P._Run.clip
+
+        def clip(self_):
+            TIMER.in_loop = True
+            try:
+                return real_clip_all(self_)
+            finally:
+                TIMER.in_loop = False
+                if TIMER.active and self_.o.early_norms:
+                    t1 = time.perf_counter()
+                    TIMER.times["schedule"][-1] = t1 - TIMER.loop[0]
+                    TIMER.loop = [TIMER.loop[0], t1]
+        P._Run.clip = clip
+
         # transfer groups: wall time (posting receives, sending, waiting) and this thread's CPU,
         # without the private W's formed while waiting (timed as W's)
         real_transfer = P._Run._transfer
@@ -190,6 +212,26 @@ class ActionTimer:
         # a private pipeline's W: one microbatch's clipped sums at one stage, formed while the
         # rank waits for a receive once its norms are complete (those left for after the loop
         # are no bubble)
+        # a private rank's last B of a microbatch goes on to start its norms' all-reduce (summing
+        # its stages' squared norms, launching the collective): timed as part of that B
+        real_norms = P._Run._start_norms
+
+        def start_norms(self_, mb):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return real_norms(self_, mb)
+            finally:
+                if TIMER.active:
+                    took, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                    kind, mb_, stage, b0, b1 = TIMER.events[-1]
+                    assert kind == "B" and mb_ == mb, TIMER.events[-1]
+                    TIMER.events[-1] = (kind, mb_, stage, b0, b1 + took)
+                    TIMER.times["B"][-1] += took
+                    TIMER.by_stage[("B", stage)][-1] += took
+                    TIMER.cpu_by_stage[("B", stage)][-1] += cpu
+                    TIMER.times.setdefault("N", []).append(took)
+        P._Run._start_norms = start_norms
+
         real_clip = P._Run._clip_record
 
         def clip_record(self_, rec, stage, *a, **k):
@@ -198,7 +240,11 @@ class ActionTimer:
                 return real_clip(self_, rec, stage, *a, **k)
             finally:
                 if TIMER.active and TIMER.in_loop:
-                    took = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    took = t1 - t0
+                    # one stage's W's are formed in microbatch order: the k-th is microbatch k's
+                    k = sum(1 for e in TIMER.events if e[0] == "W" and e[2] == stage)
+                    TIMER.events.append(("W", k, stage, t0, t1))
                     TIMER.clip_wall += took
                     TIMER.clip_cpu += time.thread_time() - c0
                     TIMER.times["W"].append(took)
@@ -210,6 +256,8 @@ class ActionTimer:
             real = getattr(P._Run, name)
 
             def timed(self_, mb, stage, *a, _real=real, _kind=kind, **k):
+                if _kind == "W" and self_.o.config is not None:  # private: the listed W does nothing,
+                    return _real(self_, mb, stage, *a, **k)  # its W is the clipped sum (clip_record)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     return _real(self_, mb, stage, *a, **k)
@@ -401,7 +449,8 @@ def timed_step(run, batch) -> dict[str, float]:
             "action_means": means, "action_cpu_means": cpu_means, "cpu": max(float(e[3]) for e in everyone),
             "transfer": [float(e[4]) for e in everyone], "transfer_cpu": [float(e[5]) for e in everyone],
             "transfer_core_wait": [float(e[6]) for e in everyone],
-            "events": TIMER.events, "loop": TIMER.loop, "groups": TIMER.groups}
+            "events": TIMER.events, "loop": TIMER.loop, "groups": TIMER.groups,
+            "norms_start": sum(TIMER.times.get("N", []))}
 
 
 def one_way_seconds(comm, shape, dtype, reps: int) -> list[float]:
@@ -439,6 +488,30 @@ def one_way_seconds(comm, shape, dtype, reps: int) -> list[float]:
         dist.all_gather_object(everyone, mine)
         out += everyone[a]
     return out
+
+
+def all_reduce_seconds(comm, shape, dtype, reps: int) -> list[float]:
+    """Times of the private pipeline's norms all-reduce (one microbatch's squared norms summed
+    over the pipeline ranks, ``Comm.run_async`` as ``PipelineStep.start_norms`` calls it), each
+    from a barrier to its end on this rank; every rank returns everyone's."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdpx.sharding.collectives import cached_plan
+    from fsdpx.sharding.spec import Spec
+
+    src = Spec.replicated(1)
+    (c,) = cached_plan(src.with_partial(("pp",)), src, tuple(shape), comm.mesh, dtype)
+    mine = []
+    for i in range(reps + 1):  # the first warms the collective up
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.run_async(c, torch.ones(shape, dtype=dtype)).wait()
+        if i:
+            mine.append(time.perf_counter() - t0)
+    everyone: list = [None] * comm.mesh.size
+    dist.all_gather_object(everyone, mine)
+    return [t for ts in everyone for t in ts]
 
 
 def kept_bytes(stage_module, x, y, last: bool, split: bool) -> int:
@@ -481,6 +554,7 @@ def worker(args) -> None:
     from fsdpx import Mesh
     from fsdpx.runtime.dist_comm import init_from_env
     from fsdpx.sharding.schedule import P2P, schedule
+    from fsdpx.sharding.private_sim import simulate_private
     from fsdpx.sharding.schedule_sim import Transfer, peak_held_by_rank, simulate
 
     world = int(os.environ["WORLD_SIZE"])
@@ -510,11 +584,12 @@ def worker(args) -> None:
     rounds = args.warmup + (args.mem_rounds if memory else args.rounds)
     steps: dict[str, list] = {m: [] for m in modes}
     peaks: dict[str, list[int]] = {m: [] for m in modes}
-    ping: dict[str, list[float]] = {"latency": [], "activation": []}
+    ping: dict[str, list[float]] = {"latency": [], "activation": [], "norms": []}
 
     def measure_transit():
         ping["latency"].extend(one_way_seconds(comm, (1,), torch.float32, PING_REPS))
         ping["activation"].extend(one_way_seconds(comm, hidden, torch.float32, PING_REPS))
+        ping["norms"].extend(all_reduce_seconds(comm, (mb,), torch.float32, PING_REPS))
 
     for i in range(rounds):
         if not memory and i == args.warmup:  # transit on the same gloo group, before and after the rounds
@@ -590,7 +665,7 @@ def worker(args) -> None:
     act_bytes = mb * cfg["block_size"] * cfg["n_embd"] * 4
     transit = Transfer(latency=small, seconds_per_byte=max(act - small, 0.0) / (act_bytes - 4), message_bytes=act_bytes)
     predictions = {"transit": {"latency_s": small, "activation_s": act, "activation_bytes": act_bytes,
-                               "delay_s": transit.delay}}
+                               "delay_s": transit.delay, "norms_s": statistics.median(ping["norms"])}}
     cores = len(os.sched_getaffinity(0))
     predictions["cores"] = cores
     for mode in (m for m in costs if not m.endswith(":cpu")):
@@ -608,21 +683,25 @@ def worker(args) -> None:
             occupancy.append({k: per for k in ("SEND_F", "RECV_F", "SEND_B", "RECV_B")})
         def stage_costs(key):
             merged = {k: t for c in all_costs for k, t in c[key].items()}
-            per = [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
-            # a private W waits for its microbatch's norms: simulated folded into B (an upper
-            # bound: the executor forms ready W's while it waits for a receive, off the path)
-            if mode.endswith("-private"):
-                per = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per]
-            return per
+            return [{k: merged.get(f"{k}{s}", 0.0) for k in ("F", "B", "W")} for s in range(sched.num_stages)]
         per_stage, per_stage_cpu = stage_costs(mode), stage_costs(mode + ":cpu")
+        # a private W (its clipped sums) waits for its microbatch's norms and fills the rank's
+        # waits for messages (simulate_private: the executor's policy, the norms' all-reduce
+        # taking its measured time)
+        private = mode.endswith("-private")
+        sim = functools.partial(simulate_private, norms=statistics.median(ping["norms"])) if private else simulate
         predictions[mode] = {"costs": per_stage, "cpu_costs": per_stage_cpu, "occupancy": occupancy,
-                             "bubble": simulate(sched, stage_costs=per_stage).bubble,
-                             "bubble_transit": simulate(sched, stage_costs=per_stage, transfer=transit).bubble,
-                             "bubble_occupied": simulate(sched, rank_costs=occupancy, stage_costs=per_stage,
-                                                         transfer=transit).bubble,
+                             "bubble": sim(sched, stage_costs=per_stage).bubble,
+                             "bubble_transit": sim(sched, stage_costs=per_stage, transfer=transit).bubble,
+                             "bubble_occupied": sim(sched, rank_costs=occupancy, stage_costs=per_stage,
+                                                    transfer=transit).bubble,
                              # the host's cores shared by the ranks: each action's CPU work
-                             "bubble_cores": simulate(sched, rank_costs=occupancy, stage_costs=per_stage_cpu,
-                                                      transfer=transit, cores=cores).bubble}
+                             "bubble_cores": sim(sched, rank_costs=occupancy, stage_costs=per_stage_cpu,
+                                                 transfer=transit, cores=cores).bubble}
+        if private:  # the model before the policy: each W on the path, right after its B
+            folded = [{"F": c["F"], "B": c["B"] + c["W"], "W": 0.0} for c in per_stage]
+            predictions[mode]["bubble_w_on_path"] = simulate(sched, rank_costs=occupancy, stage_costs=folded,
+                                                             transfer=transit).bubble
     everyone = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "steps": steps, "predictions": predictions})
     if rank == 0:
@@ -642,12 +721,18 @@ def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
     F, B and W lasting what it lasted (``simulate(..., action_costs=...)``, transit free):
     the schedule's model with the step's own durations instead of medians; and again with each
     transfer group's own thread CPU charged to its first action and ``transit`` (a ``Transfer``)
-    between ranks."""
+    between ranks. A private step is replayed by ``simulate_private``, its norms' all-reduce
+    taking the measured median."""
+    from fsdpx.sharding.private_sim import simulate_private
     from fsdpx.sharding.schedule import RECV_B, RECV_F, SEND_B, SEND_F, B, F, W, schedule
     from fsdpx.sharding.schedule_sim import simulate
 
     p = res["world"]
     kind = mode.split("-", 1)[1]
+    if kind.endswith("-private"):  # its W's where the executor's policy puts them
+        kind = kind.removesuffix("-private")
+        norms = res["ranks"][0]["predictions"]["transit"]["norms_s"]
+        simulate = functools.partial(simulate_private, norms=norms)  # noqa: F811
     sched = schedule(kind, p, MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
     steps = [r["steps"][mode][i] for r in res["ranks"]]
     starts, ends = [s["loop"][0] for s in steps], [s["loop"][1] for s in steps]
@@ -809,8 +894,7 @@ def summarize(res: dict) -> str:
         if fsdpx:
             sim = " / ".join(f"{pred[mode][k]:.3f}" for k in ("bubble", "bubble_transit", "bubble_occupied"))
             sim += f" / {pred[mode]['bubble_cores']:.3f}" if "bubble_cores" in pred[mode] else " / -"
-            plays = [replay(res, mode, i, in_situ) for i, s in enumerate(steps0[mode]) if not s["warmup"]] \
-                if mode in plain else []
+            plays = [replay(res, mode, i, in_situ) for i, s in enumerate(steps0[mode]) if not s["warmup"]]
             # a step agrees with its replay when its measured bubble is within 10% of the replay's
             near = sum(abs(r["bubble"] - r["replay_transit_bubble"]) <= 0.1 * r["replay_transit_bubble"]
                        for r in plays)
@@ -822,7 +906,7 @@ def summarize(res: dict) -> str:
                          f"{statistics.median(r['makespan'] for r in plays) * 1e3:.0f} / "
                          f"{statistics.median(r['replay_makespan'] for r in plays) * 1e3:.0f}, "
                          f"{statistics.median(r['replay_transit_makespan'] for r in plays) * 1e3:.0f}")
-                if len(waits[mode]) > 1:
+                if len(waits.get(mode, [])) > 1:  # a private group's end includes the W's it formed
                     q = statistics.quantiles(waits[mode], n=4)
                     clock += f" | {statistics.median(waits[mode]) * 1e3:.2f} [{q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}]"
                 else:

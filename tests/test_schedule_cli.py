@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdpx.sharding.private_sim import simulate_private
 from fsdpx.sharding.schedule import schedule
 from fsdpx.sharding.schedule_sim import Transfer, simulate
 from fsdpx.train.cli import main
@@ -42,6 +43,15 @@ def test_shared_cores_costs_and_transit_reach_the_simulator(capsys):
     assert "rank 0 |" not in out  # fractional times: no text timeline
 
 
+def test_private_places_each_w_after_its_norms(capsys):
+    out = run(capsys, "1f1b", "--ranks", "4", "--microbatches", "8", "--costs", "B=2", "--private")
+    assert out.strip() == describe(simulate_private(schedule("1f1b", 4, 8), {"B": 2}))
+    assert "bubble 3/19" in out  # W's on the path (B=3, W=0) would leave 3/11
+    assert out.splitlines()[0].endswith("B4 B4 W0 B5 B5 W1 B6 B6 W2 B7 B7 W3 W4 W5 W6 W7")
+    late = run(capsys, "1f1b", "--ranks", "2", "--microbatches", "2", "--private", "--norms", "5/2")
+    assert late.strip() == describe(simulate_private(schedule("1f1b", 2, 2), norms=Fraction(5, 2)))
+
+
 def test_png_draws_the_chart_for_fractional_times(capsys, tmp_path):
     path = tmp_path / "t.png"
     out = run(capsys, "interleaved_1f1b", "--ranks", "2", "--microbatches", "4", "--virtual", "2",
@@ -58,6 +68,8 @@ def test_png_draws_the_chart_for_fractional_times(capsys, tmp_path):
     (["1f1b", "--ranks", "2", "--microbatches", "4", "--costs", "F=abc"], "is not a number"),
     (["1f1b", "--ranks", "2", "--microbatches", "4", "--cores", "0"], "cores must be a positive int"),
     (["1f1b", "--ranks", "2", "--microbatches", "4", "--transit", "-1"], "delay must be >= 0"),
+    (["1f1b", "--ranks", "2", "--microbatches", "4", "--norms", "1"], "--norms needs --private"),
+    (["1f1b", "--ranks", "2", "--microbatches", "4", "--private", "--norms", "-1"], "all-reduce time must be >= 0"),
 ])
 def test_bad_input_exits_2_naming_the_problem(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from .schedule import ACTION_KINDS, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, W, check, matching
 
@@ -183,10 +183,34 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     ``rank_costs`` / ``stage_costs`` of the wrong length, and for a schedule ``check`` rejects;
     ``Deadlock`` when the ranks block each other."""
     check(schedule)
-    p, num_stages = schedule.num_ranks, schedule.num_stages
+    delay = _delay(transfer)
+    work = _work(schedule, costs, rank_costs, stage_costs, action_costs)
+    _check_cores(cores)
+    if cores is None:
+        entries = _run_core_each(schedule, work, delay)
+    else:
+        entries = _run_shared(schedule, work, delay, cores)
+    return _timeline(schedule, entries)
+
+
+def _delay(transfer: Transfer | None) -> Real:
+    """``transfer``'s delay (``0`` without one); ``ValueError`` when negative."""
     delay = transfer.delay if transfer is not None else 0
     if delay < 0:
         raise ValueError(f"a transfer's delay must be >= 0, got {transfer}")
+    return delay
+
+
+def _check_cores(cores: int | None) -> None:
+    if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
+        raise ValueError(f"cores must be a positive int, got {cores!r}")
+
+
+def _work(schedule: Schedule, costs, rank_costs, stage_costs, action_costs) -> Callable[[Action], Real]:
+    """Each action's duration (or CPU work on shared cores), as ``simulate`` documents it:
+    ``action_costs`` over ``stage_costs`` over ``rank_costs`` over ``costs`` over
+    ``DEFAULT_COSTS``; ``ValueError`` for a negative cost, an unknown kind or a wrong length."""
+    p, num_stages = schedule.num_ranks, schedule.num_stages
     own = dict(action_costs or {})
     if any(c < 0 for c in own.values()):
         raise ValueError(f"action costs must be >= 0, got {min(own.values())}")
@@ -197,24 +221,26 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     # per stage (each stage runs on one rank), the merged durations by action kind
     cost_of = [_costs({**(costs or {}), **(rank_costs[schedule.rank_of(st)] if rank_costs is not None else {}),
                        **(stage_costs[st] if stage_costs is not None else {})}) for st in range(num_stages)]
-    if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
-        raise ValueError(f"cores must be a positive int, got {cores!r}")
 
-    def work(a: Action) -> float:
+    def work(a: Action) -> Real:
         return own[a] if a in own else cost_of[a.stage][a.kind]
+    return work
 
-    if cores is None:
-        entries = _run_core_each(schedule, work, delay)
-    else:
-        entries = _run_shared(schedule, work, delay, cores)
+
+def _timeline(schedule: Schedule, entries: list[list[Entry]]) -> Timeline:
+    """The ``Timeline`` of ``entries`` (each rank's, in the order it ran them); in-flight
+    peaks counted in that order, which is each rank's list order unless a policy moved its
+    ``W``s (``fsdpx.sharding.private_sim``)."""
     compute = sum(e.end - e.start for rank in entries for e in rank if isinstance(e.action, COMPUTE))
+    ran = [tuple(e.action for e in rank) for rank in entries]
     return Timeline(
         schedule=schedule,
         ranks=tuple(tuple(e) for e in entries),
         makespan=max((rank[-1].end for rank in entries if rank), default=0),
         compute_time=compute,
-        peak_in_flight=peak_in_flight(schedule),
-        peak_in_flight_by_rank=tuple(_peak(schedule.ranks[r], lambda a: True) for r in range(p)),
+        peak_in_flight=tuple(_peak(ran[schedule.rank_of(s)], lambda a, s=s: a.stage == s)
+                             for s in range(schedule.num_stages)),
+        peak_in_flight_by_rank=tuple(_peak(actions, lambda a: True) for actions in ran),
     )
 
 

@@ -4,12 +4,15 @@
     fsdpx schedule interleaved_1f1b --ranks 2 --microbatches 4 --virtual 2 --png t.png
     fsdpx schedule zero_bubble --ranks 4 --microbatches 8 --costs F=2,B=2,W=1 --transit 1
     fsdpx schedule gpipe --ranks 4 --microbatches 8 --cores 2       # 4 ranks sharing 2 cores
+    fsdpx schedule 1f1b --ranks 4 --microbatches 8 --costs B=2 --private   # W's fill the waits
 
 Prints the timeline (one line per rank, when every time is an integer), the bubble (exactly,
 as a fraction, for integer or fractional costs), the makespan and the peak microbatches in
-flight per rank; ``--png`` draws the Gantt chart. Everything comes from
-``fsdpx.sharding.schedule.schedule`` and ``fsdpx.sharding.schedule_sim.simulate``: this file
-only parses and prints.
+flight per rank; ``--png`` draws the Gantt chart. ``--private`` runs it as a private pipeline:
+each ``W`` (a microbatch's clipped sums at a stage) after its norms' all-reduce (``--norms``,
+its time), filling waits (``fsdpx.sharding.private_sim``). Everything comes from
+``fsdpx.sharding.schedule.schedule`` and ``fsdpx.sharding.schedule_sim.simulate`` /
+``simulate_private``: this file only parses and prints.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 from fractions import Fraction
 
+from fsdpx.sharding.private_sim import simulate_private
 from fsdpx.sharding.schedule import ACTION_KINDS, KINDS, schedule
 from fsdpx.sharding.schedule_sim import Timeline, Transfer, plot, simulate, text
 
@@ -52,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transit", default="0", metavar="D", help="each message's time between ranks (default 0)")
     p.add_argument("--cores", type=int, default=None, metavar="C",
                    help="the ranks share C cores (default: a core each)")
+    p.add_argument("--private", action="store_true",
+                   help="a private pipeline: each W after its microbatch's norms, filling waits for messages")
+    p.add_argument("--norms", default="0", metavar="D", help="with --private: the norms' all-reduce time (default 0)")
     p.add_argument("--png", metavar="PATH", help="also draw the Gantt chart to this PNG")
     return p
 
@@ -81,7 +88,13 @@ def main(argv: list[str]) -> None:
         costs = parse_costs(args.costs)
         transit = Fraction(args.transit)
         sched = schedule(args.kind, args.ranks, args.microbatches, virtual_stages=args.virtual)
-        timeline = simulate(sched, costs, transfer=Transfer(latency=transit), cores=args.cores)
+        if args.private:
+            timeline = simulate_private(sched, costs, transfer=Transfer(latency=transit), cores=args.cores,
+                                        norms=Fraction(args.norms))
+        elif args.norms != "0":
+            raise ValueError("--norms needs --private")
+        else:
+            timeline = simulate(sched, costs, transfer=Transfer(latency=transit), cores=args.cores)
     except (ValueError, TypeError, ZeroDivisionError) as e:
         parser.error(str(e))
     print(describe(timeline))
