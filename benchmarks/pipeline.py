@@ -1,7 +1,7 @@
 """Pipeline parallelism on 4 gloo processes: fsdpx's schedules vs torch.distributed.pipelining.
 
     .venv/bin/python benchmarks/pipeline.py [--small] [--nproc 4] [--rounds 6] [--mem-rounds 2]
-                                            [--out results.json]
+                                            [--sched batch] [--out results.json]
 
 Run plainly, this file is the driver: it launches itself under torchrun (one thread per
 process) twice, a timing job and then a memory job, each running every mode in the same
@@ -66,6 +66,10 @@ activations held (``peak_held_by_rank``: each microbatch in flight at stage ``s`
 last) plus the gradients of the rank's parameters (formed in the loop by both libraries).
 A private pipeline keeps per-example contributions, not activations, until its norms are
 complete: measured only.
+``--sched batch`` runs every process under ``SCHED_BATCH``, which the kernel never lets preempt a
+running process on wakeup: on a host with fewer cores than processes, a rank whose send wakes its
+peer keeps its core (the peer waits for a free core or the scheduler's tick), as it would with a
+core each. Both libraries run under the same policy.
 Note: 4 processes on a 2-core machine share cores. The shared-core simulation charges each
 action its CPU and lets busy ranks share the cores; what it cannot see is gloo's delivery on an
 oversubscribed host (a message whose receive was posted can wait for both ranks' I/O threads
@@ -982,13 +986,18 @@ def driver(args) -> None:
         log(f"note: {args.nproc} processes share {cores} cores; a rank can wait for a core inside a transfer "
             "(the 'waiting for a core' share), which no core-per-rank simulation predicts: judge the bubble "
             "where every process has a core")
+    if args.sched == "batch":  # inherited by torchrun and every worker
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        log("SCHED_BATCH: a rank woken by a message waits for a core to come free (or a tick) instead of "
+            "preempting the rank that sent it")
     if args.rounds:
         load = os.getloadavg()[0]
         log(f"timing job: {args.nproc} processes, {args.rounds} rounds; load average {load:.1f}")
         res = launch_worker(os.path.abspath(__file__), [*common, "--job", "timing", "--rounds", str(args.rounds)],
                             KEEP_ENV if args.malloc == "keep" else {}, args.nproc, log)
         texts.append(summarize(res))
-        out["timing"] = {**res, "load": [load, os.getloadavg()[0]], "table": texts[-1], "malloc": args.malloc}
+        out["timing"] = {**res, "load": [load, os.getloadavg()[0]], "table": texts[-1], "malloc": args.malloc,
+                         "sched": args.sched}
         log(f"timing job done; load average {os.getloadavg()[0]:.1f}")
     if args.mem_rounds:
         log(f"memory job: {args.nproc} processes, {args.mem_rounds} rounds")
@@ -1017,6 +1026,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--malloc", choices=("default", "keep"), default="default",
                     help="timing job's glibc malloc: its defaults, or keep freed memory (no page faults on reuse)")
+    ap.add_argument("--sched", choices=("default", "batch"), default="default",
+                    help="the processes' CPU scheduling policy: the kernel's default, or SCHED_BATCH (no wakeup "
+                         "preemption: where processes outnumber cores, a send no longer hands the sender's core to "
+                         "the rank it wakes)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--paired", nargs="+", metavar="JSON", default=None,
