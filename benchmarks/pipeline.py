@@ -156,6 +156,7 @@ class ActionTimer:
         self.loop: list[float] = []  # the schedule loop's start and end
         self.groups: list = []  # transfer groups: (start, end, thread CPU, [(kind, mb, stage, peer), ...])
         self.clip_wall = self.clip_cpu = 0.0  # a private pipeline's W's so far (formed inside transfer groups)
+        self.norms_done: list = []  # a private pipeline: when each microbatch's norms were complete here
 
     def install(self):
         import fsdpx.runtime.pipeline as P
@@ -235,6 +236,22 @@ class ActionTimer:
                     TIMER.cpu_by_stage[("B", stage)][-1] += cpu
                     TIMER.times.setdefault("N", []).append(took)
         P._Run._start_norms = start_norms
+
+        # when each microbatch's norms' all-reduce completes on this rank (a callback on gloo's
+        # thread): its time in the schedule, where the ranks' threads compete for cores
+        real_start = P.PipelineStep.start_norms
+
+        def start_norms_async(self_, sq):
+            handle = real_start(self_, sq)
+            if TIMER.active and getattr(handle, "work", None) is not None:
+                k = len(TIMER.norms_done)
+                TIMER.norms_done.append(None)
+
+                def done(_fut, k=k):
+                    TIMER.norms_done[k] = time.perf_counter()
+                handle.work.get_future().then(done)
+            return handle
+        P.PipelineStep.start_norms = start_norms_async
 
         real_clip = P._Run._clip_record
 
@@ -454,7 +471,7 @@ def timed_step(run, batch) -> dict[str, float]:
             "transfer": [float(e[4]) for e in everyone], "transfer_cpu": [float(e[5]) for e in everyone],
             "transfer_core_wait": [float(e[6]) for e in everyone],
             "events": TIMER.events, "loop": TIMER.loop, "groups": TIMER.groups,
-            "norms_start": sum(TIMER.times.get("N", []))}
+            "norms_start": sum(TIMER.times.get("N", [])), "norms_done": list(TIMER.norms_done)}
 
 
 def one_way_seconds(comm, shape, dtype, reps: int) -> list[float]:
@@ -726,31 +743,46 @@ def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
     the schedule's model with the step's own durations instead of medians; and again with each
     transfer group's own thread CPU charged to its first action and ``transit`` (a ``Transfer``)
     between ranks. A private step is replayed by ``simulate_private``, its norms' all-reduce
-    taking the measured median."""
+    taking the median measured from a barrier, then (with ``transit``) its median in the step
+    (``norms_in_schedule``)."""
     from fsdpx.sharding.private_sim import simulate_private
     from fsdpx.sharding.schedule import RECV_B, RECV_F, SEND_B, SEND_F, B, F, W, schedule
     from fsdpx.sharding.schedule_sim import simulate
 
     p = res["world"]
     kind = mode.split("-", 1)[1]
+    steps = [r["steps"][mode][i] for r in res["ranks"]]
+    in_schedule = simulate
     if kind.endswith("-private"):  # its W's where the executor's policy puts them
         kind = kind.removesuffix("-private")
-        norms = res["ranks"][0]["predictions"]["transit"]["norms_s"]
-        simulate = functools.partial(simulate_private, norms=norms)  # noqa: F811
+        simulate = functools.partial(simulate_private, norms=res["ranks"][0]["predictions"]["transit"]["norms_s"])
+        in_schedule = functools.partial(simulate_private, norms=norms_in_schedule(steps) or 0.0)
     sched = schedule(kind, p, MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
-    steps = [r["steps"][mode][i] for r in res["ranks"]]
     starts, ends = [s["loop"][0] for s in steps], [s["loop"][1] for s in steps]
     cls = {"F": F, "B": B, "W": W, "SEND_F": SEND_F, "RECV_F": RECV_F, "SEND_B": SEND_B, "RECV_B": RECV_B}
     own = {cls[k](mb, st): t1 - t0 for s in steps for k, mb, st, t0, t1 in s["events"]}
     sim = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs=own)
     # each transfer group's own CPU charged to its first action (posting and sending come first)
     occupied = {cls[g[0][0]](*g[0][1:]): cpu for s in steps for _, _, cpu, g in s["groups"]}
-    in_situ = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs={**own, **occupied}, transfer=transit)
+    in_situ = in_schedule(sched, {k: 0 for k in ("F", "B", "W")}, action_costs={**own, **occupied}, transfer=transit)
     makespan = max(ends) - min(starts)
     compute = sum(own.values())
     return {"makespan": makespan, "skew": max(starts) - min(starts), "bubble": 1 - compute / (p * makespan),
             "replay_makespan": sim.makespan, "replay_bubble": sim.bubble,
             "replay_transit_makespan": in_situ.makespan, "replay_transit_bubble": in_situ.bubble}
+
+
+def norms_in_schedule(steps: list[dict]) -> float | None:
+    """A private step's norms' all-reduce as it ran: for each microbatch and rank, from the
+    end of the microbatch's last ``B`` on any rank (its last all-reduce start) to the
+    completion on that rank (a callback on gloo's thread); the median, or None without any."""
+    last_b: dict[int, float] = {}
+    for s in steps:
+        for kind, mb, _, _, t1 in s["events"]:
+            if kind == "B":
+                last_b[mb] = max(last_b.get(mb, t1), t1)
+    waits = [t - last_b[mb] for s in steps for mb, t in enumerate(s.get("norms_done", [])) if t is not None]
+    return statistics.median(waits) if waits else None
 
 
 def transit_in_schedule(res: dict, mode: str, i: int) -> list[float]:
