@@ -17,7 +17,10 @@ norms, so it cannot run right after its ``B``. The executor (``fsdpx.runtime.pip
 
 Costs are ``simulate``'s (``fsdpx.sharding.schedule_sim``), ``W`` being one stage's clipped sum
 of one microbatch; so are transit and shared cores. The timeline's bubble then counts the
-``W``s formed in waits as work and the wait for the last norms as idle.
+``W``s formed in waits as work and the wait for the last norms as idle. A message, or norms,
+arriving at the very instant a rank looks count as in. A pipeline with a parameter two stages
+share completes every norm after the lists (one all-reduce): ``norms`` longer than the step
+puts every ``W`` there.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def simulate_private(schedule: Schedule, costs: Mapping[str, float] | None = Non
         (the last rank's last ``B`` of ``mb`` plus ``norms``), a rank's ``W``s run in microbatch
         order, and each starts either after the rank's list or while the rank waits for a
         receive whose message had not arrived when that microbatch's ``W``s began
-        (``test_private_w_runs_after_its_norms_in_a_wait_or_after_the_list``);
+        (``test_private_w_runs_after_its_norms_in_a_wait_or_after_the_list``), and a rank
+        reaching a receive whose message is not in forms its next microbatch whenever that
+        microbatch's norms are complete (``test_private_w_fills_every_wait_it_can``);
       * with ``W`` free the listed actions run exactly as ``simulate`` runs them
         (``test_free_w_leaves_the_schedule_as_simulated``); norms that are never complete in
         time put every ``W`` after the list, which again runs as simulated

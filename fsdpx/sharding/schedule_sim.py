@@ -46,8 +46,9 @@ Definitions (``Timeline``):
   * ``peak_in_flight[s]``: the most microbatches stage ``s`` holds at once, a microbatch being
     held from the start of its ``F`` to the end of its ``W`` (the activations a ``W`` still
     reads). One rank runs all of a stage's actions one after another, so this is counted in
-    list order and does not depend on costs. ``peak_in_flight_by_rank`` counts a rank's
-    stages together.
+    list order and does not depend on costs (a private timeline's, whose ``W``s move with the
+    clock, in the order its ranks ran them: ``fsdpx.sharding.private_sim``).
+    ``peak_in_flight_by_rank`` counts a rank's stages together.
 
 A schedule where no rank can move raises ``Deadlock`` naming each blocked rank, the action it
 is stuck at and what that action waits for. ``plot(timeline, path)`` draws the Gantt chart.
