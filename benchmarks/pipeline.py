@@ -781,7 +781,9 @@ def norms_in_schedule(steps: list[dict]) -> float | None:
         for kind, mb, _, _, t1 in s["events"]:
             if kind == "B":
                 last_b[mb] = max(last_b.get(mb, t1), t1)
-    waits = [t - last_b[mb] for s in steps for mb, t in enumerate(s.get("norms_done", [])) if t is not None]
+    # the last B's end includes starting its all-reduce, which can complete before that call
+    # returns: such a completion counts as immediate
+    waits = [max(t - last_b[mb], 0.0) for s in steps for mb, t in enumerate(s.get("norms_done", [])) if t is not None]
     return statistics.median(waits) if waits else None
 
 
