@@ -11,6 +11,7 @@ from test_schedule_properties import costs, schedules, transfers
 
 from fsdpx.sharding.private_sim import simulate_private
 from fsdpx.sharding.schedule import RECV_B, RECV_F, B, W, matching
+from fsdpx.sharding.schedule import schedule as make_schedule
 from fsdpx.sharding.schedule_sim import simulate
 
 norms_times = st.fractions(0, 4, max_denominator=4)
@@ -126,6 +127,29 @@ def test_private_as_many_cores_as_ranks_changes_nothing(sched, cost, transfer, n
     own = simulate_private(sched, cost, transfer=transfer, norms=norms)
     shared = simulate_private(sched, cost, transfer=transfer, norms=norms, cores=cores)
     assert shared.ranks == own.ranks and shared.makespan == own.makespan
+
+
+@given(schedules(), costs, transfers, norms_times)
+def test_a_private_rank_holds_a_microbatch_from_its_f_to_its_w(sched, cost, transfer, norms):
+    """The timeline's in-flight peak per rank is the most microbatches whose ``F`` has started
+    and whose ``W`` has not ended at any instant, ``W``s where the policy formed them."""
+    timeline = simulate_private(sched, cost, transfer=transfer, norms=norms)
+    for r, entries in enumerate(timeline.ranks):
+        f_starts = [e.start for e in entries if e.action.kind == "F"]
+        w_ends = [e.end for e in entries if e.action.kind == "W"]
+        at_most = max((sum(t >= f for f in f_starts) - sum(t >= w for w in w_ends) for t in f_starts), default=0)
+        assert timeline.peak_in_flight_by_rank[r] == at_most
+
+
+@given(st.integers(2, 8), st.data())
+def test_a_private_1f1b_with_equal_costs_holds_every_microbatch(p, data):
+    """Equal costs: no 1f1b rank waits in its steady state, so none forms a ``W`` before its
+    cool-down and each holds all ``m`` microbatches' contributions, where a plain 1f1b holds
+    ``p - r`` microbatches' activations at rank ``r``."""
+    m = data.draw(st.integers(p, 16), label="m")
+    sched = make_schedule("1f1b", p, m)
+    assert simulate_private(sched).peak_in_flight_by_rank == (m,) * p
+    assert simulate(sched).peak_in_flight_by_rank == tuple(p - r for r in range(p))
 
 
 def test_two_ranks_two_microbatches_by_hand():

@@ -16,7 +16,7 @@ from jobs_support import run_losses as losses, wait  # noqa: E402 (tests/ on sys
 import fsdpx.jobs as jobs
 from fsdpx.jobs import parallel, techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
-from fsdpx.jobs.builtin import BUILTIN, FAMILIES, ParallelTechnique, candidates
+from fsdpx.jobs.builtin import BUILTIN, FAMILIES, ParallelTechnique, candidates, pipeline_choices
 from fsdpx.jobs.gpt_job import gpt_task
 from fsdpx.jobs.plan import Option
 from fsdpx.jobs.profile import Measurement, ProfileTable
@@ -160,6 +160,17 @@ def test_the_memory_model_follows_sharding_and_microbatches_in_flight():
     assert mem(8, strategy="zero3", pp=2, microbatches=8) < mem(8, strategy="zero2", pp=2, microbatches=8)
     assert mem(8, strategy="zero3", tp=2) < mem(8, strategy="zero2", tp=2)
     assert mem(4, tp=4) < mem(2, tp=2)
+
+
+def test_a_private_pipelines_schedules_are_ranked_as_it_runs():
+    """A private pipeline forms its ``W``s (clipped sums) in waits or after its list, so
+    zero-bubble's deferred ``W``s gain nothing over 1f1b: the search ranks a private task's
+    schedules by the private run's time (``simulate_private``), a plain task's by the lists'."""
+    units = lambda k, **kw: parallel.step_units(parallel.Degrees(pp=4, schedule=k, microbatches=4), **kw)  # noqa: E731
+    assert units("zero_bubble") < units("1f1b")
+    assert units("zero_bubble", private=True) == units("1f1b", private=True) < units("1f1b")
+    assert [c["schedule"] for c in pipeline_choices(block_task(private=True), 4, 1)][:2] == ["interleaved_1f1b", "1f1b"]
+    assert pipeline_choices(block_task(), 4, 1)[0]["schedule"] == "zero_bubble"
 
 
 def test_predictions_of_a_parallel_technique_use_its_degrees_and_traffic_at_each_count():

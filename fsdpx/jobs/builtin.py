@@ -95,7 +95,7 @@ def _divisors(n: int) -> list[int]:
 
 def pipeline_choices(task: Task, pp: int, dp: int) -> list[dict[str, Any]]:
     """Schedules for ``pp`` stages, fastest first by ``parallel.step_units`` (the simulated
-    bubble), ties to fewer microbatches: 1f1b, zero_bubble and interleaved 1f1b (2 stages per
+    bubble; a private task's as a private pipeline runs), ties to fewer microbatches: 1f1b, zero_bubble and interleaved 1f1b (2 stages per
     rank), each on ``pp`` or ``2 pp`` microbatches (those no larger than the expected batch
     share of a data-parallel rank, at least ``pp``: more microbatches shrink the bubble, but
     each pays its own collectives and Python, which the unit-cost simulation does not price)."""
@@ -103,7 +103,8 @@ def pipeline_choices(task: Task, pp: int, dp: int) -> list[dict[str, Any]]:
     counts = [m for m in (pp, 2 * pp) if m <= share] or [pp]
     out = [dict(schedule=k, microbatches=m, virtual_stages=v) for m in counts
            for k, v in (("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2))]
-    return sorted(out, key=lambda c: (parallel.step_units(parallel.Degrees(pp=pp, **c)), c["microbatches"]))
+    return sorted(out, key=lambda c: (parallel.step_units(parallel.Degrees(pp=pp, **c), private=task.private),
+                                      c["microbatches"]))
 
 
 def candidates(task: Task, family: str, n: int) -> list[parallel.Degrees]:

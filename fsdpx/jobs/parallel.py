@@ -17,7 +17,11 @@ times the rank's batch share ``ceil(batch_size / dp)``; with one, per stage (the
 stage, the prologue on stage 0, the epilogue on the last) times one microbatch
 ``ceil(share / microbatches)``, weighed by the schedule's microbatches in flight
 (``schedule_sim.peak_held_by_rank``). A private job's activations count
-``PRIVATE_ACTIVATION_FACTOR`` times, as for the data-parallel techniques.
+``PRIVATE_ACTIVATION_FACTOR`` times, as for the data-parallel techniques, over the schedule's
+own microbatches in flight. (A private rank keeps each microbatch's contributions until its
+``W``, which its policy forms in a wait or after its list: with equal costs 1f1b's ranks keep
+all ``m``, ``private_sim.simulate_private``. Contributions are not activations, and how many
+bytes they keep per stage is not modelled here yet.)
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.pipeline import PipelinePlanError, rank_plan
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.schedule import schedule as make_schedule
+from fsdpx.sharding.private_sim import simulate_private
 from fsdpx.sharding.schedule_sim import peak_held_by_rank, simulate
 from fsdpx.sharding.tensor_parallel import ColumnParallel, TensorParallelPlanError
 from fsdpx.train.config import ConfigError
@@ -182,13 +187,16 @@ def sent_bytes(task: Task, n: int, degrees: Degrees) -> int | None:
                                       private=task.private, activations=acts)["send_bytes"])
 
 
-def step_units(degrees: Degrees) -> float:
+def step_units(degrees: Degrees, *, private: bool = False) -> float:
     """A pipeline's step time in units of its rank's compute (``F + B + W`` of its whole share =
     3): the schedule simulated with each action costing its share, ``1 / (microbatches x
     virtual_stages)``; 3 without a pipeline. The bubble the choice of schedule and microbatches
-    trades against memory."""
+    trades against memory. ``private``: run as a private pipeline (``simulate_private``: each
+    ``W`` a microbatch's clipped sums, formed in waits or after the list), where zero-bubble's
+    deferred ``W``s gain nothing over 1f1b (``tests/test_jobs_parallel.py``)."""
     if degrees.pp == 1:
         return 3.0
     share = 1.0 / (degrees.microbatches * degrees.virtual_stages)
     sched = make_schedule(degrees.schedule, degrees.pp, degrees.microbatches, virtual_stages=degrees.virtual_stages)
-    return simulate(sched, {"F": share, "B": share, "W": share}).makespan
+    run = simulate_private if private else simulate
+    return run(sched, {"F": share, "B": share, "W": share}).makespan
