@@ -214,9 +214,6 @@ class ActionTimer:
                     TIMER.groups.append((t0, t1, cpu, [(x.kind, x.mb, x.stage, x.peer) for x in actions]))
         P._Run._transfer = transfer
 
-        # a private pipeline's W: one microbatch's clipped sums at one stage, formed while the
-        # rank waits for a receive once its norms are complete (those left for after the loop
-        # are no bubble)
         # a private rank's last B of a microbatch goes on to start its norms' all-reduce (summing
         # its stages' squared norms, launching the collective): timed as part of that B
         real_norms = P._Run._start_norms
@@ -253,6 +250,8 @@ class ActionTimer:
             return handle
         P.PipelineStep.start_norms = start_norms_async
 
+        # a private pipeline's W: one microbatch's clipped sums at one stage, formed while the
+        # rank waits for a receive once its norms are complete, or after the list (``clip``)
         real_clip = P._Run._clip_record
 
         def clip_record(self_, rec, stage, *a, **k):
