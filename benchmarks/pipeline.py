@@ -157,6 +157,7 @@ class ActionTimer:
         self.groups: list = []  # transfer groups: (start, end, thread CPU, [(kind, mb, stage, peer), ...])
         self.clip_wall = self.clip_cpu = 0.0  # a private pipeline's W's so far (formed inside transfer groups)
         self.norms_done: list = []  # a private pipeline: when each microbatch's norms were complete here
+        self.clips: dict[int, int] = {}  # a private pipeline: W's formed so far, per stage
 
     def install(self):
         import fsdpx.runtime.pipeline as P
@@ -231,7 +232,6 @@ class ActionTimer:
                     TIMER.times["B"][-1] += took
                     TIMER.by_stage[("B", stage)][-1] += took
                     TIMER.cpu_by_stage[("B", stage)][-1] += cpu
-                    TIMER.times.setdefault("N", []).append(took)
         P._Run._start_norms = start_norms
 
         # when each microbatch's norms' all-reduce completes on this rank (a callback on gloo's
@@ -263,7 +263,8 @@ class ActionTimer:
                     t1 = time.perf_counter()
                     took = t1 - t0
                     # one stage's W's are formed in microbatch order: the k-th is microbatch k's
-                    k = sum(1 for e in TIMER.events if e[0] == "W" and e[2] == stage)
+                    k = TIMER.clips.get(stage, 0)
+                    TIMER.clips[stage] = k + 1
                     TIMER.events.append(("W", k, stage, t0, t1))
                     TIMER.clip_wall += took
                     TIMER.clip_cpu += time.thread_time() - c0
@@ -470,7 +471,7 @@ def timed_step(run, batch) -> dict[str, float]:
             "transfer": [float(e[4]) for e in everyone], "transfer_cpu": [float(e[5]) for e in everyone],
             "transfer_core_wait": [float(e[6]) for e in everyone],
             "events": TIMER.events, "loop": TIMER.loop, "groups": TIMER.groups,
-            "norms_start": sum(TIMER.times.get("N", [])), "norms_done": list(TIMER.norms_done)}
+            "norms_done": list(TIMER.norms_done)}
 
 
 def one_way_seconds(comm, shape, dtype, reps: int) -> list[float]:
@@ -684,8 +685,9 @@ def worker(args) -> None:
     small, act = statistics.median(ping["latency"]), statistics.median(ping["activation"])
     act_bytes = mb * cfg["block_size"] * cfg["n_embd"] * 4
     transit = Transfer(latency=small, seconds_per_byte=max(act - small, 0.0) / (act_bytes - 4), message_bytes=act_bytes)
+    norms_s = statistics.median(ping["norms"])
     predictions = {"transit": {"latency_s": small, "activation_s": act, "activation_bytes": act_bytes,
-                               "delay_s": transit.delay, "norms_s": statistics.median(ping["norms"])}}
+                               "delay_s": transit.delay, "norms_s": norms_s}}
     cores = len(os.sched_getaffinity(0))
     predictions["cores"] = cores
     for mode in (m for m in costs if not m.endswith(":cpu")):
@@ -709,7 +711,7 @@ def worker(args) -> None:
         # waits for messages (simulate_private: the executor's policy, the norms' all-reduce
         # taking its measured time)
         private = mode.endswith("-private")
-        sim = functools.partial(simulate_private, norms=statistics.median(ping["norms"])) if private else simulate
+        sim = functools.partial(simulate_private, norms=norms_s) if private else simulate
         predictions[mode] = {"costs": per_stage, "cpu_costs": per_stage_cpu, "occupancy": occupancy,
                              "bubble": sim(sched, stage_costs=per_stage).bubble,
                              "bubble_transit": sim(sched, stage_costs=per_stage, transfer=transit).bubble,
@@ -751,16 +753,16 @@ def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
     p = res["world"]
     kind = mode.split("-", 1)[1]
     steps = [r["steps"][mode][i] for r in res["ranks"]]
-    in_schedule = simulate
+    run = in_schedule = simulate
     if kind.endswith("-private"):  # its W's where the executor's policy puts them
         kind = kind.removesuffix("-private")
-        simulate = functools.partial(simulate_private, norms=res["ranks"][0]["predictions"]["transit"]["norms_s"])
+        run = functools.partial(simulate_private, norms=res["ranks"][0]["predictions"]["transit"]["norms_s"])
         in_schedule = functools.partial(simulate_private, norms=norms_in_schedule(steps) or 0.0)
     sched = schedule(kind, p, MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
     starts, ends = [s["loop"][0] for s in steps], [s["loop"][1] for s in steps]
     cls = {"F": F, "B": B, "W": W, "SEND_F": SEND_F, "RECV_F": RECV_F, "SEND_B": SEND_B, "RECV_B": RECV_B}
     own = {cls[k](mb, st): t1 - t0 for s in steps for k, mb, st, t0, t1 in s["events"]}
-    sim = simulate(sched, {k: 0 for k in ("F", "B", "W")}, action_costs=own)
+    sim = run(sched, {k: 0 for k in ("F", "B", "W")}, action_costs=own)
     # each transfer group's own CPU charged to its first action (posting and sending come first)
     occupied = {cls[g[0][0]](*g[0][1:]): cpu for s in steps for _, _, cpu, g in s["groups"]}
     in_situ = in_schedule(sched, {k: 0 for k in ("F", "B", "W")}, action_costs={**own, **occupied}, transfer=transit)

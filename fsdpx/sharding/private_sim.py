@@ -26,13 +26,12 @@ puts every ``W`` there.
 from __future__ import annotations
 
 from collections import deque
-from fractions import Fraction
 from numbers import Real
 from typing import Mapping, Sequence
 
 from .schedule import RECV_B, RECV_F, Action, B, Schedule, W, check, matching
-from .schedule_sim import (Deadlock, Entry, Timeline, Transfer, _check_cores, _delay, _ready, _timeline, _waits_for,
-                           _work)
+from .schedule_sim import (Deadlock, Entry, Timeline, Transfer, _advance, _check_cores, _delay, _ready, _timeline,
+                           _waits_for, _work)
 
 
 def simulate_private(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
@@ -72,8 +71,8 @@ def simulate_private(schedule: Schedule, costs: Mapping[str, float] | None = Non
 
 
 class _PrivateRun:
-    """The event loop: as ``schedule_sim._run_shared`` (processor sharing when ``cores`` is
-    given, a core each otherwise), each idle rank asking ``_next`` what it does now."""
+    """The event loop: as ``schedule_sim._run_shared`` (``_advance``: processor sharing when
+    ``cores`` is given, a core each otherwise), each idle rank asking ``_next`` what it does now."""
 
     def __init__(self, schedule: Schedule, work, delay: Real, norms: Real, cores: int | None):
         self.schedule, self.work, self.delay, self.norms, self.cores = schedule, work, delay, norms, cores
@@ -104,21 +103,9 @@ class _PrivateRun:
                     break
             if not running and wake is None:
                 break
-            share, step = 1, None
-            if running:
-                n = len(running)
-                share = Fraction(min(self.cores, n) if self.cores is not None else n, n)  # int costs stay exact
-                step = min(left / share for _, left, _, _ in running.values())
-            if step is None or (wake is not None and wake - t <= step):
-                step, t = wake - t, wake
-            else:
-                t = t + step
-            for r, job in list(running.items()):
-                start, left, a, total = job
-                job[1] = left - step * share
-                if job[1] <= (0 if isinstance(job[1], (int, Fraction)) else 1e-12 * total):
-                    del running[r]
-                    self._end(r, a, start, t)
+            t, ended = _advance(running, self.cores, t, wake)
+            for r, start, a in ended:
+                self._end(r, a, start, t)
         self._check_done()
         return self.entries
 

@@ -315,24 +315,39 @@ def _run_shared(schedule: Schedule, work, delay: float, cores: int) -> list[list
                     running[r] = [ready, cost, a, cost]
         if not running and arrival is None:
             break
-        share, step = 1, None
-        if running:
-            share = Fraction(min(cores, len(running)), len(running))  # a Fraction: int costs stay exact
-            step = min(left / share for _, left, _, _ in running.values())
-        if step is None or (arrival is not None and arrival - t <= step):
-            step, t = arrival - t, arrival  # land on the arrival exactly, floats included
-        else:
-            t = t + step
-        for r, job in list(running.items()):
-            start, left, a, total = job
-            job[1] = left - step * share
-            if job[1] <= (0 if isinstance(job[1], (int, Fraction)) else 1e-12 * total):
-                entries[r].append(Entry(start, t, a))
-                ends[a] = free[r] = t
-                del running[r]
+        t, ended = _advance(running, cores, t, arrival)
+        for r, start, a in ended:
+            entries[r].append(Entry(start, t, a))
+            ends[a] = free[r] = t
     if any(len(e) < len(a) for e, a in zip(entries, schedule.ranks)):
         raise Deadlock(_deadlock_message(schedule, entries, ends))
     return entries
+
+
+def _advance(running: dict[int, list], cores: int | None, t: Real,
+             wake: Real | None) -> tuple[Real, list[tuple[int, Real, Action]]]:
+    """Processor sharing from ``t`` to the earlier of ``wake`` and the first end of a running
+    action (``running``: rank -> ``[start, work left, action, work]``; ``n`` running ranks each
+    do ``min(1, cores / n)`` work per unit of time, all of it with ``cores`` None). Returns the
+    new time and the ``(rank, start, action)`` that ended there, taken out of ``running``.
+    Exact for exact costs (``Fraction`` shares)."""
+    share, step = Fraction(1), None
+    if running:
+        n = len(running)
+        share = Fraction(min(cores, n) if cores is not None else n, n)
+        step = min(left / share for _, left, _, _ in running.values())
+    if step is None or (wake is not None and wake - t <= step):
+        step, t = wake - t, wake  # land on the wake-up exactly, floats included
+    else:
+        t = t + step
+    ended = []
+    for r, job in list(running.items()):
+        start, left, a, total = job
+        job[1] = left - step * share
+        if job[1] <= (0 if isinstance(job[1], (int, Fraction)) else 1e-12 * total):
+            del running[r]
+            ended.append((r, start, a))
+    return t, ended
 
 
 def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
