@@ -64,8 +64,11 @@ activations held (``peak_held_by_rank``: each microbatch in flight at stage ``s`
 ``F`` to its ``W`` holds what one microbatch's forward of stage ``s`` keeps, counted by
 ``fsdpx.runtime.step_memory.LiveBytes`` on a real forward of the stage, loss included on the
 last) plus the gradients of the rank's parameters (formed in the loop by both libraries).
-A private pipeline keeps per-example contributions, not activations, until its norms are
-complete: measured only.
+A private pipeline's prediction is the planner's (``fsdpx.jobs.parallel``): a microbatch holds
+its activations from ``F`` to ``B``, then its examples' contributions (factors or per-example
+gradients, ``fsdpx.jobs.memory.contribution_bytes_of`` on a real microbatch of the whole GPT,
+grouped by stage) until the ``W`` the private policy forms, on ``simulate_private`` with equal
+costs (``private_held_by_rank``); where a rank waits and forms ``W``s early it holds less.
 ``--sched batch`` runs every process under ``SCHED_BATCH``, which the kernel never lets preempt a
 running process on wakeup: on a host with fewer cores than processes, a rank whose send wakes its
 peer keeps its core (the peer waits for a free core or the scheduler's tick), as it would with a
@@ -652,6 +655,11 @@ def worker(args) -> None:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, result)
         if rank == 0:
+            from fsdpx.jobs.memory import contribution_bytes_of
+            from fsdpx.jobs.parallel import stage_of_modules
+            from fsdpx.models.gpt import token_loss
+            from fsdpx.sharding.private_sim import private_held_by_rank
+
             predictions = {}
             kept_all = {k: b for r in everyone for k, b in r["memory"]["kept"].items()}
             grads_all = {k: b for r in everyone for k, b in r["memory"]["grads"].items()}
@@ -660,8 +668,19 @@ def worker(args) -> None:
                 v = 2 if kind == "interleaved_1f1b" else 1
                 sched = schedule(kind, world, MICROBATCHES, virtual_stages=v)
                 per_stage = [kept_all[f"{kind}:{s}"] for s in range(sched.num_stages)]
-                held = peak_held_by_rank(sched, per_stage)
                 g = [sum(grads_all[f"{kind}:{s}"] for s in range(r, sched.num_stages, world)) for r in range(world)]
+                if mode.endswith("-private"):
+                    # the planner's model (fsdpx.jobs.parallel): activations from F to B, then the
+                    # contributions (counted on a real microbatch) until the W the private policy
+                    # forms, on simulate_private with equal costs
+                    con = contribution_bytes_of(copy.deepcopy(base), token_loss, (batch[0][:mb], batch[1][:mb]),
+                                                stage_of_modules(base, plans[mode]), sched.num_stages)
+                    timeline = simulate_private(sched)
+                    predictions[mode] = {"kept_per_stage": per_stage, "contributions_per_stage": list(con),
+                                         "activations": list(private_held_by_rank(timeline, per_stage, con)),
+                                         "grads": g, "in_flight": list(timeline.peak_in_flight_by_rank)}
+                    continue
+                held = peak_held_by_rank(sched, per_stage)
                 predictions[mode] = {"kept_per_stage": per_stage, "activations": list(held), "grads": g,
                                      "in_flight": list(simulate(sched).peak_in_flight_by_rank)}
             with open(args.result, "w") as f:
@@ -994,16 +1013,15 @@ def summarize_memory(res: dict) -> str:
     mib = 1 << 20
     lines = [f"### Peak memory over the schedule, {p} processes (MiB above the loop's start, per rank 0..{p - 1}; "
              f"MALLOC_MMAP_THRESHOLD_=65536, largest of the memory rounds)", "",
-             "| mode | peak in flight per rank (simulator) | measured | predicted: held activations + gradients "
-             "| of which activations | one microbatch keeps, per stage |", "|---|---|---|---|---|---|"]
+             "| mode | peak in flight per rank (simulator) | measured | predicted: held activations (private: and "
+             "contributions) + gradients | of which held | one microbatch keeps, per stage |", "|---|---|---|---|---|---|"]
     for mode, pred in res["predictions"].items():
         measured = [max(r["memory"]["peaks"][mode]) / mib for r in res["ranks"]]
-        if mode.endswith("-private"):
-            predicted = act = "- (contributions, not activations)"
-        else:
-            predicted = " / ".join(f"{(a + g) / mib:.1f}" for a, g in zip(pred["activations"], pred["grads"]))
-            act = " / ".join(f"{a / mib:.1f}" for a in pred["activations"])
-        kept = " / ".join(f"{b / mib:.1f}" for b in pred["kept_per_stage"]) if not mode.endswith("-private") else "-"
+        predicted = " / ".join(f"{(a + g) / mib:.1f}" for a, g in zip(pred["activations"], pred["grads"]))
+        act = " / ".join(f"{a / mib:.1f}" for a in pred["activations"])
+        kept = " / ".join(f"{b / mib:.1f}" for b in pred["kept_per_stage"])
+        if "contributions_per_stage" in pred:  # private: activations until B, contributions until W
+            kept += " (contributions " + " / ".join(f"{b / mib:.1f}" for b in pred["contributions_per_stage"]) + ")"
         lines.append(f"| {mode} | {' / '.join(map(str, pred['in_flight']))} | "
                      f"{' / '.join(f'{m:.1f}' for m in measured)} | {predicted} | {act} | {kept} |")
     return "\n".join(lines)

@@ -147,13 +147,24 @@ def reuse_saving(parts: list[Contribution], param_shape: torch.Size) -> int | No
 def factor_bytes(parts: dict[str, list[Contribution]]) -> int:
     """Bytes held by the factors of every factored contribution (distinct tensors counted once):
     the tape's activations and output gradients that the norms and clipped sums read."""
+    return _distinct_bytes(t for plist in parts.values() for p in plist if isinstance(p, Factored)
+                           for t in (p.left, p.right))
+
+
+def kept_bytes(parts: dict[str, list[Contribution]]) -> int:
+    """Bytes every contribution in ``parts`` holds: factors and dense per-example gradients,
+    each distinct tensor once (a view counts its base). What a pipeline stage keeps of one
+    microbatch from its backward to its clipped sums (``fsdpx.jobs.memory.contribution_bytes``).
+    Edge case: an empty dict holds 0 (``tests/test_contribution_bytes.py``)."""
+    return _distinct_bytes(t for plist in parts.values() for p in plist
+                           for t in ((p.left, p.right) if isinstance(p, Factored) else (p.grads,)))
+
+
+def _distinct_bytes(tensors) -> int:
     seen: dict[int, int] = {}
-    for plist in parts.values():
-        for p in plist:
-            if isinstance(p, Factored):
-                for t in (p.left, p.right):
-                    base = t._base if t._base is not None else t
-                    seen[id(base)] = base.numel() * base.element_size()
+    for t in tensors:
+        base = t._base if t._base is not None else t
+        seen[id(base)] = base.numel() * base.element_size()
     return sum(seen.values())
 
 

@@ -44,6 +44,7 @@ class Call:
     grads: list[Tensor] = field(default_factory=list)
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=list)
     weight_shapes: dict[str, torch.Size] = field(default_factory=dict)  # the module's own params during the call
+    flowed: bool = True  # after backward: whether any gradient reached an output (else its grads are zeros)
 
 
 @dataclass
@@ -156,14 +157,17 @@ def fill_grads(calls: list[Call], root: Tensor, grad_root: Tensor | None = None,
                inputs: tuple[Tensor, ...] = ()) -> tuple[Tensor | None, ...]:
     """The backward half of :func:`record`: ONE ``autograd.grad`` from ``root`` (seeded with
     ``grad_root``) to every recorded call output and to ``inputs``; each call gets its output
-    gradients (zeros where none flowed) and drops its edges. Returns the gradients of
+    gradients (zeros where none flowed; ``flowed`` False when none did at all) and drops its
+    edges. Returns the gradients of
     ``inputs`` (``None`` where none flowed)."""
     wanted = [t for c in calls for t in c.outputs]
     targets = [*inputs, *wanted]
     grads = torch.autograd.grad(root, targets, grad_root, allow_unused=True) if targets else ()
     it = iter(grads[len(inputs):])
     for c in calls:
-        c.grads = [g if g is not None else torch.zeros(s, dtype=d, device=v) for (s, d, v), g in zip(c.shapes, it)]
+        got = [next(it) for _ in c.shapes]
+        c.flowed = any(g is not None for g in got)
+        c.grads = [g if g is not None else torch.zeros(s, dtype=d, device=v) for (s, d, v), g in zip(c.shapes, got)]
         c.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
         c.outputs = []
     return tuple(grads[:len(inputs)])

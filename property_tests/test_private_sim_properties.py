@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_schedule_properties import costs, schedules, transfers
 
-from fsdpx.sharding.private_sim import simulate_private
+from fsdpx.sharding.private_sim import private_held_by_rank, simulate_private
 from fsdpx.sharding.schedule import RECV_B, RECV_F, B, W, matching
 from fsdpx.sharding.schedule import schedule as make_schedule
-from fsdpx.sharding.schedule_sim import simulate
+from fsdpx.sharding.schedule_sim import peak_held_by_rank, simulate
 
 norms_times = st.fractions(0, 4, max_denominator=4)
 
@@ -150,6 +150,58 @@ def test_a_private_1f1b_with_equal_costs_holds_every_microbatch(p, data):
     sched = make_schedule("1f1b", p, m)
     assert simulate_private(sched).peak_in_flight_by_rank == (m,) * p
     assert simulate(sched).peak_in_flight_by_rank == tuple(p - r for r in range(p))
+
+
+weights = st.integers(0, 9)
+
+
+@given(schedules(), costs, transfers, norms_times, st.data())
+def test_private_held_is_the_most_held_at_any_instant(sched, cost, transfer, norms, data):
+    """At every instant a rank holds its microbatches' activations from ``F``'s start to
+    ``B``'s end and their contributions from ``B``'s end to ``W``'s end (half-open, a ``B``'s end
+    swapping the one for the other); the peak is the most of that over the instants where
+    holdings grow."""
+    timeline = simulate_private(sched, cost, transfer=transfer, norms=norms)
+    n = sched.num_stages
+    act = data.draw(st.lists(weights, min_size=n, max_size=n), label="activations")
+    con = data.draw(st.lists(weights, min_size=n, max_size=n), label="contributions")
+    held = private_held_by_rank(timeline, act, con)
+    for r, entries in enumerate(timeline.ranks):
+        at = {(e.action.kind, e.action.mb, e.action.stage): e for e in entries if e.action.kind in "FBW"}
+        keys = [(mb, s) for (kind, mb, s) in at if kind == "F"]
+        order = {id(e): i for i, e in enumerate(entries)}
+
+        def holding(i: int) -> int:  # just after the i-th entry of the rank starts (F) or ends (B)
+            total = 0
+            for mb, s in keys:
+                f, b, w = (order[id(at[(k, mb, s)])] for k in "FBW")
+                total += act[s] if f <= i < b else con[s] if b <= i < w else 0
+            return total
+        assert held[r] == max((holding(i) for i in range(len(entries))), default=0)
+
+
+@given(schedules(), costs, transfers, norms_times, st.data())
+def test_private_held_with_equal_weights_counts_in_flight(sched, cost, transfer, norms, data):
+    """Unit weights count the microbatches in flight as the timeline does; equal weights on a
+    plain run (``W`` where listed) give ``peak_held_by_rank``."""
+    timeline = simulate_private(sched, cost, transfer=transfer, norms=norms)
+    ones = [1] * sched.num_stages
+    assert private_held_by_rank(timeline, ones, ones) == timeline.peak_in_flight_by_rank
+    w = data.draw(st.lists(weights, min_size=sched.num_stages, max_size=sched.num_stages), label="weights")
+    assert private_held_by_rank(simulate(sched, cost, transfer=transfer), w, w) == peak_held_by_rank(sched, w)
+
+
+def test_private_held_by_hand_and_bad_lengths():
+    """1f1b, p = m = 2, unit costs (``W`` placement below): rank 0 runs F0 F1 B0 W0 B1 W1, so it
+    holds at most ``max(2a, a + c)``; rank 1 runs F0 B0 F1 B1 W0 W1, at most ``2c`` for
+    ``c >= a``."""
+    import pytest
+
+    timeline = simulate_private(make_schedule("1f1b", 2, 2))
+    assert private_held_by_rank(timeline, [3, 3], [5, 5]) == (8, 10)
+    assert private_held_by_rank(timeline, [5, 5], [1, 1]) == (10, 6)
+    with pytest.raises(ValueError, match="contributions has 1 entries for 2 stages"):
+        private_held_by_rank(timeline, [1, 1], [1])
 
 
 def test_two_ranks_two_microbatches_by_hand():

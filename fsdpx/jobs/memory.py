@@ -96,6 +96,54 @@ def model_shape(task: Task) -> ModelShape:
     return _shape_of(task)
 
 
+def contribution_bytes(task: Task, micro: int, stage_of_module: tuple[tuple[str, int], ...],
+                       stages: int) -> tuple[int, ...]:
+    """Bytes one microbatch of ``micro`` examples keeps in book-keeping contributions at each of
+    ``stages`` pipeline stages, from its ``B`` to its clipped sums (its ``W``):
+    ``privacy.contributions.kept_bytes`` of the contributions of the calls of the modules
+    ``stage_of_module`` puts at that stage, after ``instantiate_for_reuse`` on the stage's own
+    parameters, as the private pipeline's runtime keeps them (``fsdpx.runtime.pipeline``). Read
+    off one forward and backward of the job's model on the ``meta`` device (shapes only; cached),
+    ``method="auto"`` (a module without a ghost rule keeps per-example gradients).
+
+    Guarantee: equal to what the runtime keeps, to the byte, for the benchmark's GPT
+    (``tests/test_contribution_bytes.py``). Edge cases: a stage without parameters keeps 0;
+    tensor parallelism does not divide them here (an upper bound on a tensor-parallel rank)."""
+    return _contribution_bytes(task, micro, tuple(stage_of_module), stages)
+
+
+@lru_cache(maxsize=64)
+def _contribution_bytes(task: Task, micro: int, stage_of_module: tuple[tuple[str, int], ...],
+                        stages: int) -> tuple[int, ...]:
+    with torch.device("meta"):
+        model = task.model_fn(task.hparams)
+    inputs, targets = task.data_fn(task.hparams)
+    x = torch.empty((micro, *inputs.shape[1:]), dtype=inputs.dtype, device="meta")
+    y = torch.empty((micro, *targets.shape[1:]), dtype=targets.dtype, device="meta")
+    return contribution_bytes_of(model, task.loss_fn, (x, y), dict(stage_of_module), stages)
+
+
+def contribution_bytes_of(model: torch.nn.Module, loss_fn, batch: tuple, stage_of_module: dict[str, int],
+                          stages: int) -> tuple[int, ...]:
+    """:func:`contribution_bytes` of ``model`` on ``batch`` (one microbatch; real or ``meta``
+    tensors), its trainable parameters' calls grouped by ``stage_of_module``."""
+    from fsdpx.runtime.step_memory import LiveBytes
+    from privacy import contributions as C
+    from privacy.ghost import contributions
+    from privacy.tape import Tape, record
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out = []
+    with LiveBytes():  # answers the data-dependent calls a meta run meets
+        tape = record(model, params, batch, loss_fn)
+        for s in range(stages):
+            calls = [c for c in tape.calls if stage_of_module.get(c.module_name) == s]
+            parts = contributions(model, params, Tape(calls, None), method="auto")
+            parts = C.instantiate_for_reuse(parts, {n: params[n].shape for n in parts})
+            out.append(C.kept_bytes(parts))
+    return tuple(out)
+
+
 def job_memory(task: Task, strategy: str, n: int, *, optimizer_fraction: float = 1.0) -> int:
     """Estimated peak bytes on the worst of ``n`` ranks: parameters, gradients and
     ``optimizer_fraction`` of AdamW's two state tensors at rest (``memory_per_rank``; ZenFlow

@@ -16,12 +16,16 @@ a column-parallel module divided by ``tp`` (its output features are split); with
 times the rank's batch share ``ceil(batch_size / dp)``; with one, per stage (the blocks of the
 stage, the prologue on stage 0, the epilogue on the last) times one microbatch
 ``ceil(share / microbatches)``, weighed by the schedule's microbatches in flight
-(``schedule_sim.peak_held_by_rank``). A private job's activations count
-``PRIVATE_ACTIVATION_FACTOR`` times, as for the data-parallel techniques, over the schedule's
-own microbatches in flight. (A private rank keeps each microbatch's contributions until its
-``W``, which its policy forms in a wait or after its list: with equal costs 1f1b's ranks keep
-all ``m``, ``private_sim.simulate_private``. Contributions are not activations, and how many
-bytes they keep per stage is not modelled here yet.)
+(``schedule_sim.peak_held_by_rank``). A private job without a pipeline counts its
+activations ``PRIVATE_ACTIVATION_FACTOR`` times, as the data-parallel techniques do. A private
+pipeline's rank holds a microbatch's activations from its ``F`` to its ``B`` and then its
+examples' contributions (``memory.contribution_bytes``: factors or per-example gradients, per
+stage, on the meta device) until its ``W``, which the private policy forms in a wait or after
+the list (``private_sim.private_held_by_rank`` on ``simulate_private`` with equal costs, as
+``step_units``). With equal costs no 1f1b rank waits in its steady state, so every rank holds
+all ``m`` microbatches' contributions at its last ``B``: more microbatches do not shrink a
+private 1f1b's peak, and a rank that waits in practice holds fewer (an upper bound there;
+measured in ``benchmarks/pipeline.py``'s memory table). Contributions are not divided by ``tp``.
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.pipeline import PipelinePlanError, rank_plan
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.schedule import schedule as make_schedule
-from fsdpx.sharding.private_sim import simulate_private
+from fsdpx.sharding.private_sim import private_held_by_rank, simulate_private
 from fsdpx.sharding.schedule_sim import peak_held_by_rank, simulate
 from fsdpx.sharding.tensor_parallel import ColumnParallel, TensorParallelPlanError
 from fsdpx.train.config import ConfigError
 
-from .memory import PRIVATE_ACTIVATION_FACTOR, model_shape
+from .memory import PRIVATE_ACTIVATION_FACTOR, contribution_bytes, model_shape
 from .task import Task
 
 
@@ -97,7 +101,7 @@ def plan_of(task: Task, n: int, degrees: Degrees) -> Resolved | None:
     return Resolved(model, plan, mesh)
 
 
-def _stage_of_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, int]:
+def stage_of_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, int]:
     """Each module's pipeline stage: a block's (and its submodules') the stage of the block;
     modules registered before the block list stage 0, after it (and the root, whose output is
     the model's) the last stage."""
@@ -119,25 +123,29 @@ def _stage_of_modules(model: nn.Module, plan: ShardingPlan) -> dict[str, int]:
 
 
 def activation_bytes(task: Task, resolved: Resolved) -> list[int]:
-    """Peak activation bytes of each pipeline index (one entry without a pipeline), as the
-    module doc says."""
+    """Peak activation bytes of each pipeline index (one entry without a pipeline; a private
+    pipeline's include the contributions it holds), as the module doc says."""
     shape, plan, mesh = model_shape(task), resolved.plan, resolved.mesh
     tp = mesh.axis_size(plan.tp_axis) if plan.tp_axis else 1
     split = {m for m, st in plan.modules.items() if isinstance(getattr(st, "style", st), ColumnParallel)}
     per_module = {name: (b // tp if name in split else b) for name, b in shape.module_bytes}
-    factor = PRIVATE_ACTIVATION_FACTOR if task.private else 1.0
     share = math.ceil(task.batch_size / mesh.axis_size(plan.data_axes))
     layout = plan.pipeline
     if layout is None:
+        factor = PRIVATE_ACTIVATION_FACTOR if task.private else 1.0
         return [round(factor * sum(per_module.values()) * share)]
-    stage = _stage_of_modules(resolved.model, plan)
+    stage = stage_of_modules(resolved.model, plan)
     per_stage = [0] * layout.num_stages
     for name, b in per_module.items():
         per_stage[stage[name]] += b
     micro = math.ceil(share / layout.microbatches)
     sched = make_schedule(layout.schedule, layout.degree(), layout.microbatches,
                           virtual_stages=layout.virtual_stages)
-    return [round(factor * micro * held) for held in peak_held_by_rank(sched, per_stage)]
+    if not task.private:
+        return [round(micro * held) for held in peak_held_by_rank(sched, per_stage)]
+    kept = contribution_bytes(task, micro, tuple(stage.items()), layout.num_stages)
+    timeline = simulate_private(sched)  # equal costs, as step_units: no 1f1b rank waits in its steady state
+    return [round(b) for b in private_held_by_rank(timeline, [micro * b for b in per_stage], kept)]
 
 
 def memory(task: Task, n: int, degrees: Degrees) -> int | None:

@@ -545,7 +545,10 @@ class _Run:
         if rec.inject is not None:
             self.outbox[("B", mb, s)] = got[0] if got[0] is not None else torch.zeros_like(rec.inject)
         leaves = {n: rec.gatherer.full[n] for n in st.names}
-        rec.parts = contributions(o.model, leaves, Tape(rec.calls, None), method=o.config.method)
+        # a call no gradient reached contributes zeros: not kept (the prologue a later stage runs
+        # for a parameter it shares, its output replaced by the received activation)
+        flowed = [c for c in rec.calls if c.flowed]
+        rec.parts = contributions(o.model, leaves, Tape(flowed, None), method=o.config.method)
         rec.calls, rec.root, rec.grad_out = None, None, None
         # the unpipelined step's cost rule: a parameter whose per-example gradients cost less to
         # form once than its Gram norm plus its clipped-sum matmul keeps them instead of its
@@ -660,8 +663,9 @@ class _Run:
                 for j in holders[:-1]:
                     own = own + recv_parts(o.comm, o.peer[j])
                 recs = [self.flight[(m, s)] for (m, s) in mine if m == mb and name in o.stages[s].names]
-                shape = recs[0].gatherer.full[name].shape
-                recs[0].sq = recs[0].sq + C.sq_norms(own, shape)
+                if own:  # no gradient reached any holder's call: nothing to add
+                    shape = recs[0].gatherer.full[name].shape
+                    recs[0].sq = recs[0].sq + C.sq_norms(own, shape)
         o.comm.flush_p2p()
 
     def _weights(self, mb: int, s: int) -> None:

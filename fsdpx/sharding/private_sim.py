@@ -29,7 +29,7 @@ from collections import deque
 from numbers import Real
 from typing import Mapping, Sequence
 
-from .schedule import RECV_B, RECV_F, Action, B, Schedule, W, check, matching
+from .schedule import RECV_B, RECV_F, Action, B, F, Schedule, W, check, matching
 from .schedule_sim import (Deadlock, Entry, Timeline, Transfer, _advance, _check_cores, _delay, _ready, _timeline,
                            _waits_for, _work)
 
@@ -68,6 +68,45 @@ def simulate_private(schedule: Schedule, costs: Mapping[str, float] | None = Non
     work = _work(schedule, costs, rank_costs, stage_costs, action_costs)
     _check_cores(cores)
     return _timeline(schedule, _PrivateRun(schedule, work, delay, norms, cores).run())
+
+
+def private_held_by_rank(timeline: Timeline, activations: Sequence[Real],
+                         contributions: Sequence[Real]) -> tuple[Real, ...]:
+    """Per rank, the most a private pipeline's rank holds at once when a microbatch at stage
+    ``s`` holds ``activations[s]`` (its forward's graph) from the start of its ``F`` to the end
+    of its ``B``, and ``contributions[s]`` (its examples' factors or per-example gradients,
+    ``privacy.contributions``) from there to the end of its ``W``, in the order ``timeline``
+    (a ``simulate_private`` run) ran them. At a ``B``'s end the one swaps for the other: the
+    contributions' input factors are the graph's own saved inputs, and the runtime frees the
+    graph as it keeps them (``fsdpx.runtime.pipeline``), so the transient overlap is not
+    counted.
+
+    Guarantees (``property_tests/test_private_sim_properties.py``): the result is the most,
+    over every instant, of the activations of the microbatches between their ``F``'s start and
+    their ``B``'s end plus the contributions of those between their ``B``'s end and their
+    ``W``'s end (``test_private_held_is_the_most_held_at_any_instant``); equal weights for both
+    give ``peak_held_by_rank``'s count on the executed order, unit weights
+    ``timeline.peak_in_flight_by_rank`` (``test_private_held_with_equal_weights_counts_in_flight``).
+
+    Raises ``ValueError`` when either list's length is not the number of stages."""
+    stages = timeline.schedule.num_stages
+    for label, weights in (("activations", activations), ("contributions", contributions)):
+        if len(weights) != stages:
+            raise ValueError(f"{label} has {len(weights)} entries for {stages} stages")
+    out = []
+    for entries in timeline.ranks:
+        held = peak = 0
+        for e in entries:
+            a = e.action
+            if isinstance(a, F):
+                held += activations[a.stage]
+            elif isinstance(a, B):
+                held += contributions[a.stage] - activations[a.stage]
+            elif isinstance(a, W):
+                held -= contributions[a.stage]
+            peak = max(peak, held)
+        out.append(peak)
+    return tuple(out)
 
 
 class _PrivateRun:

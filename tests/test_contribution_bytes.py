@@ -1,0 +1,100 @@
+"""What a private pipeline stage keeps between a microbatch's backward and its clipped sums:
+``privacy.contributions.kept_bytes`` counts it, ``fsdpx.jobs.memory.contribution_bytes``
+predicts it on the meta device, and the planner's memory model holds it over the private
+policy's timeline (``fsdpx.jobs.parallel.activation_bytes``)."""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdpx.jobs as jobs
+from fsdpx.jobs import parallel
+from fsdpx.jobs.gpt_job import corpus_data, gpt_task
+from fsdpx.jobs.memory import contribution_bytes
+from privacy import contributions as C
+from privacy.contributions import Dense, Factored, kept_bytes
+from privacy.step import DPConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
+from test_pipeline_properties import _pipelined  # noqa: E402
+from test_sharded_properties import _optimizer  # noqa: E402
+
+HP = dict(n_layer=4, n_head=2, n_embd=16, block_size=8, corpus_chars=4000)
+
+
+def test_kept_bytes_counts_each_distinct_tensor_once():
+    left, right = torch.zeros(2, 3, 5), torch.zeros(2, 3, 7)
+    dense = torch.zeros(2, 5, dtype=torch.float64)
+    parts = {"w": [Factored(left, right, 5, (0, 5))], "v": [Factored(left, right[:, :2], 5, (0, 5))],
+             "b": [Dense(dense)]}
+    assert kept_bytes(parts) == (30 + 42) * 4 + 10 * 8
+    assert kept_bytes({}) == 0 and C.factor_bytes(parts) == (30 + 42) * 4
+
+
+def _private_task(batch_size: int):
+    return gpt_task("contrib", steps=1, batch_size=batch_size, privacy=jobs.Privacy(target_epsilon=8.0), **HP)
+
+
+@pytest.mark.parametrize("schedule, pp, m", [("1f1b", 2, 2), ("interleaved_1f1b", 2, 4)])
+def test_predicted_contribution_bytes_are_what_the_runtime_keeps(monkeypatch, schedule, pp, m):
+    """The private pipeline's runtime on the simulated mesh, with the real ``instantiate_for_reuse``
+    watched: every microbatch of every stage keeps exactly the bytes the meta-device prediction
+    gives that stage."""
+    task = _private_task(8)
+    degrees = parallel.Degrees(strategy="ddp", pp=pp, schedule=schedule, microbatches=m,
+                               virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
+    meta, plan, mesh = parallel.plan_of(task, pp, degrees)
+    stage_of = parallel.stage_of_modules(meta, plan)
+    canonical, held = {id(p): n for n, p in meta.named_parameters()}, defaultdict(set)
+    for mod, s in stage_of.items():  # the stages whose modules call each parameter (tied: two)
+        for _, p in dict(meta.named_modules())[mod].named_parameters(recurse=False):
+            held[canonical[id(p)]].add(s)
+    micro = 8 // m
+    want = contribution_bytes(task, micro, tuple(stage_of.items()), plan.pipeline.num_stages)
+
+    kept: list[tuple[set[int], int]] = []
+    real = C.instantiate_for_reuse
+
+    def watched(parts, shapes, **kw):
+        out = real(parts, shapes, **kw)
+        kept.append((set().union(*(held[n] for n in out if len(held[n]) == 1)), kept_bytes(out)))
+        return out
+
+    monkeypatch.setattr(C, "instantiate_for_reuse", watched)
+    torch.manual_seed(0)
+    model = task.model_fn(task.hparams)
+    inputs, targets = corpus_data(task.hparams)
+    config = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1, method="auto")
+    _pipelined(model, [(inputs[:8], targets[:8])], _optimizer(torch.float32), plan, mesh, config)
+    assert len(kept) == m * plan.pipeline.num_stages
+    for stages, got in kept:
+        (s,) = stages
+        assert got == want[s] > 0
+
+
+def test_a_private_1f1b_rank_holds_every_microbatchs_contributions():
+    """Equal costs: the last rank of a private 1f1b forms no ``W`` before its list ends, so at
+    its last ``B`` it holds all ``m`` microbatches' contributions (and at most one microbatch's
+    activations beside them); more microbatches do not shrink it, where a plain pipeline's
+    last rank holds one microbatch's activations."""
+    task = _private_task(8)
+    for m in (2, 4):
+        degrees = parallel.Degrees(strategy="ddp", pp=2, schedule="1f1b", microbatches=m)
+        resolved = parallel.plan_of(task, 2, degrees)
+        stage_of = parallel.stage_of_modules(resolved.model, resolved.plan)
+        con = contribution_bytes(task, 8 // m, tuple(stage_of.items()), 2)
+        held = parallel.activation_bytes(task, resolved)
+        plain = parallel.activation_bytes(_plain_task(), parallel.plan_of(_plain_task(), 2, degrees))
+        assert m * con[1] <= held[1] <= m * con[1] + plain[1]
+
+
+_PLAIN = gpt_task("contrib-plain", steps=1, batch_size=8, **HP)
+
+
+def _plain_task():
+    return _PLAIN
