@@ -16,6 +16,7 @@ import fsdpx.jobs as jobs
 from fsdpx.jobs import parallel
 from fsdpx.jobs.gpt_job import corpus_data, gpt_task
 from fsdpx.jobs.memory import contribution_bytes
+from fsdpx.sharding.layout import local_shape
 from privacy import contributions as C
 from privacy.contributions import Dense, Factored, kept_bytes
 from privacy.step import DPConfig
@@ -40,22 +41,24 @@ def _private_task(batch_size: int):
     return gpt_task("contrib", steps=1, batch_size=batch_size, privacy=jobs.Privacy(target_epsilon=8.0), **HP)
 
 
-@pytest.mark.parametrize("schedule, pp, m", [("1f1b", 2, 2), ("interleaved_1f1b", 2, 4)])
-def test_predicted_contribution_bytes_are_what_the_runtime_keeps(monkeypatch, schedule, pp, m):
+@pytest.mark.parametrize("schedule, pp, m, tp", [("1f1b", 2, 2, 1), ("interleaved_1f1b", 2, 4, 1), ("1f1b", 2, 2, 2)])
+def test_predicted_contribution_bytes_are_what_the_runtime_keeps(monkeypatch, schedule, pp, m, tp):
     """The private pipeline's runtime on the simulated mesh, with the real ``instantiate_for_reuse``
     watched: every microbatch of every stage keeps exactly the bytes the meta-device prediction
-    gives that stage."""
+    gives that stage; with tensor parallelism (a vocabulary of 69 rows, split 35 / 34) the
+    prediction is the largest rank's, which some rank keeps exactly and none exceeds."""
     task = _private_task(8)
-    degrees = parallel.Degrees(strategy="ddp", pp=pp, schedule=schedule, microbatches=m,
+    degrees = parallel.Degrees(strategy="ddp", tp=tp, pp=pp, schedule=schedule, microbatches=m,
                                virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
-    meta, plan, mesh = parallel.plan_of(task, pp, degrees)
+    meta, plan, mesh = parallel.plan_of(task, pp * tp, degrees)
     stage_of = parallel.stage_of_modules(meta, plan)
+    blocks = tuple((n, L.param_shape(local_shape(L.shape, L.compute, mesh, 0))) for n, L in plan.params.items())
     canonical, held = {id(p): n for n, p in meta.named_parameters()}, defaultdict(set)
     for mod, s in stage_of.items():  # the stages whose modules call each parameter (tied: two)
         for _, p in dict(meta.named_modules())[mod].named_parameters(recurse=False):
             held[canonical[id(p)]].add(s)
     micro = 8 // m
-    want = contribution_bytes(task, micro, tuple(stage_of.items()), plan.pipeline.num_stages)
+    want = contribution_bytes(task, micro, tuple(stage_of.items()), plan.pipeline.num_stages, blocks if tp > 1 else ())
 
     kept: list[tuple[set[int], int]] = []
     real = C.instantiate_for_reuse
@@ -71,10 +74,16 @@ def test_predicted_contribution_bytes_are_what_the_runtime_keeps(monkeypatch, sc
     inputs, targets = corpus_data(task.hparams)
     config = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1, method="auto")
     _pipelined(model, [(inputs[:8], targets[:8])], _optimizer(torch.float32), plan, mesh, config)
-    assert len(kept) == m * plan.pipeline.num_stages
+    assert len(kept) == m * plan.pipeline.num_stages * tp
+    by_stage = defaultdict(list)
     for stages, got in kept:
         (s,) = stages
-        assert got == want[s] > 0
+        by_stage[s].append(got)
+    for s, got in by_stage.items():
+        assert max(got) == want[s] > 0 and (tp > 1 or min(got) == want[s])
+    if tp > 1:  # the blocks are smaller than the whole
+        whole = contribution_bytes(task, micro, tuple(stage_of.items()), plan.pipeline.num_stages)
+        assert all(w < full for w, full in zip(want, whole))
 
 
 def test_a_private_1f1b_rank_holds_every_microbatchs_contributions():

@@ -96,8 +96,8 @@ def model_shape(task: Task) -> ModelShape:
     return _shape_of(task)
 
 
-def contribution_bytes(task: Task, micro: int, stage_of_module: tuple[tuple[str, int], ...],
-                       stages: int) -> tuple[int, ...]:
+def contribution_bytes(task: Task, micro: int, stage_of_module: tuple[tuple[str, int], ...], stages: int,
+                       local_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> tuple[int, ...]:
     """Bytes one microbatch of ``micro`` examples keeps in book-keeping contributions at each of
     ``stages`` pipeline stages, from its ``B`` to its clipped sums (its ``W``):
     ``privacy.contributions.kept_bytes`` of the contributions of the calls of the modules
@@ -105,26 +105,30 @@ def contribution_bytes(task: Task, micro: int, stage_of_module: tuple[tuple[str,
     parameters, as the private pipeline's runtime keeps them (``fsdpx.runtime.pipeline``). Read
     off one forward and backward of the job's model on the ``meta`` device (shapes only; cached),
     ``method="auto"`` (a module without a ghost rule keeps per-example gradients).
+    ``local_shapes``: ``(parameter, shape)`` of the blocks a tensor-parallel rank computes with
+    (the largest rank's where a split is uneven): those parameters' contributions are cut to
+    their block as that rank forms them (a column layer's output gradient, a row layer's input,
+    a vocabulary block's rows, per-example gradients of the block).
 
-    Guarantee: equal to what the runtime keeps, to the byte, for the benchmark's GPT
-    (``tests/test_contribution_bytes.py``). Edge cases: a stage without parameters keeps 0;
-    tensor parallelism does not divide them here (an upper bound on a tensor-parallel rank)."""
-    return _contribution_bytes(task, micro, tuple(stage_of_module), stages)
+    Guarantee: equal to what the runtime keeps, to the byte, for a GPT at tp = 1 and for the
+    largest tensor-parallel rank at tp = 2 (``tests/test_contribution_bytes.py``). Edge case: a
+    stage without parameters keeps 0."""
+    return _contribution_bytes(task, micro, tuple(stage_of_module), stages, tuple(local_shapes))
 
 
 @lru_cache(maxsize=64)
-def _contribution_bytes(task: Task, micro: int, stage_of_module: tuple[tuple[str, int], ...],
-                        stages: int) -> tuple[int, ...]:
+def _contribution_bytes(task: Task, micro: int, stage_of_module: tuple[tuple[str, int], ...], stages: int,
+                        local_shapes: tuple[tuple[str, tuple[int, ...]], ...]) -> tuple[int, ...]:
     with torch.device("meta"):
         model = task.model_fn(task.hparams)
     inputs, targets = task.data_fn(task.hparams)
     x = torch.empty((micro, *inputs.shape[1:]), dtype=inputs.dtype, device="meta")
     y = torch.empty((micro, *targets.shape[1:]), dtype=targets.dtype, device="meta")
-    return contribution_bytes_of(model, task.loss_fn, (x, y), dict(stage_of_module), stages)
+    return contribution_bytes_of(model, task.loss_fn, (x, y), dict(stage_of_module), stages, dict(local_shapes))
 
 
 def contribution_bytes_of(model: torch.nn.Module, loss_fn, batch: tuple, stage_of_module: dict[str, int],
-                          stages: int) -> tuple[int, ...]:
+                          stages: int, local_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[int, ...]:
     """:func:`contribution_bytes` of ``model`` on ``batch`` (one microbatch; real or ``meta``
     tensors), its trainable parameters' calls grouped by ``stage_of_module``."""
     from fsdpx.runtime.step_memory import LiveBytes
@@ -133,15 +137,55 @@ def contribution_bytes_of(model: torch.nn.Module, loss_fn, batch: tuple, stage_o
     from privacy.tape import Tape, record
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    local = {n: tuple(shape) for n, shape in (local_shapes or {}).items()
+             if n in params and tuple(shape) != tuple(params[n].shape)}
     out = []
     with LiveBytes():  # answers the data-dependent calls a meta run meets
         tape = record(model, params, batch, loss_fn)
         for s in range(stages):
             calls = [c for c in tape.calls if stage_of_module.get(c.module_name) == s]
             parts = contributions(model, params, Tape(calls, None), method="auto")
-            parts = C.instantiate_for_reuse(parts, {n: params[n].shape for n in parts})
+            parts = _cut_to_blocks(parts, {n: tuple(params[n].shape) for n in parts}, local, {})
+            parts = C.instantiate_for_reuse(parts, {n: torch.Size(local.get(n, params[n].shape)) for n in parts})
             out.append(C.kept_bytes(parts))
     return tuple(out)
+
+
+def _cut_to_blocks(parts: dict, shapes: dict[str, tuple[int, ...]], local: dict[str, tuple[int, ...]],
+                   made: dict) -> dict:
+    """``parts`` as a rank holding the blocks ``local`` of some parameters forms them: a factored
+    contribution of a parameter viewed as ``[rows, n]`` has its dense left factor cut to the
+    block's rows (one-hot ids stay) and its right factor to the block's ``n``; a dense one is the
+    block's per-example gradients. The factors are new ``meta`` tensors, one per factor and
+    shape (``made``): a factor two such contributions share (the input of q, k and v) is still
+    counted once, but never shared with a whole layer's contribution (on the rank a split
+    layer's output passes a collective, so its gradient is a tensor of its own)."""
+    from privacy.contributions import Dense, Factored
+
+    def cut(t: torch.Tensor, last: int) -> torch.Tensor:
+        key = (id(t), last)
+        if key not in made:
+            made[key] = (t, torch.empty((*t.shape[:-1], last), dtype=t.dtype, device="meta"))
+        return made[key][1]
+
+    out = {}
+    for name, plist in parts.items():
+        if name not in local:
+            out[name] = plist
+            continue
+        full, block = shapes[name], local[name]
+        rows, n = block[0], math.prod(block[1:])
+        cut_parts = []
+        for p in plist:
+            if isinstance(p, Dense):
+                cut_parts.append(Dense(torch.empty((p.grads.shape[0], *block), dtype=p.grads.dtype, device="meta")))
+            elif p.rows == (0, full[0]):
+                left = p.left if p.one_hot else cut(p.left, rows)
+                cut_parts.append(Factored(left, cut(p.right, n), rows, (0, rows)))
+            else:  # a block of rows (grouped convolutions): kept whole, an upper bound
+                cut_parts.append(p)
+        out[name] = cut_parts
+    return out
 
 
 def job_memory(task: Task, strategy: str, n: int, *, optimizer_fraction: float = 1.0) -> int:

@@ -25,7 +25,8 @@ the list (``private_sim.private_held_by_rank`` on ``simulate_private`` with equa
 ``step_units``). With equal costs no 1f1b rank waits in its steady state, so every rank holds
 all ``m`` microbatches' contributions at its last ``B``: more microbatches do not shrink a
 private 1f1b's peak, and a rank that waits in practice holds fewer (an upper bound there;
-measured in ``benchmarks/pipeline.py``'s memory table). Contributions are not divided by ``tp``.
+measured in ``benchmarks/pipeline.py``'s memory table). With ``tp`` the contributions are those of
+the blocks tensor-parallel rank 0 computes with (the largest where a split is uneven).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from torch import nn
 
 from fsdpx.sharding.cost_model import comm_per_step, memory_by_rank, peak_gathered_bytes
+from fsdpx.sharding.layout import local_shape
 from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.pipeline import PipelinePlanError, rank_plan
 from fsdpx.sharding.plan import ShardingPlan
@@ -143,7 +145,9 @@ def activation_bytes(task: Task, resolved: Resolved) -> list[int]:
                           virtual_stages=layout.virtual_stages)
     if not task.private:
         return [round(micro * held) for held in peak_held_by_rank(sched, per_stage)]
-    kept = contribution_bytes(task, micro, tuple(stage.items()), layout.num_stages)
+    blocks = () if tp == 1 else tuple(  # what tensor-parallel rank 0 (the largest blocks) computes with
+        (n, L.param_shape(local_shape(L.shape, L.compute, mesh, 0))) for n, L in sorted(plan.params.items()))
+    kept = contribution_bytes(task, micro, tuple(stage.items()), layout.num_stages, blocks)
     timeline = simulate_private(sched)  # equal costs, as step_units: no 1f1b rank waits in its steady state
     return [round(b) for b in private_held_by_rank(timeline, [micro * b for b in per_stage], kept)]
 
