@@ -107,3 +107,42 @@ _PLAIN = gpt_task("contrib-plain", steps=1, batch_size=8, **HP)
 
 def _plain_task():
     return _PLAIN
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_transformers_models_keep_what_is_predicted_under_tensor_parallelism(monkeypatch, family):
+    """transformers' GPT-2 (tied, fused ``c_attn`` as ``Conv1D``) and Llama (q, k, v sharing one
+    input), unmodified, private on tp = 2 x pp = 2: the largest rank keeps per stage exactly
+    what ``contribution_bytes_of`` predicts from the model and the plan's blocks."""
+    import test_tensor_parallel_hf as H
+
+    from fsdpx.jobs.memory import contribution_bytes_of
+    from fsdpx.models.tp_plans import gpt2_plan, llama_plan
+    from fsdpx.sharding import Mesh, strategies
+    from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
+    from fsdpx.sharding.tensor_parallel import resolve
+
+    model, tp_plan = (H._gpt2("eager"), gpt2_plan) if family == "gpt2" else (H._llama("eager"), llama_plan)
+    mesh = Mesh(dp=1, tp=2, pp=2)
+    plan = resolve_pipeline(model, resolve(model, tp_plan(model.config), strategies.zero3(), mesh),
+                            PipelineParallel(schedule="1f1b", microbatches=2), mesh)
+    stage_of = parallel.stage_of_modules(model, plan)
+    blocks = {n: L.param_shape(local_shape(L.shape, L.compute, mesh, 0)) for n, L in plan.params.items()}
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, H.VOCAB, (4, 8), generator=g), torch.randint(0, H.VOCAB, (4, 8), generator=g))
+    want = contribution_bytes_of(model, H.hf_loss, (batch[0][:2], batch[1][:2]), stage_of, 2, blocks)
+
+    kept: dict[int, list[int]] = defaultdict(list)
+    real = C.instantiate_for_reuse
+
+    def watched(parts, shapes, **kw):
+        out = real(parts, shapes, **kw)  # a stage's parts: its own modules' (and a tied first-stage weight)
+        kept[max(stage_of[n.rsplit(".", 1)[0]] for n in out)].append(kept_bytes(out))
+        return out
+
+    monkeypatch.setattr(C, "instantiate_for_reuse", watched)
+    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto")
+    _pipelined(model, [batch], _optimizer(torch.float64), plan, mesh, config, loss_fn=H.hf_loss)
+    assert sorted(kept) == [0, 1] and all(len(got) == 2 * 2 for got in kept.values())  # microbatches x tp ranks
+    for s, got in kept.items():
+        assert max(got) == want[s]
