@@ -40,13 +40,19 @@ class Rule:
         return self._spec(path, ndim)
 
     def layout(self, path: str) -> ParamLayout | None:
-        """The plan's layout of the parameter ``path`` belongs to, if any."""
+        """The plan's layout of the parameter ``path`` belongs to, if any: the last part of the
+        path that names a parameter (``opt_state/mu/w``; an offloading optimizer's
+        ``opt_state/host/w/master``, whose tensors are blocks of ``w``'s rows)."""
         if self.plan is None:
             return None
         parts = path.split("/")
         if parts[0] not in ("params", "opt_state") or len(parts) < 2:
             return None
-        return self.plan.params.get(unquote(parts[-1]))
+        for part in reversed(parts[1:]):
+            lay = self.plan.params.get(unquote(part))
+            if lay is not None:
+                return lay
+        return None
 
     def held(self, path: str, mesh, rank: int) -> bool:
         """Does ``rank`` hold the tensor at ``path``? Always, except under a pipeline: a

@@ -185,12 +185,19 @@ def offload_metrics(state: Any) -> dict[str, float]:
 
 
 def savable(state: Any) -> Any:
-    """``state`` with any in-flight ZenFlow host window finished and folded in (plain data a
-    checkpoint can hold; training continues bit for bit from it)."""
+    """``state`` with any in-flight ZenFlow host window finished and folded in, and an
+    offloading optimizer's last-step ``metrics`` (seconds and bytes each rank measured for its
+    own loop and shard, so they differ between ranks) zeroed: plain data, the same on every
+    rank, that a checkpoint can hold; training continues bit for bit from it (the metrics are
+    reported, never read by the update: ``tests/test_ckpt_resume.py``)."""
     opt = state.opt_state
-    if isinstance(opt, dict) and "selected" in opt:
-        return state._replace(opt_state=offload.materialize(opt))
-    return state
+    if not isinstance(opt, dict):
+        return state
+    if "selected" in opt:
+        opt = offload.materialize(opt)
+    if isinstance(opt.get("metrics"), dict):
+        opt = {**opt, "metrics": {k: type(v)() for k, v in opt["metrics"].items()}}
+    return state._replace(opt_state=opt)
 
 
 def strategy_axes(name: str) -> dict[str, str]:
