@@ -45,14 +45,8 @@ class Rule:
         ``opt_state/host/w/master``, whose tensors are blocks of ``w``'s rows)."""
         if self.plan is None:
             return None
-        parts = path.split("/")
-        if parts[0] not in ("params", "opt_state") or len(parts) < 2:
-            return None
-        for part in reversed(parts[1:]):
-            lay = self.plan.params.get(unquote(part))
-            if lay is not None:
-                return lay
-        return None
+        name = param_of(path, self.plan.params)
+        return None if name is None else self.plan.params[name]
 
     def held(self, path: str, mesh, rank: int) -> bool:
         """Does ``rank`` hold the tensor at ``path``? Always, except under a pipeline: a
@@ -61,7 +55,7 @@ class Rule:
         pipeline = None if self.plan is None else self.plan.pipeline
         if lay is None or pipeline is None:
             return True
-        name = unquote(path.split("/")[-1])
+        name = param_of(path, self.plan.params)
         index = mesh.index(rank, pipeline.axis)
         return any(s % pipeline.degree() == index for s in pipeline.param_stages[name])
 
@@ -153,7 +147,16 @@ def pipeline_holders(plan_meta: dict | None, path: str) -> list[int] | None:
     every rank holds it."""
     if not plan_meta or "pipeline" not in plan_meta:
         return None
+    holders = plan_meta["pipeline"]["holders"]
+    name = param_of(path, holders)
+    return None if name is None else holders[name]
+
+
+def param_of(path: str, names: Mapping[str, object]) -> str | None:
+    """The parameter a state tensor at ``path`` belongs to: the last component after ``params/``
+    or ``opt_state/`` that is a key of ``names`` (``opt_state/mu/w`` and ZenFlow's
+    ``opt_state/host/w/master`` both give ``w``), or None."""
     parts = path.split("/")
     if parts[0] not in ("params", "opt_state") or len(parts) < 2:
         return None
-    return plan_meta["pipeline"]["holders"].get(unquote(parts[-1]))
+    return next((unquote(p) for p in reversed(parts[1:]) if unquote(p) in names), None)
