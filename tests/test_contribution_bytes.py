@@ -26,6 +26,7 @@ from test_pipeline_properties import _pipelined  # noqa: E402
 from test_sharded_properties import _optimizer  # noqa: E402
 
 HP = dict(n_layer=4, n_head=2, n_embd=16, block_size=8, corpus_chars=4000)
+PLAIN = gpt_task("contrib-plain", steps=1, batch_size=8, **HP)
 
 
 def test_kept_bytes_counts_each_distinct_tensor_once():
@@ -98,15 +99,8 @@ def test_a_private_1f1b_rank_holds_every_microbatchs_contributions():
         stage_of = parallel.stage_of_modules(resolved.model, resolved.plan)
         con = contribution_bytes(task, 8 // m, tuple(stage_of.items()), 2)
         held = parallel.activation_bytes(task, resolved)
-        plain = parallel.activation_bytes(_plain_task(), parallel.plan_of(_plain_task(), 2, degrees))
+        plain = parallel.activation_bytes(PLAIN, parallel.plan_of(PLAIN, 2, degrees))
         assert m * con[1] <= held[1] <= m * con[1] + plain[1]
-
-
-_PLAIN = gpt_task("contrib-plain", steps=1, batch_size=8, **HP)
-
-
-def _plain_task():
-    return _PLAIN
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
