@@ -673,7 +673,7 @@ def worker(args) -> None:
                     # the planner's model (fsdpx.jobs.parallel): activations from F to B, then the
                     # contributions (counted on a real microbatch) until the W the private policy
                     # forms, on simulate_private with equal costs
-                    con = contribution_bytes_of(copy.deepcopy(base), token_loss, (batch[0][:mb], batch[1][:mb]),
+                    con = contribution_bytes_of(base, token_loss, (batch[0][:mb], batch[1][:mb]),
                                                 stage_of_modules(base, plans[mode]), sched.num_stages)
                     timeline = simulate_private(sched)
                     predictions[mode] = {"kept_per_stage": per_stage, "contributions_per_stage": list(con),

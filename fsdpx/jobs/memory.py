@@ -145,22 +145,23 @@ def contribution_bytes_of(model: torch.nn.Module, loss_fn, batch: tuple, stage_o
         for s in range(stages):
             calls = [c for c in tape.calls if stage_of_module.get(c.module_name) == s]
             parts = contributions(model, params, Tape(calls, None), method="auto")
-            parts = _cut_to_blocks(parts, {n: tuple(params[n].shape) for n in parts}, local, {})
+            parts = _cut_to_blocks(parts, {n: tuple(params[n].shape) for n in parts}, local)
             parts = C.instantiate_for_reuse(parts, {n: torch.Size(local.get(n, params[n].shape)) for n in parts})
             out.append(C.kept_bytes(parts))
     return tuple(out)
 
 
-def _cut_to_blocks(parts: dict, shapes: dict[str, tuple[int, ...]], local: dict[str, tuple[int, ...]],
-                   made: dict) -> dict:
+def _cut_to_blocks(parts: dict, shapes: dict[str, tuple[int, ...]], local: dict[str, tuple[int, ...]]) -> dict:
     """``parts`` as a rank holding the blocks ``local`` of some parameters forms them: a factored
     contribution of a parameter viewed as ``[rows, n]`` has its dense left factor cut to the
     block's rows (one-hot ids stay) and its right factor to the block's ``n``; a dense one is the
     block's per-example gradients. The factors are new ``meta`` tensors, one per factor and
-    shape (``made``): a factor two such contributions share (the input of q, k and v) is still
+    shape: a factor two such contributions share (the input of q, k and v) is still
     counted once, but never shared with a whole layer's contribution (on the rank a split
     layer's output passes a collective, so its gradient is a tensor of its own)."""
     from privacy.contributions import Dense, Factored
+
+    made: dict = {}  # (id of a factor, its cut size) -> (the factor, kept alive; its cut)
 
     def cut(t: torch.Tensor, last: int) -> torch.Tensor:
         key = (id(t), last)

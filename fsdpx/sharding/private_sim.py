@@ -158,11 +158,13 @@ class _PrivateRun:
             a, at = self._next(r, t, decide)
             if a is None:
                 wake = at if wake is None or (at is not None and at < wake) else wake
-            elif self.work(a) == 0:
+                continue
+            work = self.work(a)
+            if work == 0:
                 self._end(r, a, at, at)
                 moved = True
             else:
-                running[r] = [at, self.work(a), a, self.work(a)]
+                running[r] = [at, work, a, work]
         return moved, wake
 
     def _next(self, r: int, t: Real, decide: bool) -> tuple[Action | None, Real | None]:

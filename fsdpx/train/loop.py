@@ -189,7 +189,8 @@ def savable(state: Any) -> Any:
     offloading optimizer's last-step ``metrics`` (seconds and bytes each rank measured for its
     own loop and shard, so they differ between ranks) zeroed: plain data, the same on every
     rank, that a checkpoint can hold; training continues bit for bit from it (the metrics are
-    reported, never read by the update: ``tests/test_ckpt_resume.py``)."""
+    reported, never read by the update:
+    ``tests/test_train_resume.py::test_sharded_zero3_run_resumes_bit_for_bit``)."""
     opt = state.opt_state
     if not isinstance(opt, dict):
         return state
