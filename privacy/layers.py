@@ -9,14 +9,21 @@ No rule forms a per-example weight gradient; biases and norm weights (vectors) a
 
 Supported: ``nn.Linear`` (inputs of any rank: every dimension between batch and features is a
 step ``t``), Hugging Face's ``Conv1D`` (GPT-2's transposed linear), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``, the GPT's own ``RMSNorm``,
-transformers' ``LlamaRMSNorm`` (and Mistral's, Qwen2's, Qwen3's, the same code),
-``nn.Conv1d`` and ``nn.Conv2d`` (any stride, padding mode, dilation, groups), and any module
+``nn.Conv1d`` and ``nn.Conv2d`` (any stride, padding mode, dilation, groups), any module
 that declares ``ghost_rule = "normalize_then_scale"`` (a norm written as ``normalize(x) *
-weight``, like the GPT's RMSNorm) — declared on the model's side, so ``privacy`` imports no model.
+weight``, like the GPT's RMSNorm) — declared on the model's side, so ``privacy`` imports no model —
+and the transformers classes whose code is a reference's
+(:data:`SAME_CODE`: Llama's RMSNorm and its ~140 copies, Olmo-2's, Gemma's, the scaled word
+embeddings of Gemma and BART, Falcon's linear).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
+import inspect
+import textwrap
 from types import MappingProxyType
 from typing import Callable, Mapping
 
@@ -42,15 +49,19 @@ def rule(*types: type) -> Callable[[Rule], Rule]:
 
 
 def rule_for(module: nn.Module) -> Rule | None:
-    """The ghost rule of this module's exact class (subclasses may change ``forward``)."""
+    """The ghost rule of this module's exact class (subclasses may change ``forward``), or
+    None. A class from ``transformers.models`` gets a reference's rule when its code is the
+    reference's (:func:`same_code_rule`)."""
     cls = type(module)
     if cls.__module__ == "transformers.pytorch_utils" and cls.__name__ == "Conv1D":
         return transposed_linear  # matched by name so that transformers stays optional
-    if cls.__module__.startswith("transformers.models.") and cls.__name__ in LLAMA_RMS_NORMS:
-        return llama_rms_norm
     if getattr(cls, "ghost_rule", None) == "normalize_then_scale":
         return normalize_then_scale
-    return RULES.get(cls)
+    if cls in RULES:
+        return RULES[cls]
+    if cls.__module__.startswith("transformers.models."):
+        return same_code_rule(cls)
+    return None
 
 
 def _steps(x: Tensor, features: int) -> Tensor:
@@ -117,20 +128,85 @@ def rms_norm(module: nn.RMSNorm, args: tuple, grad_out: Tensor, weights: Shapes 
     return _norm_rule(lambda x: F.rms_norm(x, shape, None, module.eps), module, args, grad_out)
 
 
-LLAMA_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
-"""transformers' RMSNorm classes whose forward is Llama's, character for character (checked on
-transformers 5.24): ``weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)``.
-Gemma's (``1 + weight``) is not among them; it falls back to vmap under ``method="auto"``."""
+def _float32_rms(module: nn.Module, x: Tensor) -> Tensor:
+    h = x.to(torch.float32)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
 
 
 def llama_rms_norm(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
-    """transformers' ``LlamaRMSNorm`` and its copies (:data:`LLAMA_RMS_NORMS`): the normalization
-    runs in float32 and is cast back before the scale, as the module does."""
-    def normalize(x: Tensor) -> Tensor:
-        h = x.to(torch.float32)
-        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
+    """transformers' ``LlamaRMSNorm`` and its copies: ``weight * rms(x.float()).to(x.dtype)``;
+    the normalization runs in float32 and is cast back before the scale, as the module does."""
+    return _norm_rule(lambda x: _float32_rms(module, x).to(x.dtype), module, args, grad_out)
 
-    return _norm_rule(normalize, module, args, grad_out)
+
+def scale_then_cast_rms_norm(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
+    """Olmo-2's RMSNorm and its copies: ``(weight * rms(x.float())).to(x.dtype)``, the scale
+    applied in float32 before the cast (where Llama casts first)."""
+    return _norm_rule(lambda x: _float32_rms(module, x), module, args, grad_out)
+
+
+def gemma_rms_norm(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
+    """Gemma's RMSNorm: ``(module._norm(x.float()) * (1 + weight.float())).type_as(x)``; the
+    ``1 +`` shifts the output, not the weight's gradient, which autograd forms in float32 (the
+    product's dtype), as this does."""
+    out = _norm_rule(lambda x: module._norm(x.float()), module, args, grad_out.float())
+    return {k: Dense(c.grads.to(module.weight.dtype)) for k, c in out.items()}
+
+
+def scaled_embedding(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
+    """An ``nn.Embedding`` whose output is multiplied by ``module.embed_scale`` (Gemma's, a
+    tensor cast to the weight's dtype; BART's, a number): the lookup's output gradient is
+    ``grad_out * scale``, as autograd forms it."""
+    scale = module.embed_scale
+    if isinstance(scale, Tensor):
+        scale = scale.to(module.weight.dtype)
+    return embedding(module, args, grad_out * scale, weights)
+
+
+SAME_CODE: tuple[tuple[str, str, tuple[str, ...], Rule], ...] = (
+    ("llama", "LlamaRMSNorm", ("forward",), llama_rms_norm),
+    ("olmo2", "Olmo2RMSNorm", ("forward",), scale_then_cast_rms_norm),
+    ("gemma", "GemmaRMSNorm", ("forward", "_norm"), gemma_rms_norm),
+    ("gemma", "GemmaTextScaledWordEmbedding", ("forward",), scaled_embedding),
+    ("bart", "BartScaledWordEmbedding", ("forward",), scaled_embedding),
+    ("falcon", "FalconLinear", ("forward",), linear),
+)
+"""References in ``transformers.models``: (model package, class, methods compared, rule). A class
+has the reference's rule when it has the reference's base classes and the compared methods'
+code is the reference's (the same syntax tree: comments, layout and docstrings aside; the ~140
+RMSNorm classes transformers copies from Llama's, say). Compared, not listed by name, so that a
+transformers release that changes a class's code loses the rule rather than keeping a wrong one."""
+
+
+@functools.cache
+def same_code_rule(cls: type) -> Rule | None:
+    """The rule of the :data:`SAME_CODE` reference whose code ``cls`` has, or None (also when
+    the reference or any source text cannot be read or parsed). Cached per class.
+
+    Guarantee: the rule's contributions equal a per-example autograd loop on the unmodified
+    transformers models of ``tests/test_hf_unmodified.py`` (Phi-3, Gemma, Falcon, Olmo-2, BART
+    among them); a subclass that changes ``forward`` gets no rule
+    (``tests/test_hf_same_code.py``)."""
+    for package, name, methods, rule_ in SAME_CODE:
+        try:
+            ref = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
+            if cls.__bases__ == ref.__bases__ and all(_source(cls, m) == _source(ref, m) for m in methods):
+                return rule_
+        except (ImportError, AttributeError, OSError, TypeError, SyntaxError, IndexError):
+            continue
+    return None
+
+
+def _source(cls: type, method: str) -> str:
+    """The method's syntax tree as text: its code without comments, layout or docstring (which
+    transformers' copies reword with their own class names)."""
+    fn = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method)))).body[0]
+    body = fn.body  # type: ignore[attr-defined]
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        fn.body = body[1:]  # type: ignore[attr-defined]
+    fn.name = method  # type: ignore[attr-defined]  # the code compared, however the function was named
+    return ast.dump(fn)
 
 
 def normalize_then_scale(module: nn.Module, args: tuple, grad_out: Tensor, weights: Shapes = NO_SHAPES) -> dict[str, Contribution]:
@@ -166,3 +242,12 @@ def _unfold(module: nn.Conv1d | nn.Conv2d, x: Tensor) -> Tensor:
     else:
         kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
     return F.unfold(x, kernel, dilation=dilation, padding=0, stride=stride)
+
+
+ROW_WISE = frozenset({linear, transposed_linear, embedding, scaled_embedding, layer_norm, rms_norm, llama_rms_norm,
+                      scale_then_cast_rms_norm, gemma_rms_norm})
+"""Rules of layers that act on each row alone (the features of the last dimension, or one id):
+called on the examples' rows flattened together, such a layer's call is the examples' calls
+stacked, so the tape may accept it on proven example rows (``privacy/example_rows.py``).
+Convolutions (which read neighbouring positions) and declared ``normalize_then_scale`` norms
+(whose ``normalize`` is the model's own) are not among them."""

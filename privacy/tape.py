@@ -26,6 +26,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privacy.batch import split_inputs, unpack
 from privacy.errors import PerExampleError
+from privacy.example_rows import Known, example_rows
+from privacy.layers import ROW_WISE, rule_for
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Any, Tensor], Tensor]
@@ -45,6 +47,7 @@ class Call:
     shapes: list[tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=list)
     weight_shapes: dict[str, torch.Size] = field(default_factory=dict)  # the module's own params during the call
     flowed: bool = True  # after backward: whether any gradient reached an output (else its grads are zeros)
+    rows: int = 1  # > 1: called on the examples' rows flattened, k per example; args and grads are [B, k, ...]
 
 
 @dataclass
@@ -124,23 +127,28 @@ def taping(model: nn.Module, params: Params, batch_size: int) -> Iterator[list[C
     names = {id(m): n for n, m in model.named_modules() if n in table}
     modules = dict(model.named_modules())
 
+    known: Known = {}  # the autograd node of each output of a call on example rows -> rows per example
+
     def hook(module: nn.Module, call_args: tuple, call_kwargs: dict, output: Any) -> Any:
         name = names[id(module)]
         leaves, spec = tree_flatten(output)
         positions = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad]
-        expand = _broadcast_call(name, module, call_args, [leaves[i] for i in positions], batch_size)
+        layout = _layout(name, module, call_args, call_kwargs, [leaves[i] for i in positions], batch_size, known)
+        expand = layout == SHARED
         if expand:  # one copy per example, so that each gets its own output gradient
             for i in positions:
                 leaves[i] = _expand(leaves[i], batch_size)
         outs = [leaves[i] for i in positions]
+        rows = max(layout, 1)
+        known.update((t.grad_fn, rows) for t in outs if rows > 1 and t.grad_fn is not None)
         # Edges, not tensors: holding the outputs would keep every layer's output alive through
         # the backward after autograd itself has released it.
         # the parameter shapes as called: a sharded runtime swaps in its blocks for the call only
-        calls.append(Call(name, module, tuple(_expand(a, batch_size) for a in call_args),
+        calls.append(Call(name, module, tuple(_per_example(_expand(a, batch_size), batch_size, rows) for a in call_args),
                           {k: _expand(v, batch_size) for k, v in call_kwargs.items()},
                           [get_gradient_edge(t) for t in outs], positions,
                           shapes=[(t.shape, t.dtype, t.device) for t in outs],
-                          weight_shapes={k: p.shape for k, p in module.named_parameters(recurse=False)}))
+                          weight_shapes={k: p.shape for k, p in module.named_parameters(recurse=False)}, rows=rows))
         return tree_unflatten(leaves, spec) if expand else None
 
     # prepend: the tape records what the module itself returned, before any other hook (a
@@ -168,6 +176,8 @@ def fill_grads(calls: list[Call], root: Tensor, grad_root: Tensor | None = None,
         got = [next(it) for _ in c.shapes]
         c.flowed = any(g is not None for g in got)
         c.grads = [g if g is not None else torch.zeros(s, dtype=d, device=v) for (s, d, v), g in zip(c.shapes, got)]
+        if c.rows > 1:  # rows of examples -> [B, k, ...], as the call's inputs were recorded
+            c.grads = [g.reshape(g.shape[0] // c.rows, c.rows, *g.shape[1:]) for g in c.grads]
         c.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
         c.outputs = []
     return tuple(grads[:len(inputs)])
@@ -181,29 +191,64 @@ def _expand(t: Any, batch_size: int) -> Any:
     return t
 
 
-def _broadcast_call(name: str, module: nn.Module, args: tuple, outs: list[Tensor], batch_size: int) -> bool:
-    """Whether this call is shared by every example: all its outputs (and tensor inputs) have a
-    leading dimension of 1 while the batch has ``batch_size > 1`` (transformers' ``[1, T]``
-    position ids). Its outputs are then expanded to the batch, which broadcasting against the
-    batch would do anyway, so that each example gets its own output gradient.
+SHARED, BATCH_FIRST = 0, 1  # a call's layout (_layout); k > 1: the examples' rows, k each
 
-    Otherwise every tensor input must lead with the batch dimension or 1, and every output with
-    the batch dimension; raises :class:`PerExampleError` naming the module when not."""
+
+def _layout(name: str, module: nn.Module, args: tuple, kwargs: dict, outs: list[Tensor], batch_size: int,
+            known: Known) -> int:
+    """A call's layout: ``SHARED`` when all its outputs (and tensor inputs) have a leading
+    dimension of 1 while the batch has ``batch_size > 1`` (transformers' ``[1, T]`` position
+    ids): its outputs are then expanded to the batch, which broadcasting against the batch
+    would do anyway, so that each example gets its own output gradient. ``k > 1`` when the
+    module is row-wise (``layers.ROW_WISE``), takes no keyword tensors, and every tensor input
+    is proven to hold the examples' rows, ``k`` each (``example_rows``), every output having as
+    many rows. Else ``BATCH_FIRST``: every tensor input must lead with the batch dimension or
+    1, and every output with the batch dimension; raises :class:`PerExampleError` naming the
+    module when not."""
     inputs = [a for a in args if isinstance(a, Tensor)]
     lead = lambda t: t.shape[0] if t.dim() else None  # noqa: E731
     if batch_size != 1 and outs and all(lead(t) == 1 for t in (*inputs, *outs)):
-        return True
+        return SHARED
+    rows = _example_rows_call(module, inputs, kwargs, outs, batch_size, known)
+    if rows:
+        return rows
     for t in inputs:
         if lead(t) not in (batch_size, 1):
+            merged = lead(t) is not None and lead(t) % batch_size == 0 and lead(t) > batch_size
             raise PerExampleError(name, type(module).__name__, f"sees an input of shape {tuple(t.shape)} without "
                                   f"the batch dimension {batch_size} first; per-example gradients need batch-first "
-                                  "layers (or a leading 1 for an input shared by every example)")
+                                  "layers (or a leading 1 for an input shared by every example)" +
+                                  (_MERGED if merged else ""))
     for t in outs:
         if lead(t) != batch_size:
             raise PerExampleError(name, type(module).__name__, f"returns a tensor of shape {tuple(t.shape)} without "
                                   f"the batch dimension {batch_size} first: it mixes or drops examples, so it has "
                                   "no per-example gradient")
-    return False
+    return BATCH_FIRST
+
+
+_MERGED = ("; its rows could not be proven to be the examples' in order (a row-wise layer on a reshape of a "
+           "batch-first tensor, through elementwise operations, is accepted: privacy/example_rows.py); "
+           "method='vmap' computes per-example gradients for any layout")
+
+
+def _example_rows_call(module: nn.Module, inputs: list[Tensor], kwargs: dict, outs: list[Tensor], batch_size: int,
+                       known: Known) -> int:
+    """``k`` when the call is a row-wise layer on proven example rows (see :func:`_layout`), else 0."""
+    if not inputs or rule_for(module) not in ROW_WISE or any(isinstance(v, Tensor) for v in kwargs.values()):
+        return 0
+    ks = {example_rows(t, batch_size, known) for t in inputs}
+    if len(ks) != 1 or None in ks:
+        return 0
+    k = ks.pop()
+    return k if all(t.dim() and t.shape[0] == k * batch_size for t in outs) else 0
+
+
+def _per_example(t: Any, batch_size: int, rows: int) -> Any:
+    """An input of a call on example rows as ``[B, k, ...]``; anything else unchanged."""
+    if rows > 1 and isinstance(t, Tensor):
+        return t.reshape(batch_size, rows, *t.shape[1:])
+    return t
 
 
 def _check_losses(losses: Tensor, batch_size: int) -> None:

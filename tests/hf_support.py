@@ -67,6 +67,33 @@ def bert(attn: str = "eager") -> nn.Module:
     return transformers.BertForSequenceClassification(config).double()
 
 
+def causal_lm(family: str, dropout: float = 0.0) -> nn.Module:
+    """A tiny causal LM of another transformers family, as a user builds it (eager attention,
+    float64): ``"phi3"`` (Llama's RMSNorm code under another name), ``"gemma"`` (scaled
+    embedding tied to the LM head, ``1 + weight`` RMSNorm), ``"falcon"`` (``FalconLinear``),
+    ``"olmo2"`` (the scale applied before the cast, query/key norms), ``"opt"`` (its
+    feed-forward block on ``[B * T, hidden]`` rows, a learned positional embedding)."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, use_cache=False, pad_token_id=PAD, bos_token_id=1, eos_token_id=2,
+                  attn_implementation="eager")
+    llama_like = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=2 * T)
+    configs = {
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(llama_like, attention_dropout=dropout)),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(llama_like, head_dim=4)),
+        "falcon": (transformers.FalconConfig, transformers.FalconForCausalLM,
+                   dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=dropout)),
+        "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, llama_like),
+        "opt": (transformers.OPTConfig, transformers.OPTForCausalLM,
+                dict(hidden_size=16, ffn_dim=24, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2 * T,
+                     word_embed_proj_dim=16, dropout=dropout)),
+    }
+    config_cls, model_cls, sizes = configs[family]
+    return model_cls(config_cls(**common, **sizes)).double()
+
+
 def padded_batch(lengths: list[int], *, causal: bool, seed: int = 1) -> tuple[dict[str, Tensor], Tensor]:
     """``({"input_ids", "attention_mask"}, labels)`` of right-padded sequences of the given
     lengths, padded to ``T``: pads have mask 0 and (causal) label ``-100``; a classifier gets

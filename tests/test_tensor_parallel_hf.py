@@ -131,7 +131,7 @@ def test_hf_llama_tensor_parallel_steps_equal_unsharded_steps(mesh, attn, tied):
 @pytest.mark.parametrize("mesh, attn, tied", [("dp1_tp2", "sdpa", False), ("dp2_tp2", "eager", False),
                                               ("dp2_tp2", "sdpa", True)])
 def test_hf_llama_private_tensor_parallel_steps_equal_unsharded_steps(mesh, attn, tied):
-    """``method="auto"``: ``LlamaRMSNorm`` has no ghost rule, so its per-example norms come from a
-    per-module vmap (its weight is replicated over ``tp``); every other layer is ghost-clipped."""
+    """``method="auto"``, the default: every layer has a ghost rule (``LlamaRMSNorm`` by its code,
+    its weight replicated over ``tp``), so the whole model is ghost-clipped."""
     model = _llama(attn, tied)
     _check(model, llama_plan(model.config), MESHES[mesh], _dp_config("auto"))

@@ -1,0 +1,124 @@
+"""transformers families beyond GPT-2, Llama and BERT, unmodified, through the privacy methods.
+
+Phi-3 (an RMSNorm with Llama's code under its own name), Gemma (a scaled word embedding tied
+to the LM head, a ``1 + weight`` RMSNorm computed in float32), Falcon (``FalconLinear``),
+Olmo-2 (the RMSNorm's scale applied before its cast, query and key norms) get their ghost
+rules from ``privacy.layers.same_code_rule``: a class whose code is a reference's. OPT runs its
+feed-forward block on the examples' rows flattened together (``[B * T, hidden]``), which the
+tape accepts once the rows are proven to be the examples' (``privacy/example_rows.py``); its
+learned positional embedding has no rule, so OPT runs under ``method="auto"`` (a vmap for that
+module alone). Every per-example norm and clipped sum is judged against the oracle of
+``hf_support.loop_grads`` (one example at a time, plain autograd, float64), with padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_support import causal_lm, clipped_sum_of, lm_loss, loop_grads, norms_of, padded_batch
+from privacy import clipped_grad, per_sample_norms
+from privacy.errors import UnsupportedLayerError
+from privacy.layers import gemma_rms_norm, linear, llama_rms_norm, rule_for, scale_then_cast_rms_norm, scaled_embedding
+
+pytest.importorskip("transformers")
+
+LENGTHS = [5, 8, 3]
+CLIP = 0.5
+RTOL, ATOL = 1e-9, 1e-12
+METHODS = {"phi3": ("ghost", "vmap"), "gemma": ("ghost", "vmap"), "falcon": ("ghost", "vmap"),
+           "olmo2": ("ghost", "vmap"), "opt": ("auto", "vmap")}
+
+
+@pytest.fixture(scope="module", params=list(METHODS))
+def case(request):
+    model = causal_lm(request.param).eval()
+    params = dict(model.named_parameters())
+    batch = padded_batch(LENGTHS, causal=True)
+    return request.param, model, params, batch, loop_grads(model, params, batch, lm_loss)
+
+
+def test_per_example_norms_and_clipped_sums_equal_a_per_example_autograd_loop(case):
+    family, model, params, batch, oracle = case
+    want = clipped_sum_of(oracle, CLIP)
+    for method in METHODS[family]:
+        norms = per_sample_norms(model, params, batch, lm_loss, method=method)
+        torch.testing.assert_close(norms, norms_of(oracle), rtol=RTOL, atol=ATOL, msg=method)
+        grads, _ = clipped_grad(model, params, batch, lm_loss, clip_norm=CLIP, method=method)
+        for name in params:
+            torch.testing.assert_close(grads[name], want[name], rtol=RTOL, atol=ATOL, msg=f"{method} {name}")
+
+
+def test_each_family_gets_its_rules_from_the_reference_code():
+    """The rule each family's layers get: the reference whose code theirs is."""
+    want = {"phi3": {"Phi3RMSNorm": llama_rms_norm},
+            "gemma": {"GemmaRMSNorm": gemma_rms_norm, "GemmaTextScaledWordEmbedding": scaled_embedding},
+            "falcon": {"FalconLinear": linear},
+            "olmo2": {"Olmo2RMSNorm": scale_then_cast_rms_norm}}
+    for family, rules in want.items():
+        modules = {type(m).__name__: m for m in causal_lm(family).modules()}
+        for cls, rule in rules.items():
+            assert rule_for(modules[cls]) is rule, (family, cls)
+
+
+def test_opt_under_ghost_names_its_positional_embedding_and_runs_the_rest_on_example_rows():
+    """``method="ghost"`` stops at the one module without a rule (the flattened feed-forward
+    block is not what stops it)."""
+    model = causal_lm("opt").eval()
+    params = dict(model.named_parameters())
+    with pytest.raises(UnsupportedLayerError, match="embed_positions"):
+        per_sample_norms(model, params, padded_batch(LENGTHS, causal=True), lm_loss, method="ghost")
+    frozen = {k: v for k, v in params.items() if "embed_positions" not in k}
+    batch = padded_batch(LENGTHS, causal=True)
+    oracle = loop_grads(model, frozen, batch, lm_loss)
+    torch.testing.assert_close(per_sample_norms(model, frozen, batch, lm_loss, method="ghost"), norms_of(oracle),
+                               rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["opt", "phi3"])
+def test_dropout_in_training_mode_matches_the_oracle_under_the_same_seed(family):
+    """Training mode with dropout: the tape's run and the oracle's loop draw different masks,
+    so the comparison is one example at a time, each run seeded alike (batch of one)."""
+    model = causal_lm(family, dropout=0.3).train()
+    params = dict(model.named_parameters())
+    inputs, labels = padded_batch(LENGTHS, causal=True)
+    method = METHODS[family][0]
+    for i in range(len(LENGTHS)):
+        one = ({k: v[i:i + 1] for k, v in inputs.items()}, labels[i:i + 1])
+        torch.manual_seed(7)
+        got = per_sample_norms(model, params, one, lm_loss, method=method)
+        torch.manual_seed(7)
+        want = norms_of(loop_grads(model, params, one, lm_loss))
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)  # Llama's code, reformatted comments aside
+
+
+def _changed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return (1 + self.weight) * hidden_states.to(input_dtype)
+
+
+def test_a_class_gets_a_rule_by_its_code_not_its_name():
+    """A transformers class named like Llama's norm whose forward differs gets no rule; one
+    under any name whose forward is Llama's code (comments aside) gets Llama's."""
+    from torch import nn
+
+    from privacy.layers import same_code_rule
+
+    where = "transformers.models.fake.modeling_fake"
+    copy = type("SomeRMSNorm", (nn.Module,), {"forward": _llama_forward, "__module__": where})
+    changed = type("LlamaRMSNorm", (nn.Module,), {"forward": _changed_forward, "__module__": where})
+    other_base = type("OtherRMSNorm", (nn.Linear,), {"forward": _llama_forward, "__module__": where})
+    assert same_code_rule(copy) is llama_rms_norm
+    assert same_code_rule(changed) is None
+    assert same_code_rule(other_base) is None
