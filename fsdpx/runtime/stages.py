@@ -14,7 +14,12 @@ make it one stage's forward:
 
 Parameters this rank does not hold (another stage's prologue, e.g. the position embedding on a
 later stage, whose output is replaced anyway) are swapped for zeros of their shape that own one
-element of memory (``expand`` of a scalar). Side effects live only inside :meth:`StageForward.running`.
+element of memory (``expand`` of a scalar). Such a stand-in must never count: a module using one
+before the blocks of stage 0, or after the blocks of the last stage, means the plan put a
+parameter on the wrong side of the block list (a model registered in another order than its
+forward runs), and raises ``PipelinePlanError`` naming the module. :func:`traced_prologue`
+finds the right side by running the forward once. Side effects live only inside
+:meth:`StageForward.running` and :func:`traced_prologue`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import Any, Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from fsdpx.sharding.pipeline import PipelineLayout
+from torch.utils._pytree import tree_map
+
+from fsdpx.sharding.pipeline import PipelineLayout, PipelinePlanError
 from .slots import Slots
 
 
@@ -76,6 +83,8 @@ class StageForward:
         self.zeros = {alias: torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
                       for alias, (shape, dtype) in absent.items()}
         self.slots = Slots(model, self.zeros)
+        modules = dict(model.named_modules())
+        self.stand_in_users = {name: modules[name] for name in sorted({a.rpartition(".")[0] for a in absent})}
 
     @contextlib.contextmanager
     def running(self, stage: int, inject: Tensor | None) -> Iterator[None]:
@@ -91,6 +100,7 @@ class StageForward:
                 handles.append(blocks[0].register_forward_pre_hook(_injector(inject), with_kwargs=True))
             if stage < self.layout.num_stages - 1:
                 handles.append(blocks[-1].register_forward_hook(_exit))
+            handles += self._guard(stage, blocks)
             yield
         finally:
             for h in handles:
@@ -98,6 +108,77 @@ class StageForward:
             self.block_list._modules = saved
             if swapped:
                 self.slots.swap(swapped)
+
+
+    def _guard(self, stage: int, blocks: list[nn.Module]) -> list:
+        """Hooks that raise ``PipelinePlanError`` when a module using a stand-in runs where its
+        output counts: before the blocks of stage 0, after the blocks of the last stage."""
+        last = self.layout.num_stages - 1
+        if not self.stand_in_users or 0 < stage < last:
+            return []
+        phase = ["before"]
+        handles = [blocks[0].register_forward_pre_hook(lambda *_: phase.__setitem__(0, "blocks")),
+                   blocks[-1].register_forward_hook(lambda *_: phase.__setitem__(0, "after"))]
+        counts = ("before", 0) if stage == 0 else ("after", last)
+
+        def check(name: str):
+            def hook(module: nn.Module, args: tuple, output: Any) -> None:
+                if phase[0] == counts[0]:
+                    side, other = ("before", last) if stage == 0 else ("after", 0)
+                    raise PipelinePlanError(
+                        f"module {name!r} runs {side} the block list {self.layout.blocks!r}, on stage {stage}, but "
+                        f"its parameters were placed on stage {other}: the model registers it on the other side "
+                        f"of the block list, and without PipelineParallel(prologue=...) registration order is "
+                        f"taken for the forward's. Pass prologue= naming the parameters the forward uses before "
+                        f"the blocks (fsdpx.runtime.stages.traced_prologue(model, blocks, example) finds them)")
+            return hook
+
+        return handles + [m.register_forward_hook(check(n)) for n, m in self.stand_in_users.items()]
+
+
+def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) -> tuple[str, ...]:
+    """The parameters (``named_parameters(remove_duplicate=False)`` names) of the modules outside
+    the block list ``blocks`` that ``model``'s forward, called on ``args`` / ``kwargs`` (one small
+    example is enough), runs before its first block: ``PipelineParallel.prologue``.
+
+    One forward under ``torch.no_grad`` in eval mode, the random number generators restored
+    afterwards: the model, its mode and the run's random streams are left as they were.
+
+    Guarantee: with it, a model registered in another order than its forward runs (transformers'
+    OPT) trains under a pipeline exactly as unsharded (``tests/test_pipeline_prologue.py``).
+
+    Raises ``PipelinePlanError`` for a module outside the blocks that runs both before and after
+    them (one stage would need its parameters on both sides), and when no block runs."""
+    modules = dict(model.named_modules())
+    block_list = modules[blocks]
+    prefix = f"{blocks}."
+    phase = ["before"]
+    seen: dict[str, set[str]] = {}
+    outside = {n: m for n, m in modules.items()
+               if n != blocks and not n.startswith(prefix) and any(True for _ in m.parameters(recurse=False))}
+    handles = [block_list[0].register_forward_pre_hook(lambda *_: phase.__setitem__(0, "blocks")),
+               block_list[len(block_list) - 1].register_forward_hook(lambda *_: phase.__setitem__(0, "after"))]
+    handles += [m.register_forward_hook(lambda _m, _a, _o, n=n: seen.setdefault(n, set()).add(phase[0]))
+                for n, m in outside.items()]
+    training = model.training
+    device = next((p.device for p in model.parameters()), None)
+    move = (lambda t: t.to(device) if isinstance(t, Tensor) else t) if device is not None else (lambda t: t)
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model(*tree_map(move, args), **tree_map(move, kwargs))
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+    if phase[0] == "before":
+        raise PipelinePlanError(f"the forward ran none of the blocks of {blocks!r}")
+    both = sorted(n for n, sides in seen.items() if "before" in sides and "after" in sides)
+    if both:
+        raise PipelinePlanError(f"modules {both} run both before and after the block list: a pipeline stage would"
+                                " need their parameters on both sides")
+    return tuple(f"{n}.{k}" if n else k for n, m in outside.items() if "before" in seen.get(n, ())
+                 for k, _ in m.named_parameters(recurse=False))
 
 
 def _injector(x: Tensor):

@@ -13,10 +13,14 @@ the ``ShardingPlan`` (``ShardingPlan.pipeline``), whose per-parameter layouts sa
 stage's parameters are further split over the data and tensor axes. The runtime
 (``fsdpx.runtime.pipeline``) and the cost model read only this data.
 
-Which side of the block list a parameter is on is read from the model's registration order
-(``named_parameters``): modules registered before the block list form the prologue, after it
-the epilogue. That is how transformers' GPT-2, Llama and this library's GPT are written; a model
-registered otherwise names its split explicitly (``PipelineParallel(prologue=..., ...)``).
+Which side of the block list a parameter is on: ``PipelineParallel.prologue`` names the
+parameters the forward uses before its blocks (``fsdpx.runtime.stages.traced_prologue`` finds
+them by running the forward once; ``fsdpx train`` does). Without it, the model's registration
+order (``named_parameters``) is taken: modules registered before the block list form the
+prologue, after it the epilogue. That is how transformers' GPT-2, Llama and this library's GPT
+are written, not OPT (its final norm is registered before its layers); a stage that runs a
+module whose parameters another stage holds where its output counts raises
+``PipelinePlanError`` naming it (``fsdpx.runtime.stages``), never trains on the stand-ins.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ class PipelineParallel:
     * ``split``: blocks per stage, e.g. ``(3, 2, 2, 1)`` (default: :func:`balanced_split` of the
       blocks' matrix-product parameters, the prologue's counted on stage 0 and the epilogue's,
       the LM head, on the last).
-    * ``prologue``: parameter names of stage 0 outside the blocks (default: registration order).
+    * ``prologue``: the parameters (as ``named_parameters(remove_duplicate=False)`` names them:
+      a tied weight by the module that uses it before the blocks) of stage 0 outside the blocks;
+      every other one outside the blocks is the last stage's (default: registration order).
     """
 
     axis: str = "pp"
@@ -152,23 +158,28 @@ def _compute_cost(module: nn.Module) -> int:
                for p in m.parameters(recurse=False))
 
 
-def _outside_costs(model: nn.Module, blocks: str) -> tuple[int, int]:
-    """``_compute_cost`` of the modules registered before the block list (the prologue) and after
-    it (the epilogue: a tied LM head counts, through the module that multiplies by it)."""
+def _outside_costs(model: nn.Module, blocks: str, prologue: Sequence[str] | None = None) -> tuple[int, int]:
+    """``_compute_cost`` of the modules outside the block list before it (the prologue) and after
+    it (the epilogue: a tied LM head counts, through the module that multiplies by it): a module
+    is the prologue's when ``prologue`` names one of its parameters, else (no ``prologue``)
+    when it is registered before the block list."""
     before = after = 0
     seen = False
     prefix = f"{blocks}."
+    named = set(prologue or ())
     for name, m in model.named_modules(remove_duplicate=False):
         if name == blocks or name.startswith(prefix):
             seen = True
             continue
         if isinstance(m, nn.Embedding):
             continue
-        cost = sum(p.numel() for p in m.parameters(recurse=False))
-        if seen:
-            after += cost
-        else:
+        own = [(f"{name}.{k}" if name else k, p) for k, p in m.named_parameters(recurse=False)]
+        cost = sum(p.numel() for _, p in own)
+        first = any(alias in named for alias, _ in own) if prologue is not None else not seen
+        if first:
             before += cost
+        else:
+            after += cost
     return before, after
 
 
@@ -220,7 +231,7 @@ def resolve_pipeline(model: nn.Module, plan: ShardingPlan, spec: PipelineParalle
     if spec.split is not None:
         split = spec.split
     else:
-        first, last = _outside_costs(model, blocks)
+        first, last = _outside_costs(model, blocks, spec.prologue)
         split = balanced_split([_compute_cost(b) or 1 for b in block_list], num_stages, first=first, last=last)
     if len(split) != num_stages or sum(split) != len(block_list) or min(split) < 1:
         raise PipelinePlanError(f"split {tuple(split)} must give each of {num_stages} stages at least one of the"
@@ -256,7 +267,7 @@ def _param_stages(model: nn.Module, plan: ShardingPlan, blocks: str, keys: list[
                 raise PipelinePlanError(f"parameter {name!r} is shared by blocks of stages {block_stage[name]} and"
                                         f" {stage}; stages cannot share block parameters")
         elif prologue is not None:
-            stage = 0 if name in prologue else num_stages - 1
+            stage = 0 if alias in prologue else num_stages - 1
         else:
             stage = num_stages - 1 if seen_blocks else 0
         held.setdefault(name, set()).add(stage)

@@ -49,7 +49,8 @@ from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding import strategies
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.mesh import Mesh
-from fsdpx.sharding.pipeline import PipelineParallel, PipelinePlanError, resolve_pipeline, unshard_stages
+from fsdpx.runtime.stages import traced_prologue
+from fsdpx.sharding.pipeline import PipelineParallel, PipelinePlanError, find_blocks, resolve_pipeline, unshard_stages
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.tensor_parallel import resolve
 from privacy.accounting import Accountant, noise_multiplier
@@ -230,17 +231,33 @@ def run_mesh(strategy: str, world: int, tp: int = 1, pp: int = 1) -> Mesh:
 def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> ShardingPlan:
     """The run's per-parameter layouts: the strategy's, with the model's tensor-parallel plan
     (:func:`fsdpx.train.sources.tp_plan`) when ``config.tp > 1`` and its blocks cut into
-    pipeline stages when ``config.pp > 1``."""
+    pipeline stages when ``config.pp > 1``, the prologue traced (:func:`pipeline_prologue`)."""
     return resolve_plan(model, mesh, strategy=config.strategy, tp=config.tp, pp=config.pp, schedule=config.schedule,
                         microbatches=config.microbatches, virtual_stages=config.virtual_stages,
-                        sequence_parallel=config.sequence_parallel)
+                        sequence_parallel=config.sequence_parallel,
+                        prologue=pipeline_prologue(model) if config.pp > 1 else None)
+
+
+def pipeline_prologue(model: torch.nn.Module) -> tuple[str, ...] | None:
+    """The parameters ``model``'s forward uses before its block list, traced on one example of
+    two tokens (a run's inputs are token ids): ``PipelineParallel.prologue``, so that a model
+    registered in another order than its forward runs (transformers' OPT) is cut right. None
+    for a model on ``meta`` (registration order is taken; a wrong side is named at the first
+    step). Raises :class:`ConfigError` where the trace fails (``PipelinePlanError``)."""
+    if any(p.is_meta for p in model.parameters()):
+        return None
+    try:
+        return traced_prologue(model, find_blocks(model), torch.zeros((1, 2), dtype=torch.long))
+    except PipelinePlanError as e:
+        raise ConfigError(str(e)) from None
 
 
 def resolve_plan(model: torch.nn.Module, mesh: Mesh, *, strategy: str, tp: int = 1, pp: int = 1,
                  schedule: str = "1f1b", microbatches: int = 4, virtual_stages: int = 1,
-                 sequence_parallel: bool = False) -> ShardingPlan:
+                 sequence_parallel: bool = False, prologue: tuple[str, ...] | None = None) -> ShardingPlan:
     """:func:`sharding_plan` from its parts (``model`` may live on ``meta``): the planner resolves
-    the plans it considers with it. Raises :class:`ConfigError` for a model without a
+    the plans it considers with it. ``prologue``: ``PipelineParallel.prologue`` (None:
+    registration order). Raises :class:`ConfigError` for a model without a
     tensor-parallel plan or a pipeline that does not fit, ``TensorParallelPlanError`` for a plan
     that does not fit the model or the mesh."""
     data = strategies.ALL[strategy](**strategy_axes(strategy))
@@ -248,7 +265,8 @@ def resolve_plan(model: torch.nn.Module, mesh: Mesh, *, strategy: str, tp: int =
     plan = resolve(model, tensor, data, mesh)
     if pp == 1:
         return plan
-    spec = PipelineParallel(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages)
+    spec = PipelineParallel(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                            prologue=prologue)
     try:
         return resolve_pipeline(model, plan, spec, mesh)
     except PipelinePlanError as e:

@@ -1,0 +1,121 @@
+"""Which side of the block list a parameter is on, for a model registered in another order than
+its forward runs.
+
+transformers' OPT registers its final LayerNorm before its layers, and runs it after them. Taken
+by registration order, the final norm went to stage 0 and the last stage ran it on its
+stand-in zeros: every logit 0, the loss ``log(vocabulary)`` at every step, nothing trained, no
+error. Now ``traced_prologue`` reads the side from one forward, ``fsdpx train`` passes it, and
+a plan that puts a parameter on the wrong side is refused at the first forward, naming the
+module.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fsdpx.runtime.stages import traced_prologue
+from fsdpx.sharding import Mesh, strategies
+from fsdpx.sharding.pipeline import PipelineParallel, PipelinePlanError, find_blocks, resolve_pipeline
+from fsdpx.sharding.tensor_parallel import resolve
+from privacy.step import DPConfig
+
+pytest.importorskip("transformers")
+from hf_support import causal_lm, gpt2, lm_loss, padded_batch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_hf_sharded import _check_plan  # noqa: E402
+
+MESH = Mesh(dp=2, pp=2)
+
+
+def _plan(model, prologue):
+    base = resolve(model, None, strategies.zero3(), MESH)
+    return resolve_pipeline(model, base, PipelineParallel(schedule="1f1b", microbatches=2, prologue=prologue), MESH)
+
+
+def _example_prologue(model):
+    inputs, _ = padded_batch([3], causal=True)
+    return traced_prologue(model, find_blocks(model), **inputs)
+
+
+def test_opt_traced_prologue_puts_its_final_norm_on_the_last_stage():
+    model = causal_lm("opt")
+    prologue = _example_prologue(model)
+    assert prologue == ("model.decoder.embed_tokens.weight", "model.decoder.embed_positions.weight")
+    stages = _plan(model, prologue).pipeline.param_stages
+    assert stages["model.decoder.final_layer_norm.weight"] == (1,)
+    assert stages["model.decoder.embed_positions.weight"] == (0,)
+    assert stages["model.decoder.embed_tokens.weight"] == (0, 1)  # tied to the LM head: both ends
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_opt_pipelined_with_its_traced_prologue_equals_the_unsharded_run(private):
+    """Unmodified OPT (feed-forward on flattened rows, learned positions, tied head), 1F1B over
+    pp=2 x ZeRO-3 over dp=2: the trained parameters and each step's loss equal the unsharded
+    run's (float64, rel 1e-9); private under ``method="auto"``."""
+    model = causal_lm("opt")
+    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto") if private else None
+    _check_plan(model, lm_loss, _plan(model, _example_prologue(model)), MESH, private, causal=True, config=config)
+
+
+def test_registration_order_on_opt_is_refused_at_the_first_forward_naming_the_module():
+    """Without a prologue the final norm lands on stage 0; the last stage would run it on
+    stand-in zeros. It raises instead."""
+    model = causal_lm("opt")
+    with pytest.raises(PipelinePlanError, match="'model.decoder.final_layer_norm' runs after the block list"):
+        _check_plan(model, lm_loss, _plan(model, None), MESH, False, causal=True)
+
+
+def test_a_traced_prologue_agrees_with_registration_order_where_that_is_right():
+    model = gpt2()
+    traced = _plan(model, _example_prologue(model)).pipeline.param_stages
+    assert traced == _plan(model, None).pipeline.param_stages
+    assert traced["transformer.wte.weight"] == (0, 1)  # tied: used before (wte) and after (lm_head)
+
+
+def test_tracing_leaves_the_model_mode_and_the_random_streams_as_they_were():
+    model = causal_lm("opt", dropout=0.5).train()
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(3)
+    want = torch.rand(4)
+    torch.manual_seed(3)
+    _example_prologue(model)
+    assert model.training and all(m.training for m in model.modules())
+    assert torch.equal(torch.rand(4), want)
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+
+
+class _SharedNorm(nn.Module):
+    """A norm called both before and after the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        x = self.norm(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x)
+
+
+def test_a_module_on_both_sides_of_the_blocks_is_refused():
+    with pytest.raises(PipelinePlanError, match=r"\['norm'\] run both before and after"):
+        traced_prologue(_SharedNorm(), "blocks", torch.randn(2, 4))
+
+
+def test_the_train_loop_traces_the_prologue_of_the_model_it_builds():
+    """``fsdpx train --pp 2`` resolves its plan through ``sharding_plan``, which traces."""
+    from fsdpx.train.config import RunConfig
+    from fsdpx.train.loop import sharding_plan
+
+    model = causal_lm("opt")
+    config = RunConfig(strategy="zero3", pp=2, microbatches=2)
+    stages = sharding_plan(config, model, MESH).pipeline.param_stages
+    assert stages["model.decoder.final_layer_norm.bias"] == (1,)
