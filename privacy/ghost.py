@@ -10,7 +10,9 @@ backward of that module only, never of the whole model.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from typing import Iterator
 
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -32,7 +34,9 @@ def contributions(model: nn.Module, params: Params, tape: Tape, *, method: str) 
         direct = table[call.module_name]
         rule = rule_for(call.module)
         if rule is not None and len(call.grads) == 1 and not call.kwargs:
-            for local, contrib in rule(call.module, call.args, call.grads[0], call.weight_shapes).items():
+            with as_called(call):
+                made = rule(call.module, call.args, call.grads[0], call.weight_shapes)
+            for local, contrib in made.items():
                 if local in direct:
                     parts[direct[local]].extend(contrib if isinstance(contrib, list) else [contrib])
         elif method == "ghost":
@@ -44,6 +48,22 @@ def contributions(model: nn.Module, params: Params, tape: Tape, *, method: str) 
             for local, g in module_per_sample_grads(model, params, call, direct).items():
                 parts[direct[local]].append(Dense(g))
     return parts
+
+
+@contextlib.contextmanager
+def as_called(call: Call) -> Iterator[None]:
+    """Inside, ``call.module``'s attributes a rule reads are as they were during the call
+    (``Call.attributes``: a vocabulary-parallel embedding's rank-local ``padding_idx``);
+    restored on exit. Proven by ``tests/test_tensor_parallel_hf.py::test_hf_llama_private_tensor_parallel_with_a_padding_token``."""
+    module = call.module
+    saved = {a: getattr(module, a) for a in call.attributes}
+    try:
+        for a, v in call.attributes.items():
+            setattr(module, a, v)
+        yield
+    finally:
+        for a, v in saved.items():
+            setattr(module, a, v)
 
 
 def module_per_sample_grads(model: nn.Module, params: Params, call: Call, direct: dict[str, str]) -> dict[str, Tensor]:

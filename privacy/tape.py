@@ -48,6 +48,7 @@ class Call:
     weight_shapes: dict[str, torch.Size] = field(default_factory=dict)  # the module's own params during the call
     flowed: bool = True  # after backward: whether any gradient reached an output (else its grads are zeros)
     rows: int = 1  # > 1: called on the examples' rows flattened, k per example; args and grads are [B, k, ...]
+    attributes: dict[str, Any] = field(default_factory=dict)  # attributes a rule reads, as they were during the call
 
 
 @dataclass
@@ -148,7 +149,8 @@ def taping(model: nn.Module, params: Params, batch_size: int) -> Iterator[list[C
                           {k: _expand(v, batch_size) for k, v in call_kwargs.items()},
                           [get_gradient_edge(t) for t in outs], positions,
                           shapes=[(t.shape, t.dtype, t.device) for t in outs],
-                          weight_shapes={k: p.shape for k, p in module.named_parameters(recurse=False)}, rows=rows))
+                          weight_shapes={k: p.shape for k, p in module.named_parameters(recurse=False)}, rows=rows,
+                          attributes={a: getattr(module, a) for a in AS_CALLED if hasattr(module, a)}))
         return tree_unflatten(leaves, spec) if expand else None
 
     # prepend: the tape records what the module itself returned, before any other hook (a
@@ -190,6 +192,10 @@ def _expand(t: Any, batch_size: int) -> Any:
         return t.expand(batch_size, *t.shape[1:])
     return t
 
+
+AS_CALLED = ("padding_idx",)
+"""Module attributes a rule reads that a runtime may change for the call only (a vocabulary-
+parallel embedding's ``padding_idx`` is made local to the rank's rows): recorded per call."""
 
 SHARED, BATCH_FIRST = 0, 1  # a call's layout (_layout); k > 1: the examples' rows, k each
 

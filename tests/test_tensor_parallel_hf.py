@@ -55,11 +55,11 @@ def _gpt2(attn: str):
     return model
 
 
-def _llama(attn: str, tied: bool = False):
+def _llama(attn: str, tied: bool = False, pad: int | None = None):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=24, num_hidden_layers=2,
-                                      max_position_embeddings=T, bos_token_id=0, eos_token_id=0,
+                                      max_position_embeddings=T, bos_token_id=0, eos_token_id=0, pad_token_id=pad,
                                       tie_word_embeddings=tied, use_cache=False, attn_implementation=attn)
     model = transformers.LlamaForCausalLM(config).double()
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
@@ -135,3 +135,17 @@ def test_hf_llama_private_tensor_parallel_steps_equal_unsharded_steps(mesh, attn
     its weight replicated over ``tp``), so the whole model is ghost-clipped."""
     model = _llama(attn, tied)
     _check(model, llama_plan(model.config), MESHES[mesh], _dp_config("auto"))
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+@pytest.mark.parametrize("pad", [0, 20])
+def test_hf_llama_private_tensor_parallel_with_a_padding_token(pad, private):
+    """``pad_token_id`` set: ``embed_tokens`` has a ``padding_idx``, whose row gets no gradient.
+    Rank 0 holds rows 0-18, rank 1 rows 19-36, so the padding row is rank 0's (0) or rank 1's
+    (20, local row 1). The runtime makes ``padding_idx`` local for the call; the ghost rule
+    reads it as it was during the call (``privacy.ghost.as_called``). Before, it read the
+    global index: rank 1 dropped token 19's contributions (pad 0) or gave the padding row
+    contributions (pad 20), so norms and clipped sums were wrong."""
+    model = _llama("eager", pad=pad)
+    assert model.model.embed_tokens.padding_idx == pad
+    _check(model, llama_plan(model.config), MESHES["dp1_tp2"], _dp_config("ghost") if private else None)
