@@ -149,3 +149,20 @@ def test_hf_llama_private_tensor_parallel_with_a_padding_token(pad, private):
     model = _llama("eager", pad=pad)
     assert model.model.embed_tokens.padding_idx == pad
     _check(model, llama_plan(model.config), MESHES["dp1_tp2"], _dp_config("ghost") if private else None)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+@pytest.mark.parametrize("family", ["MistralForCausalLM", "Qwen2ForCausalLM"])
+def test_llama_plan_runs_mistral_and_qwen2_unmodified(family, private):
+    """``fsdpx train --tp`` gives Mistral and Qwen2 ``llama_plan`` (``TP_PLANS``): their module
+    trees are Llama's (Qwen2 with q/k/v biases, split with their rows)."""
+    from fsdpx.train.sources import TP_PLANS
+
+    assert TP_PLANS[family] is llama_plan
+    config_cls = getattr(transformers, family.replace("ForCausalLM", "Config"))
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                        intermediate_size=24, num_hidden_layers=2, max_position_embeddings=T, bos_token_id=0,
+                        eos_token_id=0, pad_token_id=0, use_cache=False, attn_implementation="eager")
+    model = getattr(transformers, family)(config).double()
+    _check(model, llama_plan(model.config), MESHES["dp2_tp2"], _dp_config("ghost") if private else None)

@@ -253,8 +253,10 @@ def lm_loss(out: Any, targets: Tensor) -> Tensor:
     return token_loss(out if isinstance(out, Tensor) else out.logits, targets)
 
 
-TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "LlamaForCausalLM": llama_plan}
-"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``)."""
+TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "LlamaForCausalLM": llama_plan, "MistralForCausalLM": llama_plan,
+            "Qwen2ForCausalLM": llama_plan}
+"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): Mistral's
+and Qwen2's module trees are Llama's (``tests/test_tensor_parallel_hf.py``)."""
 
 
 def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:
@@ -270,7 +272,7 @@ def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> Te
     name = type(model).__name__
     if name not in TP_PLANS:
         raise ConfigError(f"no tensor-parallel plan for {name}: tp > 1 runs the built-in GPT, "
-                          + " and ".join(TP_PLANS) + ", or a model defining tensor_parallel_plan(tp)")
+                          + ", ".join(TP_PLANS) + ", or a model defining tensor_parallel_plan(tp)")
     config = model.config
     heads = {k: getattr(config, k) for k in ("n_head", "num_attention_heads", "num_key_value_heads")
              if isinstance(getattr(config, k, None), int)}
