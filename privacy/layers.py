@@ -184,9 +184,9 @@ def same_code_rule(cls: type) -> Rule | None:
     the reference or any source text cannot be read or parsed). Cached per class.
 
     Guarantee: the rule's contributions equal a per-example autograd loop on the unmodified
-    transformers models of ``tests/test_hf_unmodified.py`` (Phi-3, Gemma, Falcon, Olmo-2, BART
-    among them); a subclass that changes ``forward`` gets no rule
-    (``tests/test_hf_same_code.py``)."""
+    transformers models of ``tests/test_hf_families.py`` (Phi-3, Gemma, Falcon, Olmo-2; BART's
+    scaled embedding on its own); a class whose code differs gets no rule, whatever its name
+    (``test_a_class_gets_a_rule_by_its_code_not_its_name``)."""
     for package, name, methods, rule_ in SAME_CODE:
         try:
             ref = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)

@@ -122,3 +122,33 @@ def test_a_class_gets_a_rule_by_its_code_not_its_name():
     assert same_code_rule(copy) is llama_rms_norm
     assert same_code_rule(changed) is None
     assert same_code_rule(other_base) is None
+
+
+def test_bart_scaled_embedding_with_a_number_as_its_scale():
+    """BART's ``BartScaledWordEmbedding`` (``embed_scale`` a float, where Gemma's is a tensor)
+    under the same rule: a lookup, a padding row, a head; ghost == the per-example loop."""
+    from torch import nn
+    from transformers.models.bart.modeling_bart import BartScaledWordEmbedding
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = BartScaledWordEmbedding(11, 4, padding_idx=0, embed_scale=2.0)
+            self.head = nn.Linear(4, 11)
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    torch.manual_seed(0)
+    model = Tiny().double()
+    assert rule_for(model.embed) is scaled_embedding
+    params = dict(model.named_parameters())
+    ids = torch.tensor([[1, 2, 0, 0], [3, 3, 4, 0], [5, 0, 0, 0]])
+
+    def loss(out, targets):
+        return torch.nn.functional.cross_entropy(out.transpose(1, 2), targets, reduction="none").mean(1)
+
+    batch = (ids, ids.roll(1, 1))
+    oracle = loop_grads(model, params, batch, loss)
+    torch.testing.assert_close(per_sample_norms(model, params, batch, loss, method="ghost"), norms_of(oracle),
+                               rtol=RTOL, atol=ATOL)
