@@ -1,0 +1,63 @@
+"""DP fine-tuning with LoRA adapters, as users build them: ``peft.get_peft_model`` on an
+unmodified transformers model, only the adapters trainable.
+
+peft wraps each targeted linear (``q_proj``, ``v_proj``, ``down_proj`` of Llama; GPT-2's fused
+``c_attn``, a ``Conv1D``) in a layer that adds ``lora_B(lora_A(x)) * scaling`` to the frozen
+base layer's output. ``lora_A`` and ``lora_B`` are plain ``nn.Linear`` modules, so ghost
+clipping takes them as they are: no rule for peft, no wrapper. Judged against the oracle of
+``hf_support.loop_grads`` (one example at a time, float64) and, sharded, against the unsharded
+steps (ZeRO-3 over two simulated ranks, plain and private).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpx.sharding import Mesh
+from privacy import clipped_grad, per_sample_norms
+
+pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from hf_support import clipped_sum_of, gpt2, llama, lm_loss, loop_grads, norms_of, padded_batch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_tensor_parallel_hf import _check, _dp_config  # noqa: E402
+
+TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn"]}
+RTOL, ATOL = 1e-9, 1e-12
+
+
+def _lora(family: str):
+    base = llama("eager") if family == "llama" else gpt2("eager")
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS[family], lora_dropout=0.0,
+                             init_lora_weights=False)  # random B: the adapters' gradients are not zero
+    return peft.get_peft_model(base, config)
+
+
+@pytest.mark.parametrize("family", list(TARGETS))
+@pytest.mark.parametrize("method", ["ghost", "vmap"])
+def test_lora_adapters_per_example_norms_and_clipped_sums_equal_the_loop(family, method):
+    model = _lora(family).eval()
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    assert params and all("lora_" in k for k in params)
+    batch = padded_batch([5, 8, 3], causal=True)
+    oracle = loop_grads(model, params, batch, lm_loss)
+    torch.testing.assert_close(per_sample_norms(model, params, batch, lm_loss, method=method), norms_of(oracle),
+                               rtol=RTOL, atol=ATOL)
+    grads, _ = clipped_grad(model, params, batch, lm_loss, clip_norm=0.5, method=method)
+    want = clipped_sum_of(oracle, 0.5)
+    for name in params:
+        torch.testing.assert_close(grads[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_lora_under_zero3_equals_the_unsharded_steps(private):
+    """Only the adapters trainable (the base frozen, as peft leaves it), ZeRO-3 over dp=2:
+    two steps equal the unsharded steps, float64 rel 1e-10."""
+    model = _lora("llama")
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    _check(model, None, Mesh(dp=2), _dp_config("ghost") if private else None, frozen=frozen)
