@@ -119,3 +119,28 @@ def test_the_train_loop_traces_the_prologue_of_the_model_it_builds():
     config = RunConfig(strategy="zero3", pp=2, microbatches=2)
     stages = sharding_plan(config, model, MESH).pipeline.param_stages
     assert stages["model.decoder.final_layer_norm.bias"] == (1,)
+
+
+def test_a_stand_in_feeding_the_blocks_is_refused():
+    """DeBERTa-v2 reads its relative position embeddings' weight directly (no module call) and
+    feeds them to every layer, besides the hidden state: a stage that lacks them cannot compute
+    its blocks. Stand-ins are NaN, so its first output is not finite and the step raises, naming
+    the parameter, with either side chosen for it (before, with zeros as stand-ins, it trained
+    on wrong values without a word)."""
+    import transformers
+
+    from hf_support import PAD, VOCAB, cls_loss
+
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=24, max_position_embeddings=32, num_labels=3, pad_token_id=PAD,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                          relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"])
+    model = transformers.DebertaV2ForSequenceClassification(config).double()
+    inputs, _ = padded_batch([3], causal=False)
+    for prologue in (None, traced_prologue(model, find_blocks(model), **inputs)):
+        mesh = Mesh(dp=1, pp=2)
+        plan = resolve_pipeline(model, resolve(model, None, strategies.zero3(), mesh),
+                                PipelineParallel(schedule="1f1b", microbatches=2, prologue=prologue), mesh)
+        with pytest.raises(PipelinePlanError, match=r"stage 0 .*'deberta.encoder.rel_embeddings.weight'"):
+            _check_plan(model, cls_loss, plan, mesh, False, causal=False)

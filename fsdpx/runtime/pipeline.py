@@ -446,11 +446,13 @@ class _Run:
                 out = e.output
             if last:
                 losses = masked_losses(o.loss_fn(out, targets), mask)  # padding rows: exactly 0
+                st.forward.check_output(s, losses.detach())
                 self.loss_sum += float(losses.detach().sum())
                 self.count += real_count(self.mbs[mb])
                 root = losses.sum()
             else:
                 root = out
+                st.forward.check_output(s, out.detach())
                 self.outbox[("F", mb, s)] = out.detach()
         if captured is not None and not separable(captured):
             captured = None  # a parameter used twice in the stage: B forms its weight gradients too

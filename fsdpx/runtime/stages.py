@@ -13,18 +13,27 @@ make it one stage's forward:
   carrying the block's output, which ends the model's forward (the epilogue never runs).
 
 Parameters this rank does not hold (another stage's prologue, e.g. the position embedding on a
-later stage, whose output is replaced anyway) are swapped for zeros of their shape that own one
-element of memory (``expand`` of a scalar). Such a stand-in must never count: a module using one
-before the blocks of stage 0, or after the blocks of the last stage, means the plan put a
-parameter on the wrong side of the block list (a model registered in another order than its
-forward runs), and raises ``PipelinePlanError`` naming the module. :func:`traced_prologue`
-finds the right side by running the forward once. Side effects live only inside
-:meth:`StageForward.running` and :func:`traced_prologue`.
+later stage, whose output is replaced anyway) are swapped for stand-ins of their shape that own
+one element of memory (``expand`` of a scalar): NaN for floating point. A stand-in must never
+count, and two checks make sure it does not:
+
+* a module using one before the blocks of stage 0, or after the blocks of the last stage, means
+  the plan put a parameter on the wrong side of the block list (a model registered in another
+  order than its forward runs): ``PipelinePlanError`` naming the module, as it runs;
+  :func:`traced_prologue` finds the right side by running the forward once;
+* anything else that carries a stand-in into what a stage sends or its losses (a parameter read
+  directly rather than through its module, a prologue whose output feeds the blocks besides the
+  hidden state, such as DeBERTa's relative position embeddings or an encoder under a
+  decoder's blocks) turns them NaN: :meth:`StageForward.check_output` raises
+  ``PipelinePlanError`` at a stage's first forward, naming the parameters it lacks.
+
+Side effects live only inside :meth:`StageForward.running` and :func:`traced_prologue`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Collection, Iterator, Sequence
 
 import torch
@@ -79,9 +88,11 @@ class StageForward:
         self.model, self.layout = model, layout
         self.block_list: nn.ModuleList = dict(model.named_modules())[layout.blocks]
         self.keys = list(self.block_list._modules)
-        # stand-ins built once: zeros owning one element, never written, never a leaf
-        self.zeros = {alias: torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
+        # stand-ins built once: NaN (zero for integers) owning one element, never written, never a leaf
+        self.zeros = {alias: torch.full((), math.nan if dtype.is_floating_point or dtype.is_complex else 0,
+                                        dtype=dtype, device=device).expand(tuple(shape))
                       for alias, (shape, dtype) in absent.items()}
+        self.checked: set[int] = set()  # stages whose first output check_output has seen
         self.slots = Slots(model, self.zeros)
         modules = dict(model.named_modules())
         self.stand_in_users = {name: modules[name] for name in sorted({a.rpartition(".")[0] for a in absent})}
@@ -109,6 +120,23 @@ class StageForward:
             if swapped:
                 self.slots.swap(swapped)
 
+
+    def check_output(self, stage: int, output: Tensor) -> None:
+        """At stage ``stage``'s first forward (each later one returns at once): raise
+        ``PipelinePlanError`` when ``output`` (what the stage sends, or its per-example losses) is
+        not finite while the stage computes with stand-ins, naming the parameters it lacks.
+        Proven by ``tests/test_pipeline_prologue.py::test_a_stand_in_feeding_the_blocks_is_refused``."""
+        if stage in self.checked:
+            return
+        self.checked.add(stage)
+        if not self.zeros or output.device.type == "meta" or bool(torch.isfinite(output).all()):
+            return
+        raise PipelinePlanError(
+            f"stage {stage} of the pipeline over {self.layout.blocks!r} computes with parameters it does not hold "
+            f"(their stand-ins are NaN, and its output is not finite): {sorted(self.zeros)}. Something outside "
+            f"the blocks feeds them besides the hidden state the stage receives (a parameter read directly, "
+            f"relative position embeddings, an encoder), which a pipeline does not support; or, if it uses none "
+            f"of these, the model itself gives non-finite values")
 
     def _guard(self, stage: int, blocks: list[nn.Module]) -> list:
         """Hooks that raise ``PipelinePlanError`` when a module using a stand-in runs where its
