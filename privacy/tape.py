@@ -215,6 +215,8 @@ def _layout(name: str, module: nn.Module, args: tuple, kwargs: dict, outs: list[
     lead = lambda t: t.shape[0] if t.dim() else None  # noqa: E731
     if batch_size != 1 and outs and all(lead(t) == 1 for t in (*inputs, *outs)):
         return SHARED
+    if all(lead(t) in (batch_size, 1) for t in inputs) and all(lead(t) == batch_size for t in outs):
+        return BATCH_FIRST
     rows = _example_rows_call(module, inputs, kwargs, outs, batch_size, known)
     if rows:
         return rows
