@@ -111,14 +111,17 @@ def test_a_module_on_both_sides_of_the_blocks_is_refused():
 
 
 def test_the_train_loop_traces_the_prologue_of_the_model_it_builds():
-    """``fsdpx train --pp 2`` resolves its plan through ``sharding_plan``, which traces."""
+    """``fsdpx train --pp 2`` resolves its plan through ``sharding_plan``, which traces on one of
+    the run's inputs (without one, registration order: the runtime's checks then name OPT's
+    final norm)."""
     from fsdpx.train.config import RunConfig
     from fsdpx.train.loop import sharding_plan
 
     model = causal_lm("opt")
     config = RunConfig(strategy="zero3", pp=2, microbatches=2)
-    stages = sharding_plan(config, model, MESH).pipeline.param_stages
+    stages = sharding_plan(config, model, MESH, torch.ones((1, 4), dtype=torch.long)).pipeline.param_stages
     assert stages["model.decoder.final_layer_norm.bias"] == (1,)
+    assert sharding_plan(config, model, MESH).pipeline.param_stages["model.decoder.final_layer_norm.bias"] == (0,)
 
 
 def test_a_stand_in_feeding_the_blocks_is_refused():

@@ -130,21 +130,23 @@ def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimi
 
 def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor], dp: DPConfig | None,
                *, num_examples: int, comm: Comm | None = None,
-               loss_fn: Callable[[Any, Tensor], Tensor] = token_loss) -> tuple[TrainState, Step]:
+               loss_fn: Callable[[Any, Tensor], Tensor] = token_loss,
+               example: Tensor | None = None) -> tuple[TrainState, Step]:
     """The initial state and the step function of a run: the one place a step is chosen.
 
     Returns ``(state, step)`` with ``state.step == 0``. The accountant carries the run's delta,
     budget and PLD discretization, so the epsilon it reports is the one ``resolve_privacy``
     calibrated against. With ``comm`` (a sharded run) the state is this rank's
     :class:`fsdpx.runtime.ShardedState` and the step takes the global batch. ``loss_fn(model
-    output, targets) -> (B,)``: the source's (:attr:`fsdpx.train.sources.Source.loss_fn`)."""
+    output, targets) -> (B,)``: the source's (:attr:`fsdpx.train.sources.Source.loss_fn`);
+    ``example``: one of its inputs, to trace a pipeline's prologue (:func:`sharding_plan`)."""
     optimizer = make_optimizer(config, comm)
     trainable = freezing(config, model, params)
     accountant = Accountant(accountant=config.accountant, delta=config.delta,
                             epsilon_budget=epsilon_budget(config),
                             value_discretization_interval=config.accounting_interval)
     if comm is not None:
-        strategy = sharding_plan(config, model, comm.mesh)
+        strategy = sharding_plan(config, model, comm.mesh, example)
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, loss_fn, optimizer, strategy, comm, param_shapes=shapes, config=dp,
                                  num_examples=num_examples, donate=True, trainable=trainable)
@@ -228,26 +230,29 @@ def run_mesh(strategy: str, world: int, tp: int = 1, pp: int = 1) -> Mesh:
     return Mesh(replica=data // shard, shard=shard, **extra)
 
 
-def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh) -> ShardingPlan:
+def sharding_plan(config: RunConfig, model: torch.nn.Module, mesh: Mesh, example: Tensor | None = None) -> ShardingPlan:
     """The run's per-parameter layouts: the strategy's, with the model's tensor-parallel plan
     (:func:`fsdpx.train.sources.tp_plan`) when ``config.tp > 1`` and its blocks cut into
-    pipeline stages when ``config.pp > 1``, the prologue traced (:func:`pipeline_prologue`)."""
+    pipeline stages when ``config.pp > 1``, the prologue traced on ``example`` (one of the
+    run's inputs, :func:`pipeline_prologue`). Every call of one run passes the same example (or
+    none), so its plans agree."""
     return resolve_plan(model, mesh, strategy=config.strategy, tp=config.tp, pp=config.pp, schedule=config.schedule,
                         microbatches=config.microbatches, virtual_stages=config.virtual_stages,
                         sequence_parallel=config.sequence_parallel,
-                        prologue=pipeline_prologue(model) if config.pp > 1 else None)
+                        prologue=pipeline_prologue(model, example) if config.pp > 1 else None)
 
 
-def pipeline_prologue(model: torch.nn.Module) -> tuple[str, ...] | None:
-    """The parameters ``model``'s forward uses before its block list, traced on one example of
-    two tokens (a run's inputs are token ids): ``PipelineParallel.prologue``, so that a model
+def pipeline_prologue(model: torch.nn.Module, example: Tensor | None) -> tuple[str, ...] | None:
+    """The parameters ``model``'s forward uses before its block list, traced on ``example`` (a
+    batch of one of the run's inputs): ``PipelineParallel.prologue``, so that a model
     registered in another order than its forward runs (transformers' OPT) is cut right. None
-    for a model on ``meta`` (registration order is taken; a wrong side is named at the first
-    step). Raises :class:`ConfigError` where the trace fails (``PipelinePlanError``)."""
-    if any(p.is_meta for p in model.parameters()):
+    without an example or for a model on ``meta`` (registration order is taken; a wrong side is
+    named at the first step). Raises :class:`ConfigError` where the trace fails
+    (``PipelinePlanError``)."""
+    if example is None or any(p.is_meta for p in model.parameters()):
         return None
     try:
-        return traced_prologue(model, find_blocks(model), torch.zeros((1, 2), dtype=torch.long))
+        return traced_prologue(model, find_blocks(model), example)
     except PipelinePlanError as e:
         raise ConfigError(str(e)) from None
 
@@ -283,7 +288,7 @@ def check_layout(config: RunConfig, world: int) -> Source:
     source = build_source(config)
     freezing(config, source.model, source.params)
     mesh = run_mesh(config.strategy, world, config.tp, config.pp)
-    sharding_plan(config, source.model, mesh)
+    sharding_plan(config, source.model, mesh, source.inputs[:1])
     return source
 
 
@@ -306,22 +311,24 @@ def full_params(state: Any, config: RunConfig, comm: Comm | None, source: Source
     blocks, gathered and unsharded on the host (called on every rank)."""
     if comm is None:
         return state.params
-    plan = sharding_plan(config, source.model, comm.mesh)
+    plan = sharding_plan(config, source.model, comm.mesh, source.inputs[:1])
     blocks = comm.all_gather_object({k: v.cpu() for k, v in state.params.items()})  # pickled through the host
     whole = unshard_stages(blocks, plan, comm.mesh)
     return {k: whole[k].reshape(source.params[k].shape) for k in plan.params}
 
 
-def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool, model: torch.nn.Module):
+def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool, model: torch.nn.Module,
+                       example: Tensor | None = None):
     """The run's :class:`ckpt.CheckpointManager` (``None`` without ``ckpt_dir``): the sharded
-    state is saved in its own layout by every rank and can be restored into another."""
+    state is saved in its own layout by every rank and can be restored into another
+    (``example``: as :func:`build_step`'s)."""
     if config.ckpt_dir is None:
         return None
     import ckpt
 
     if comm is None:
         return ckpt.CheckpointManager(config.ckpt_dir, keep_last=3, every_n_steps=config.ckpt_every, private=private)
-    plan = sharding_plan(config, model, comm.mesh)  # tensors saved in this run's layouts
+    plan = sharding_plan(config, model, comm.mesh, example)  # tensors saved in this run's layouts
     return ckpt.CheckpointManager(config.ckpt_dir, mesh=comm.mesh, strategy=plan,
                                   coordinator=ckpt.TorchDistCoordinator(), keep_last=3,
                                   every_n_steps=config.ckpt_every, private=private)
@@ -363,8 +370,10 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     num_examples = int(inputs.shape[0])
     sample_rate = resolve_sample_rate(config, num_examples)
     dp = resolve_privacy(config, sample_rate)
-    state, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm, loss_fn=source.loss_fn)
-    manager = checkpoint_manager(config, comm, private=dp is not None, model=model)
+    example = inputs[:1]  # traces a pipeline's prologue: every plan of the run from the same one
+    state, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm, loss_fn=source.loss_fn,
+                             example=example)
+    manager = checkpoint_manager(config, comm, private=dp is not None, model=model, example=example)
     plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=data_digest(inputs, targets),
                         manager=manager, world=comm.mesh.size if comm else 1, data=source.description)
     if config.resume_from is not None:
@@ -376,7 +385,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                   f" {config.target_epsilon:g}", file=sys.stderr)
         dp = plan.dp
         _, step = build_step(config, model, params, dp, num_examples=num_examples, comm=comm,
-                             loss_fn=source.loss_fn)
+                             loss_fn=source.loss_fn, example=example)
     state = plan.state
     earlier = cut_back(read_metrics(plan.earlier_run_dir / "metrics.jsonl"), plan.start) if plan.earlier_run_dir \
         else []
