@@ -120,7 +120,6 @@ class StageForward:
             if swapped:
                 self.slots.swap(swapped)
 
-
     def check_output(self, stage: int, output: Tensor) -> None:
         """At stage ``stage``'s first forward (each later one returns at once): raise
         ``PipelinePlanError`` when ``output`` (what the stage sends, or its per-example losses) is
@@ -188,7 +187,7 @@ def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) ->
                block_list[len(block_list) - 1].register_forward_hook(lambda *_: phase.__setitem__(0, "after"))]
     handles += [m.register_forward_hook(lambda _m, _a, _o, n=n: seen.setdefault(n, set()).add(phase[0]))
                 for n, m in outside.items()]
-    training = model.training
+    modes = {m: m.training for m in model.modules()}  # each module's own: a frozen part may be in eval
     device = next((p.device for p in model.parameters()), None)
     move = (lambda t: t.to(device) if isinstance(t, Tensor) else t) if device is not None else (lambda t: t)
     try:
@@ -196,7 +195,8 @@ def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) ->
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             model(*tree_map(move, args), **tree_map(move, kwargs))
     finally:
-        model.train(training)
+        for m, training in modes.items():
+            m.training = training
         for h in handles:
             h.remove()
     if phase[0] == "before":
