@@ -149,3 +149,65 @@ def test_a_stand_in_feeding_the_blocks_is_refused():
                                 PipelineParallel(schedule="1f1b", microbatches=2, prologue=prologue), mesh)
         with pytest.raises(PipelinePlanError, match=r"stage 0 .*'deberta.encoder.rel_embeddings.weight'"):
             _check_plan(model, cls_loss, plan, mesh, False, causal=False)
+
+
+class _BiasPassing(nn.Module):
+    """Blocks that hand each other a bias besides the hidden state (as T5's layers hand on their
+    position bias): block 0 makes it, the others take it from the block before."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.blocks = nn.ModuleList([_Block(first=i == 0) for i in range(4)])
+        self.head = nn.Linear(4, 11)
+
+    def forward(self, ids):
+        h, bias = self.embed(ids), None
+        for b in self.blocks:
+            h, bias = b(h, bias)
+        return self.head(h)
+
+
+class _Block(nn.Module):
+    def __init__(self, first: bool):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bias = nn.Parameter(torch.randn(4)) if first else None
+
+    def forward(self, h, bias):
+        bias = self.bias if bias is None and self.bias is not None else bias
+        return torch.tanh(self.lin(h)) + (bias if bias is not None else 0), bias
+
+
+def test_blocks_that_pass_state_besides_the_hidden_state_are_refused():
+    """A later stage would run its blocks without the bias: ``check_stages`` compares each stage
+    run alone with the whole model and names the first that differs; ``fsdpx train`` checks
+    before any step (``train.loop.check_pipeline``). Transformers' T5, its decoder's blocks cut
+    into stages, is refused the same way. GPT-2, Llama and OPT pass."""
+    import transformers
+
+    from fsdpx.runtime.stages import check_stages
+    from fsdpx.train.config import ConfigError
+    from fsdpx.train.loop import check_pipeline
+    from hf_support import PAD, VOCAB, llama
+
+    torch.manual_seed(0)
+    model, ids = _BiasPassing(), torch.randint(0, 11, (1, 5))
+    plan = _plan(model, traced_prologue(model, "blocks", ids))
+    with pytest.raises(PipelinePlanError, match="stage 1 .*besides the hidden state"):
+        check_stages(model, plan.pipeline, ids)
+    with pytest.raises(ConfigError, match="stage 1"):
+        check_pipeline(model, plan, ids)
+
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=2,
+        pad_token_id=PAD, decoder_start_token_id=PAD, dropout_rate=0.0)).double()
+    inputs, _ = padded_batch([3], causal=True)
+    inputs["decoder_input_ids"] = inputs["input_ids"]
+    assert find_blocks(t5) == "decoder.block"
+    with pytest.raises(PipelinePlanError, match="stage 1"):
+        check_stages(t5, _plan(t5, traced_prologue(t5, "decoder.block", **inputs)).pipeline, **inputs)
+
+    for fits in (gpt2(), llama(), causal_lm("opt")):
+        inputs, _ = padded_batch([3], causal=True)
+        check_stages(fits, _plan(fits, _example_prologue(fits)).pipeline, **inputs)

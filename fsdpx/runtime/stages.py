@@ -188,12 +188,11 @@ def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) ->
     handles += [m.register_forward_hook(lambda _m, _a, _o, n=n: seen.setdefault(n, set()).add(phase[0]))
                 for n, m in outside.items()]
     modes = {m: m.training for m in model.modules()}  # each module's own: a frozen part may be in eval
-    device = next((p.device for p in model.parameters()), None)
-    move = (lambda t: t.to(device) if isinstance(t, Tensor) else t) if device is not None else (lambda t: t)
+    args, kwargs = _on_model_device(model, args, kwargs)
     try:
         model.eval()
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            model(*tree_map(move, args), **tree_map(move, kwargs))
+            model(*args, **kwargs)
     finally:
         for m, training in modes.items():
             m.training = training
@@ -207,6 +206,84 @@ def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) ->
                                 " need their parameters on both sides")
     return tuple(f"{n}.{k}" if n else k for n, m in outside.items() if "before" in seen.get(n, ())
                  for k, _ in m.named_parameters(recurse=False))
+
+
+def check_stages(model: nn.Module, layout: PipelineLayout, *args: Any, rtol: float = 1e-5, atol: float = 1e-6,
+                 **kwargs: Any) -> None:
+    """Raise ``PipelinePlanError`` unless every stage of ``layout``, run the way the pipeline
+    runs it (the block list holding only its blocks, its first block's hidden state injected),
+    gives what the whole model's forward gives at that point, on ``args`` / ``kwargs`` (one small
+    example), every parameter real. What it catches: blocks that take something from earlier
+    blocks besides the hidden state (T5 passes its position bias from block to block), which no
+    stage boundary carries, so a later stage would compute without it.
+
+    One forward of the whole model and one of each stage, under ``torch.no_grad`` in eval mode,
+    the random number generators and each module's mode restored. Proven by
+    ``tests/test_pipeline_prologue.py::test_blocks_that_pass_state_besides_the_hidden_state_are_refused``."""
+    block_list = dict(model.named_modules())[layout.blocks]
+    keys = list(block_list._modules)
+    entered: dict[int, Tensor] = {}
+    left: dict[int, Tensor] = {}
+
+    def capture(i: int):
+        def pre(module: nn.Module, a: tuple, kw: dict) -> None:
+            entered.setdefault(i, a[0] if a else kw["hidden_states"])
+
+        def post(module: nn.Module, a: tuple, output: Any) -> None:
+            left.setdefault(i, hidden_of(output))
+        return pre, post
+
+    modes = {m: m.training for m in model.modules()}
+    args, kwargs = _on_model_device(model, args, kwargs)
+    forward = StageForward(model, layout, {})
+    handles = []
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            for i, k in enumerate(keys):
+                pre, post = capture(i)
+                handles += [block_list._modules[k].register_forward_pre_hook(pre, with_kwargs=True),
+                            block_list._modules[k].register_forward_hook(post)]
+            whole = _first_tensor(model(*args, **kwargs))
+            for h in handles:
+                h.remove()
+            handles = []
+            for s, blocks in enumerate(layout.stages):
+                with forward.running(s, entered[blocks[0]] if s > 0 else None):
+                    try:
+                        got = _first_tensor(model(*args, **kwargs))
+                    except StageExit as e:
+                        got = e.output
+                want = left[blocks[-1]] if s < layout.num_stages - 1 else whole
+                if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=atol):
+                    gap = float((got - want).abs().max()) if got.shape == want.shape else math.inf
+                    raise PipelinePlanError(
+                        f"stage {s} (blocks {blocks[0]}-{blocks[-1]} of {layout.blocks!r}), run alone from the hidden "
+                        f"state it receives, does not give what the whole model gives there (largest difference "
+                        f"{gap:.3g}): its blocks take something from earlier blocks besides the hidden state (a "
+                        f"position bias passed from block to block, a residual carried apart), which no stage "
+                        f"boundary carries; such a model cannot be pipelined")
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+
+
+def _on_model_device(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with their tensors on the device of ``model``'s parameters."""
+    device = next((p.device for p in model.parameters()), None)
+    move = (lambda t: t.to(device) if isinstance(t, Tensor) else t) if device is not None else (lambda t: t)
+    return tree_map(move, args), tree_map(move, kwargs)
+
+
+def _first_tensor(output: Any) -> Tensor:
+    from torch.utils._pytree import tree_flatten
+
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+    if not tensors:
+        raise TypeError(f"the model returned no tensor ({type(output).__name__})")
+    return tensors[0]
 
 
 def _injector(x: Tensor):

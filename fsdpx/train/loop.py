@@ -49,7 +49,7 @@ from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding import strategies
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.mesh import Mesh
-from fsdpx.runtime.stages import traced_prologue
+from fsdpx.runtime.stages import check_stages, traced_prologue
 from fsdpx.sharding.pipeline import PipelineParallel, PipelinePlanError, find_blocks, resolve_pipeline, unshard_stages
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.tensor_parallel import resolve
@@ -147,6 +147,7 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
                             value_discretization_interval=config.accounting_interval)
     if comm is not None:
         strategy = sharding_plan(config, model, comm.mesh, example)
+        check_pipeline(model, strategy, example)
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, loss_fn, optimizer, strategy, comm, param_shapes=shapes, config=dp,
                                  num_examples=num_examples, donate=True, trainable=trainable)
@@ -257,6 +258,20 @@ def pipeline_prologue(model: torch.nn.Module, example: Tensor | None) -> tuple[s
         raise ConfigError(str(e)) from None
 
 
+def check_pipeline(model: torch.nn.Module, plan: ShardingPlan, example: Tensor | None) -> None:
+    """Raise :class:`ConfigError` unless each stage of ``plan``'s pipeline, run alone from the
+    hidden state it receives, computes what the whole model does at that point on ``example``
+    (:func:`fsdpx.runtime.stages.check_stages`: blocks that pass state besides the hidden state,
+    such as T5's position bias, cannot be pipelined). Nothing to check without a pipeline or an
+    example, or for a model on ``meta``."""
+    if plan.pipeline is None or example is None or any(p.is_meta for p in model.parameters()):
+        return
+    try:
+        check_stages(model, plan.pipeline, example)
+    except PipelinePlanError as e:
+        raise ConfigError(str(e)) from None
+
+
 def resolve_plan(model: torch.nn.Module, mesh: Mesh, *, strategy: str, tp: int = 1, pp: int = 1,
                  schedule: str = "1f1b", microbatches: int = 4, virtual_stages: int = 1,
                  sequence_parallel: bool = False, prologue: tuple[str, ...] | None = None) -> ShardingPlan:
@@ -288,7 +303,7 @@ def check_layout(config: RunConfig, world: int) -> Source:
     source = build_source(config)
     freezing(config, source.model, source.params)
     mesh = run_mesh(config.strategy, world, config.tp, config.pp)
-    sharding_plan(config, source.model, mesh, source.inputs[:1])
+    check_pipeline(source.model, sharding_plan(config, source.model, mesh, source.inputs[:1]), source.inputs[:1])
     return source
 
 
