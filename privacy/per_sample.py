@@ -16,6 +16,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privacy.batch import split_inputs, unpack
+from privacy.errors import PrivacyError
 from privacy.tape import LossFn, Params
 
 _UNVMAPPABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -40,7 +41,14 @@ def per_sample_grads(
     Edge case: a forward that vmap refuses (``.item()``, a Python ``if`` on a tensor, an
     output of data-dependent shape) runs example by example; the model is remembered, so later
     calls loop at once. Layers must treat examples independently (no BatchNorm in training
-    mode: :func:`privacy.validate.check_model`)."""
+    mode: :func:`privacy.validate.check_model`). A transformers model with activation
+    checkpointing on is refused (``PrivacyError``): ``torch.func`` transforms cannot run through
+    ``torch.utils.checkpoint``; ghost clipping can (``tests/test_hf_families.py``)."""
+    if getattr(model, "is_activation_checkpointing", False):
+        raise PrivacyError("the model has activation checkpointing on (transformers' gradient_checkpointing_enable): "
+                           "per-example gradients by vmap (method='vmap') cannot run through torch.utils.checkpoint; "
+                           "use method='ghost' or 'auto' (one forward, one backward: recomputation is transparent to "
+                           "them), or gradient_checkpointing_disable()")
     inputs, targets, _ = unpack(batch)
     args, kwargs = split_inputs(inputs)
     detached = {k: v.detach() for k, v in params.items()}

@@ -152,3 +152,29 @@ def test_bart_scaled_embedding_with_a_number_as_its_scale():
     oracle = loop_grads(model, params, batch, loss)
     torch.testing.assert_close(per_sample_norms(model, params, batch, loss, method="ghost"), norms_of(oracle),
                                rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_activation_checkpointing_under_ghost_matches_the_loop_and_vmap_says_why_it_cannot(family):
+    """``gradient_checkpointing_enable()`` (recomputing each layer in the backward): ghost
+    clipping's one forward and one backward are unaffected, its norms and clipped sums equal the
+    per-example loop; ``method="vmap"`` is refused naming the cause (torch.func cannot run
+    through ``torch.utils.checkpoint``) instead of torch's own error from inside the transform."""
+    from hf_support import gpt2, llama
+    from privacy.errors import PrivacyError
+
+    model = (llama("eager") if family == "llama" else gpt2("eager"))
+    model.gradient_checkpointing_enable()
+    model.train()
+    params = dict(model.named_parameters())
+    batch = padded_batch(LENGTHS, causal=True)
+    model.gradient_checkpointing_disable()
+    oracle = loop_grads(model, params, batch, lm_loss)
+    model.gradient_checkpointing_enable()
+    grads, norms = clipped_grad(model, params, batch, lm_loss, clip_norm=CLIP, method="ghost")
+    torch.testing.assert_close(norms, norms_of(oracle), rtol=RTOL, atol=ATOL)
+    want = clipped_sum_of(oracle, CLIP)
+    for name in params:
+        torch.testing.assert_close(grads[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
+    with pytest.raises(PrivacyError, match="activation checkpointing"):
+        per_sample_norms(model, params, batch, lm_loss, method="vmap")
