@@ -63,8 +63,8 @@ def gpt2_plan(config: Any, axis: str = "tp") -> TensorParallel:
 def llama_plan(config: Any, axis: str = "tp") -> TensorParallel:
     """The plan of transformers' ``LlamaForCausalLM``: the attention and MLP inputs enter the
     region once (q/k/v, gate/up share it), grouped-query k/v split by their own heads. Also
-    ``MistralForCausalLM``'s and ``Qwen2ForCausalLM``'s (the same modules; Qwen2's q/k/v biases
-    split with their rows)."""
+    ``MistralForCausalLM``'s, ``Qwen2ForCausalLM``'s and ``GemmaForCausalLM``'s (the same modules;
+    Qwen2's q/k/v biases split with their rows, Gemma's scaled embedding vocabulary-parallel)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return TensorParallel({
         "model.embed_tokens": VocabParallelEmbedding(),

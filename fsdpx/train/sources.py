@@ -254,9 +254,9 @@ def lm_loss(out: Any, targets: Tensor) -> Tensor:
 
 
 TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "LlamaForCausalLM": llama_plan, "MistralForCausalLM": llama_plan,
-            "Qwen2ForCausalLM": llama_plan}
-"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): Mistral's
-and Qwen2's module trees are Llama's (``tests/test_tensor_parallel_hf.py``)."""
+            "Qwen2ForCausalLM": llama_plan, "GemmaForCausalLM": llama_plan}
+"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): Mistral's,
+Qwen2's and Gemma's module trees are Llama's (``tests/test_tensor_parallel_hf.py``)."""
 
 
 def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:
