@@ -122,13 +122,16 @@ def taping(model: nn.Module, params: Params, batch_size: int) -> Iterator[list[C
 
     A call shared by every example (leading dimension 1 throughout) has its outputs expanded to
     ``batch_size``; see :func:`record`. Raises :class:`privacy.errors.PerExampleError` naming the
-    module if a call's inputs or outputs break the batch-first rule."""
+    module if a call's inputs or outputs break the batch-first rule, and naming the last expanded
+    shared call if the forward then fails with a shape error (the model did not broadcast its
+    output: ``tests/test_hf_families.py::test_deberta_under_ghost_names_the_shared_call_it_cannot_follow``)."""
     table = owners(model, params)
     calls: list[Call] = []
     names = {id(m): n for n, m in model.named_modules() if n in table}
     modules = dict(model.named_modules())
 
     known: Known = {}  # the autograd node of each output of a call on example rows -> rows per example
+    expanded: list[str] = []  # the modules whose shared outputs were expanded to the batch
 
     def hook(module: nn.Module, call_args: tuple, call_kwargs: dict, output: Any) -> Any:
         name = names[id(module)]
@@ -137,6 +140,7 @@ def taping(model: nn.Module, params: Params, batch_size: int) -> Iterator[list[C
         layout = _layout(name, module, call_args, call_kwargs, [leaves[i] for i in positions], batch_size, known)
         expand = layout == SHARED
         if expand:  # one copy per example, so that each gets its own output gradient
+            expanded.append(name)
             for i in positions:
                 leaves[i] = _expand(leaves[i], batch_size)
         outs = [leaves[i] for i in positions]
@@ -158,6 +162,11 @@ def taping(model: nn.Module, params: Params, batch_size: int) -> Iterator[list[C
     handles = [modules[n].register_forward_hook(hook, with_kwargs=True, prepend=True) for n in table]
     try:
         yield calls
+    except RuntimeError as e:  # a shape error after an expansion: the model did not broadcast that output
+        if expanded and any(w in str(e).lower() for w in ("size", "shape", "dimension")):
+            raise PerExampleError(expanded[-1], type(modules[expanded[-1]]).__name__, _EXPANDED.format(
+                batch=batch_size, error=str(e).splitlines()[0] if str(e) else type(e).__name__)) from e
+        raise
     finally:
         for h in handles:
             h.remove()
@@ -234,6 +243,12 @@ def _layout(name: str, module: nn.Module, args: tuple, kwargs: dict, outs: list[
                                   "no per-example gradient")
     return BATCH_FIRST
 
+
+_EXPANDED = ("returns an output shared by every example (leading dimension 1), which the tape expanded to the "
+             "batch ({batch}) so that each example gets its own gradient; the model then failed on shapes ({error}): it uses "
+             "that output otherwise than by broadcasting it against the batch (DeBERTa repeats its relative "
+             "embeddings per head), so ghost clipping cannot follow it. method='vmap' computes per-example "
+             "gradients for any layout")
 
 _MERGED = ("; its rows could not be proven to be the examples' in order (a row-wise layer on a reshape of a "
            "batch-first tensor, through elementwise operations, is accepted: privacy/example_rows.py); "

@@ -178,3 +178,66 @@ def test_activation_checkpointing_under_ghost_matches_the_loop_and_vmap_says_why
         torch.testing.assert_close(grads[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
     with pytest.raises(PrivacyError, match="activation checkpointing"):
         per_sample_norms(model, params, batch, lm_loss, method="vmap")
+
+
+def _deberta():
+    import transformers
+
+    from hf_support import PAD, VOCAB
+
+    torch.manual_seed(0)
+    config = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=24, max_position_embeddings=32, num_labels=3, pad_token_id=PAD,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                          relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"],
+                                          attn_implementation="eager")
+    return transformers.DebertaV2ForSequenceClassification(config).double().eval()
+
+
+def test_deberta_under_ghost_names_the_shared_call_it_cannot_follow():
+    """DeBERTa-v2 projects its relative embeddings (shared by every example) and repeats them
+    per head: the tape's expansion of that shared output to the batch breaks the model's
+    shapes. Ghost clipping says so, naming the call and pointing to vmap, which is exact."""
+    from hf_support import cls_loss
+    from privacy.errors import PerExampleError
+
+    model = _deberta()
+    params = dict(model.named_parameters())
+    batch = padded_batch(LENGTHS, causal=False)
+    with pytest.raises(PerExampleError, match=r"'deberta\.encoder\.layer\.0\.attention\.self\.pos_.*_proj'.*method='vmap'"):
+        per_sample_norms(model, params, batch, cls_loss, method="ghost")
+    torch.testing.assert_close(per_sample_norms(model, params, batch, cls_loss, method="vmap"),
+                               norms_of(loop_grads(model, params, batch, cls_loss)), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["roberta", "electra", "albert", "distilbert"])
+def test_encoder_classifiers_under_ghost_equal_the_loop(family):
+    """Encoders users fine-tune privately: RoBERTa (padding-aware positions), ELECTRA (a projected
+    embedding), ALBERT (one layer's weights shared by every layer: its calls add up), DistilBERT."""
+    import transformers
+
+    from hf_support import PAD, VOCAB, cls_loss
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, num_labels=3, pad_token_id=PAD, max_position_embeddings=32, attn_implementation="eager")
+    bert_like = dict(common, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config, model_cls = {
+        "roberta": (lambda: transformers.RobertaConfig(**bert_like), transformers.RobertaForSequenceClassification),
+        "electra": (lambda: transformers.ElectraConfig(**bert_like, embedding_size=8),
+                    transformers.ElectraForSequenceClassification),
+        "albert": (lambda: transformers.AlbertConfig(**bert_like, embedding_size=8, classifier_dropout_prob=0.0),
+                   transformers.AlbertForSequenceClassification),
+        "distilbert": (lambda: transformers.DistilBertConfig(**common, dim=16, n_layers=2, n_heads=2, hidden_dim=24,
+                                                             dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.0),
+                       transformers.DistilBertForSequenceClassification),
+    }[family]
+    model = model_cls(config()).double().eval()
+    params = dict(model.named_parameters())
+    batch = padded_batch(LENGTHS, causal=False)
+    oracle = loop_grads(model, params, batch, cls_loss)
+    grads, norms = clipped_grad(model, params, batch, cls_loss, clip_norm=CLIP, method="ghost")
+    torch.testing.assert_close(norms, norms_of(oracle), rtol=RTOL, atol=ATOL)
+    want = clipped_sum_of(oracle, CLIP)
+    for name in params:
+        torch.testing.assert_close(grads[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
