@@ -16,7 +16,9 @@ proven to be the examples' in order, from how the tensor was made:
 * the output of a row-wise layer call already accepted on proven rows;
 * a pointwise operation (an activation, dropout, a residual sum, a cast: :data:`POINTWISE`)
   whose output has the same rows, each of whose inputs is proven or is a leaf (a parameter
-  broadcast over the rows) or needs no gradient.
+  broadcast over the rows) or needs no gradient; likewise a custom autograd function that
+  declares it keeps every row where it was (``ctx.preserves_rows = True`` in its forward: a
+  tensor-parallel region's entry or exit, ``fsdpx.runtime.regions``).
 
 Anything else is not proven and the tape refuses the call, naming the module. As everywhere in
 the tape, a dimension that leads with the batch size is taken to be the batch: a sequence-first
@@ -76,7 +78,7 @@ def _proven(node: Any, rows: int, batch_size: int, known: Known, depth: int) -> 
         return False
     if name in VIEWS:
         return _merges_batch(list(node._saved_self_sym_sizes), out, batch_size) and not _moves_first_dim(node)
-    if name in POINTWISE:
+    if name in POINTWISE or getattr(node, "preserves_rows", False) is True:
         inputs = [n for n, _ in node.next_functions if n is not None and type(n).__name__ != "AccumulateGrad"]
         return all(_proven(n, rows, batch_size, known, depth - 1) for n in inputs)
     return False

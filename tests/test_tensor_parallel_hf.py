@@ -186,3 +186,25 @@ def test_llama_plan_runs_gemma_unmodified(tied, private):
                                       use_cache=False, attn_implementation="eager")
     model = transformers.GemmaForCausalLM(config).double()
     _check(model, llama_plan(model.config), MESHES["dp2_tp2"], _dp_config("ghost") if private else None, tol=1e-5)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+@pytest.mark.parametrize("mesh", ["dp1_tp2", "dp2_tp2"])
+def test_opt_plan_runs_opt_unmodified(mesh, private):
+    """``opt_plan`` on transformers' OPT (tied head, learned positions, its feed-forward on
+    ``[B * T, hidden]`` rows): equal to the unsharded steps. Private under ``method="auto"``:
+    ``fc1``'s input is the region's entry of a flattened view, which the tape proves to be the
+    examples' rows through the entry's ``preserves_rows`` (``privacy/example_rows.py``)."""
+    from fsdpx.models.tp_plans import opt_plan
+    from fsdpx.train.sources import TP_PLANS
+
+    assert TP_PLANS["OPTForCausalLM"] is opt_plan
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=16, ffn_dim=24, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=T, word_embed_proj_dim=16,
+                                    dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
+                                    attn_implementation="eager")
+    model = transformers.OPTForCausalLM(config).double()
+    _check(model, opt_plan(model.config), MESHES[mesh], _dp_config("auto") if private else None)
+    with pytest.raises(ValueError, match="word_embed_proj_dim"):
+        opt_plan(transformers.OPTConfig(hidden_size=16, word_embed_proj_dim=8, num_attention_heads=4))

@@ -310,12 +310,11 @@ def test_sources_that_cannot_be_built_are_named(files, config, message):
 
 
 def test_tensor_parallelism_of_a_transformers_model_without_a_plan_is_refused_before_launch(files):
-    opt = RunConfig(model="transformers", model_class="OPTConfig", strategy="zero3", tp=2,
-                    model_fields={"vocab_size": 300, "hidden_size": 8, "num_hidden_layers": 1,
-                                  "num_attention_heads": 2, "ffn_dim": 16, "word_embed_proj_dim": 8},
-                    data_path=str(files["text"]), block_size=8)
-    with pytest.raises(ConfigError, match="no tensor-parallel plan for OPTForCausalLM"):
-        check_layout(opt, 4)
+    bloom = RunConfig(model="transformers", model_class="BloomConfig", strategy="zero3", tp=2,
+                      model_fields={"vocab_size": 300, "hidden_size": 8, "n_layer": 1, "n_head": 2},
+                      data_path=str(files["text"]), block_size=8)
+    with pytest.raises(ConfigError, match="no tensor-parallel plan for BloomForCausalLM"):
+        check_layout(bloom, 4)
     gpt2 = RunConfig(model="transformers", model_path=str(files["gpt2"]), strategy="zero3", tp=2,
                      model_fields={"n_head": 1}, data_path=str(files["text"]), tokenizer=str(files["tokenizer"]),
                      block_size=8)

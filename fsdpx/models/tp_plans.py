@@ -79,3 +79,27 @@ def llama_plan(config: Any, axis: str = "tp") -> TensorParallel:
         "model.layers.*.mlp.down_proj": RowParallel(),
         "lm_head": ColumnParallel(vocab=True),
     }, axis)
+
+
+def opt_plan(config: Any, axis: str = "tp") -> TensorParallel:
+    """The plan of transformers' ``OPTForCausalLM``: q/k/v column-parallel by heads (each
+    entering the region: the attention module's own ``num_heads`` is made local, so it cannot
+    also carry the shared entry Llama's plan puts there), the feed-forward ``fc1`` column-parallel and ``fc2`` row-parallel on OPT's
+    ``[B * T, hidden]`` rows, the embedding vocabulary-parallel and tied to the LM head; the
+    learned positions, the norms and ``fc2``'s bias replicated. Not for the checkpoints that
+    project the embeddings (``word_embed_proj_dim != hidden_size``: ``project_in`` /
+    ``project_out`` would need plans of their own)."""
+    if getattr(config, "word_embed_proj_dim", config.hidden_size) != config.hidden_size:
+        raise ValueError("opt_plan: word_embed_proj_dim != hidden_size (project_in / project_out) is not planned")
+    head_dim = config.hidden_size // config.num_attention_heads
+    return TensorParallel({
+        "model.decoder.embed_tokens": VocabParallelEmbedding(),
+        "model.decoder.layers.*.self_attn": LocalAttributes(("num_heads",)),
+        "model.decoder.layers.*.self_attn.q_proj": ColumnParallel(head_dim=head_dim),
+        "model.decoder.layers.*.self_attn.k_proj": ColumnParallel(head_dim=head_dim),
+        "model.decoder.layers.*.self_attn.v_proj": ColumnParallel(head_dim=head_dim),
+        "model.decoder.layers.*.self_attn.out_proj": RowParallel(),
+        "model.decoder.layers.*.fc1": ColumnParallel(),
+        "model.decoder.layers.*.fc2": RowParallel(),
+        "lm_head": ColumnParallel(vocab=True),
+    }, axis)

@@ -55,6 +55,10 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, comm: Comm, forward_plan: tuple, backward_plan: tuple) -> Tensor:
         ctx.comm, ctx.backward_plan = comm, backward_plan
         out = _run(comm, forward_plan, x)
+        # the privacy tape's proof of example rows (privacy/example_rows.py) may pass through a
+        # boundary that keeps every row where it was: any that leaves the shape as it is (an
+        # identity or an all-reduce of the same rows); a sequence split or gather does not
+        ctx.preserves_rows = out.shape == x.shape
         return out.view_as(out) if out is x else out
 
     @staticmethod
