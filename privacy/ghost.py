@@ -10,9 +10,8 @@ backward of that module only, never of the whole model.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
-from typing import Iterator
+from typing import Callable
 
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -34,9 +33,7 @@ def contributions(model: nn.Module, params: Params, tape: Tape, *, method: str) 
         direct = table[call.module_name]
         rule = rule_for(call.module)
         if rule is not None and len(call.grads) == 1 and not call.kwargs:
-            with as_called(call):
-                made = rule(call.module, call.args, call.grads[0], call.weight_shapes)
-            for local, contrib in made.items():
+            for local, contrib in as_called(rule, call).items():
                 if local in direct:
                     parts[direct[local]].extend(contrib if isinstance(contrib, list) else [contrib])
         elif method == "ghost":
@@ -50,17 +47,17 @@ def contributions(model: nn.Module, params: Params, tape: Tape, *, method: str) 
     return parts
 
 
-@contextlib.contextmanager
-def as_called(call: Call) -> Iterator[None]:
-    """Inside, ``call.module``'s attributes a rule reads are as they were during the call
-    (``Call.attributes``: a vocabulary-parallel embedding's rank-local ``padding_idx``);
-    restored on exit. Proven by ``tests/test_tensor_parallel_hf.py::test_hf_llama_private_tensor_parallel_with_a_padding_token``."""
+def as_called(rule: Callable, call: Call) -> dict[str, Contribution | list[Contribution]]:
+    """``rule``'s contributions for ``call``, the module's attributes a rule reads set as they
+    were during the call (``Call.attributes``: a vocabulary-parallel embedding's rank-local
+    ``padding_idx``) while it runs, and restored; nothing is set where they are already so.
+    Proven by ``tests/test_tensor_parallel_hf.py::test_hf_llama_private_tensor_parallel_with_a_padding_token``."""
     module = call.module
-    saved = {a: getattr(module, a) for a in call.attributes}
+    saved = {a: getattr(module, a) for a, v in call.attributes.items() if getattr(module, a) != v}
     try:
-        for a, v in call.attributes.items():
-            setattr(module, a, v)
-        yield
+        for a in saved:
+            setattr(module, a, call.attributes[a])
+        return rule(module, call.args, call.grads[0], call.weight_shapes)
     finally:
         for a, v in saved.items():
             setattr(module, a, v)

@@ -38,7 +38,7 @@ from typing import Any, Collection, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdpx.sharding.pipeline import PipelineLayout, PipelinePlanError
 from .slots import Slots
@@ -89,11 +89,11 @@ class StageForward:
         self.block_list: nn.ModuleList = dict(model.named_modules())[layout.blocks]
         self.keys = list(self.block_list._modules)
         # stand-ins built once: NaN (zero for integers) owning one element, never written, never a leaf
-        self.zeros = {alias: torch.full((), math.nan if dtype.is_floating_point or dtype.is_complex else 0,
+        self.stand_ins = {alias: torch.full((), math.nan if dtype.is_floating_point or dtype.is_complex else 0,
                                         dtype=dtype, device=device).expand(tuple(shape))
                       for alias, (shape, dtype) in absent.items()}
         self.checked: set[int] = set()  # stages whose first output check_output has seen
-        self.slots = Slots(model, self.zeros)
+        self.slots = Slots(model, self.stand_ins)
         modules = dict(model.named_modules())
         self.stand_in_users = {name: modules[name] for name in sorted({a.rpartition(".")[0] for a in absent})}
 
@@ -104,7 +104,7 @@ class StageForward:
         blocks = [self.block_list._modules[self.keys[i]] for i in self.layout.stages[stage]]
         saved = self.block_list._modules
         handles = []
-        swapped = self.slots.swap(self.zeros) if self.zeros else {}
+        swapped = self.slots.swap(self.stand_ins) if self.stand_ins else {}
         try:
             self.block_list._modules = {self.keys[i]: b for i, b in zip(self.layout.stages[stage], blocks)}
             if inject is not None:
@@ -128,24 +128,24 @@ class StageForward:
         if stage in self.checked:
             return
         self.checked.add(stage)
-        if not self.zeros or output.device.type == "meta" or bool(torch.isfinite(output).all()):
+        if not self.stand_ins or output.device.type == "meta" or bool(torch.isfinite(output).all()):
             return
         raise PipelinePlanError(
             f"stage {stage} of the pipeline over {self.layout.blocks!r} computes with parameters it does not hold "
-            f"(their stand-ins are NaN, and its output is not finite): {sorted(self.zeros)}. Something outside "
+            f"(their stand-ins are NaN, and its output is not finite): {sorted(self.stand_ins)}. Something outside "
             f"the blocks feeds them besides the hidden state the stage receives (a parameter read directly, "
             f"relative position embeddings, an encoder), which a pipeline does not support; or, if it uses none "
             f"of these, the model itself gives non-finite values")
 
     def _guard(self, stage: int, blocks: list[nn.Module]) -> list:
         """Hooks that raise ``PipelinePlanError`` when a module using a stand-in runs where its
-        output counts: before the blocks of stage 0, after the blocks of the last stage."""
+        output counts: before the blocks of stage 0, after the blocks of the last stage; none
+        once the stage's first output was checked (:meth:`check_output`)."""
         last = self.layout.num_stages - 1
-        if not self.stand_in_users or 0 < stage < last:
-            return []
+        if not self.stand_in_users or 0 < stage < last or stage in self.checked:
+            return []  # the plan does not change: a stage whose first forward passed needs no guard
         phase = ["before"]
-        handles = [blocks[0].register_forward_pre_hook(lambda *_: phase.__setitem__(0, "blocks")),
-                   blocks[-1].register_forward_hook(lambda *_: phase.__setitem__(0, "after"))]
+        handles = _phase_hooks(blocks[0], blocks[-1], phase)
         counts = ("before", 0) if stage == 0 else ("after", last)
 
         def check(name: str):
@@ -183,19 +183,14 @@ def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) ->
     seen: dict[str, set[str]] = {}
     outside = {n: m for n, m in modules.items()
                if n != blocks and not n.startswith(prefix) and any(True for _ in m.parameters(recurse=False))}
-    handles = [block_list[0].register_forward_pre_hook(lambda *_: phase.__setitem__(0, "blocks")),
-               block_list[len(block_list) - 1].register_forward_hook(lambda *_: phase.__setitem__(0, "after"))]
+    handles = _phase_hooks(block_list[0], block_list[len(block_list) - 1], phase)
     handles += [m.register_forward_hook(lambda _m, _a, _o, n=n: seen.setdefault(n, set()).add(phase[0]))
                 for n, m in outside.items()]
-    modes = {m: m.training for m in model.modules()}  # each module's own: a frozen part may be in eval
     args, kwargs = _on_model_device(model, args, kwargs)
     try:
-        model.eval()
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with _quietly(model):
             model(*args, **kwargs)
     finally:
-        for m, training in modes.items():
-            m.training = training
         for h in handles:
             h.remove()
     if phase[0] == "before":
@@ -233,13 +228,11 @@ def check_stages(model: nn.Module, layout: PipelineLayout, *args: Any, rtol: flo
             left.setdefault(i, hidden_of(output))
         return pre, post
 
-    modes = {m: m.training for m in model.modules()}
     args, kwargs = _on_model_device(model, args, kwargs)
     forward = StageForward(model, layout, {})
     handles = []
     try:
-        model.eval()
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with _quietly(model):
             for i, k in enumerate(keys):
                 pre, post = capture(i)
                 handles += [block_list._modules[k].register_forward_pre_hook(pre, with_kwargs=True),
@@ -266,8 +259,28 @@ def check_stages(model: nn.Module, layout: PipelineLayout, *args: Any, rtol: flo
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def _quietly(model: nn.Module) -> Iterator[None]:
+    """Inside: eval mode, no gradients, the random number generators forked; on exit every
+    module's own mode is back (a part the user keeps in eval stays in eval) and the run's random
+    streams are as they were."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            yield
+    finally:
         for m, training in modes.items():
             m.training = training
+
+
+def _phase_hooks(first: nn.Module, last: nn.Module, phase: list[str]) -> list:
+    """Hooks that set ``phase[0]`` to ``"blocks"`` as ``first`` starts and to ``"after"`` as
+    ``last`` ends (``phase[0]`` starts as ``"before"``)."""
+    return [first.register_forward_pre_hook(lambda *_: phase.__setitem__(0, "blocks")),
+            last.register_forward_hook(lambda *_: phase.__setitem__(0, "after"))]
 
 
 def _on_model_device(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -278,8 +291,6 @@ def _on_model_device(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
 
 
 def _first_tensor(output: Any) -> Tensor:
-    from torch.utils._pytree import tree_flatten
-
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
     if not tensors:
         raise TypeError(f"the model returned no tensor ({type(output).__name__})")
