@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/pipeline.py [--small] [--nproc 4] [--rounds 6] [--mem-rounds 2]
                                             [--sched batch] [--out results.json]
+    .venv/bin/python benchmarks/pipeline.py --tables results.json ...   # the tables again, no run
+    .venv/bin/python benchmarks/pipeline.py --paired results.json ...   # fsdpx / torch pooled
 
 Run plainly, this file is the driver: it launches itself under torchrun (one thread per
 process) twice, a timing job and then a memory job, each running every mode in the same
@@ -45,7 +47,12 @@ round; medians over all of them), and a third time adding each rank's own time i
 (its thread's CPU in ``_transfer``: posting receives and sending, per transfer action, median
 over the rounds) as the transfer actions' cost on that rank; a fourth time the same on the
 host's shared cores (``simulate(..., cores=...)``, the cores this process may run on), each F,
-B and W costing its median thread CPU instead of its wall time. Then each step replayed
+B and W costing its median thread CPU instead of its wall time; and the third's setting with the
+measured spread (``spread_prediction``: the mean bubble over 200 draws of every F, B and W from
+its stage's durations of that kind over the rounds, ``fsdpx.sharding.schedule_spread``), which the
+medians' simulations understate where durations spread (a makespan is a max of sums, convex: its
+mean exceeds its value at the mean durations), with the measured bubble's difference from it and
+from the medians' third. Then each step replayed
 (``simulate(..., action_costs=...)``, on the processes' common monotonic clock): its own F, B
 and W durations, transfers free; and with each transfer group's own CPU and the transit
 measured in the schedule (sender's group start to the waiting receiver's group end). Where the
@@ -792,6 +799,36 @@ def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
             "replay_transit_makespan": in_situ.makespan, "replay_transit_bubble": in_situ.bubble}
 
 
+def spread_prediction(res: dict, mode: str):
+    """The simulator's bubble for ``mode`` with the measured spread
+    (``fsdpx.sharding.schedule_spread.sampled_bubble``, 200 draws): the setting of the
+    medians' third simulation (ping-pong transit, each rank's CPU per transfer, a private W
+    where the executor's policy forms it), every F, B and W drawn from its stage's durations of
+    that kind over the measured rounds, on every rank. Needs no rerun: the JSON has them."""
+    from fsdpx.sharding.private_sim import simulate_private
+    from fsdpx.sharding.schedule import schedule
+    from fsdpx.sharding.schedule_sim import Transfer, simulate
+    from fsdpx.sharding.schedule_spread import sampled_bubble
+
+    pred = res["ranks"][0]["predictions"]
+    tr = pred["transit"]
+    transit = Transfer(latency=tr["latency_s"], message_bytes=tr["activation_bytes"],
+                       seconds_per_byte=max(tr["activation_s"] - tr["latency_s"], 0.0) / (tr["activation_bytes"] - 4))
+    kind = mode.split("-", 1)[1]
+    private = kind.endswith("-private")
+    kind = kind.removesuffix("-private")
+    sched = schedule(kind, res["world"], MICROBATCHES, virtual_stages=2 if kind == "interleaved_1f1b" else 1)
+    samples: dict[tuple[str, int], list[float]] = {}
+    for r in res["ranks"]:
+        for s in r["steps"][mode]:
+            for k, _, stage, t0, t1 in ([] if s["warmup"] else s["events"]):
+                if k in ("F", "B", "W"):
+                    samples.setdefault((k, stage), []).append(t1 - t0)
+    sim = functools.partial(simulate_private, norms=tr.get("norms_s", 0.0)) if private else simulate
+    return sampled_bubble(sched, samples, simulator=sim, rank_costs=pred[mode]["occupancy"],
+                          stage_costs=pred[mode]["costs"], transfer=transit)
+
+
 def norms_in_schedule(steps: list[dict]) -> float | None:
     """A private step's norms' all-reduce as it ran: for each microbatch and rank, from the
     end of the microbatch's last ``B`` on any rank (its last all-reduce start) to the
@@ -907,10 +944,12 @@ def summarize(res: dict) -> str:
              "| mode | step s | vs torch, same schedule | vs fsdpx-1f1b | measured bubble (of it, in transfers waiting "
              "for a core) | simulated bubble "
              "(median F/B/W): transfers free / + ping-pong transit / + each rank's CPU per transfer / the same with "
-             f"each action's CPU on the host's {pred.get('cores', '?')} shared cores | replay of each "
+             f"each action's CPU on the host's {pred.get('cores', '?')} shared cores | the third with the measured "
+             "spread: each F, B, W drawn from its stage's durations, mean [quartiles] of 200 draws; measured vs it "
+             "(vs the medians' third) | replay of each "
              "step's own F/B/W: transfers free / + its transfer groups' CPU and in-schedule transit | "
              "loss (last round) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     diag = ["", "Per rank, median ms per step: schedule loop / inside F, B, W / inside transfers (wall, "
             "thread CPU, waiting for a core) / the rest of the loop (private: W's formed while waiting count in F, B, W and in "
             "transfers: left out of the latter; torch: its transfers untimed, the rest is transfers and waits); "
@@ -924,7 +963,7 @@ def summarize(res: dict) -> str:
         sec = statistics.median(s["seconds"] for s in ms)
         kind = mode.split("-", 1)[1].removesuffix("-private")
         torch_ref = f"torch-{kind}" if mode.startswith("fsdpx-") and not mode.endswith("-private") else None
-        sim = again = "-"
+        sim = again = spread_cell = "-"
         # over the schedule loop only (the update and the step's bookkeeping are no bubble): the
         # loops start together after the step's first barrier-free work, so the longest loop is
         # the schedule's makespan. torch's: its stages' F/B/W and loss timed the same way
@@ -952,6 +991,11 @@ def summarize(res: dict) -> str:
         if fsdpx:
             sim = " / ".join(f"{pred[mode][k]:.3f}" for k in ("bubble", "bubble_transit", "bubble_occupied"))
             sim += f" / {pred[mode]['bubble_cores']:.3f}" if "bubble_cores" in pred[mode] else " / -"
+            spread = spread_prediction(res, mode)
+            measured_b = statistics.median(b)
+            spread_cell = (f"{spread.mean:.3f} [{spread.quartiles[0]:.3f}-{spread.quartiles[2]:.3f}]; "
+                           f"{(measured_b / spread.mean - 1) * 100:+.1f}% "
+                           f"({(measured_b / pred[mode]['bubble_occupied'] - 1) * 100:+.1f}%)")
             plays = [replay(res, mode, i, in_situ) for i, s in enumerate(steps0[mode]) if not s["warmup"]]
             # a step agrees with its replay when its measured bubble is within 10% of the replay's
             near = sum(abs(r["bubble"] - r["replay_transit_bubble"]) <= 0.1 * r["replay_transit_bubble"]
@@ -972,7 +1016,7 @@ def summarize(res: dict) -> str:
         diag.append(f"| {mode} | " + " | ".join(cells) + f" | {clock} |")
         loss = ranks[-1]["steps"][mode][-1]["loss"]  # torch reports it on the last stage's rank
         lines.append(f"| {mode} | {sec:.3f} | {ratio(mode, torch_ref) if torch_ref else '-'} | "
-                     f"{ratio(mode, 'fsdpx-1f1b')} | {bubble} | {sim} | {again} | {loss:.5f} |")
+                     f"{ratio(mode, 'fsdpx-1f1b')} | {bubble} | {sim} | {spread_cell} | {again} | {loss:.5f} |")
     return "\n".join(lines + diag + per_stage_table(res, modes))
 
 
@@ -1087,9 +1131,16 @@ def main() -> None:
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--paired", nargs="+", metavar="JSON", default=None,
                     help="print the fsdpx / torch ratios pooled over these --out files, run nothing")
+    ap.add_argument("--tables", nargs="+", metavar="JSON", default=None,
+                    help="print the timing tables of these --out files again, with this version's columns, run nothing")
     args = ap.parse_args()
     if args.paired:
         print(paired(args.paired))
+        return
+    if args.tables:
+        for path in args.tables:
+            with open(path) as f:
+                print(f"{path}\n\n{summarize(json.load(f)['timing'])}\n")
         return
     (worker if args.worker else driver)(args)
 
