@@ -218,7 +218,7 @@ def clip_and_sum(
         sq = _sq_norms({k: v for k, v in parts.items() if k not in streamed and k in counted and k not in summed},
                        params, losses)
         if sharded_norms is not None:
-            sq = sharded_norms.all_reduce(sq + _summed_sq_norms(parts, shapes, sharded_norms, losses))
+            sq = sharded_norms.all_reduce(sq + summed_sq_norms(parts, shapes, sharded_norms, losses))
         if streamed:  # these go last, one example at a time, once every other norm is known
             sums, sq = stream_clipped_sums({k: parts.pop(k) for k in streamed}, shapes, sq,
                                            lambda norm: clip_factors(norm, clip_norm, clipping), keep=mask)
@@ -232,11 +232,14 @@ def clip_and_sum(
     return ClipResult(grads, norms, losses)
 
 
-def _summed_sq_norms(parts: dict[str, list[C.Contribution]], shapes: dict, sharded: ShardedNorms,
-                     losses: Tensor) -> Tensor:
-    """Per-example squared norms of the ``sharded.partial`` parameters' gradients summed over the
-    ranks (ONE all-reduce of all their instantiated ``[B, n]`` gradients), added for the
-    parameters this rank counts (every rank holds the same sums; the caller all-reduces)."""
+def summed_sq_norms(parts: dict[str, list[C.Contribution]], shapes: dict, sharded: ShardedNorms,
+                    losses: Tensor) -> Tensor:
+    """Per-example squared norms (``[B]``, ``losses``' length and dtype) of the ``sharded.partial``
+    parameters' gradients summed over the ranks (ONE all-reduce of all their instantiated
+    ``[B, n]`` gradients), for the parameters this rank counts (every rank holds the same sums;
+    the caller all-reduces the total). Zeros, and no collective, when ``parts`` has none of them.
+    Proven with the runs it completes: ``property_tests/test_tensor_parallel_properties.py``
+    (sequence parallelism), ``tests/test_tensor_parallel_hf.py::test_qwen3_plan_runs_qwen3_unmodified``."""
     sq = losses.new_zeros(losses.shape[0])
     names = sorted(n for n in sharded.partial if n in parts)
     if not names:

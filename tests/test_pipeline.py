@@ -190,8 +190,8 @@ def test_hf_gpt2_private_pipeline_equals_unsharded_private_steps():
 
 
 def test_hf_llama_private_pipeline_with_tensor_parallelism_equals_unsharded_private_steps():
-    """``method="auto"``: Llama's RMSNorm has no ghost rule; its per-module vmap runs at the
-    stage's backward while its (ZeRO-3) parameters are still gathered."""
+    """``method="auto"``: every layer ghost-clipped at its stage's backward (Llama's RMSNorm by
+    its code's rule, ``privacy.layers.SAME_CODE``), norms completed over ``tp`` and ``pp``."""
     from test_tensor_parallel_hf import _dp_config as hf_dp
 
     model = _llama("eager")
@@ -290,3 +290,51 @@ def test_a_gradient_sum_never_writes_into_a_sent_tensor():
     got = unshard_stages([s.params for s in states], plan, mesh)
     got = {k: t.reshape(shapes[k]) for k, t in got.items()}
     _assert_close_to_reference(got, _baseline(model, batches, optimizer, None), model, 1e-10)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_hf_qwen3_pipelined_with_tensor_parallelism_equals_unsharded_steps(private):
+    """Qwen3's per-head norms (``ReplicatedOnSplit``) on every stage: their gradients summed over
+    ``tp`` within the stage's group, as without a pipeline; private, each example's gradient of
+    them summed over ``tp`` before its norm."""
+    from fsdpx.models.tp_plans import qwen3_plan
+    from test_tensor_parallel_hf import _dp_config as hf_dp
+    from test_tensor_parallel_hf import _qwen3
+
+    model = _qwen3()
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), qwen3_plan(model.config), config=hf_dp("ghost") if private else None,
+              schedule="1f1b", microbatches=2)
+
+
+def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
+    """The private step adds to the plain one's all-reduces exactly what
+    ``pipeline_comm_per_step`` adds for it: the norms' ``[B]`` all-reduce over ``pp`` and
+    ``tp`` per microbatch, and per stage and microbatch the ``[B, n]`` per-example gradients of
+    its ``ReplicatedOnSplit`` norms over ``tp`` (rank 0's bytes; transformers' Qwen3 does not
+    trace on meta tensors, so the activation collectives, the same in both, cancel out)."""
+    from fsdpx.models.tp_plans import qwen3_plan
+    from fsdpx.sharding.pipeline import pipeline_comm_per_step
+    from test_tensor_parallel_hf import _dp_config as hf_dp
+    from test_tensor_parallel_hf import _qwen3
+
+    model, mesh = _qwen3(), Mesh(dp=1, tp=2, pp=2)
+    plan = resolve_pipeline(model, resolve(model, qwen3_plan(model.config), strategies.zero3(), mesh),
+                            PipelineParallel(schedule="1f1b", microbatches=2), mesh)
+    batch = (torch.randint(0, 37, (4, 8)), torch.randint(0, 37, (4, 8)))
+    counted, want = {}, {}
+    for private in (False, True):
+        _, metrics = _pipelined_hf(model, [batch], _optimizer(torch.float64), plan, mesh,
+                                   hf_dp("ghost") if private else None)
+        counted[private] = metrics[0]["comm"].get("all_reduce", 0)
+        want[private] = pipeline_comm_per_step(plan, mesh, 0, batch_size=4, hidden=(8, model.config.hidden_size),
+                                               dtype=torch.float64, private=private).get("all_reduce", 0)
+    # the same model and pipeline under a plan without the per-head style: the norms' all-reduce alone
+    bare = resolve_pipeline(model, resolve(model, llama_plan(model.config), strategies.zero3(), mesh),
+                            PipelineParallel(schedule="1f1b", microbatches=2), mesh)
+    norms_only = [pipeline_comm_per_step(bare, mesh, 0, batch_size=4, hidden=(8, model.config.hidden_size),
+                                         dtype=torch.float64, private=private).get("all_reduce", 0)
+                  for private in (False, True)]
+    assert counted[True] - counted[False] == want[True] - want[False] > norms_only[1] - norms_only[0] > 0
+    # rank 0 holds stage 0 (layer 0: q_norm and k_norm, 4 + 4 elements): per microbatch one
+    # all-reduce over tp = 2 of [2 examples, 8] float64, whose ring moves 2 (k - 1) / k of 128 bytes
+    assert (want[True] - want[False]) - (norms_only[1] - norms_only[0]) == 2 * 128

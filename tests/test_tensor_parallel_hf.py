@@ -208,3 +208,49 @@ def test_opt_plan_runs_opt_unmodified(mesh, private):
     _check(model, opt_plan(model.config), MESHES[mesh], _dp_config("auto") if private else None)
     with pytest.raises(ValueError, match="word_embed_proj_dim"):
         opt_plan(transformers.OPTConfig(hidden_size=16, word_embed_proj_dim=8, num_attention_heads=4))
+
+
+def _qwen3(tied: bool = False):
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=4, intermediate_size=24, num_hidden_layers=2, max_position_embeddings=T,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied,
+                                      use_cache=False, attn_implementation="eager")
+    model = transformers.Qwen3ForCausalLM(config).double()
+    # the per-head norms start at ones; other values make a rank's share of their gradient differ
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+@pytest.mark.parametrize("mesh, tied", [("dp1_tp2", False), ("dp2_tp2", True)])
+def test_qwen3_plan_runs_qwen3_unmodified(mesh, tied, private):
+    """Qwen3 normalises each head's queries and keys with one ``head_dim`` weight shared by
+    every head; a rank normalises its own heads, so its gradient of that weight is its heads'
+    share. ``qwen3_plan`` marks the norms ``ReplicatedOnSplit`` and the step sums the share over
+    ``tp`` (private: each example's, before its norm): equal to the unsharded steps."""
+    from fsdpx.models.tp_plans import qwen3_plan
+    from fsdpx.train.sources import TP_PLANS
+
+    assert TP_PLANS["Qwen3ForCausalLM"] is qwen3_plan
+    model = _qwen3(tied)
+    _check(model, qwen3_plan(model.config), MESHES[mesh], _dp_config("ghost") if private else None)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+@pytest.mark.parametrize("mesh", ["dp1_tp2", "dp2_tp2"])
+def test_qwen3_per_head_norms_without_their_style_are_refused(mesh, private):
+    """What ``ReplicatedOnSplit`` is for: under Llama's plan each rank's gradient of a per-head
+    norm is only its heads' share. The first step compares the tp-replicated gradients across
+    the ``tp`` ranks before any update (``fsdpx.runtime.replicas``) and refuses, naming every
+    per-head norm and no other parameter."""
+    from fsdpx.sharding.tensor_parallel import TensorParallelPlanError
+
+    model = _qwen3()
+    norms = sorted(n for n, _ in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight")))
+    with pytest.raises(TensorParallelPlanError, match="ReplicatedOnSplit") as e:
+        _check(model, llama_plan(model.config), MESHES[mesh], _dp_config("ghost") if private else None)
+    assert str(norms) in str(e.value)

@@ -5,7 +5,8 @@ the model's config because heads must be known to be kept whole. Attention: q/k/
 (split by heads), output row-parallel; MLP: up (and gate) column-parallel, down row-parallel;
 embedding vocab-parallel; LM head vocab-parallel with the loss on the shards. A tied embedding and
 LM head share one layout (rows over ``tp``). Norms, position embeddings and biases of
-row-parallel layers stay replicated.
+row-parallel layers stay replicated; a norm applied to each head inside the attention (Qwen3's)
+stays replicated too, its gradient summed over ``tp``.
 
 Per block that is two all-reduces of the ``[B, T, C]`` activation forward (attention and MLP
 outputs) and two backward (their inputs), Megatron's count. Sequence parallelism (our GPT only:
@@ -21,6 +22,7 @@ from fsdpx.sharding.tensor_parallel import (
     ColumnParallel,
     EnterParallel,
     LocalAttributes,
+    ReplicatedOnSplit,
     RowParallel,
     SequenceParallel,
     TensorParallel,
@@ -79,6 +81,17 @@ def llama_plan(config: Any, axis: str = "tp") -> TensorParallel:
         "model.layers.*.mlp.down_proj": RowParallel(),
         "lm_head": ColumnParallel(vocab=True),
     }, axis)
+
+
+def qwen3_plan(config: Any, axis: str = "tp") -> TensorParallel:
+    """The plan of transformers' ``Qwen3ForCausalLM``: Llama's, and the per-head query and key
+    norms (``q_norm``, ``k_norm``: one ``head_dim`` weight each, shared by every head) replicated,
+    each rank normalising its own heads, their gradients summed over ``tp``
+    (``ReplicatedOnSplit``). Not Olmo-2's, whose norms span every head at once."""
+    styles = dict(llama_plan(config, axis).styles)
+    styles["model.layers.*.self_attn.q_norm"] = ReplicatedOnSplit()
+    styles["model.layers.*.self_attn.k_norm"] = ReplicatedOnSplit()
+    return TensorParallel(styles, axis)
 
 
 def opt_plan(config: Any, axis: str = "tp") -> TensorParallel:

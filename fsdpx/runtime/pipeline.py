@@ -46,7 +46,7 @@ from fsdpx.sharding.schedule import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, S
 from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.spec import Spec
 from privacy import contributions as C
-from privacy.clipping import _factors
+from privacy.clipping import _factors, summed_sq_norms
 from privacy.ghost import contributions
 from privacy.step import DPConfig, check_budget
 from privacy.batch import call_model, first_tensor, real_count, slice_batch, unpack
@@ -56,6 +56,7 @@ from .gather import Gatherer
 from .host_heap import raise_thresholds
 from .stages import StageExit, StageForward, absent_uses
 from .parts_p2p import recv_parts, send_parts
+from .replicas import ReplicaCheck
 from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
                    masked_losses, needs_fallback, sharded_norms)
 from .step import trainable_update
@@ -142,13 +143,17 @@ class PipelineStep:
         self.recv_ahead = RECV_AHEAD * (2 * layout.virtual_stages - 1)
         self.local_plan = rank_plan(plan, mesh, comm.rank)
         self.group = StageGroupComm(comm, layout.axis)
+        self.replicas = ReplicaCheck(plan, comm)  # over the whole mesh: its tp groups are per stage
         self.tensor_parallel = TensorParallelHooks(model, plan, self.group)
         self.stages = self.all_stages = {s: self._stage(s) for s in layout.stages_on(self.index)}
         self.peer = {j: mesh.rank_of({**mesh.coords(comm.rank), layout.axis: j}) for j in range(self.p)}
         self.keep = self.split or (config is not None and needs_fallback(model, self.local_plan.params))
         if config is not None:
-            tp_norms = sharded_norms(plan, self.group)
+            self.tp_norms = tp_norms = sharded_norms(plan, self.group)
             self.counted = tp_norms.counted if tp_norms is not None else frozenset(plan.params)
+            # replicated on split features (ReplicatedOnSplit): each example's gradient is summed
+            # over tp before its norm, per stage and microbatch
+            self.partial = tp_norms.partial if tp_norms is not None else frozenset()
             # a parameter several stages hold: its norm is completed on the rank of the last of them
             self.shared = {n: sorted({st % self.p for st in held}) for n, held in layout.param_stages.items()
                            if len(held) > 1 and n in self.local_plan.params}
@@ -220,7 +225,8 @@ class PipelineStep:
         new_params, opt_state, resident = _reduce_and_update(raw, state, self.local_plan, self.group, units, update,
                                                              _divisor(batch, self.config, self.num_examples),
                                                              _owned_noise(state, self.local_plan, self.group, self.config,
-                                                                          self.now) if self.config else None, self.now)
+                                                                          self.now) if self.config else None, self.now,
+                                                             self.replicas)
         metrics = _global_metrics(self.comm, run.stats(), self.config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
         metrics["resident_bytes"] = resident
@@ -557,9 +563,12 @@ class _Run:
         # factors (never more bytes than the factors: they are kept until ``clip`` either way)
         rec.parts = C.instantiate_for_reuse(rec.parts, {n: leaves[n].shape for n in rec.parts})
         rec.sq = leaves[st.names[0]].new_zeros(rec.size) if st.names else torch.zeros(rec.size, dtype=torch.float64)
+        summed = {n: plist for n, plist in rec.parts.items() if n in o.partial}
         for n, plist in rec.parts.items():
-            if n in o.counted and n not in o.shared:
+            if n in o.counted and n not in o.shared and n not in summed:
                 rec.sq = rec.sq + C.sq_norms(plist, leaves[n].shape)
+        if summed:  # one all-reduce over tp of their [B, n] gradients (``pipeline_comm_per_step`` counts it)
+            rec.sq = rec.sq + summed_sq_norms(summed, {n: leaves[n].shape for n in summed}, o.tp_norms, rec.sq)
         rec.gatherer.finish()
 
     def _start_norms(self, mb: int) -> None:

@@ -58,6 +58,7 @@ from privacy.tape import LossFn
 from privacy.validate import check_model
 
 from .gather import Gatherer, _local_shape
+from .replicas import ReplicaCheck
 from .tensor_parallel import TensorParallelHooks
 from .units import Unit, make_units
 
@@ -254,6 +255,7 @@ def make_sharded_step(
     keep = config is not None and needs_fallback(model, param_shapes)
     tensor_parallel = TensorParallelHooks(model, plan, comm)
     norms = sharded_norms(plan, comm) if config is not None else None
+    replicas = ReplicaCheck(plan, comm)
     agreed: list[bool] = []
 
     def step(state: ShardedState, batch: tuple) -> tuple[ShardedState, dict[str, Any]]:
@@ -273,7 +275,7 @@ def make_sharded_step(
         new_params, opt_state, resident = _reduce_and_update(raw, state, plan, comm, units, update,
                                                              _divisor(batch, config, num_examples),
                                                              _owned_noise(state, plan, comm, config, names)
-                                                             if config else None, names)
+                                                             if config else None, names, replicas)
         metrics = _global_metrics(comm, stats, config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
         metrics["resident_bytes"] = resident
@@ -428,12 +430,13 @@ class OwnedNoise:
 
 def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm: Comm, units: list[Unit],
                        update: Callable, divisor: float, noise: OwnedNoise | None,
-                       trainable: Collection[str] | None = None):
+                       trainable: Collection[str] | None = None, replicas: ReplicaCheck | None = None):
     """Reduce, noise and update. ``trainable`` (a freezing schedule's set of this step): the
     other parameters move nothing (no reduce, no noise, no update, no return to rest: their
     at-rest block is unchanged; ``fsdpx.comm_per_step(..., trainable=)`` counts exactly this)
     and keep their tensors and optimizer state; ``update`` is then an
-    ``fsdpx.optim.update_trainable`` one, which returns them untouched."""
+    ``fsdpx.optim.update_trainable`` one, which returns them untouched. ``replicas`` (the first
+    step's ``ReplicaCheck``) sees every reduced gradient, and compares before the update."""
     mesh = comm.mesh
     trains = (lambda n: True) if trainable is None else frozenset(trainable).__contains__
     grads_upd, params_upd = {}, {}
@@ -446,6 +449,8 @@ def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, com
             lay = plan.params[name]
             g = g.reshape(_local_shape(lay.shape, lay.compute, mesh, comm.rank))  # the layout's view
             g = _run_plan(comm, plan_collectives(lay.raw_grad, lay.grad, lay.shape, mesh, g.dtype), g)
+            if replicas is not None:
+                replicas.add(plan, name, g)
             grad_bytes += g.numel() * g.element_size()
             g = _run_plan(comm, plan_collectives(lay.grad, lay.opt_state, lay.shape, mesh, g.dtype), g)
             if noise is not None:
@@ -453,6 +458,8 @@ def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, com
             grads_upd[name] = g / divisor
             p = state.params[name]
             params_upd[name] = _run_plan(comm, plan_collectives(lay.at_rest, lay.opt_state, lay.shape, mesh, p.dtype), p)
+    if replicas is not None:
+        replicas.finish()  # a plan that does not fit the model stops here, before anything changes
     order = list(state.params)
     # a frozen parameter goes in at rest, as it is: update_trainable hands it back untouched
     new_upd, opt_state = update({n: grads_upd[n] for n in order if n in grads_upd}, state.opt_state,

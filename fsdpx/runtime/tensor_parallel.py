@@ -43,6 +43,7 @@ from fsdpx.sharding.tensor_parallel import (
     EnterParallel,
     LocalAttributes,
     ModuleStyle,
+    ReplicatedOnSplit,
     RowParallel,
     SequenceParallel,
     VocabParallelEmbedding,
@@ -107,6 +108,8 @@ class TensorParallelHooks:
             return self._attributes(style, restore)
         if isinstance(style, SequenceParallel):
             return self._sequence_chunk, None
+        if isinstance(style, ReplicatedOnSplit):
+            return None, None  # runs as written; its gradient's sum over tp is the plan's (raw_grad partial)
         raise TypeError(f"unknown tensor-parallel style {style!r}")
 
     def _enter(self, x: Tensor) -> Tensor:

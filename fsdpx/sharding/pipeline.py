@@ -320,7 +320,9 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
 
     ``private``: the all-reduce of the rank's batch share of squared norms over the pipeline
     and tensor axes (those of size > 1): one per non-empty microbatch when no parameter is held
-    by two stages, else one after the schedule; and, for a parameter several pipeline ranks
+    by two stages, else one after the schedule; per stage of the rank and non-empty microbatch,
+    one all-reduce over ``tp`` of the ``[b, n]`` per-example gradients of the stage's parameters
+    whose raw gradient is partial over it (``ReplicatedOnSplit``: Qwen3's per-head norms); and, for a parameter several pipeline ranks
     hold, each holder but the last sends its per-example contributions of every non-empty microbatch as a
     self-described message (``fsdpx.runtime.parts_p2p``: its length, a header of 14 int64, the
     ids ``[b, steps]`` int64 and the gradients ``[b, steps, n]``). That is the message of an
@@ -374,6 +376,14 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
         src = Spec.replicated(1)
         for n_sq in ([size for size in sizes if size] if early else [b - a]) if axes else []:
             collectives.extend(plan_collectives(src.with_partial(axes), src, (n_sq,), mesh.sub(axes), dtype))
+        tp = plan.tp_axis
+        if tp is not None and mesh.axis_size(tp) > 1:  # ReplicatedOnSplit: [B, n] summed over tp per stage
+            for s in layout.stages_on(index):
+                width = sum(plan.numel(n) for n in layout.params_of([s]) if tp in plan.params[n].raw_grad.partial)
+                for size in sizes if width else []:
+                    if size:
+                        collectives.extend(plan_collectives(Spec.replicated(2).with_partial((tp,)), Spec.replicated(2),
+                                                            (size, width), mesh.sub((tp,)), dtype))
     for n in own:
         transitions(n, [t for t in plan.params[n].backward_transitions(False) if t.phase == "reduce_grad"])
     for n in own:

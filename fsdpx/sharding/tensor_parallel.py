@@ -31,6 +31,9 @@ style                      parameters (compute layout)    activations
 ``SequenceParallel``       none                           (sequence parallelism) the first
                                                           input is cut to the rank's chunk
                                                           of the sequence
+``ReplicatedOnSplit``      replicated; the raw gradient   the module runs as written on the
+                           is partial over ``tp``,        rank's split features (Qwen3's
+                           summed over it                 per-head query/key norms)
 =========================  =============================  ================================
 
 ``ColumnParallel(vocab=True)`` is the LM head: its output logits stay split over the vocabulary
@@ -55,6 +58,9 @@ from .mesh import Mesh
 from .plan import ParamLayout, ShardingPlan, fused_view
 from .spec import Spec
 from .strategies import Strategy
+
+
+PARTIAL = "partial"  # a parameter spec's flag: its raw gradient is partial over tp whatever the plan
 
 
 class TensorParallelPlanError(ValueError):
@@ -108,6 +114,16 @@ class SequenceParallel:
 
 
 @dataclass(frozen=True)
+class ReplicatedOnSplit:
+    """A module inside a region whose parameters stay whole on every rank while it computes on
+    the rank's split features: Qwen3's ``q_norm`` / ``k_norm``, one ``head_dim`` weight shared by
+    every head, applied to the rank's heads. Each rank's raw gradient is then its heads' share,
+    partial over ``tp``; the step sums it over ``tp`` (private: each example's gradient of it,
+    before its norm). Without this style such a weight would train on one rank's heads alone,
+    and differently on each rank."""
+
+
+@dataclass(frozen=True)
 class LocalAttributes:
     """Integer attributes of the module that count features a rank holds only ``1/tp`` of
     (GPT-2 attention's ``split_size``): divided by ``tp`` while the step runs, restored after."""
@@ -115,7 +131,8 @@ class LocalAttributes:
     names: tuple[str, ...]
 
 
-Style = Union[ColumnParallel, RowParallel, VocabParallelEmbedding, EnterParallel, LocalAttributes, SequenceParallel]
+Style = Union[ColumnParallel, RowParallel, VocabParallelEmbedding, EnterParallel, LocalAttributes, SequenceParallel,
+              ReplicatedOnSplit]
 
 
 @dataclass(frozen=True)
@@ -271,6 +288,11 @@ def _param_specs(name: str, module: nn.Module, style: Style, axis: str, tp: int)
             if value % tp:
                 raise TensorParallelPlanError(f"module {name!r}: {attr}={value} does not divide by tp={tp}")
         return {}
+    if isinstance(style, ReplicatedOnSplit):
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            raise TensorParallelPlanError(f"module {name!r} has no parameters of its own for ReplicatedOnSplit")
+        return {k: (Spec.replicated(p.dim()), tuple(p.shape), None, 0, PARTIAL) for k, p in own.items()}
     if isinstance(style, (EnterParallel, SequenceParallel)):
         return {}
     raise TensorParallelPlanError(f"module {name!r}: unknown tensor-parallel style {style!r}")
@@ -330,8 +352,12 @@ def resolve(model: nn.Module, plan: TensorParallel | None, strategy: Strategy, m
             name = canonical[id(p)]
             if name not in names:
                 continue
-            chunked = plan.axis not in compute.sharding_axes and (flag[0] if flag else True)
-            lay = strategy.layout_over(view, compute, dim=dp_dim, fused=fused, tp_partial=partial if chunked else ())
+            if flag and flag[0] is PARTIAL:  # computed on split features: partial over tp always
+                tp_partial: tuple[str, ...] = (plan.axis,)
+            else:
+                chunked = plan.axis not in compute.sharding_axes and (flag[0] if flag else True)
+                tp_partial = partial if chunked else ()
+            lay = strategy.layout_over(view, compute, dim=dp_dim, fused=fused, tp_partial=tp_partial)
             if name in chosen and chosen[name][0] != lay:
                 raise TensorParallelPlanError(
                     f"tied parameter {name!r} gets two layouts: {chosen[name][0].compute} from module"

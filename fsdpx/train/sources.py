@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
-from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan, opt_plan
+from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan, opt_plan, qwen3_plan
 from fsdpx.sharding.tensor_parallel import TensorParallel
 
 from . import data
@@ -254,9 +254,11 @@ def lm_loss(out: Any, targets: Tensor) -> Tensor:
 
 
 TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "LlamaForCausalLM": llama_plan, "MistralForCausalLM": llama_plan,
-            "Qwen2ForCausalLM": llama_plan, "GemmaForCausalLM": llama_plan, "OPTForCausalLM": opt_plan}
+            "Qwen2ForCausalLM": llama_plan, "GemmaForCausalLM": llama_plan, "OPTForCausalLM": opt_plan,
+            "Qwen3ForCausalLM": qwen3_plan}
 """Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): Mistral's,
-Qwen2's and Gemma's module trees are Llama's (``tests/test_tensor_parallel_hf.py``)."""
+Qwen2's and Gemma's module trees are Llama's; Qwen3's adds per-head query/key norms
+(``tests/test_tensor_parallel_hf.py``)."""
 
 
 def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:

@@ -1,6 +1,6 @@
 """The fixed problem the multi-process tests train: a tiny GPT (uneven shapes: vocab 11 over
 2 or 3 ranks) and three batches, one of them smaller than the world (a rank gets no example).
-``make_model("hf-gpt2" | "hf-llama")`` gives transformers' own models of the same vocabulary
+``make_model("hf-gpt2" | "hf-llama" | "hf-qwen3")`` gives transformers' own models of the same vocabulary
 instead (tiny configs built here, never downloaded), trained with ``hf_loss``."""
 
 import torch
@@ -22,6 +22,16 @@ def make_model(kind: str = "gpt"):
         config = transformers.GPT2Config(vocab_size=11, n_positions=4, n_embd=8, n_layer=2, n_head=2, resid_pdrop=0.0,
                                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
         return transformers.GPT2LMHeadModel(config).double()
+    if kind == "hf-qwen3":  # per-head query/key norms, moved off their initial ones
+        config = transformers.Qwen3Config(vocab_size=11, hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
+                                          head_dim=4, intermediate_size=12, num_hidden_layers=2,
+                                          max_position_embeddings=4, use_cache=False)
+        model = transformers.Qwen3ForCausalLM(config).double()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+        return model
     config = transformers.LlamaConfig(vocab_size=11, hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
                                       intermediate_size=12, num_hidden_layers=2, max_position_embeddings=4,
                                       use_cache=False)
@@ -30,9 +40,10 @@ def make_model(kind: str = "gpt"):
 
 def tp_plan(kind: str, model):
     """The ready tensor-parallel plan of ``make_model(kind)``."""
-    from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan
+    from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan, qwen3_plan
 
-    return {"gpt": gpt_plan, "gpt-untied": gpt_plan, "hf-gpt2": gpt2_plan, "hf-llama": llama_plan}[kind](model.config)
+    return {"gpt": gpt_plan, "gpt-untied": gpt_plan, "hf-gpt2": gpt2_plan, "hf-llama": llama_plan,
+            "hf-qwen3": qwen3_plan}[kind](model.config)
 
 
 def loss_for(kind: str):

@@ -127,15 +127,29 @@ def test_zero3_with_tensor_parallelism_on_four_gloo_ranks_equals_the_unsharded_r
         assert metrics["comm"] == comm_per_step(plan, shapes, mesh, units, dtype=torch.float64, activations=acts)
 
 
-@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-llama"])
+@pytest.mark.parametrize("kind", ["hf-gpt2", "hf-llama", "hf-qwen3"])
 def test_transformers_plans_on_two_gloo_ranks_equal_the_unsharded_run(tmp_path, kind):
-    """transformers' GPT-2 (fused Conv1D c_attn, tied head) and Llama, unmodified, under their
-    ready plans at tp=2 (one of the batches has a single example)."""
+    """transformers' GPT-2 (fused Conv1D c_attn, tied head), Llama and Qwen3 (per-head norms,
+    their gradients summed over tp), unmodified, under their ready plans at tp=2 (one of the
+    batches has a single example)."""
     results = _run_torchrun(2, tmp_path, "--strategy", "zero3", "--tp", "2", "--model", kind)
     mesh = Mesh(dp=1, tp=2)
     model = make_model(kind)
     plan = resolve(model, tp_plan(kind, model), strategies.zero3(), mesh)
     _assert_equals_unsharded(results, plan, mesh, _baseline(False, kind))
+
+
+@pytest.mark.parametrize("private", [False, True])
+def test_a_tp_plan_missing_a_style_is_refused_on_gloo(tmp_path, private):
+    """Qwen3 under Llama's plan: each process's gradient of a per-head norm is its heads' share.
+    Both processes refuse at the first step, naming the norms, before any update
+    (``fsdpx.runtime.replicas``)."""
+    extra = ["--private"] if private else []
+    results = _run_torchrun(2, tmp_path, "--strategy", "zero3", "--tp", "2", "--model", "hf-qwen3", "--plan",
+                            "hf-llama", *extra)
+    for r in results:
+        assert "params" not in r and not r["metrics"]
+        assert "ReplicatedOnSplit" in r["refused"] and "model.layers.0.self_attn.q_norm.weight" in r["refused"]
 
 
 def _assert_pipeline_equals_unsharded(results: list[dict], plan, mesh: Mesh, ref: dict) -> None:

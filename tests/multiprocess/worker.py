@@ -16,7 +16,7 @@ from fsdpx.sharding.comm import RankFailure
 from fsdpx.runtime.dist_comm import init_from_env, shutdown
 from fsdpx.optim import sgd
 from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
-from fsdpx.sharding.tensor_parallel import resolve
+from fsdpx.sharding.tensor_parallel import TensorParallelPlanError, resolve
 from fsdpx.runtime import init_sharded, make_sharded_step
 from privacy.step import DPConfig
 
@@ -34,7 +34,8 @@ def main() -> None:
     ap.add_argument("--die-after", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (the model's plan); the rest is data")
-    ap.add_argument("--model", default="gpt", choices=("gpt", "gpt-untied", "hf-gpt2", "hf-llama"))
+    ap.add_argument("--model", default="gpt", choices=("gpt", "gpt-untied", "hf-gpt2", "hf-llama", "hf-qwen3"))
+    ap.add_argument("--plan", default=None, choices=("hf-llama",), help="another model's plan (a misfit, on purpose)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline degree (stages over their own mesh axis)")
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--microbatches", type=int, default=2)
@@ -54,7 +55,7 @@ def main() -> None:
     config: DPConfig | None = private_config() if args.private else None
     strategy = strategies.ALL[args.strategy]()
     if args.tp > 1 or args.pp > 1:
-        strategy = resolve(model, tp_plan(args.model, model) if args.tp > 1 else None, strategy, mesh)
+        strategy = resolve(model, tp_plan(args.plan or args.model, model) if args.tp > 1 else None, strategy, mesh)
     if args.pp > 1:
         strategy = resolve_pipeline(model, strategy, PipelineParallel(schedule=args.schedule,
                                                                       microbatches=args.microbatches), mesh)
@@ -70,6 +71,8 @@ def main() -> None:
         result["params"] = state.params
     except RankFailure as e:
         result["failure"] = {"ranks": e.ranks, "message": str(e)}
+    except TensorParallelPlanError as e:  # every rank refuses at the same point: no one is left waiting
+        result["refused"] = str(e)
     torch.save(result, f"{args.out}/rank{comm.rank}.pt")
     if "failure" not in result:  # after a rank failure there is nobody to meet at a barrier
         shutdown()

@@ -1,0 +1,83 @@
+"""The first step's check that a tensor-parallel plan fits the model: every parameter the plan
+keeps whole on the ``tp`` ranks gets the same reduced gradient on each of them.
+
+A replicated parameter is right when its module sees the same input on every ``tp`` rank (a norm
+between regions, a row-parallel bias added after the sum). A module the plan leaves unstyled
+inside a region sees the rank's split features instead (Qwen3's per-head query norm under
+Llama's plan; a layer fed by a column-parallel output): each rank's gradient is then its own
+share, the copies drift apart from the first update, and nothing else would say so. The check
+compares, once, three sums of each such gradient (its sum, absolute sum and squared sum, in
+float64) across the ``tp`` ranks that share everything else, after the gradient's reduction
+and before any update, and raises ``TensorParallelPlanError`` naming the parameters. Replicas
+computed from the same input agree to the bit on the CPU; the bound (``RTOL``) leaves room for
+GPU kernels that accumulate with atomics, far below the gap of a share (a fraction of the whole).
+
+Proven by ``tests/test_tensor_parallel_hf.py::test_qwen3_per_head_norms_without_their_style_are_refused``
+(simulated mesh) and ``tests/multiprocess/test_gloo.py::test_a_tp_plan_missing_a_style_is_refused_on_gloo``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.plan import ShardingPlan
+from fsdpx.sharding.tensor_parallel import TensorParallelPlanError
+
+RTOL = 1e-4
+
+
+class ReplicaCheck:
+    """Collects the fingerprints of this rank's tp-replicated gradients during the first step's
+    reduction (``add``), then compares them across the ``tp`` group (``finish``, one object
+    all-gather over ``comm``, uncounted); every later call does nothing."""
+
+    def __init__(self, plan: ShardingPlan, comm: Comm):
+        self.axis = plan.tp_axis
+        self.comm = comm
+        self.active = self.axis is not None and comm.mesh.axis_size(self.axis) > 1
+        self.stats: dict[str, tuple[float, float, float]] = {}
+
+    def add(self, plan: ShardingPlan, name: str, grad: Tensor) -> None:
+        """Record ``grad`` (in the layout ``plan.params[name].grad``) if the plan keeps it whole
+        over ``tp``."""
+        if self.active and self.axis not in plan.params[name].grad.sharding_axes:
+            g = grad.detach().double()
+            self.stats[name] = (float(g.sum()), float(g.abs().sum()), float(g.square().sum()))
+
+    def finish(self) -> None:
+        """Raise ``TensorParallelPlanError`` naming every parameter whose fingerprint differs
+        between two ranks of this rank's ``tp`` group; then stop checking."""
+        if not self.active:
+            return
+        self.active = False
+        mesh, axis = self.comm.mesh, self.axis
+        others = tuple(a for a in mesh.axis_names if a != axis)
+        mine = _group(mesh, self.comm.rank, others)
+        everyone = self.comm.all_gather_object((mine, self.stats))
+        peers = [(r, stats) for r, (group, stats) in enumerate(everyone) if group == mine]
+        bad = sorted(n for n in self.stats if not all(_close(self.stats[n], stats.get(n)) for _, stats in peers))
+        self.stats = {}
+        if bad:
+            raise TensorParallelPlanError(
+                f"parameters the tensor-parallel plan keeps whole on every {axis!r} rank got different gradients on "
+                f"them: {bad}. Their modules compute on the rank's split features (a norm applied to each head "
+                f"inside the attention, a layer fed by a column-parallel output), so each rank's gradient is only "
+                f"its own share. Style those modules ReplicatedOnSplit (summed over {axis!r}) or split them "
+                f"(fsdpx.sharding.tensor_parallel). Or the ranks drew different random numbers where the plan keeps "
+                f"activations whole (dropout: every rank must seed its generator alike); nothing was updated")
+
+
+def _group(mesh, rank: int, others: tuple[str, ...]) -> tuple[int, ...]:
+    coords = mesh.coords(rank)
+    return tuple(coords[a] for a in others)
+
+
+def _close(a: tuple[float, float, float], b: tuple[float, float, float] | None) -> bool:
+    """The two fingerprints agree: each sum within ``RTOL`` of the larger absolute sum (a sum
+    near zero is judged on the scale of its terms), the squared sums within ``RTOL`` of each other."""
+    if b is None:
+        return False
+    scale = max(a[1], b[1])
+    return (abs(a[0] - b[0]) <= RTOL * scale and abs(a[1] - b[1]) <= RTOL * scale
+            and abs(a[2] - b[2]) <= RTOL * max(a[2], b[2]))
