@@ -59,6 +59,44 @@ def test_vocab_sharded_logits_refuse_operations_that_mix_the_vocabulary():
     assert all(run_threads(Mesh(tp=2), rank))
 
 
+@pytest.mark.parametrize("tp, vocab", [(2, 7), (3, 11)])
+def test_elementwise_scalar_ops_keep_logits_vocab_sharded(tp, vocab):
+    """Gemma-2's soft-capping (``z / c``, ``tanh``, ``* c``, in place too), Granite's ``z / s``
+    and a scale constant along the vocabulary (``[..., 1]``) act on each vocabulary entry alone:
+    on the slices they give the slices of the whole, and the loss and gradient equal those of
+    ``F.cross_entropy`` on the whole, to 1e-12. A vocabulary-sized operand is still refused."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, 4, vocab, dtype=torch.float64, generator=gen) * 3
+    target = torch.randint(0, vocab, (3, 4), generator=gen)
+    scale = torch.rand(3, 4, 1, dtype=torch.float64, generator=gen) + 0.5
+
+    def transform(z):
+        z = z / 2.5
+        z = torch.tanh(z)
+        z = z * 2.5
+        z.mul_(1.5)
+        return (0.5 - z) * scale + 1.0
+
+    full = logits.clone().requires_grad_(True)
+    ref = F.cross_entropy(transform(full).reshape(12, vocab), target.reshape(12))
+    ref.backward()
+
+    def rank(comm):
+        start, stop = _shards(tp, vocab)[comm.rank]
+        mine = logits[..., start:stop].clone().requires_grad_(True)
+        z = transform(mark_vocab_sharded(mine, VocabShard(comm, "tp", start, stop, vocab)))
+        with pytest.raises(VocabParallelError):
+            z + torch.ones(stop - start, dtype=torch.float64)  # a per-entry bias: not constant along the vocabulary
+        loss = F.cross_entropy(z.reshape(12, stop - start), target.reshape(12))
+        loss.backward()
+        return loss.detach(), mine.grad
+
+    out = run_threads(Mesh(tp=tp), rank)
+    for loss, _ in out:
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat([g for _, g in out], dim=-1), full.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_region_boundaries_are_exact_and_move_the_planned_bytes():
     """enter: identity forward, all-reduce of the input gradient backward; leave: the reverse.
     y = leave(enter(x) * w_r) sums the ranks' products; its gradient is checked against

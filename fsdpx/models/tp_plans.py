@@ -64,9 +64,10 @@ def gpt2_plan(config: Any, axis: str = "tp") -> TensorParallel:
 
 def llama_plan(config: Any, axis: str = "tp") -> TensorParallel:
     """The plan of transformers' ``LlamaForCausalLM``: the attention and MLP inputs enter the
-    region once (q/k/v, gate/up share it), grouped-query k/v split by their own heads. Also
-    ``MistralForCausalLM``'s, ``Qwen2ForCausalLM``'s and ``GemmaForCausalLM``'s (the same modules;
-    Qwen2's q/k/v biases split with their rows, Gemma's scaled embedding vocabulary-parallel)."""
+    region once (q/k/v, gate/up share it), grouped-query k/v split by their own heads. Also the
+    plan of every family with Llama's module tree (``fsdpx.train.sources.LLAMA_LIKE``: Mistral,
+    Qwen2, Gemma 1-2, Cohere, Granite, OLMo...; Qwen2's q/k/v biases split with their rows,
+    Gemma's scaled embedding vocabulary-parallel, Gemma-2's logit soft-capping on the shards)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return TensorParallel({
         "model.embed_tokens": VocabParallelEmbedding(),
@@ -87,7 +88,8 @@ def qwen3_plan(config: Any, axis: str = "tp") -> TensorParallel:
     """The plan of transformers' ``Qwen3ForCausalLM``: Llama's, and the per-head query and key
     norms (``q_norm``, ``k_norm``: one ``head_dim`` weight each, shared by every head) replicated,
     each rank normalising its own heads, their gradients summed over ``tp``
-    (``ReplicatedOnSplit``). Not Olmo-2's, whose norms span every head at once."""
+    (``ReplicatedOnSplit``). Also Gemma 3's and EXAONE 4's. Not Olmo-2's, whose norms span every
+    head at once."""
     styles = dict(llama_plan(config, axis).styles)
     styles["model.layers.*.self_attn.q_norm"] = ReplicatedOnSplit()
     styles["model.layers.*.self_attn.k_norm"] = ReplicatedOnSplit()

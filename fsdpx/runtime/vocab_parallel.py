@@ -15,10 +15,13 @@ and the backward is local: ``(softmax_r - onehot_r) * grad``. No rank ever holds
 ``[N, V_r]`` logits (Megatron's ``vocab_parallel_cross_entropy`` needs three all-reduces of
 ``N`` floats; the gathered pair is one collective).
 
-Only operations that keep the vocabulary dim whole and last (reshape, view, contiguous, casts,
-indexing of the leading dims) are allowed on the marked logits; anything else (softmax, argmax,
-a transpose of the vocabulary dim) raises :class:`VocabParallelError` instead of silently
-computing on a slice.
+Only operations that keep the vocabulary dim whole and last are allowed on the marked logits:
+reshapes, views, casts, indexing of the leading dims, and elementwise arithmetic with scalars or
+with tensors constant along the vocabulary (Gemma-2's final soft-capping ``tanh(z / c) * c``,
+Granite's and Cohere's logit scales), which acts on each vocabulary entry alone. Anything else
+(softmax, argmax, a transpose of the vocabulary dim, adding a vocabulary-sized bias) raises
+:class:`VocabParallelError` instead of silently computing on a slice
+(``tests/test_tensor_parallel.py::test_elementwise_scalar_ops_keep_logits_vocab_sharded``).
 """
 
 from __future__ import annotations
@@ -128,6 +131,26 @@ _KEEPS_VOCAB = {
 }
 
 
+# elementwise: each vocabulary entry alone, so a slice of the vocabulary gives the same slice of
+# the result, when every other operand is constant along the vocabulary (``_per_entry``)
+_ELEMENTWISE = {
+    "mul", "div", "add", "sub", "true_divide", "tanh", "neg", "mul_", "div_", "add_", "sub_", "tanh_", "neg_",
+    "__mul__", "__rmul__", "__truediv__", "__rtruediv__", "__add__", "__radd__", "__sub__", "__rsub__", "__neg__",
+    "__imul__", "__itruediv__", "__iadd__", "__isub__",
+}
+
+
+def _per_entry(args: tuple, kwargs: dict, shard: "VocabShard") -> bool:
+    """Every tensor operand is these logits (the same shard) or constant along the last dim."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, VocabShardedLogits):
+            if a._vocab_shard is not shard:
+                return False
+        elif isinstance(a, Tensor) and a.dim() and a.shape[-1] != 1:
+            return False
+    return True
+
+
 class VocabShardedLogits(Tensor):
     """Logits split over the vocabulary (a rank's ``[..., V_r]``): see the module docstring.
     ``_vocab_shard`` is the :class:`VocabShard`; the tensor is otherwise the local logits."""
@@ -150,13 +173,16 @@ class VocabShardedLogits(Tensor):
         width = shard.stop - shard.start
         if name in _KEEPS_VOCAB and out.dim() and out.shape[-1] == width:
             return mark_vocab_sharded(out, shard)
+        if name in _ELEMENTWISE and out.dim() and out.shape[-1] == width and _per_entry(args, kwargs, shard):
+            return mark_vocab_sharded(out, shard)
         raise VocabParallelError(_refusal(func))
 
 
 def _refusal(func: Any) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     return (f"{name} on vocabulary-sharded logits: each tensor-parallel rank holds only its slice of the"
-            " vocabulary (ColumnParallel(vocab=True)), so only reshapes, casts and F.cross_entropy may use them;"
+            " vocabulary (ColumnParallel(vocab=True)), so only reshapes, casts, elementwise arithmetic with scalars"
+            " and F.cross_entropy may use them;"
             " compute the loss with F.cross_entropy, or plan the LM head without vocab=True to gather the logits")
 
 

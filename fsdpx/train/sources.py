@@ -253,12 +253,17 @@ def lm_loss(out: Any, targets: Tensor) -> Tensor:
     return token_loss(out if isinstance(out, Tensor) else out.logits, targets)
 
 
-TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "LlamaForCausalLM": llama_plan, "MistralForCausalLM": llama_plan,
-            "Qwen2ForCausalLM": llama_plan, "GemmaForCausalLM": llama_plan, "OPTForCausalLM": opt_plan,
-            "Qwen3ForCausalLM": qwen3_plan}
-"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): Mistral's,
-Qwen2's and Gemma's module trees are Llama's; Qwen3's adds per-head query/key norms
-(``tests/test_tensor_parallel_hf.py``)."""
+LLAMA_LIKE = ("Llama", "Mistral", "Ministral", "Ministral3", "Qwen2", "Gemma", "Gemma2", "VaultGemma", "Olmo",
+              "SmolLM3", "Granite", "Helium", "Cohere", "Cohere2", "Ernie4_5", "Cwm", "HyperCLOVAX")
+PER_HEAD_NORMS = ("Qwen3", "Gemma3", "Exaone4")
+TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "OPTForCausalLM": opt_plan,
+            **{f"{family}ForCausalLM": llama_plan for family in LLAMA_LIKE},
+            **{f"{family}ForCausalLM": qwen3_plan for family in PER_HEAD_NORMS}}
+"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): the
+``LLAMA_LIKE`` families have Llama's module tree (their logit scales and soft-capping act on each
+vocabulary entry alone, so the vocabulary-parallel loss takes them); the ``PER_HEAD_NORMS``
+families add Qwen3's per-head query/key norms. Each equals the unsharded run, plain and private
+(``tests/test_tensor_parallel_hf.py::test_every_planned_family_equals_the_unsharded_run``)."""
 
 
 def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:
