@@ -27,7 +27,7 @@ from fsdpx.models.tp_plans import gpt2_plan, llama_plan
 from fsdpx.runtime.plain_step import init_plain, make_plain_step
 from fsdpx.sharding import Mesh, strategies
 from fsdpx.sharding.tensor_parallel import resolve
-from fsdpx.train.sources import LLAMA_LIKE, PER_HEAD_NORMS
+from fsdpx.train.sources import LLAMA_LIKE, PER_HEAD_NORMS, TP_PLANS
 from privacy.step import DPConfig, init_state, make_private_step
 
 transformers = pytest.importorskip("transformers")
@@ -246,7 +246,7 @@ FLOAT32_NORMS = {"Gemma", "Gemma2", "Gemma3", "VaultGemma", "Helium", "Cohere", 
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
-@pytest.mark.parametrize("family", sorted(LLAMA_LIKE + PER_HEAD_NORMS))
+@pytest.mark.parametrize("family", sorted(LLAMA_LIKE + PER_HEAD_NORMS + ("StableLm",)))
 def test_every_planned_family_equals_the_unsharded_run(family, private):
     """Every transformers family ``fsdpx train --tp`` plans by class name (``TP_PLANS``), built
     unmodified from one tiny config (4 heads, 2 k/v heads, head_dim 4, per-head norms moved off
@@ -268,3 +268,22 @@ def test_every_planned_family_equals_the_unsharded_run(family, private):
                 p.uniform_(0.5, 1.5)
     tol = 1e-5 if family in FLOAT32_NORMS else TOL
     _check(model, TP_PLANS[name](model.config), MESHES["dp2_tp2"], _dp_config("auto") if private else None, tol=tol)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_stablelm_plan_with_qkv_biases_and_a_parallel_residual(private):
+    """StableLM's options beside the defaults above: q/k/v biases split with their rows, the
+    attention and MLP on one normed input (``use_parallel_residual``); its per-head LayerNorms
+    (``qk_layernorm``) are refused by name."""
+    from fsdpx.models.tp_plans import stablelm_plan
+
+    torch.manual_seed(0)
+    config = transformers.StableLmConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                         intermediate_size=24, num_hidden_layers=2, max_position_embeddings=T,
+                                         bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
+                                         attn_implementation="eager", use_qkv_bias=True, use_parallel_residual=True)
+    model = transformers.StableLmForCausalLM(config).double()
+    assert TP_PLANS["StableLmForCausalLM"] is stablelm_plan
+    _check(model, stablelm_plan(model.config), MESHES["dp2_tp2"], _dp_config("auto") if private else None)
+    with pytest.raises(ValueError, match="qk_layernorm"):
+        stablelm_plan(transformers.StableLmConfig(hidden_size=16, num_attention_heads=4, qk_layernorm=True))

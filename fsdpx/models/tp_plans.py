@@ -96,6 +96,30 @@ def qwen3_plan(config: Any, axis: str = "tp") -> TensorParallel:
     return TensorParallel(styles, axis)
 
 
+def stablelm_plan(config: Any, axis: str = "tp") -> TensorParallel:
+    """The plan of transformers' ``StableLmForCausalLM``: Llama's layout, but its attention
+    shapes its heads with its own ``num_heads`` / ``num_key_value_heads``, made local for the
+    step (``LocalAttributes``), so q, k and v each enter the region (the module cannot also
+    carry the shared entry), as OPT's. Its LayerNorms stay replicated. Not with
+    ``qk_layernorm`` (a LayerNorm per head, which would need splitting by heads)."""
+    if getattr(config, "qk_layernorm", False):
+        raise ValueError("stablelm_plan: qk_layernorm (one LayerNorm per head) is not planned")
+    head_dim = config.hidden_size // config.num_attention_heads
+    return TensorParallel({
+        "model.embed_tokens": VocabParallelEmbedding(),
+        "model.layers.*.self_attn": LocalAttributes(("num_heads", "num_key_value_heads")),
+        "model.layers.*.self_attn.q_proj": ColumnParallel(head_dim=head_dim),
+        "model.layers.*.self_attn.k_proj": ColumnParallel(head_dim=head_dim),
+        "model.layers.*.self_attn.v_proj": ColumnParallel(head_dim=head_dim),
+        "model.layers.*.self_attn.o_proj": RowParallel(),
+        "model.layers.*.mlp": EnterParallel(0),
+        "model.layers.*.mlp.gate_proj": ColumnParallel(enter=False),
+        "model.layers.*.mlp.up_proj": ColumnParallel(enter=False),
+        "model.layers.*.mlp.down_proj": RowParallel(),
+        "lm_head": ColumnParallel(vocab=True),
+    }, axis)
+
+
 def opt_plan(config: Any, axis: str = "tp") -> TensorParallel:
     """The plan of transformers' ``OPTForCausalLM``: q/k/v column-parallel by heads (each
     entering the region: the attention module's own ``num_heads`` is made local, so it cannot

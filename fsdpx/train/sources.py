@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
-from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan, opt_plan, qwen3_plan
+from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan, opt_plan, qwen3_plan, stablelm_plan
 from fsdpx.sharding.tensor_parallel import TensorParallel
 
 from . import data
@@ -256,13 +256,14 @@ def lm_loss(out: Any, targets: Tensor) -> Tensor:
 LLAMA_LIKE = ("Llama", "Mistral", "Ministral", "Ministral3", "Qwen2", "Gemma", "Gemma2", "VaultGemma", "Olmo",
               "SmolLM3", "Granite", "Helium", "Cohere", "Cohere2", "Ernie4_5", "Cwm", "HyperCLOVAX")
 PER_HEAD_NORMS = ("Qwen3", "Gemma3", "Exaone4")
-TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "OPTForCausalLM": opt_plan,
+TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "OPTForCausalLM": opt_plan, "StableLmForCausalLM": stablelm_plan,
             **{f"{family}ForCausalLM": llama_plan for family in LLAMA_LIKE},
             **{f"{family}ForCausalLM": qwen3_plan for family in PER_HEAD_NORMS}}
 """Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): the
 ``LLAMA_LIKE`` families have Llama's module tree (their logit scales and soft-capping act on each
 vocabulary entry alone, so the vocabulary-parallel loss takes them); the ``PER_HEAD_NORMS``
-families add Qwen3's per-head query/key norms. Each equals the unsharded run, plain and private
+families add Qwen3's per-head query/key norms; StableLM shapes its heads with its own counts.
+Each equals the unsharded run, plain and private
 (``tests/test_tensor_parallel_hf.py::test_every_planned_family_equals_the_unsharded_run``)."""
 
 
