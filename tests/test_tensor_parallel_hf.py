@@ -287,3 +287,21 @@ def test_stablelm_plan_with_qkv_biases_and_a_parallel_residual(private):
     _check(model, stablelm_plan(model.config), MESHES["dp2_tp2"], _dp_config("auto") if private else None)
     with pytest.raises(ValueError, match="qk_layernorm"):
         stablelm_plan(transformers.StableLmConfig(hidden_size=16, num_attention_heads=4, qk_layernorm=True))
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_dropout_under_tensor_parallelism_is_refused_by_name(private):
+    """GPT-2's default dropout (0.1): each tensor-parallel rank draws its own masks, so the
+    activations the plan keeps whole differ between ranks and the replicas would train apart.
+    The first step refuses before any update, naming the dropout modules and how to turn them
+    off; with them off the same model trains (the GPT-2 tests above)."""
+    from fsdpx.sharding.tensor_parallel import TensorParallelPlanError
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=4,
+                                     bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).double()
+    assert model.training and config.resid_pdrop > 0
+    with pytest.raises(TensorParallelPlanError, match="dropout active") as e:
+        _check(model, gpt2_plan(model.config), MESHES["dp1_tp2"], _dp_config("ghost") if private else None)
+    assert "transformer.drop" in str(e.value) and "resid_pdrop = 0.0" in str(e.value)

@@ -143,7 +143,7 @@ class PipelineStep:
         self.recv_ahead = RECV_AHEAD * (2 * layout.virtual_stages - 1)
         self.local_plan = rank_plan(plan, mesh, comm.rank)
         self.group = StageGroupComm(comm, layout.axis)
-        self.replicas = ReplicaCheck(plan, comm)  # over the whole mesh: its tp groups are per stage
+        self.replicas = ReplicaCheck(plan, comm, model)  # over the whole mesh: its tp groups are per stage
         self.tensor_parallel = TensorParallelHooks(model, plan, self.group)
         self.stages = self.all_stages = {s: self._stage(s) for s in layout.stages_on(self.index)}
         self.peer = {j: mesh.rank_of({**mesh.coords(comm.rank), layout.axis: j}) for j in range(self.p)}

@@ -11,6 +11,10 @@ float64) across the ``tp`` ranks that share everything else, after the gradient'
 and before any update, and raises ``TensorParallelPlanError`` naming the parameters. Replicas
 computed from the same input agree to the bit on the CPU; the bound (``RTOL``) leaves room for
 GPU kernels that accumulate with atomics, far below the gap of a share (a fraction of the whole).
+Dropout gives the same symptom: each rank draws its own masks, so the activations the plan keeps
+whole differ between ranks; when the model has dropout active the error says so and how to turn
+it off (fsdpx does not yet give tensor-parallel ranks common masks;
+``tests/test_tensor_parallel_hf.py::test_dropout_under_tensor_parallelism_is_refused_by_name``).
 
 Proven by ``tests/test_tensor_parallel_hf.py::test_qwen3_per_head_norms_without_their_style_are_refused``
 (simulated mesh) and ``tests/multiprocess/test_gloo.py::test_a_tp_plan_missing_a_style_is_refused_on_gloo``.
@@ -18,7 +22,7 @@ Proven by ``tests/test_tensor_parallel_hf.py::test_qwen3_per_head_norms_without_
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.plan import ShardingPlan
@@ -32,9 +36,9 @@ class ReplicaCheck:
     reduction (``add``), then compares them across the ``tp`` group (``finish``, one object
     all-gather over ``comm``, uncounted); every later call does nothing."""
 
-    def __init__(self, plan: ShardingPlan, comm: Comm):
+    def __init__(self, plan: ShardingPlan, comm: Comm, model: nn.Module | None = None):
         self.axis = plan.tp_axis
-        self.comm = comm
+        self.comm, self.model = comm, model
         self.active = self.axis is not None and comm.mesh.axis_size(self.axis) > 1
         self.stats: dict[str, tuple[float, float, float]] = {}
 
@@ -58,6 +62,16 @@ class ReplicaCheck:
         peers = [(r, stats) for r, (group, stats) in enumerate(everyone) if group == mine]
         bad = sorted(n for n in self.stats if not all(_close(self.stats[n], stats.get(n)) for _, stats in peers))
         self.stats = {}
+        dropout = active_dropout(self.model) if self.model is not None else []
+        if bad and dropout:
+            raise TensorParallelPlanError(
+                f"parameters the tensor-parallel plan keeps whole on every {axis!r} rank got different gradients on "
+                f"them: {bad[:6]}{' and more' if len(bad) > 6 else ''}. The model has dropout active ({dropout[:3]}"
+                f"{' and more' if len(dropout) > 3 else ''}), and each rank draws its own masks, so activations the plan "
+                f"keeps whole differ between the ranks; fsdpx does not yet give tensor-parallel ranks common masks. "
+                f"Set the dropout probabilities to 0 (e.g. --model-fields 'resid_pdrop = 0.0, embd_pdrop = 0.0, "
+                f"attn_pdrop = 0.0' for GPT-2), call model.eval() for your own loop, or train without tensor "
+                f"parallelism; nothing was updated")
         if bad:
             raise TensorParallelPlanError(
                 f"parameters the tensor-parallel plan keeps whole on every {axis!r} rank got different gradients on "
@@ -66,6 +80,22 @@ class ReplicaCheck:
                 f"its own share. Style those modules ReplicatedOnSplit (summed over {axis!r}) or split them "
                 f"(fsdpx.sharding.tensor_parallel). Or the ranks drew different random numbers where the plan keeps "
                 f"activations whole (dropout: every rank must seed its generator alike); nothing was updated")
+
+
+def active_dropout(model: nn.Module) -> list[str]:
+    """Names of the modules that would drop activations in this forward: ``nn.Dropout``-like
+    modules with ``p > 0`` and modules with a positive ``attention_dropout`` / ``attn_dropout``
+    / ``dropout`` float (transformers' attention calls ``F.dropout`` with it), in training mode."""
+    found = []
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            found.append(name)
+        elif any(isinstance(getattr(module, a, None), float) and getattr(module, a) > 0
+                 for a in ("attention_dropout", "attn_dropout", "dropout")):
+            found.append(name)
+    return found
 
 
 def _group(mesh, rank: int, others: tuple[str, ...]) -> tuple[int, ...]:

@@ -255,7 +255,7 @@ def make_sharded_step(
     keep = config is not None and needs_fallback(model, param_shapes)
     tensor_parallel = TensorParallelHooks(model, plan, comm)
     norms = sharded_norms(plan, comm) if config is not None else None
-    replicas = ReplicaCheck(plan, comm)
+    replicas = ReplicaCheck(plan, comm, model)
     agreed: list[bool] = []
 
     def step(state: ShardedState, batch: tuple) -> tuple[ShardedState, dict[str, Any]]:
