@@ -62,24 +62,28 @@ class ReplicaCheck:
         peers = [(r, stats) for r, (group, stats) in enumerate(everyone) if group == mine]
         bad = sorted(n for n in self.stats if not all(_close(self.stats[n], stats.get(n)) for _, stats in peers))
         self.stats = {}
-        dropout = active_dropout(self.model) if self.model is not None else []
-        if bad and dropout:
-            raise TensorParallelPlanError(
-                f"parameters the tensor-parallel plan keeps whole on every {axis!r} rank got different gradients on "
-                f"them: {bad[:6]}{' and more' if len(bad) > 6 else ''}. The model has dropout active ({dropout[:3]}"
-                f"{' and more' if len(dropout) > 3 else ''}), and each rank draws its own masks, so activations the plan "
-                f"keeps whole differ between the ranks; fsdpx does not yet give tensor-parallel ranks common masks. "
-                f"Set the dropout probabilities to 0 (e.g. --model-fields 'resid_pdrop = 0.0, embd_pdrop = 0.0, "
-                f"attn_pdrop = 0.0' for GPT-2), call model.eval() for your own loop, or train without tensor "
-                f"parallelism; nothing was updated")
         if bad:
-            raise TensorParallelPlanError(
-                f"parameters the tensor-parallel plan keeps whole on every {axis!r} rank got different gradients on "
-                f"them: {bad}. Their modules compute on the rank's split features (a norm applied to each head "
-                f"inside the attention, a layer fed by a column-parallel output), so each rank's gradient is only "
-                f"its own share. Style those modules ReplicatedOnSplit (summed over {axis!r}) or split them "
-                f"(fsdpx.sharding.tensor_parallel). Or the ranks drew different random numbers where the plan keeps "
-                f"activations whole (dropout: every rank must seed its generator alike); nothing was updated")
+            dropout = active_dropout(self.model) if self.model is not None else []
+            raise TensorParallelPlanError(_dropout_message(bad, dropout, axis) if dropout else _share_message(bad, axis))
+
+
+def _share_message(bad: list[str], axis: str) -> str:
+    return (f"parameters the tensor-parallel plan keeps whole on every {axis!r} rank got different gradients on "
+            f"them: {bad}. Their modules compute on the rank's split features (a norm applied to each head "
+            f"inside the attention, a layer fed by a column-parallel output), so each rank's gradient is only "
+            f"its own share. Style those modules ReplicatedOnSplit (summed over {axis!r}) or split them "
+            f"(fsdpx.sharding.tensor_parallel). Or the ranks drew different random numbers where the plan keeps "
+            f"activations whole (dropout: every rank must seed its generator alike); nothing was updated")
+
+
+def _dropout_message(bad: list[str], dropout: list[str], axis: str) -> str:
+    more = lambda names, k: f"{names[:k]}{' and more' if len(names) > k else ''}"
+    return (f"parameters the tensor-parallel plan keeps whole on every {axis!r} rank got different gradients on "
+            f"them: {more(bad, 6)}. The model has dropout active ({more(dropout, 3)}), and each rank draws its own "
+            f"masks, so activations the plan keeps whole differ between the ranks; fsdpx does not yet give "
+            f"tensor-parallel ranks common masks. Set the dropout probabilities to 0 (e.g. --model-fields "
+            f"'resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0' for GPT-2), call model.eval() for your own "
+            f"loop, or train without tensor parallelism; nothing was updated")
 
 
 def active_dropout(model: nn.Module) -> list[str]:
