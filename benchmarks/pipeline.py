@@ -586,7 +586,7 @@ def worker(args) -> None:
     from fsdpx.runtime.dist_comm import init_from_env
     from fsdpx.sharding.schedule import P2P, schedule
     from fsdpx.sharding.private_sim import simulate_private
-    from fsdpx.sharding.schedule_sim import Transfer, peak_held_by_rank, simulate
+    from fsdpx.sharding.schedule_sim import peak_held_by_rank, simulate
 
     world = int(os.environ["WORLD_SIZE"])
     comm = init_from_env(Mesh(dp=1, pp=world), timeout_s=1800.0)
@@ -710,7 +710,7 @@ def worker(args) -> None:
     dist.all_gather_object(all_costs, costs)
     small, act = statistics.median(ping["latency"]), statistics.median(ping["activation"])
     act_bytes = mb * cfg["block_size"] * cfg["n_embd"] * 4
-    transit = Transfer(latency=small, seconds_per_byte=max(act - small, 0.0) / (act_bytes - 4), message_bytes=act_bytes)
+    transit = ping_transfer(small, act, act_bytes)
     norms_s = statistics.median(ping["norms"])
     predictions = {"transit": {"latency_s": small, "activation_s": act, "activation_bytes": act_bytes,
                                "delay_s": transit.delay, "norms_s": norms_s}}
@@ -799,6 +799,15 @@ def replay(res: dict, mode: str, i: int, transit) -> dict[str, float]:
             "replay_transit_makespan": in_situ.makespan, "replay_transit_bubble": in_situ.bubble}
 
 
+def ping_transfer(latency_s: float, activation_s: float, activation_bytes: int):
+    """The ``Transfer`` of the ping-pongs: a one-element message's one-way time as latency, the
+    rest of one activation's time spread over its bytes beyond the element's."""
+    from fsdpx.sharding.schedule_sim import Transfer
+
+    return Transfer(latency=latency_s, seconds_per_byte=max(activation_s - latency_s, 0.0) / (activation_bytes - 4),
+                    message_bytes=activation_bytes)
+
+
 def spread_prediction(res: dict, mode: str):
     """The simulator's bubble for ``mode`` with the measured spread
     (``fsdpx.sharding.schedule_spread.sampled_bubble``, 200 draws): the setting of the
@@ -807,13 +816,12 @@ def spread_prediction(res: dict, mode: str):
     that kind over the measured rounds, on every rank. Needs no rerun: the JSON has them."""
     from fsdpx.sharding.private_sim import simulate_private
     from fsdpx.sharding.schedule import schedule
-    from fsdpx.sharding.schedule_sim import Transfer, simulate
+    from fsdpx.sharding.schedule_sim import simulate
     from fsdpx.sharding.schedule_spread import sampled_bubble
 
     pred = res["ranks"][0]["predictions"]
     tr = pred["transit"]
-    transit = Transfer(latency=tr["latency_s"], message_bytes=tr["activation_bytes"],
-                       seconds_per_byte=max(tr["activation_s"] - tr["latency_s"], 0.0) / (tr["activation_bytes"] - 4))
+    transit = ping_transfer(tr["latency_s"], tr["activation_s"], tr["activation_bytes"])
     kind = mode.split("-", 1)[1]
     private = kind.endswith("-private")
     kind = kind.removesuffix("-private")

@@ -163,12 +163,7 @@ def test_llama_plan_runs_gemma_unmodified(tied, private):
     from fsdpx.train.sources import TP_PLANS
 
     assert TP_PLANS["GemmaForCausalLM"] is llama_plan
-    torch.manual_seed(0)
-    config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=4, intermediate_size=24, num_hidden_layers=2, max_position_embeddings=T,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied,
-                                      use_cache=False, attn_implementation="eager")
-    model = transformers.GemmaForCausalLM(config).double()
+    model = _family("Gemma", tie_word_embeddings=tied)
     _check(model, llama_plan(model.config), MESHES["dp2_tp2"], _dp_config("ghost") if private else None, tol=1e-5)
 
 
@@ -194,19 +189,26 @@ def test_opt_plan_runs_opt_unmodified(mesh, private):
         opt_plan(transformers.OPTConfig(hidden_size=16, word_embed_proj_dim=8, num_attention_heads=4))
 
 
-def _qwen3(tied: bool = False):
+def _family(family: str, **config):
+    """transformers' ``{family}ForCausalLM``, unmodified, from one tiny config (4 heads, 2 k/v
+    heads, head_dim 4, ``config`` over it), float64. Per-head query/key norms start at ones;
+    they are moved off them, so a rank's share of their gradient differs from the whole."""
+    cls = getattr(transformers, f"{family}ForCausalLM")
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=4, intermediate_size=24, num_hidden_layers=2, max_position_embeddings=T,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=tied,
-                                      use_cache=False, attn_implementation="eager")
-    model = transformers.Qwen3ForCausalLM(config).double()
-    # the per-head norms start at ones; other values make a rank's share of their gradient differ
+    model = cls(cls.config_class(**{**dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=4, intermediate_size=24,
+                                           num_hidden_layers=2, max_position_embeddings=T, bos_token_id=0,
+                                           eos_token_id=0, pad_token_id=0, use_cache=False,
+                                           attn_implementation="eager"), **config})).double()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
     return model
+
+
+def _qwen3(tied: bool = False):
+    return _family("Qwen3", tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -252,22 +254,9 @@ def test_every_planned_family_equals_the_unsharded_run(family, private):
     unmodified from one tiny config (4 heads, 2 k/v heads, head_dim 4, per-head norms moved off
     ones), at dp=2 x tp=2 under ZeRO-3: two steps equal the unsharded ones, plain and private
     (``method="auto"``), float64 to rel 1e-10 (1e-5 where the norms compute in float32)."""
-    from fsdpx.train.sources import TP_PLANS
-
-    name = f"{family}ForCausalLM"
-    cls = getattr(transformers, name)
-    torch.manual_seed(0)
-    config = cls.config_class(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=4, intermediate_size=24, num_hidden_layers=2, max_position_embeddings=T,
-                              bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
-                              attn_implementation="eager")
-    model = cls(config).double()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
+    model = _family(family)
     tol = 1e-5 if family in FLOAT32_NORMS else TOL
-    _check(model, TP_PLANS[name](model.config), MESHES["dp2_tp2"], _dp_config("auto") if private else None, tol=tol)
+    _check(model, TP_PLANS[f"{family}ForCausalLM"](model.config), MESHES["dp2_tp2"], _dp_config("auto") if private else None, tol=tol)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])

@@ -104,20 +104,12 @@ def stablelm_plan(config: Any, axis: str = "tp") -> TensorParallel:
     ``qk_layernorm`` (a LayerNorm per head, which would need splitting by heads)."""
     if getattr(config, "qk_layernorm", False):
         raise ValueError("stablelm_plan: qk_layernorm (one LayerNorm per head) is not planned")
-    head_dim = config.hidden_size // config.num_attention_heads
-    return TensorParallel({
-        "model.embed_tokens": VocabParallelEmbedding(),
-        "model.layers.*.self_attn": LocalAttributes(("num_heads", "num_key_value_heads")),
-        "model.layers.*.self_attn.q_proj": ColumnParallel(head_dim=head_dim),
-        "model.layers.*.self_attn.k_proj": ColumnParallel(head_dim=head_dim),
-        "model.layers.*.self_attn.v_proj": ColumnParallel(head_dim=head_dim),
-        "model.layers.*.self_attn.o_proj": RowParallel(),
-        "model.layers.*.mlp": EnterParallel(0),
-        "model.layers.*.mlp.gate_proj": ColumnParallel(enter=False),
-        "model.layers.*.mlp.up_proj": ColumnParallel(enter=False),
-        "model.layers.*.mlp.down_proj": RowParallel(),
-        "lm_head": ColumnParallel(vocab=True),
-    }, axis)
+    head_dim = config.hidden_size // config.num_attention_heads  # StableLM's own, whatever else the config says
+    styles = dict(llama_plan(config, axis).styles)
+    styles["model.layers.*.self_attn"] = LocalAttributes(("num_heads", "num_key_value_heads"))
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        styles[f"model.layers.*.self_attn.{proj}"] = ColumnParallel(head_dim=head_dim)
+    return TensorParallel(styles, axis)
 
 
 def opt_plan(config: Any, axis: str = "tp") -> TensorParallel:
