@@ -1,18 +1,19 @@
 # Two entry points, both self-contained on a fresh machine with Python 3.11:
 #   make demo   -> a small private, sharded training run on the embedded corpus
 #   make test   -> the whole test suite (unit, integration, multi-process, property)
+# Both install the versions in constraints.txt (what CI tested); `make pins` moves them.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test pins clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@# torch first, pinned: an unpinned torch on a machine without one pulls a multi-GB CUDA build.
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install -e ".[dev]"
+	@# torch first, at its pin: an unpinned torch on a machine without one pulls a multi-GB CUDA build.
+	$(BIN)/pip install -c constraints.txt torch
+	$(BIN)/pip install -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -21,5 +22,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+pins:
+	.ci/move_pins
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) .pins-venv runs .pytest_cache .hypothesis
