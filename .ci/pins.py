@@ -52,9 +52,9 @@ def freeze() -> str:
     return HEADER + "".join(f"{n}=={v}\n" for n, v in sorted(installed().items()))
 
 
-def differences() -> list[str]:
+def differences(path: Path = PINS) -> list[str]:
     """One line per installed package whose version is not its pin, or that has no pin."""
-    pins, have = pinned(), installed()
+    pins, have = pinned(path), installed()
     lines = [f"{n} {v} installed, pinned {pins[n]}" for n, v in sorted(have.items()) if n in pins and pins[n] != v]
     lines += [f"{n} {v} installed, not in constraints.txt" for n, v in sorted(have.items()) if n not in pins]
     return lines
