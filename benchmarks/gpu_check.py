@@ -46,7 +46,7 @@ TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-
 PROBE = """
 import sys, torch
 from fsdpx.train import RunConfig, run
-s = run(RunConfig(steps=2, device="cuda", out=sys.argv[1], name="probe"), progress=False)
+s = run(RunConfig.of(steps=2, device="cuda", out=sys.argv[1], name="probe"), progress=False)
 peak = torch.cuda.max_memory_allocated()
 print(f"probe: loss {s['final_loss']:.4f}, cuda peak {peak / 2**20:.1f} MiB")
 assert peak > 0, "nothing was allocated on the GPU"

@@ -11,7 +11,7 @@ trained with DP-SGD (ghost clipping, flat clip 1, noise 1) and fsdpx's AdamW on 
 
 * ``ddp``    ``make_sharded_step(..., strategies.ddp())``
 * ``zero3``  ``make_sharded_step(..., strategies.zero3())``
-* ``zero3-zenflow``  ZeRO-3 with ZenFlow's selective update (``fsdpx.train.loop.make_optimizer``
+* ``zero3-zenflow``  ZeRO-3 with ZenFlow's selective update (``fsdpx.train.build.make_optimizer``
   with ``offload="zenflow"``). On a CPU the "host" is the same memory as the "device": RSS
   cannot show what ZenFlow moves off a GPU, so this row reports what the process holds.
 
@@ -217,9 +217,10 @@ def make_optimizer(mode: str, comm):
 
     if mode != "zero3-zenflow":
         return adamw(1e-4)
-    from fsdpx.train.loop import RunConfig, make_optimizer as job_optimizer
+    from fsdpx.train import RunConfig
+    from fsdpx.train.build import make_optimizer as job_optimizer
 
-    return job_optimizer(RunConfig(strategy="zero3", offload="zenflow", lr=1e-4), comm)
+    return job_optimizer(RunConfig.of(strategy="zero3", offload="zenflow", lr=1e-4), comm)
 
 
 class Watchdog:

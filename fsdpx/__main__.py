@@ -1,3 +1,3 @@
-from fsdpx.train.cli import main
+from fsdpx.cli import main
 
 main()

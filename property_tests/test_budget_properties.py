@@ -56,7 +56,7 @@ def test_any_sequence_of_segments_ends_within_the_target_and_refusals_write_noth
         for i, seg in enumerate(segments):
             privacy = ({"noise_multiplier": seg["noise"], "epsilon_budget": target} if seg["noise"] is not None
                        else {"target_epsilon": target})
-            config = RunConfig(steps=steps + seg["more"], sample_rate=seg["sample_rate"], clip_norm=seg["clip_norm"],
+            config = RunConfig.of(steps=steps + seg["more"], sample_rate=seg["sample_rate"], clip_norm=seg["clip_norm"],
                                max_noise_multiplier=seg["max_noise"], resume=i > 0, **privacy, **base)
             before = _snapshot(root)
             try:

@@ -88,23 +88,24 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 def test_a_refused_resume_names_what_fits_and_changes_nothing_on_disk(tmp_path):
     torch.set_num_threads(1)
     base = dict(out=str(tmp_path), name="r", ckpt_dir=str(tmp_path / "ck"), target_epsilon=3.0, **TINY)
-    run(RunConfig(steps=6, **base), progress=False)
+    run(RunConfig.of(steps=6, **base), progress=False)
     before = _snapshot(tmp_path)
     with pytest.raises(SegmentDoesNotFitError, match=r"only \d+ more step\(s\) fit"):
-        run(RunConfig(steps=400, resume=True, max_noise_multiplier=2.0, **base), progress=False)
+        run(RunConfig.of(steps=400, resume=True, max_noise_multiplier=2.0, **base), progress=False)
     with pytest.raises(BudgetIncreaseError):
-        run(RunConfig(steps=8, resume=True, **{**base, "target_epsilon": 4.0}), progress=False)
+        run(RunConfig.of(steps=8, resume=True, **{**base, "target_epsilon": 4.0}), progress=False)
     assert _snapshot(tmp_path) == before
 
 
 def test_raising_the_target_on_resume_is_recorded(tmp_path):
     torch.set_num_threads(1)
     base = dict(out=str(tmp_path), name="r", ckpt_dir=str(tmp_path / "ck"), **TINY)
-    run(RunConfig(steps=4, target_epsilon=3.0, **base), progress=False)
-    summary = run(RunConfig(steps=8, target_epsilon=4.0, resume=True, allow_budget_increase=True, **base),
+    run(RunConfig.of(steps=4, target_epsilon=3.0, **base), progress=False)
+    summary = run(RunConfig.of(steps=8, target_epsilon=4.0, resume=True, allow_budget_increase=True, **base),
                   progress=False)
     assert 3.0 < summary["epsilon"] <= 4.0
     segments = json.loads((tmp_path / "r" / "config.json").read_text())["segments"]
     assert [s["start_step"] for s in segments] == [0, 4]
     assert segments[1]["budget_changed_from"] == {"epsilon_budget": 3.0, "delta": 1e-5}
-    assert segments[1]["config"]["target_epsilon"] == 4.0 and segments[1]["config"]["allow_budget_increase"]
+    assert segments[1]["config"]["privacy"]["target_epsilon"] == 4.0
+    assert segments[1]["config"]["checkpoints"]["allow_budget_increase"]

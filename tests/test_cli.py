@@ -49,7 +49,8 @@ def test_private_run_writes_metrics_plot_config_and_summary(tmp_path, capsys):
     assert [r["seconds"] for r in rows] == sorted(r["seconds"] for r in rows)
     assert (run_dir / "plot.png").read_bytes()[:8] == PNG_MAGIC
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["steps"] == 5 and config["private"] is True and config["derived"]["noise_multiplier"] > 0
+    assert config["run"]["steps"] == 5 and config["privacy"]["private"] is True
+    assert config["derived"]["noise_multiplier"] > 0
     out = capsys.readouterr().out
     assert f"epsilon {epsilons[-1]:.3f} at delta 1e-05" in out and str(run_dir) in out
 
@@ -62,13 +63,13 @@ def test_a_run_is_a_function_of_its_flags(tmp_path):
 
 
 def test_run_config_keeps_only_the_fields_it_uses():
-    assert RunConfig().target_epsilon == 8.0 and RunConfig().noise_multiplier is None
-    assert RunConfig(noise_multiplier=1.0).target_epsilon is None
-    assert RunConfig(sample_rate=0.1).batch_size is None
-    plain = RunConfig(private=False, noise_multiplier=1.0)
+    assert RunConfig().privacy.target_epsilon == 8.0 and RunConfig().privacy.noise_multiplier is None
+    assert RunConfig.of(noise_multiplier=1.0).privacy.target_epsilon is None
+    assert RunConfig.of(sample_rate=0.1).privacy.batch_size is None
+    plain = RunConfig.of(private=False, noise_multiplier=1.0).privacy
     assert plain.target_epsilon is None and plain.noise_multiplier is None
     with pytest.raises(ConfigError, match="target_epsilon or noise_multiplier"):
-        RunConfig(target_epsilon=None)
+        RunConfig.of(target_epsilon=None)
 
 
 def test_non_private_run_has_no_epsilon(tmp_path, capsys):

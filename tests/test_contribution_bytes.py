@@ -16,6 +16,7 @@ import fsdpx.jobs as jobs
 from fsdpx.jobs import parallel
 from fsdpx.jobs.gpt_job import corpus_data, gpt_task
 from fsdpx.jobs.memory import contribution_bytes
+from fsdpx.train.layout import Layout
 from fsdpx.sharding.layout import local_shape
 from privacy import contributions as C
 from privacy.contributions import Dense, Factored, kept_bytes
@@ -49,7 +50,7 @@ def test_predicted_contribution_bytes_are_what_the_runtime_keeps(monkeypatch, sc
     gives that stage; with tensor parallelism (a vocabulary of 69 rows, split 35 / 34) the
     prediction is the largest rank's, which some rank keeps exactly and none exceeds."""
     task = _private_task(8)
-    degrees = parallel.Degrees(strategy="ddp", tp=tp, pp=pp, schedule=schedule, microbatches=m,
+    degrees = Layout(strategy="ddp", tp=tp, pp=pp, schedule=schedule, microbatches=m,
                                virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
     meta, plan, mesh = parallel.plan_of(task, pp * tp, degrees)
     stage_of = parallel.stage_of_modules(meta, plan)
@@ -94,7 +95,7 @@ def test_a_private_1f1b_rank_holds_every_microbatchs_contributions():
     last rank holds one microbatch's activations."""
     task = _private_task(8)
     for m in (2, 4):
-        degrees = parallel.Degrees(strategy="ddp", pp=2, schedule="1f1b", microbatches=m)
+        degrees = Layout(strategy="ddp", pp=2, schedule="1f1b", microbatches=m)
         resolved = parallel.plan_of(task, 2, degrees)
         stage_of = parallel.stage_of_modules(resolved.model, resolved.plan)
         con = contribution_bytes(task, 8 // m, tuple(stage_of.items()), 2)

@@ -23,7 +23,7 @@ from fsdpx.jobs.profile import Measurement, ProfileTable
 from fsdpx.jobs.runner import run_jobs
 from fsdpx.jobs.train_run import run_config
 from fsdpx.sharding.tensor_parallel import ColumnParallel, RowParallel, TensorParallel
-from fsdpx.train import run
+from fsdpx.train import Layout, run
 
 MiB = 2**20
 CORES = sorted(os.sched_getaffinity(0))
@@ -96,7 +96,7 @@ def test_the_registry_lists_tensor_pipeline_and_3d_techniques_plain_and_private(
     assert {"tp", "pp", "3d", "tp-private", "pp-private", "3d-private"} <= set(techniques.names())
 
 
-def valid(task: jobs.Task, n: int, d: parallel.Degrees, family: str) -> None:
+def valid(task: jobs.Task, n: int, d: Layout, family: str) -> None:
     """The degrees are the family's, divide ``n``, and resolve on the model."""
     assert n % (d.tp * d.pp) == 0
     assert (d.tp >= 2) == (family in ("tp", "3d")) and (d.pp >= 2) == (family in ("pp", "3d"))
@@ -123,7 +123,7 @@ def test_search_picks_the_first_layout_that_resolves_and_fits_on_2_4_8_devices(f
             fitting = [d for d in candidates(task, family, n) if (parallel.memory(task, n, d) or 2**62) <= 2**30]
             for cap in sorted({parallel.memory(task, n, d) for d in fitting})[:4]:
                 devices = jobs.Devices(n, cap)
-                chosen = parallel.Degrees.of(tech.search(task, devices))
+                chosen = Layout.of(tech.search(task, devices))
                 valid(task, n, chosen, family)
                 assert parallel.memory(task, n, chosen) <= cap and tech.feasible(task, devices)
                 order = candidates(task, family, n)
@@ -154,7 +154,7 @@ def test_the_memory_model_follows_sharding_and_microbatches_in_flight():
     over 4 data-parallel ranks holds less than ZeRO-2; at one data-parallel rank, more
     tensor-parallel ranks hold less (state and column outputs split further)."""
     task = gpt(n_layer=8, batch_size=64)
-    mem = lambda n, **kw: parallel.memory(task, n, parallel.Degrees(**kw))  # noqa: E731
+    mem = lambda n, **kw: parallel.memory(task, n, Layout(**{"strategy": "zero2", **kw}))  # noqa: E731
     for pp in (2, 4, 8):
         assert mem(pp, pp=pp, schedule="gpipe", microbatches=8) > mem(pp, pp=pp, schedule="1f1b", microbatches=8)
     assert mem(8, strategy="zero3", pp=2, microbatches=8) < mem(8, strategy="zero2", pp=2, microbatches=8)
@@ -166,7 +166,7 @@ def test_a_private_pipelines_schedules_are_ranked_as_it_runs():
     """A private pipeline forms its ``W``s (clipped sums) in waits or after its list, so
     zero-bubble's deferred ``W``s gain nothing over 1f1b: the search ranks a private task's
     schedules by the private run's time (``simulate_private``), a plain task's by the lists'."""
-    units = lambda k, **kw: parallel.step_units(parallel.Degrees(pp=4, schedule=k, microbatches=4), **kw)  # noqa: E731
+    units = lambda k, **kw: parallel.step_units(Layout("zero2", pp=4, schedule=k, microbatches=4), **kw)  # noqa: E731
     assert units("zero_bubble") < units("1f1b")
     assert units("zero_bubble", private=True) == units("1f1b", private=True) < units("1f1b")
     assert [c["schedule"] for c in pipeline_choices(block_task(private=True), 4, 1)][:2] == ["interleaved_1f1b", "1f1b"]

@@ -119,13 +119,14 @@ def test_a_user_task_becomes_a_python_run_of_its_functions(tmp_path):
     """The run names the functions by reference, passes the hparams, takes lr and ckpt_every
     from them, and a private job's noise is the one calibrated for its full steps."""
     task = mlp_task("p", steps=40, private=True)
-    early = run_config(task, strategy="zero3", steps=3, out=tmp_path, ckpt_dir=tmp_path / "c")
-    full = run_config(task, strategy="ddp", steps=40, out=tmp_path, ckpt_dir=tmp_path / "c")
-    assert (early.model, early.model_fn, early.data_fn, early.loss_fn) == (
+    early = run_config(task, strategy="zero3", steps=3, out=tmp_path, ckpt_dir=tmp_path / "c").flat()
+    full = run_config(task, strategy="ddp", steps=40, out=tmp_path, ckpt_dir=tmp_path / "c").flat()
+    assert (early["model"], early["model_fn"], early["data_fn"], early["loss_fn"]) == (
         "python", f"{__name__}:mlp", f"{__name__}:blobs", f"{__name__}:cross_entropy")
-    assert early.hparams == task.hparams and early.lr == 0.05 and early.ckpt_every == 4
-    assert early.noise_multiplier == full.noise_multiplier > 0 and early.steps == 3 and early.resume
-    assert run_config(mlp_task("a"), strategy="ddp", steps=2, out=tmp_path, ckpt_dir=tmp_path / "c").private is False
+    assert early["hparams"] == task.hparams and early["lr"] == 0.05 and early["ckpt_every"] == 4
+    assert early["noise_multiplier"] == full["noise_multiplier"] > 0 and early["steps"] == 3 and early["resume"]
+    plain = run_config(mlp_task("a"), strategy="ddp", steps=2, out=tmp_path, ckpt_dir=tmp_path / "c")
+    assert plain.privacy.private is False
 
 
 def test_the_single_process_run_trains_checkpoints_and_logs_what_the_live_table_reads(tmp_path):
@@ -215,12 +216,12 @@ def test_a_python_run_is_checked_and_its_file_reads_back(tmp_path):
     from fsdpx.train.config import ConfigError, RunConfig, read_file, to_toml
 
     refs = {"model_fn": f"{__name__}:mlp", "data_fn": f"{__name__}:blobs", "loss_fn": f"{__name__}:cross_entropy"}
-    config = RunConfig(model="python", **refs, hparams={"d_in": 8, "hidden": 4, "classes": 3, "n": 32})
+    config = RunConfig.of(model="python", **refs, hparams={"d_in": 8, "hidden": 4, "classes": 3, "n": 32})
     (tmp_path / "run.toml").write_text(to_toml(config))
-    assert RunConfig(**read_file(tmp_path / "run.toml")) == config
+    assert RunConfig.of(**read_file(tmp_path / "run.toml")) == config
     for bad, message in [({**refs, "loss_fn": None}, "missing loss_fn"), ({**refs, "data_fn": "blobs"}, "module:qualname"),
                          ({**refs, "data_path": "x.npy"}, "drop data_path")]:
         with pytest.raises(ConfigError, match=message):
-            RunConfig(model="python", **bad)
+            RunConfig.of(model="python", **bad)
     with pytest.raises(ConfigError, match='add model = "python"'):
-        RunConfig(model_fn=refs["model_fn"])
+        RunConfig.of(model_fn=refs["model_fn"])

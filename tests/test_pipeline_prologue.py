@@ -113,17 +113,18 @@ def test_a_module_on_both_sides_of_the_blocks_is_refused():
 
 
 def test_the_train_loop_traces_the_prologue_of_the_model_it_builds():
-    """``fsdpx train --pp 2`` resolves its plan through ``sharding_plan``, which traces on one of
+    """``fsdpx train --pp 2`` resolves its plan through ``resolve_parallel``, which traces on one of
     the run's inputs (without one, registration order: the runtime's checks then name OPT's
     final norm)."""
-    from fsdpx.train.config import RunConfig
-    from fsdpx.train.loop import sharding_plan
+    from fsdpx.train.layout import Layout
+    from fsdpx.train.parallel import resolve_parallel
 
     model = causal_lm("opt")
-    config = RunConfig(strategy="zero3", pp=2, microbatches=2)
-    stages = sharding_plan(config, model, MESH, torch.ones((1, 4), dtype=torch.long)).pipeline.param_stages
+    layout = Layout(strategy="zero3", pp=2, microbatches=2)
+    stages = resolve_parallel(layout, model, MESH, torch.ones((1, 4), dtype=torch.long)).plan.pipeline.param_stages
     assert stages["model.decoder.final_layer_norm.bias"] == (1,)
-    assert sharding_plan(config, model, MESH).pipeline.param_stages["model.decoder.final_layer_norm.bias"] == (0,)
+    untraced = resolve_parallel(layout, model, MESH).plan.pipeline.param_stages
+    assert untraced["model.decoder.final_layer_norm.bias"] == (0,)
 
 
 def test_a_stand_in_feeding_the_blocks_is_refused():
@@ -182,13 +183,13 @@ class _Block(nn.Module):
 def test_blocks_that_pass_state_besides_the_hidden_state_are_refused():
     """A later stage would run its blocks without the bias: ``check_stages`` compares each stage
     run alone with the whole model and names the first that differs; ``fsdpx train`` checks
-    before any step (``train.loop.check_pipeline``). Transformers' T5, its decoder's blocks cut
+    before any step (``train.parallel.check_pipeline``). Transformers' T5, its decoder's blocks cut
     into stages, is refused the same way. GPT-2, Llama and OPT pass."""
     import transformers
 
     from fsdpx.runtime.stages import check_stages
     from fsdpx.train.config import ConfigError
-    from fsdpx.train.loop import check_pipeline
+    from fsdpx.train.parallel import check_pipeline
     from hf_support import PAD, VOCAB, llama
 
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import pytest
 from fsdpx.sharding.private_sim import simulate_private
 from fsdpx.sharding.schedule import schedule
 from fsdpx.sharding.schedule_sim import Transfer, simulate
-from fsdpx.train.cli import main
+from fsdpx.cli import main
 from fsdpx.train.schedule_cli import describe, parse_costs
 
 ROOT = Path(__file__).resolve().parent.parent

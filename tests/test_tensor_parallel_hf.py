@@ -27,7 +27,7 @@ from fsdpx.models.tp_plans import gpt2_plan, llama_plan
 from fsdpx.runtime.plain_step import init_plain, make_plain_step
 from fsdpx.sharding import Mesh, strategies
 from fsdpx.sharding.tensor_parallel import resolve
-from fsdpx.train.sources import LLAMA_LIKE, PER_HEAD_NORMS, TP_PLANS
+from fsdpx.train.parallel import LLAMA_LIKE, PER_HEAD_NORMS, TP_PLANS
 from privacy.step import DPConfig, init_state, make_private_step
 
 transformers = pytest.importorskip("transformers")
@@ -160,7 +160,7 @@ def test_llama_plan_runs_gemma_unmodified(tied, private):
     compute in float32 inside the float64 model, so their gradients carry float32 rounding,
     which sharding sums in another order: equal to the unsharded steps within rel 1e-5 (the
     other parameters as tightly as Llama's)."""
-    from fsdpx.train.sources import TP_PLANS
+    from fsdpx.train.parallel import TP_PLANS
 
     assert TP_PLANS["GemmaForCausalLM"] is llama_plan
     model = _family("Gemma", tie_word_embeddings=tied)
@@ -175,7 +175,7 @@ def test_opt_plan_runs_opt_unmodified(mesh, private):
     ``fc1``'s input is the region's entry of a flattened view, which the tape proves to be the
     examples' rows through the entry's ``preserves_rows`` (``privacy/example_rows.py``)."""
     from fsdpx.models.tp_plans import opt_plan
-    from fsdpx.train.sources import TP_PLANS
+    from fsdpx.train.parallel import TP_PLANS
 
     assert TP_PLANS["OPTForCausalLM"] is opt_plan
     torch.manual_seed(0)
@@ -219,7 +219,7 @@ def test_qwen3_plan_runs_qwen3_unmodified(mesh, tied, private):
     share. ``qwen3_plan`` marks the norms ``ReplicatedOnSplit`` and the step sums the share over
     ``tp`` (private: each example's, before its norm): equal to the unsharded steps."""
     from fsdpx.models.tp_plans import qwen3_plan
-    from fsdpx.train.sources import TP_PLANS
+    from fsdpx.train.parallel import TP_PLANS
 
     assert TP_PLANS["Qwen3ForCausalLM"] is qwen3_plan
     model = _qwen3(tied)

@@ -19,7 +19,7 @@ import torch
 from fsdpx.models.gpt import GPT
 from fsdpx.train import RunConfig, cli, data
 from fsdpx.train.config import ConfigError, ConfigFileError, parse, read_file, to_toml
-from fsdpx.train.loop import check_layout
+from fsdpx.train.build import check_layout
 from fsdpx.train.segments import DataChangeError
 from fsdpx.train.sources import VocabularyError, build_source
 
@@ -94,28 +94,30 @@ topk = 0.25
 every = 5
 """)
     from_file = _config(["--config", str(path)])
-    assert (from_file.steps, from_file.lr, from_file.n_layer, from_file.block_size) == (7, 0.003, 3, 12)
-    assert (from_file.noise_multiplier, from_file.target_epsilon, from_file.sample_rate) == (1.5, None, 0.1)
-    assert (from_file.offload, from_file.offload_topk, from_file.ckpt_every) == ("zenflow", 0.25, 5)
-    assert from_file.n_embd == RunConfig().n_embd and from_file.config_file == str(path.resolve())
+    f = from_file.flat()
+    assert (f["steps"], f["lr"], f["n_layer"], f["block_size"]) == (7, 0.003, 3, 12)
+    assert (f["noise_multiplier"], f["target_epsilon"], f["sample_rate"]) == (1.5, None, 0.1)
+    assert (from_file.offload.kind, from_file.offload.offload_topk, from_file.checkpoints.ckpt_every) == \
+        ("zenflow", 0.25, 5)
+    assert from_file.model.n_embd == RunConfig().model.n_embd and from_file.config_file == str(path.resolve())
     # a flag wins over the file; the other half of an exclusive pair in the file is dropped
     flagged = _config(["--config", str(path), "--steps", "9", "--target-epsilon", "3", "--batch-size", "20",
                        "--offload-topk", "0.5"])
-    assert (flagged.steps, flagged.lr, flagged.n_layer) == (9, 0.003, 3)
-    assert (flagged.target_epsilon, flagged.noise_multiplier) == (3.0, None)
-    assert (flagged.batch_size, flagged.sample_rate) == (20.0, None)
-    assert (flagged.offload, flagged.offload_topk) == ("zenflow", 0.5)
+    assert (flagged.run.steps, flagged.run.lr, flagged.model.n_layer) == (9, 0.003, 3)
+    assert (flagged.privacy.target_epsilon, flagged.privacy.noise_multiplier) == (3.0, None)
+    assert (flagged.privacy.batch_size, flagged.privacy.sample_rate) == (20.0, None)
+    assert (flagged.offload.kind, flagged.offload.offload_topk) == ("zenflow", 0.5)
     # a flag left at its default does not override the file
-    assert _config(["--config", str(path), "--n-layer", "2"]).n_layer == 2
-    assert _config(["--config", str(path), "--lr", "0.01"]).lr == 0.01
+    assert _config(["--config", str(path), "--n-layer", "2"]).model.n_layer == 2
+    assert _config(["--config", str(path), "--lr", "0.01"]).run.lr == 0.01
     # without a file, the flags alone (today's command line)
-    assert _config(["--steps", "4"]) == RunConfig(steps=4)
+    assert _config(["--steps", "4"]) == RunConfig.of(steps=4)
 
 
 def test_full_field_names_work_in_their_section_and_top_level_keys_are_the_run_section(tmp_path):
     short = _config(["--config", str(_toml(tmp_path / "a.toml", "[offload]\nkind = 'zero'\n[logging]\nname = 'x'"))])
     full = _config(["--config", str(_toml(tmp_path / "b.toml", "[offload]\noffload = 'zero'\n[run]\nseed = 2"))])
-    assert (short.offload, short.name, full.offload, full.seed) == ("zero", "x", "zero", 2)
+    assert (short.offload.kind, short.logging.name, full.offload.kind, full.run.seed) == ("zero", "x", "zero", 2)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -158,13 +160,13 @@ def test_a_missing_config_file_is_named(tmp_path, capsys):
 
 @pytest.mark.parametrize("config", [
     RunConfig(),
-    RunConfig(steps=5, noise_multiplier=1.25, sample_rate=0.03, offload="zenflow", ckpt_dir="ck", name="x"),
-    RunConfig(private=False, model="transformers", model_class="GPT2Config",
+    RunConfig.of(steps=5, noise_multiplier=1.25, sample_rate=0.03, offload="zenflow", ckpt_dir="ck", name="x"),
+    RunConfig.of(private=False, model="transformers", model_class="GPT2Config",
               model_fields={"n_embd": 8, "n_head": 2, "layer_norm_epsilon": 1e-6, "architectures": ["GPT2LMHeadModel"],
                             "nested": {"a b": "c\"d"}}, data_path="notes.txt", tokenizer="bytes"),
 ])
 def test_the_resolved_file_reads_back_as_the_same_config(config):
-    assert RunConfig(**parse(tomllib.loads(to_toml(config)))) == config
+    assert RunConfig.of(**parse(tomllib.loads(to_toml(config)))) == config
 
 
 def test_a_run_from_a_file_writes_the_resolved_file_and_the_file_path(tmp_path):
@@ -189,9 +191,9 @@ progress = false
     run_dir = tmp_path / "runs" / "from-file"
     assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
     written = json.loads((run_dir / "config.json").read_text())
-    assert written["config_file"] == str(path.resolve()) and written["steps"] == 3
+    assert written["config_file"] == str(path.resolve()) and written["run"]["steps"] == 3
     assert written["derived"]["model"] == "GPT 1x16" and "embedded corpus" in written["derived"]["data"]
-    resolved = RunConfig(**read_file(run_dir / "config.toml"), config_file=str(path.resolve()))
+    resolved = RunConfig.of(**read_file(run_dir / "config.toml"), config_file=str(path.resolve()))
     assert resolved == _config(["--config", str(path), "--steps", "3"])
     assert f"# read from {path.resolve()}" in (run_dir / "config.toml").read_text()
 
@@ -201,9 +203,9 @@ progress = false
 
 def test_the_default_source_is_the_corpus_and_gpt_of_before():
     """Runs and checkpoints from before config files continue bit for bit."""
-    config = RunConfig(n_layer=1, n_embd=16, n_head=2, corpus_chars=5000, seed=3)
+    config = RunConfig.of(n_layer=1, n_embd=16, n_head=2, corpus_chars=5000, seed=3)
     source = build_source(config)
-    inputs, targets = data.make_examples(data.corpus(5000), config.block_size)
+    inputs, targets = data.make_examples(data.corpus(5000), config.data.block_size)
     assert torch.equal(source.inputs, inputs) and torch.equal(source.targets, targets)
     torch.manual_seed(3)
     model = GPT(config.model_config())
@@ -212,7 +214,7 @@ def test_the_default_source_is_the_corpus_and_gpt_of_before():
 
 
 def test_a_transformers_model_from_a_local_config_is_the_users_model_seeded(files):
-    config = RunConfig(model="transformers", model_path=str(files["gpt2"]), data_path=str(files["text"]),
+    config = RunConfig.of(model="transformers", model_path=str(files["gpt2"]), data_path=str(files["text"]),
                        tokenizer=str(files["tokenizer"]), block_size=8, seed=5)
     source = build_source(config)
     assert type(source.model) is transformers.GPT2LMHeadModel  # unmodified: no wrapper
@@ -224,18 +226,17 @@ def test_a_transformers_model_from_a_local_config_is_the_users_model_seeded(file
     ids = torch.tensor(tok(TEXT, add_special_tokens=False)["input_ids"])
     assert torch.equal(source.inputs, data.windows(ids, 8)[0]) and torch.equal(source.targets, data.windows(ids, 8)[1])
     # the config file's own path works too, and by class name + fields gives the same model
-    same = build_source(RunConfig(**{**config.__dict__, "model_path": str(files["gpt2"] / "config.json")}))
+    same = build_source(config.replace(model_path=str(files["gpt2"] / "config.json")))
     assert all(torch.equal(same.params[k], v) for k, v in source.params.items())
     fields = {k: v for k, v in GPT2.items() if k != "model_type"}
-    by_class = build_source(RunConfig(**{**config.__dict__, "model_path": None, "model_class": "GPT2Config",
-                                         "model_fields": fields}))
+    by_class = build_source(config.replace(model_path=None, model_class="GPT2Config", model_fields=fields))
     assert all(torch.equal(by_class.params[k], v) for k, v in source.params.items())
 
 
 def test_a_llama_by_model_class_and_fields(files):
     fields = {"vocab_size": 300, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
-    source = build_source(RunConfig(model="transformers", model_class="LlamaForCausalLM", model_fields=fields,
+    source = build_source(RunConfig.of(model="transformers", model_class="LlamaForCausalLM", model_fields=fields,
                                     data_path=str(files["text"]), block_size=16))
     assert type(source.model) is transformers.LlamaForCausalLM and source.vocab_size == 300
     assert source.loss_fn(source.model(source.inputs[:3]), source.targets[:3]).shape == (3,)
@@ -248,23 +249,23 @@ def test_token_files_npy_and_bin_are_cut_into_the_same_examples(tmp_path):
     ids.astype(np.int32).tofile(tmp_path / "t32.bin")
     want = data.windows(torch.from_numpy(ids.astype(np.int64)), 16)
     for path, dtype in (("t.npy", "uint16"), ("t.bin", "uint16"), ("t32.bin", "int32")):
-        source = build_source(RunConfig(data_path=str(tmp_path / path), data_dtype=dtype, block_size=16,
+        source = build_source(RunConfig.of(data_path=str(tmp_path / path), data_dtype=dtype, block_size=16,
                                         n_layer=1, n_embd=8, n_head=2))
         assert torch.equal(source.inputs, want[0]) and torch.equal(source.targets, want[1]), path
         assert source.vocab_size == int(ids.max()) + 1  # the built-in GPT sized to the data
     (tmp_path / "odd.bin").write_bytes(b"\x00" * 5)
     with pytest.raises(ConfigError, match="not a whole number of uint16 tokens"):
-        build_source(RunConfig(data_path=str(tmp_path / "odd.bin")))
+        build_source(RunConfig.of(data_path=str(tmp_path / "odd.bin")))
     np.save(tmp_path / "f.npy", np.zeros((4, 4), np.float32))
     with pytest.raises(ConfigError, match="1-D of integers"):
-        build_source(RunConfig(data_path=str(tmp_path / "f.npy")))
+        build_source(RunConfig.of(data_path=str(tmp_path / "f.npy")))
 
 
 def test_a_saved_datasets_dataset_by_text_or_token_column(tmp_path, files):
     datasets = pytest.importorskip("datasets")
     lines = TEXT.splitlines()
     datasets.Dataset.from_dict({"text": lines}).save_to_disk(str(tmp_path / "text"))
-    source = build_source(RunConfig(data_path=str(tmp_path / "text"), block_size=16, tokenizer=str(files["tokenizer"])))
+    source = build_source(RunConfig.of(data_path=str(tmp_path / "text"), block_size=16, tokenizer=str(files["tokenizer"])))
     tok = transformers.AutoTokenizer.from_pretrained(files["tokenizer"])
     ids = torch.tensor(tok("\n".join(lines), add_special_tokens=False)["input_ids"])
     assert torch.equal(source.inputs, data.windows(ids, 16)[0])
@@ -272,13 +273,13 @@ def test_a_saved_datasets_dataset_by_text_or_token_column(tmp_path, files):
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"input_ids": rows, "n": list(range(300))}),
                                    "test": datasets.Dataset.from_dict({"input_ids": rows[:10], "n": [0] * 10})})
     splits.save_to_disk(str(tmp_path / "ids"))
-    source = build_source(RunConfig(data_path=str(tmp_path / "ids"), block_size=8))
+    source = build_source(RunConfig.of(data_path=str(tmp_path / "ids"), block_size=8))
     flat = torch.tensor([t for r in rows for t in r])
     assert torch.equal(source.inputs, data.windows(flat, 8)[0]) and source.vocab_size == 50
     with pytest.raises(ConfigError, match=r"has splits \['test', 'train'\], not data_split 'valid'"):
-        build_source(RunConfig(data_path=str(tmp_path / "ids"), data_split="valid"))
+        build_source(RunConfig.of(data_path=str(tmp_path / "ids"), data_split="valid"))
     with pytest.raises(ConfigError, match="has columns"):
-        build_source(RunConfig(data_path=str(tmp_path / "ids"), data_column="label"))
+        build_source(RunConfig.of(data_path=str(tmp_path / "ids"), data_column="label"))
 
 
 def test_a_vocabulary_that_does_not_cover_the_data_is_a_named_error(tmp_path, files, capsys):
@@ -286,7 +287,7 @@ def test_a_vocabulary_that_does_not_cover_the_data_is_a_named_error(tmp_path, fi
     small.mkdir()
     (small / "config.json").write_text(json.dumps({**GPT2, "vocab_size": 50}))
     with pytest.raises(VocabularyError, match="holds token id 1[0-9]{2}, but the model's vocabulary has 50 ids"):
-        build_source(RunConfig(model="transformers", model_path=str(small), data_path=str(files["text"])))
+        build_source(RunConfig.of(model="transformers", model_path=str(small), data_path=str(files["text"])))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", "--data-path", str(files["text"]), "--vocab-size", "100", "--out", str(tmp_path / "r")])
     assert exit_info.value.code == 2
@@ -306,21 +307,21 @@ def test_a_vocabulary_that_does_not_cover_the_data_is_a_named_error(tmp_path, fi
 def test_sources_that_cannot_be_built_are_named(files, config, message):
     config = {k: v.format(**files) if isinstance(v, str) else v for k, v in config.items()}
     with pytest.raises(ConfigError, match=message):
-        build_source(RunConfig(**config))
+        build_source(RunConfig.of(**config))
 
 
 def test_tensor_parallelism_of_a_transformers_model_without_a_plan_is_refused_before_launch(files):
-    bloom = RunConfig(model="transformers", model_class="BloomConfig", strategy="zero3", tp=2,
+    bloom = RunConfig.of(model="transformers", model_class="BloomConfig", strategy="zero3", tp=2,
                       model_fields={"vocab_size": 300, "hidden_size": 8, "n_layer": 1, "n_head": 2},
                       data_path=str(files["text"]), block_size=8)
     with pytest.raises(ConfigError, match="no tensor-parallel plan for BloomForCausalLM"):
         check_layout(bloom, 4)
-    gpt2 = RunConfig(model="transformers", model_path=str(files["gpt2"]), strategy="zero3", tp=2,
+    gpt2 = RunConfig.of(model="transformers", model_path=str(files["gpt2"]), strategy="zero3", tp=2,
                      model_fields={"n_head": 1}, data_path=str(files["text"]), tokenizer=str(files["tokenizer"]),
                      block_size=8)
     with pytest.raises(ConfigError, match="n_head=1 does not divide by tp=2"):
         check_layout(gpt2, 4)
-    check_layout(RunConfig(**{**gpt2.__dict__, "model_fields": None}), 4)  # the GPT-2 plan applies
+    check_layout(gpt2.replace(model_fields=None), 4)  # the GPT-2 plan applies
 
 
 def test_new_data_on_resume_is_named_unless_allowed(tmp_path, files):
@@ -330,10 +331,10 @@ def test_new_data_on_resume_is_named_unless_allowed(tmp_path, files):
                 noise_multiplier=1.0, ckpt_dir=str(tmp_path / "ck"), ckpt_every=1, data_path=str(files["text"]))
     from fsdpx.train import run
 
-    run(RunConfig(**base, steps=1), progress=False)
+    run(RunConfig.of(**base, steps=1), progress=False)
     with pytest.raises(DataChangeError, match=r"text .*notes.txt, bytes -> text .*other.txt, bytes"):
-        run(RunConfig(**{**base, "data_path": str(other)}, steps=2, resume=True), progress=False)
-    resumed = run(RunConfig(**{**base, "data_path": str(other)}, steps=2, resume=True, allow_new_data=True),
+        run(RunConfig.of(**{**base, "data_path": str(other)}, steps=2, resume=True), progress=False)
+    resumed = run(RunConfig.of(**{**base, "data_path": str(other)}, steps=2, resume=True, allow_new_data=True),
                   progress=False)
     assert resumed["steps"] == 2
 
@@ -397,5 +398,5 @@ def test_the_shipped_example_config_builds_its_model_and_data():
     fields = {k: v for k, v in values.items() if k not in ("nproc", "progress")}
     fields["model_path"] = str(root / fields["model_path"])
     fields["data_path"] = str(root / fields["data_path"])
-    source = build_source(RunConfig(**fields))
+    source = build_source(RunConfig.of(**fields))
     assert type(source.model) is transformers.GPT2LMHeadModel and source.inputs.shape[1] == 64

@@ -13,7 +13,7 @@ from fsdpx.runtime.dist_comm import backend_for, init_from_env, shutdown
 from fsdpx.runtime.step import shard_noise
 from fsdpx.sharding import Mesh
 from fsdpx.train import ConfigError, RunConfig, run
-from fsdpx.train.cli import main
+from fsdpx.cli import main
 from fsdpx.train.config import read_file, to_toml
 from fsdpx.train.device import DeviceUnavailableError, run_device, to_device
 from fsdpx.train.launch import free_port
@@ -37,15 +37,15 @@ def test_device_cpu_and_auto_without_a_gpu_are_the_default_run_bit_for_bit(tmp_p
     torch.set_num_threads(1)
     out = {}
     for name, extra in [("default", {}), ("cpu", {"device": "cpu"}), ("auto", {"device": "auto"})]:
-        summary = run(RunConfig(out=str(tmp_path), name=name, **TINY, **extra), progress=False)
+        summary = run(RunConfig.of(out=str(tmp_path), name=name, **TINY, **extra), progress=False)
         out[name] = (_records(tmp_path / name / "metrics.jsonl"), summary["sample"], summary["epsilon"])
     assert out["default"] == out["cpu"] == out["auto"]
-    assert RunConfig().device == "cpu"
+    assert RunConfig().run.device == "cpu"
 
 
 def test_cuda_without_a_gpu_is_refused_by_name_before_anything_is_written(tmp_path, no_gpu, capsys):
     with pytest.raises(DeviceUnavailableError, match="device cuda: torch.cuda.is_available"):
-        run(RunConfig(out=str(tmp_path), device="cuda", ckpt_dir=str(tmp_path / "ck"), **TINY), progress=False)
+        run(RunConfig.of(out=str(tmp_path), device="cuda", ckpt_dir=str(tmp_path / "ck"), **TINY), progress=False)
     for argv in [[], ["--strategy", "zero3", "--nproc", "2"]]:  # one process; before torchrun starts any
         with pytest.raises(SystemExit) as exit_:
             main(["train", "--device", "cuda", "--out", str(tmp_path), "--steps", "1", *argv])
@@ -82,24 +82,24 @@ def test_the_backend_is_chosen_from_the_device_not_from_the_machine(monkeypatch)
 
 def test_a_device_that_is_not_a_choice_is_refused_and_the_field_reads_back_from_its_file(tmp_path):
     with pytest.raises(ConfigError, match="device must be one of auto, cpu, cuda"):
-        RunConfig(device="tpu")
-    config = RunConfig(device="auto")
+        RunConfig.of(device="tpu")
+    config = RunConfig.of(device="auto")
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config))
-    assert RunConfig(**read_file(path)) == config
+    assert RunConfig.of(**read_file(path)) == config
 
 
 def test_a_resume_asks_for_its_device_anew():
-    base = RunConfig(device="cuda", ckpt_dir="ck")
-    assert segment_config(base, {"resume": True}).device == "cpu"
-    assert segment_config(base, {"resume": True, "device": "cuda"}).device == "cuda"
+    base = RunConfig.of(device="cuda", ckpt_dir="ck")
+    assert segment_config(base, {"resume": True}).run.device == "cpu"
+    assert segment_config(base, {"resume": True, "device": "cuda"}).run.device == "cuda"
 
 
 # --- the device is put where tensors are made: "meta" stands in for a GPU (no data, any op moves to it)
 
 
 def test_a_source_moves_its_model_and_params_and_keeps_its_data_on_the_host():
-    source = build_source(RunConfig(**TINY))
+    source = build_source(RunConfig.of(**TINY))
     assert source.to(torch.device("cpu")) is source  # on the CPU: nothing copied
     moved = source.to(torch.device("meta"))
     assert all(p.device.type == "meta" for p in [*moved.params.values(), *moved.model.parameters()])

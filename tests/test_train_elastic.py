@@ -27,15 +27,15 @@ ARGS = ["--strategy", "zero2", "--nproc", "2", "--steps", str(STEPS), "--n-layer
 
 
 def test_a_first_attempt_runs_as_configured_and_a_restart_resumes(tmp_path):
-    config = RunConfig(ckpt_dir=str(tmp_path / "ck"))
+    config = RunConfig.of(ckpt_dir=str(tmp_path / "ck"))
     assert restarted_config(config, 0) is config
-    assert restarted_config(config, 1).resume
-    branch = RunConfig(resume_from=str(tmp_path / "source"), name="b", out=str(tmp_path))
+    assert restarted_config(config, 1).checkpoints.resume
+    branch = RunConfig.of(resume_from=str(tmp_path / "source"), name="b", out=str(tmp_path))
     assert restarted_config(branch, 2) == branch  # its own root holds nothing yet: branch again
 
 
 def test_max_restarts_needs_a_strategy_and_a_checkpoint_dir(capsys):
-    from fsdpx.train.cli import main
+    from fsdpx.cli import main
 
     for argv in (["train", "--max-restarts", "2", "--ckpt-dir", "ck"], ["train", "--max-restarts", "2",
                                                                          "--strategy", "ddp"]):

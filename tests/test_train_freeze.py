@@ -30,17 +30,17 @@ def _losses(run_dir):
 
 def test_a_frozen_embedding_stays_as_initialised_until_it_is_unfrozen(tmp_path):
     torch.set_num_threads(1)
-    initial = build_source(RunConfig(**TINY)).params
+    initial = build_source(RunConfig.of(**TINY)).params
     common = dict(TINY, out=str(tmp_path), freeze="wte,wpe@0-3", ckpt_every=100)
-    run(RunConfig(steps=3, name="a", ckpt_dir=str(tmp_path / "a"), **common), progress=False)
+    run(RunConfig.of(steps=3, name="a", ckpt_dir=str(tmp_path / "a"), **common), progress=False)
     after3 = _params(tmp_path / "a")
     assert torch.equal(after3["wte.weight"], initial["wte.weight"])
     assert torch.equal(after3["wpe.weight"], initial["wpe.weight"])
     assert not torch.equal(after3["blocks.0.mlp.fc.weight"], initial["blocks.0.mlp.fc.weight"])
-    run(RunConfig(steps=5, name="a", ckpt_dir=str(tmp_path / "a"), resume=True, **common), progress=False)
+    run(RunConfig.of(steps=5, name="a", ckpt_dir=str(tmp_path / "a"), resume=True, **common), progress=False)
     assert not torch.equal(_params(tmp_path / "a")["wte.weight"], initial["wte.weight"])
 
-    run(RunConfig(steps=5, name="b", ckpt_dir=str(tmp_path / "b"), **common), progress=False)
+    run(RunConfig.of(steps=5, name="b", ckpt_dir=str(tmp_path / "b"), **common), progress=False)
     straight, resumed = _params(tmp_path / "b"), _params(tmp_path / "a")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # resumed across the change, bit for bit
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
@@ -48,11 +48,11 @@ def test_a_frozen_embedding_stays_as_initialised_until_it_is_unfrozen(tmp_path):
 
 def test_bad_freeze_specs_are_named_errors():
     with pytest.raises(ConfigError, match="freeze"):
-        RunConfig(freeze="wte@x-3")
+        RunConfig.of(freeze="wte@x-3")
     with pytest.raises(ConfigError, match="offload"):
-        RunConfig(freeze="wte", offload="zenflow")
+        RunConfig.of(freeze="wte", offload="zenflow")
     with pytest.raises(ConfigError, match="'nope'.*match no trainable parameter"):
-        run(RunConfig(steps=1, freeze="nope", **TINY), progress=False)
+        run(RunConfig.of(steps=1, freeze="nope", **TINY), progress=False)
 
 
 def test_an_unknown_name_is_refused_before_torchrun_starts(tmp_path):

@@ -19,10 +19,10 @@ def _records(path):
 
 def test_training_k_steps_saving_and_resuming_equals_training_straight(tmp_path):
     torch.set_num_threads(1)
-    straight = run(RunConfig(steps=5, out=str(tmp_path), name="straight", **COMMON), progress=False)
+    straight = run(RunConfig.of(steps=5, out=str(tmp_path), name="straight", **COMMON), progress=False)
     ck = str(tmp_path / "ck")
-    run(RunConfig(steps=2, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=2, **COMMON), progress=False)
-    resumed = run(RunConfig(steps=5, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=2, resume=True,
+    run(RunConfig.of(steps=2, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=2, **COMMON), progress=False)
+    resumed = run(RunConfig.of(steps=5, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=2, resume=True,
                             **COMMON), progress=False)
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
@@ -33,15 +33,15 @@ def test_training_k_steps_saving_and_resuming_equals_training_straight(tmp_path)
 
 def test_resume_without_a_checkpoint_dir_is_refused():
     with pytest.raises(ConfigError, match="resume needs ckpt_dir"):
-        RunConfig(resume=True)
+        RunConfig.of(resume=True)
 
 
 def test_resume_into_another_model_names_the_tensor(tmp_path):
     ck = str(tmp_path / "ck")
-    run(RunConfig(steps=1, out=str(tmp_path), ckpt_dir=ck, **COMMON), progress=False)
+    run(RunConfig.of(steps=1, out=str(tmp_path), ckpt_dir=ck, **COMMON), progress=False)
     other = {**COMMON, "n_embd": 8}
     with pytest.raises(Exception, match="params/"):
-        run(RunConfig(steps=2, out=str(tmp_path), ckpt_dir=ck, resume=True, **other), progress=False)
+        run(RunConfig.of(steps=2, out=str(tmp_path), ckpt_dir=ck, resume=True, **other), progress=False)
 
 
 ZENFLOW = ["--offload", "zenflow", "--offload-interval", "2", "--offload-topk", "0.25"]
@@ -76,10 +76,10 @@ def test_zenflow_run_resumes_bit_for_bit_with_its_host_window(tmp_path):
     """Offloaded: the checkpoint at step 3 falls inside a ZenFlow window (interval 2, delay 1)."""
     torch.set_num_threads(1)
     common = {**COMMON, "offload": "zenflow", "offload_interval": 2, "offload_topk": 0.25}
-    run(RunConfig(steps=6, out=str(tmp_path), name="straight", **common), progress=False)
+    run(RunConfig.of(steps=6, out=str(tmp_path), name="straight", **common), progress=False)
     ck = str(tmp_path / "ck")
-    run(RunConfig(steps=3, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=3, **common), progress=False)
-    run(RunConfig(steps=6, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=3, resume=True, **common),
+    run(RunConfig.of(steps=3, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=3, **common), progress=False)
+    run(RunConfig.of(steps=6, out=str(tmp_path), name="resumed", ckpt_dir=ck, ckpt_every=3, resume=True, **common),
         progress=False)
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
@@ -137,12 +137,12 @@ def test_a_resumed_run_with_more_steps_stays_within_its_target(tmp_path):
     """Issue 15's report: 20 steps "to epsilon 8", resumed to 30 with another learning rate,
     ended at epsilon 8.673. The remaining steps' noise is now calibrated against the history,
     so the whole run ends at or below 8, and the accountant's composed history says so."""
-    from fsdpx.train.loop import RunConfig, run
+    from fsdpx.train import RunConfig, run
 
     base = dict(out=str(tmp_path), name="r", n_layer=1, n_embd=16, n_head=2, block_size=16, corpus_chars=20000,
                 batch_size=32.0, ckpt_dir=str(tmp_path / "ck"), ckpt_every=5)
-    run(RunConfig(steps=20, **base), progress=False)
-    summary = run(RunConfig(steps=30, lr=3e-3, resume=True, **base), progress=False)
+    run(RunConfig.of(steps=20, **base), progress=False)
+    summary = run(RunConfig.of(steps=30, lr=3e-3, resume=True, **base), progress=False)
     records = _records(tmp_path / "r" / "metrics.jsonl")
     assert records[-1]["step"] == 30
     assert records[-1]["epsilon"] <= 8.0, records[-1]["epsilon"]

@@ -11,7 +11,7 @@ import torch
 
 import ckpt
 from fsdpx.train import RunConfig, cli, run
-from fsdpx.train.loop import format_summary
+from fsdpx.train.report import format_summary
 from fsdpx.train.resume import resume_from
 from fsdpx.train.segments import (BranchError, CheckpointNotFoundError, DataChangeError, ModelChangeError,
                                   PrivacyModeChangeError, cut_back)
@@ -40,7 +40,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 
 def _cfg(tmp_path, name="a", **kw):
-    return RunConfig(out=str(tmp_path), name=name, **{**TINY, **kw})
+    return RunConfig.of(out=str(tmp_path), name=name, **{**TINY, **kw})
 
 
 def test_cut_back_keeps_each_step_once_up_to_the_start():
@@ -118,8 +118,8 @@ def test_allowed_changes_on_resume_are_recorded_per_segment(tmp_path):
                     epsilon_budget=5.0, allow_budget_increase=True), progress=False)
     segments = json.loads((tmp_path / "a" / "config.json").read_text())["segments"]
     assert [s["start_step"] for s in segments] == [0, 3, 5]
-    assert [s["config"]["lr"] for s in segments] == [1e-2, 3e-3, 1e-2]
-    assert [s["config"]["clip_norm"] for s in segments] == [1.0, 0.5, 1.0]
+    assert [s["config"]["run"]["lr"] for s in segments] == [1e-2, 3e-3, 1e-2]
+    assert [s["config"]["privacy"]["clip_norm"] for s in segments] == [1.0, 0.5, 1.0]
     assert segments[1]["derived"]["sample_rate"] == 2 * segments[0]["derived"]["sample_rate"]
     assert segments[2]["derived"]["noise_multiplier"] == 3.0
     assert [r["step"] for r in _rows(tmp_path / "a")] == [1, 2, 3, 4, 5, 6]
@@ -167,7 +167,7 @@ def test_a_cli_branch_keeps_the_flags_it_does_not_set(tmp_path):
               "--steps", "3", "--ckpt-dir", str(ck), "--ckpt-every", "2", "--no-progress"])
     cli.main(["train", "--resume-from", str(ck / "step_2"), "--lr", "0.003", "--name", "b", "--steps", "4",
               "--no-progress"])
-    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    config = RunConfig.from_dict(json.loads((tmp_path / "b" / "config.json").read_text())).flat()
     assert (config["n_embd"], config["corpus_chars"], config["target_epsilon"], config["lr"]) == (8, 4000, 4.0, 0.003)
     assert config["ckpt_dir"] == str(tmp_path / "b" / "ckpt") and config["resume_from"] == str(ck / "step_2")
 

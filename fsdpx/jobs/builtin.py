@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from . import parallel, techniques
+from fsdpx.train.layout import Layout
+
 from .devices import Devices
 from .execute import JobResult, launch
 from .memory import job_memory
@@ -103,11 +105,11 @@ def pipeline_choices(task: Task, pp: int, dp: int) -> list[dict[str, Any]]:
     counts = [m for m in (pp, 2 * pp) if m <= share] or [pp]
     out = [dict(schedule=k, microbatches=m, virtual_stages=v) for m in counts
            for k, v in (("1f1b", 1), ("zero_bubble", 1), ("interleaved_1f1b", 2))]
-    return sorted(out, key=lambda c: (parallel.step_units(parallel.Degrees(pp=pp, **c), private=task.private),
+    return sorted(out, key=lambda c: (parallel.step_units(Layout(DATA_STRATEGIES[0], pp=pp, **c), private=task.private),
                                       c["microbatches"]))
 
 
-def candidates(task: Task, family: str, n: int) -> list[parallel.Degrees]:
+def candidates(task: Task, family: str, n: int) -> list[Layout]:
     """Every layout of ``family`` on ``n`` ranks, in the order ``ParallelTechnique.search``
     prefers them: the fewest model-parallel ranks first (``tp``: the degree; ``pp``: the stages;
     ``3d``: ``tp x pp``, then the smaller ``tp``), each with ``DATA_STRATEGIES`` in order and a
@@ -123,7 +125,7 @@ def candidates(task: Task, family: str, n: int) -> list[parallel.Degrees]:
     for t, q in pairs:
         for strategy in DATA_STRATEGIES:
             pipes = pipeline_choices(task, q, n // (t * q)) if q > 1 else [{}]
-            out += [parallel.Degrees(strategy, tp=t, pp=q, **c) for c in pipes]
+            out += [Layout(strategy, tp=t, pp=q, **c) for c in pipes]
     return out
 
 
@@ -141,12 +143,12 @@ class ParallelTechnique:
         """As the other built-ins: ``train_run.check_runnable``."""
         check_runnable(task)
 
-    def choose(self, task: Task, devices: Devices) -> parallel.Degrees | None:
+    def choose(self, task: Task, devices: Devices) -> Layout | None:
         """The first of ``candidates`` that fits (None when none does)."""
         return _choose(task, self.family, devices.count, devices.memory_bytes)
 
     def search(self, task: Task, devices: Devices) -> dict[str, Any]:
-        """The chosen ``Degrees`` as params (``strategy``, ``tp``, ``pp``, ``schedule``,
+        """The chosen ``Layout`` as params (``strategy``, ``tp``, ``pp``, ``schedule``,
         ``microbatches``, ``virtual_stages``); ``{}`` when nothing fits (``feasible`` is False)."""
         self.check(task)
         chosen = self.choose(task, devices)
@@ -161,7 +163,7 @@ class ParallelTechnique:
 
     def memory(self, task: Task, devices: Devices, params: Mapping[str, Any]) -> int:
         """The memory model's peak bytes per rank with ``params`` (``search``'s when empty)."""
-        degrees = parallel.Degrees.of(params) if params else self.choose(task, devices)
+        degrees = Layout.of(params) if params else self.choose(task, devices)
         got = parallel.memory(task, devices.count, degrees) if degrees is not None else None
         return got if got is not None else 2**63 - 1
 
@@ -174,16 +176,14 @@ class ParallelTechnique:
     def execute(self, task: Task, devices: Devices, params: Mapping[str, Any], steps: int, ckpt_dir: Path
                 ) -> JobResult:
         """Train ``task`` up to step ``steps`` on ``devices`` with the degrees of ``params``."""
-        d = parallel.Degrees.of(params)
+        d = Layout.of(params)
         ckpt_dir = Path(ckpt_dir)
-        config = run_config(task, strategy=d.strategy, steps=steps, out=ckpt_dir.parent, ckpt_dir=ckpt_dir, tp=d.tp,
-                            pp=d.pp, schedule=d.schedule, microbatches=d.microbatches,
-                            virtual_stages=d.virtual_stages)
+        config = run_config(task, steps=steps, out=ckpt_dir.parent, ckpt_dir=ckpt_dir, **d.params())
         return launch(task.name, config, devices)
 
 
 @lru_cache(maxsize=512)
-def _choose(task: Task, family: str, n: int, memory_bytes: int) -> parallel.Degrees | None:
+def _choose(task: Task, family: str, n: int, memory_bytes: int) -> Layout | None:
     for degrees in candidates(task, family, n):
         got = parallel.memory(task, n, degrees)
         if got is not None and got <= memory_bytes:

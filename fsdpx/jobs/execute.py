@@ -81,11 +81,12 @@ def import_roots(config: RunConfig) -> list[str]:
     """The ``sys.path`` directories this process imported a ``model = "python"`` run's functions
     from (``fsdpx.train.refs.import_root``), for the workers' ``PYTHONPATH``: a module found
     here (a test module beside its tests, a script's directory) is found there too."""
-    if config.model != "python":
+    if config.model.kind != "python":
         return []
     from fsdpx.train.refs import import_root
 
-    roots = (import_root(ref.partition(":")[0]) for ref in (config.model_fn, config.data_fn, config.loss_fn))
+    refs = (config.model.model_fn, config.data.data_fn, config.model.loss_fn)
+    roots = (import_root(ref.partition(":")[0]) for ref in refs)
     return sorted({r for r in roots if r is not None})
 
 

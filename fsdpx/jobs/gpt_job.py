@@ -24,18 +24,18 @@ def _base(hparams: Mapping[str, Any]) -> RunConfig:
     unknown = sorted(set(hparams) - set(HPARAMS))
     if unknown:
         raise UnsupportedTaskError(f"hparams {unknown} are not RunConfig fields of a GPT job; allowed: {HPARAMS}")
-    return RunConfig(private=False, **hparams)
+    return RunConfig.of(private=False, **hparams)
 
 
 def gpt_model(hparams: Mapping[str, Any]) -> GPT:
-    """The GPT of ``RunConfig(**hparams)`` (randomly initialised; the run seeds its own)."""
+    """The GPT of ``RunConfig.of(**hparams)`` (randomly initialised; the run seeds its own)."""
     return GPT(_base(hparams).model_config())
 
 
 def corpus_data(hparams: Mapping[str, Any]):
     """``(inputs, targets)`` of the embedded corpus at the job's ``corpus_chars`` and ``block_size``."""
     c = _base(hparams)
-    return data.make_examples(data.corpus(c.corpus_chars), c.block_size)
+    return data.make_examples(data.corpus(c.data.corpus_chars), c.data.block_size)
 
 
 def gpt_task(name: str, *, steps: int, batch_size: float, privacy: Privacy | None = None, **hparams: Any) -> Task:

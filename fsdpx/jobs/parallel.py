@@ -2,12 +2,13 @@
 per rank and the bytes a rank sends (pure: the model on the meta device, ``fsdpx.sharding``'s
 cost model).
 
-A :class:`Degrees` is what ``fsdpx train --strategy S --tp T --pp P --schedule K --microbatches
-M --virtual-stages V`` takes: ``n = dp x tp x pp`` ranks (``run_mesh``), the data-parallel
-``strategy`` over the ``dp`` axis. :func:`plan_of` resolves it on the job's model exactly as
-the run will (``fsdpx.train.loop.resolve_plan``), so degrees the model cannot take (heads that
-do not divide by ``tp``, fewer blocks than stages, no tensor-parallel plan, no block list) are
-found here, before anything runs.
+A technique's degrees are a :class:`fsdpx.train.layout.Layout`, the value ``fsdpx train
+--strategy S --tp T --pp P --schedule K --microbatches M --virtual-stages V`` builds: ``n = dp x
+tp x pp`` ranks (``Layout.mesh``), the data-parallel ``strategy`` over the ``dp`` axis.
+:func:`plan_of` resolves it on the job's model exactly as the run will
+(``fsdpx.train.parallel.resolve_parallel``), so degrees the model cannot take (heads that do not
+divide by ``tp``, fewer blocks than stages, no tensor-parallel plan, no block list) are found
+here, before anything runs.
 
 Memory (:func:`memory`), on the worst rank: the resolved plan's state at rest on that rank
 (``memory_by_rank`` of ``rank_plan``: only its stages' parameters), its largest gathered unit,
@@ -31,11 +32,9 @@ the blocks tensor-parallel rank 0 computes with (the largest where a split is un
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Mapping, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,32 +48,12 @@ from fsdpx.sharding.schedule import schedule as make_schedule
 from fsdpx.sharding.private_sim import private_held_by_rank, simulate_private
 from fsdpx.sharding.schedule_sim import peak_held_by_rank, simulate
 from fsdpx.sharding.tensor_parallel import ColumnParallel, TensorParallelPlanError
-from fsdpx.train.config import ConfigError
+from fsdpx.train.errors import ConfigError
+from fsdpx.train.layout import Layout
+from fsdpx.train.parallel import resolve_parallel
 
 from .memory import PRIVATE_ACTIVATION_FACTOR, contribution_bytes, model_shape
 from .task import Task
-
-
-@dataclass(frozen=True)
-class Degrees:
-    """A parallel layout of ``n`` ranks: ``tp`` x ``pp`` x ``dp = n / (tp pp)`` with ``strategy``
-    over ``dp``; a pipeline runs ``schedule`` on ``microbatches`` per data-parallel rank with
-    ``virtual_stages`` stages per rank."""
-
-    strategy: str = "zero2"
-    tp: int = 1
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-
-    def params(self) -> dict[str, Any]:
-        """The technique params (JSON) and ``RunConfig`` fields of these degrees."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def of(cls, params: Mapping[str, Any]) -> "Degrees":
-        return cls(**{f.name: params[f.name] for f in dataclasses.fields(cls) if f.name in params})
 
 
 class Resolved(NamedTuple):
@@ -84,20 +63,16 @@ class Resolved(NamedTuple):
 
 
 @lru_cache(maxsize=256)
-def plan_of(task: Task, n: int, degrees: Degrees) -> Resolved | None:
-    """The job's model (meta) with its plan and mesh under ``degrees`` on ``n`` ranks, or None
+def plan_of(task: Task, n: int, layout: Layout) -> Resolved | None:
+    """The job's model (meta) with its plan and mesh under ``layout`` on ``n`` ranks, or None
     when the degrees do not fit ``n`` or the model (see the module doc)."""
-    from fsdpx.train.loop import resolve_plan, run_mesh
-
-    d = degrees
-    if n % (d.tp * d.pp):
+    if n % (layout.tp * layout.pp):
         return None
-    mesh = run_mesh(d.strategy, n, d.tp, d.pp)
+    mesh = layout.mesh(n)
     with torch.device("meta"):
         model = task.model_fn(task.hparams)
     try:
-        plan = resolve_plan(model, mesh, strategy=d.strategy, tp=d.tp, pp=d.pp, schedule=d.schedule,
-                            microbatches=d.microbatches, virtual_stages=d.virtual_stages)
+        plan = resolve_parallel(layout, model, mesh).plan
     except (ConfigError, TensorParallelPlanError, PipelinePlanError):
         return None
     return Resolved(model, plan, mesh)
@@ -152,7 +127,7 @@ def activation_bytes(task: Task, resolved: Resolved) -> list[int]:
     return [round(b) for b in private_held_by_rank(timeline, [micro * b for b in per_stage], kept)]
 
 
-def memory(task: Task, n: int, degrees: Degrees) -> int | None:
+def memory(task: Task, n: int, degrees: Layout) -> int | None:
     """Estimated peak bytes on the worst of ``n`` ranks under ``degrees`` (module doc); None
     when the degrees do not fit."""
     resolved = plan_of(task, n, degrees)
@@ -174,7 +149,7 @@ def memory(task: Task, n: int, degrees: Degrees) -> int | None:
     return worst
 
 
-def sent_bytes(task: Task, n: int, degrees: Degrees) -> int | None:
+def sent_bytes(task: Task, n: int, degrees: Layout) -> int | None:
     """Bytes rank 0 sends per step of a batch of ``round(batch_size)`` examples: the plan's
     parameter collectives, tensor-parallel activation collectives (traced on the meta model,
     ``fsdpx.runtime.activation_cost``) and, with a pipeline, its messages
@@ -199,7 +174,7 @@ def sent_bytes(task: Task, n: int, degrees: Degrees) -> int | None:
                                       private=task.private, activations=acts)["send_bytes"])
 
 
-def step_units(degrees: Degrees, *, private: bool = False) -> float:
+def step_units(degrees: Layout, *, private: bool = False) -> float:
     """A pipeline's step time in units of its rank's compute (``F + B + W`` of its whole share =
     3): the schedule simulated with each action costing its share, ``1 / (microbatches x
     virtual_stages)``; 3 without a pipeline. The bubble the choice of schedule and microbatches

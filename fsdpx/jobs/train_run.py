@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpx.train import RunConfig
-from fsdpx.train.loop import resolve_privacy, resolve_sample_rate
+from fsdpx.train.build import resolve_privacy, resolve_sample_rate
 from fsdpx.train.refs import NotImportableError, function_ref
 
 from .gpt_job import corpus_data, is_gpt_task
@@ -93,8 +93,9 @@ def run_config(task: Task, *, strategy: str | None, steps: int, out: Path, ckpt_
                   **parallel)
     p = task.privacy
     if p is None:
-        return RunConfig(**common, steps=steps, private=False)
-    full = RunConfig(**common, steps=task.steps, private=True, target_epsilon=p.target_epsilon,
-                     noise_multiplier=p.noise_multiplier, delta=p.delta, clip_norm=p.clip_norm)
+        return RunConfig.of(**common, steps=steps, private=False)
+    full = RunConfig.of(**common, steps=task.steps, private=True, target_epsilon=p.target_epsilon,
+                        noise_multiplier=p.noise_multiplier, delta=p.delta, clip_norm=p.clip_norm)
     sigma = resolve_privacy(full, resolve_sample_rate(full, num_examples(task))).noise_multiplier
-    return RunConfig(**common, steps=steps, private=True, noise_multiplier=sigma, delta=p.delta, clip_norm=p.clip_norm)
+    return RunConfig.of(**common, steps=steps, private=True, noise_multiplier=sigma, delta=p.delta,
+                        clip_norm=p.clip_norm)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from fsdpx.train import RunConfig, run, run_mesh
+from fsdpx.train import RunConfig, run
 from fsdpx.train.device import torchrun_device
 from fsdpx.train.launch import watch_launcher
 
@@ -32,14 +32,13 @@ def peak_bytes(device: torch.device) -> int:
 
 def main(path: str) -> None:
     watch_launcher()  # die with torchrun and with the process that launched it (execute.launch)
-    config = RunConfig(**json.loads(Path(path).read_text()))
-    device = torchrun_device(config.device)
+    config = RunConfig.from_dict(json.loads(Path(path).read_text()))
+    device = torchrun_device(config.run.device)
     comm = None
     if "WORLD_SIZE" in os.environ:
         from fsdpx.runtime.dist_comm import init_from_env
 
-        comm = init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp),
-                             device=device)
+        comm = init_from_env(config.parallelism.mesh(int(os.environ["WORLD_SIZE"])), device=device)
     rank = 0 if comm is None else comm.rank
     summary = run(config, progress=False, comm=comm)
     config.run_dir.mkdir(parents=True, exist_ok=True)

@@ -1,43 +1,46 @@
-"""The ``fsdpx`` command line (also ``python -m fsdpx``).
+"""``fsdpx train``: the command line of the training job (the ``fsdpx`` front door,
+:mod:`fsdpx.cli`, dispatches ``train`` here).
 
     fsdpx train                          # ~2 min private run on the embedded corpus -> runs/private/
     fsdpx train --non-private            # the same loop without clipping or noise -> runs/non-private/
     fsdpx train --noise-multiplier 1.0 --batch-size 256 --steps 100 --name sigma1
     fsdpx train --config run.toml --steps 50   # a config file (fsdpx.train.config); flags override it
-    fsdpx jobs plan examples/jobs.toml   # many jobs at once (fsdpx.jobs.cli)
-    fsdpx schedule 1f1b --ranks 4 --microbatches 8   # a pipeline schedule simulated (schedule_cli)
 
-Flags map one to one onto :class:`fsdpx.train.RunConfig` fields (``--n-embd`` -> ``n_embd``)
-and onto the keys of a ``--config`` file, so a new option is one ``add_argument`` here, one
-field there (and its section in ``fsdpx.train.config.SECTIONS``) and, if it changes how a step
-is computed, one branch in :func:`fsdpx.train.build_step`. Bad values, in a flag or in the file,
-exit with status 2 and a one-line message, never a traceback.
+Flags map one to one onto the flat names of :class:`fsdpx.train.RunConfig`'s settings
+(``--n-embd`` -> ``n_embd``, in ``config.model``) and onto the keys of a ``--config`` file, so a
+new option is one ``add_argument`` here, one field in its section's value
+(``fsdpx.train.config``) and, if it changes how a step is computed, one branch in
+:func:`fsdpx.train.build_step`. Bad values, in a flag or in the file, exit with status 2 and a
+one-line message, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
-import sys
-
 import json
+import math
 import os
+import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from fsdpx.sharding import strategies
 from fsdpx.sharding.schedule import KINDS
-from .config import DATA_KINDS, DEVICES, MODEL_KINDS, TOKEN_DTYPES, merge, read_file
-from .device import run_device, torchrun_device
-from .launch import launch, restart_count, torchrun_command, watch_launcher
-from .loop import ConfigError, RunConfig, check_layout, format_summary, run, run_mesh
-from .resume import restarted_config, segment_config, source_config
-from .segments import ResumeError
 from privacy.errors import PrivacyError
 
-_DEFAULTS = RunConfig()
+from .build import check_layout
+from .config import DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, TOKEN_DTYPES, RunConfig, merge, read_file
+from .device import run_device, torchrun_device
+from .errors import ConfigError
+from .launch import launch, restart_count, torchrun_command, watch_launcher
+from .loop import run
+from .report import format_summary
+from .resume import restarted_config, segment_config, source_config
+from .segments import ResumeError
+
+_DEFAULTS = SimpleNamespace(**RunConfig().flat())  # the flags' defaults, by flat name
 
 
 # --------------------------------------------------------------------------- value checks
@@ -287,7 +290,7 @@ def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
     checkpoint, and the rest keeps its values (:func:`fsdpx.train.resume.segment_config`):
     ``--resume-from ck/step_10 --lr 3e-3 --name b`` changes only the learning rate
     (``tests/test_train_segments.py::test_a_cli_branch_keeps_the_flags_it_does_not_set``)."""
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    fields = {*FIELDS, "config_file"}
     flags = {k: v for k, v in vars(args).items()
              if k in fields and v is not None and (explicit is None or k in explicit)}
     if explicit is None or "non_private" in explicit:
@@ -299,7 +302,7 @@ def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
     base = source_config(source) if source is not None and explicit is not None else None
     if base is None:
         values.setdefault("name", "private" if values.get("private", True) else "non-private")
-        return RunConfig(**values)
+        return RunConfig.of(**values)
     return segment_config(base, values)
 
 
@@ -334,14 +337,6 @@ def main(argv: list[str] | None = None) -> None:
     a message on bad flags or values the privacy core rejects."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["jobs"]:  # the multi-job planner has its own command line
-        from fsdpx.jobs.cli import main as jobs_main
-
-        return jobs_main(argv[1:])
-    if argv[:1] == ["schedule"]:  # a pipeline schedule simulated and shown
-        from fsdpx.train.schedule_cli import main as schedule_main
-
-        return schedule_main(argv[1:])
     args = parser.parse_args(argv)
     explicit = explicit_flags(argv)
     try:
@@ -350,20 +345,21 @@ def main(argv: list[str] | None = None) -> None:
         progress = not args.no_progress if "no_progress" in explicit else file.get("progress", True)
         config = config_from_args(args, explicit, file)
         max_restarts = args.max_restarts if "max_restarts" in explicit else file.get("max_restarts", 0)
-        if nproc is not None and config.strategy is None:
+        layout = config.parallelism
+        if nproc is not None and not layout.sharded:
             args.command_parser.error("--nproc needs --strategy (ddp, zero1, zero2, zero3 or hsdp)")
-        if max_restarts and (config.strategy is None or config.ckpt_dir is None):
+        if max_restarts and (not layout.sharded or config.checkpoints.ckpt_dir is None):
             args.command_parser.error("--max-restarts needs --strategy (torchrun restarts the workers) and --ckpt-dir"
                                       " (a restarted worker resumes from its newest intact checkpoint)")
-        if config.strategy is not None and "WORLD_SIZE" not in os.environ:
-            nproc = nproc or 2 * config.tp * config.pp
+        if layout.sharded and "WORLD_SIZE" not in os.environ:
+            nproc = nproc or 2 * layout.tp * layout.pp
             check_layout(config, nproc)  # refuse what cannot run here, before any process starts
             sys.exit(_launch(argv, nproc, max_restarts))  # re-run this very command on N processes
-        if config.strategy is not None:
+        if layout.sharded:
             watch_launcher()  # a worker of `fsdpx train --nproc`: never outlive the launcher
             config = restarted_config(config, restart_count())  # torchrun restarted us: resume
-        if config.strategy is None:
-            run_device(config.device)  # cuda without a GPU: refused before anything is printed or written
+        else:
+            run_device(config.run.device)  # cuda without a GPU: refused before anything is printed or written
         comm = _communicator(config)
         if comm is None or comm.rank == 0:
             print(_plan_line(config, comm), file=sys.stderr)
@@ -402,29 +398,26 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
 
 def _communicator(config: RunConfig):
     """This process's communicator in a torchrun-started sharded run, else None."""
-    if config.strategy is None:
+    if not config.parallelism.sharded:
         return None
     from fsdpx.runtime.dist_comm import init_from_env
 
-    device = torchrun_device(config.device)  # refused (no GPU for this rank) before the process group
-    return init_from_env(run_mesh(config.strategy, int(os.environ["WORLD_SIZE"]), config.tp, config.pp), device=device)
+    device = torchrun_device(config.run.device)  # refused (no GPU for this rank) before the process group
+    return init_from_env(config.parallelism.mesh(int(os.environ["WORLD_SIZE"])), device=device)
 
 
 def _plan_line(config: RunConfig, comm=None) -> str:
-    if not config.private:
+    p, m = config.privacy, config.model
+    if not p.private:
         privacy = "non-private"
-    elif config.target_epsilon is not None:
-        privacy = f"DP-SGD to epsilon {config.target_epsilon:g} at delta {config.delta:g}"
+    elif p.target_epsilon is not None:
+        privacy = f"DP-SGD to epsilon {p.target_epsilon:g} at delta {p.delta:g}"
     else:
-        privacy = f"DP-SGD with noise multiplier {config.noise_multiplier:g}"
-    where = f", {config.strategy} on {comm.mesh}" if comm is not None else ""
-    if config.device != "cpu":
-        where += f", on {comm.device if comm is not None else config.device}"
-    model = {"gpt": f"GPT {config.n_layer} layers x {config.n_embd}", "python": f"{config.model_fn}",
-             "transformers": f"transformers {config.model_class or config.model_path}"}[config.model]
-    data = config.data_fn or config.data_path or "the embedded corpus"
-    return f"fsdpx train: {config.steps} steps, {model} on {data}, {privacy}{where} -> {config.run_dir}"
-
-
-if __name__ == "__main__":
-    main()
+        privacy = f"DP-SGD with noise multiplier {p.noise_multiplier:g}"
+    where = f", {config.parallelism.strategy} on {comm.mesh}" if comm is not None else ""
+    if config.run.device != "cpu":
+        where += f", on {comm.device if comm is not None else config.run.device}"
+    model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",
+             "transformers": f"transformers {m.model_class or m.model_path}"}[m.kind]
+    data = config.data.data_fn or config.data.data_path or "the embedded corpus"
+    return f"fsdpx train: {config.run.steps} steps, {model} on {data}, {privacy}{where} -> {config.run_dir}"

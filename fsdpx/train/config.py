@@ -1,13 +1,21 @@
-"""The configuration of a run: :class:`RunConfig`, and the ``--config`` file that fills it.
+"""The configuration of a run: :class:`RunConfig`, a tree of one small value per concern, and the
+``--config`` file that fills it.
 
-    config = RunConfig(steps=300, target_epsilon=8.0)          # from Python
+    config = RunConfig.of(steps=300, target_epsilon=8.0)       # from Python, by flag names
+    config.privacy.target_epsilon, config.parallelism.tp        # read by section
     values = read_file("run.toml")                             # {field: value}, checked
     print(to_toml(config))                                     # the resolved file, loadable again
 
-A config file is TOML with one table per concern; a key is a :class:`RunConfig` field (or, in
-its section, the field's short name: ``[model] kind`` is ``model``, ``[offload] topk`` is
-``offload_topk``, ``[checkpoints] every`` is ``ckpt_every``), and every key is also a flag of
-``fsdpx train`` (``--offload-topk``). Keys before the first table belong to ``[run]``::
+The tree mirrors the config file: ``config.run`` (``[run]``), ``.model``, ``.data``,
+``.privacy``, ``.parallelism`` (a :class:`fsdpx.train.layout.Layout`, the one parallel layout
+value of the project), ``.offload``, ``.checkpoints``, ``.logging``. Every setting also has a
+flat name, unique across the tree, which is its flag (``--offload-topk`` is ``offload_topk``) and
+its full key in the file; inside its section it is the attribute of the same name, except the
+setting named like its section, which is ``kind`` (``[model] kind``, ``config.model.kind``).
+
+A config file is TOML with one table per section; a key is a field's flat name or, in its
+section, its short name (``[model] kind`` is ``model``, ``[offload] topk`` is ``offload_topk``,
+``[checkpoints] every`` is ``ckpt_every``). Keys before the first table belong to ``[run]``::
 
     steps = 200
     [model]
@@ -21,6 +29,8 @@ its section, the field's short name: ``[model] kind`` is ``model``, ``[offload] 
 Flags typed on the command line override the file (:func:`merge`). Unknown sections and keys
 (with the closest known one), keys in the wrong section and values of the wrong type are
 :class:`ConfigFileError`, a :class:`ConfigError`: ``fsdpx train`` prints one line and exits 2.
+Each check of a value lives in the section that owns it; checks across sections live in
+:meth:`RunConfig.__post_init__`.
 """
 
 from __future__ import annotations
@@ -38,83 +48,140 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fsdpx.models.gpt import GPTConfig
-from fsdpx.sharding import strategies
 
 from . import data
 from .budget import MAX_NOISE_MULTIPLIER
+from .errors import ConfigError
+from .layout import Layout
 
 MODEL_KINDS = ("gpt", "transformers", "python")
 DATA_KINDS = ("auto", "corpus", "text", "npy", "bin", "dataset", "python")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
 DEVICES = ("auto", "cpu", "cuda")
+OFFLOAD_KINDS = ("none", "zenflow", "zero")
 
 
-class ConfigError(ValueError):
-    """A run was configured with values that cannot work together; the message says which."""
+def _set(obj: Any, **values: Any) -> None:
+    """Normalise fields of a frozen dataclass while it is built."""
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
 
 
 @dataclass(frozen=True)
-class RunConfig:
-    """Everything a run depends on. The defaults are the ~2 minute demo of ``fsdpx train``.
+class RunSettings:
+    """``[run]``: how long, from which seed, at which learning rate, with what frozen, and where.
 
-    Noise: ``noise_multiplier`` when given, otherwise the smallest one that spends at most
-    ``target_epsilon`` over ``steps``. Batches: Poisson with ``sample_rate`` when given,
-    otherwise with rate ``batch_size / num_examples`` (``batch_size`` is the EXPECTED size).
-    The field that is not used is set to ``None``, so ``config.json`` shows only what the run
-    used. ``private=False`` runs plain training on the same batches (both noise fields None).
-    Inconsistent values raise :class:`ConfigError`."""
+    ``device``: where the model, optimizer state and each step's batch live
+    (:mod:`fsdpx.train.device`): "cpu", "cuda" (cuda:LOCAL_RANK under torchrun, NCCL between
+    processes) or "auto" (cuda when there is a GPU per process). Default cpu: a run does not
+    change with the machine it lands on. Asked anew by every segment: a checkpoint written on a
+    GPU resumes on the CPU and back. ``freeze`` (:meth:`fsdpx.optim.Freezing.parse`):
+    ``"wte,wpe@0-100;lm_head@50-"`` freezes names (parameters, tied aliases or modules) for steps
+    ``start <= t < stop``; frozen ones get no gradient, norm, noise or update, and their optimizer
+    state is kept as it is."""
 
-    name: str = "private"
-    out: str = "runs"
     steps: int = 300
     seed: int = 0
-    # where the model, optimizer state and each step's batch live (fsdpx.train.device): "cpu", "cuda"
-    # (cuda:LOCAL_RANK under torchrun, NCCL between processes) or "auto" (cuda when there is a GPU per
-    # process). Default cpu: a run does not change with the machine it lands on. Asked anew by every
-    # segment: a checkpoint written on a GPU resumes on the CPU and back.
+    lr: float = 1e-2
+    freeze: str | None = None
     device: str = "cpu"
-    # model
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 64
-    block_size: int = 32
-    # the model (fsdpx.train.sources): "gpt", the built-in GPT above (vocabulary ``vocab_size``, default
-    # the data's), or "transformers": ``model_path`` (a local directory holding config.json, or the
-    # file) or ``model_class`` (a transformers config or causal-LM class name), ``model_fields`` set on
-    # its config; never downloaded, initialised from ``seed``
-    model: str = "gpt"
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if self.freeze:
+            from fsdpx.optim.freezing import Freezing
+
+            try:
+                Freezing.parse(self.freeze)
+            except ValueError as err:
+                raise ConfigError(f"freeze {self.freeze!r}: {err}") from None
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """``[model]``: what trains (:mod:`fsdpx.train.sources`). ``kind``: "gpt", the built-in GPT
+    (``n_layer`` x ``n_embd``, ``n_head`` heads; vocabulary ``vocab_size``, default the data's);
+    "transformers": ``model_path`` (a local directory holding config.json, or the file) or
+    ``model_class`` (a transformers config or causal-LM class name), ``model_fields`` set on its
+    config, never downloaded, initialised from the seed; or "python": your own functions, each
+    named "module:qualname" (:mod:`fsdpx.train.refs`) and imported by every process:
+    ``model_fn(hparams) -> nn.Module`` (called with the torch RNG seeded by ``seed``) and
+    ``loss_fn(model output, targets) -> (B,)`` per-example losses; ``hparams`` (a table of JSON
+    values) is passed to them and to ``data_fn``."""
+
+    kind: str = "gpt"
     model_path: str | None = None
     model_class: str | None = None
     model_fields: dict | None = dataclasses.field(default=None, hash=False)
     vocab_size: int | None = None
-    # or "python": your own functions, each named "module:qualname" (fsdpx.train.refs) and imported by every
-    # process: ``model_fn(hparams) -> nn.Module`` (called with the torch RNG seeded by ``seed``),
-    # ``data_fn(hparams) -> (inputs, targets)`` (the whole dataset, its first dimension the examples; seeded
-    # likewise) and ``loss_fn(model output, targets) -> (B,)`` per-example losses; ``hparams`` (a table of
-    # JSON values) is passed to the three
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
     model_fn: str | None = None
-    data_fn: str | None = None
     loss_fn: str | None = None
     hparams: dict | None = dataclasses.field(default=None, hash=False)
-    # data
-    corpus_chars: int = data.DEFAULT_CHARS
-    # the data (fsdpx.train.sources): "corpus" (the embedded one) or a file at ``data_path``: "text"
-    # (tokenised by ``tokenizer``: "bytes" or a local tokenizer directory), "npy" / "bin" (token ids;
-    # a .bin is raw ``data_dtype``), "dataset" (``datasets.load_from_disk``: ``data_column`` of
-    # ``data_split``); "auto" reads the kind off the path
-    data: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise ConfigError(f"model must be one of {MODEL_KINDS}, got {self.kind!r}")
+        if min(self.n_layer, self.n_head, self.n_embd) < 1:
+            raise ConfigError("n_layer, n_head, n_embd and block_size must all be >= 1")
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.model_fields is not None and not isinstance(self.model_fields, dict):
+            raise ConfigError(f"model_fields must be a table of config fields, got {self.model_fields!r}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ConfigError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """``[data]``: the examples (:mod:`fsdpx.train.sources`). ``kind``: "corpus" (the embedded
+    one, ``corpus_chars`` long) or a file at ``data_path``: "text" (tokenised by ``tokenizer``:
+    "bytes" or a local tokenizer directory), "npy" / "bin" (token ids; a .bin is raw
+    ``data_dtype``), "dataset" (``datasets.load_from_disk``: ``data_column`` of ``data_split``);
+    "auto" reads the kind off the path; "python": ``data_fn(hparams) -> (inputs, targets)``, the
+    whole dataset (with ``[model] kind = "python"``). ``block_size``: tokens per example."""
+
+    kind: str = "auto"
     data_path: str | None = None
+    data_fn: str | None = None
     tokenizer: str | None = None
     data_dtype: str = "uint16"
     data_column: str | None = None
     data_split: str = "train"
-    # optimizer
-    lr: float = 1e-2
-    # freezing (fsdpx.optim.Freezing.parse): "wte,wpe@0-100;lm_head@50-" freezes names (parameters,
-    # tied aliases or modules) for steps start <= t < stop; frozen ones get no gradient, norm, noise
-    # or update, and their optimizer state is kept as it is
-    freeze: str | None = None
-    # privacy
+    block_size: int = 32
+    corpus_chars: int = data.DEFAULT_CHARS
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError("n_layer, n_head, n_embd and block_size must all be >= 1")
+        if self.kind not in DATA_KINDS:
+            raise ConfigError(f"data must be one of {DATA_KINDS}, got {self.kind!r}")
+        if self.kind not in ("auto", "corpus", "python") and self.data_path is None:
+            raise ConfigError(f"data = {self.kind!r} needs data_path")
+        if self.kind == "corpus" and self.data_path is not None:
+            raise ConfigError("data = \"corpus\" is the embedded corpus: drop data_path or set data to its kind")
+        if self.data_dtype not in TOKEN_DTYPES:
+            raise ConfigError(f"data_dtype must be one of {TOKEN_DTYPES}, got {self.data_dtype!r}")
+
+
+@dataclass(frozen=True)
+class PrivacySettings:
+    """``[privacy]``: the guarantee and how it is kept. Noise: ``noise_multiplier`` when given,
+    otherwise the smallest one that spends at most ``target_epsilon`` over the run's steps.
+    Batches: Poisson with ``sample_rate`` when given, otherwise with rate ``batch_size /
+    num_examples`` (``batch_size`` is the EXPECTED size). The field that is not used is set to
+    ``None``, so the resolved file shows only what the run used. ``private=False`` runs plain
+    training on the same batches (both noise fields None). ``accounting_interval``: PLD
+    discretization; coarser is faster and still an upper bound on epsilon (at the default run
+    1e-2 reports 8.008 where 1e-4 reports 8.001, and composes 300 steps in 0.3 s, not 15 s)."""
+
     private: bool = True
     target_epsilon: float | None = 8.0
     noise_multiplier: float | None = None
@@ -126,59 +193,16 @@ class RunConfig:
     clipping: str = "flat"
     epsilon_budget: float | None = None
     accountant: str = "pld"
-    # PLD discretization: coarser is faster and still an upper bound on epsilon. At the default
-    # run 1e-2 reports 8.008 where 1e-4 reports 8.001, and composes 300 steps in 0.3 s, not 15 s.
     accounting_interval: float = 1e-2
-    # sharding: None = one process; else a strategy of fsdpx.sharding.strategies run by every rank that
-    # torchrun started (``fsdpx train --nproc N --strategy S`` launches torchrun itself)
-    strategy: str | None = None
-    # tensor parallelism: the GPT plan (fsdpx.models.tp_plans.gpt_plan) over a ``tp`` axis of this
-    # size; the strategy shards the rest over ``world / tp`` data-parallel ranks
-    tp: int = 1
-    sequence_parallel: bool = False  # with tp: activations between regions split along the sequence
-    # pipeline parallelism: the GPT's blocks cut into pp * virtual_stages stages over a ``pp`` axis of
-    # this size (fsdpx.sharding.pipeline), run by ``schedule`` on ``microbatches`` per data-parallel rank
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int = 1
-    # checkpoints: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the last 3);
-    # ``resume`` continues from the newest intact one (same noise, batches and accountant)
-    # optimizer offload: "none", "zenflow" (selected columns every step, the rest on the host
-    # every ``offload_interval`` steps) or "zero" (ZeRO-Offload: all optimizer state on the host)
-    offload: str = "none"
-    offload_topk: float = 0.1
-    offload_interval: int = 4
-    ckpt_dir: str | None = None
-    ckpt_every: int = 50
-    resume: bool = False
-    # segments (fsdpx.train.resume): ``resume_from`` branches from any intact checkpoint (a
-    # ``step_<N>`` directory or a root) into this run's own directory and checkpoint root
-    # (default ``<out>/<name>/ckpt``); the flags below loosen what a resume refuses by default
-    resume_from: str | None = None
-    allow_budget_increase: bool = False
-    allow_new_data: bool = False
     max_noise_multiplier: float = MAX_NOISE_MULTIPLIER
-    # the config file this segment was read from (``fsdpx train --config``), recorded only
-    config_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.noise_multiplier is not None or not self.private:
-            object.__setattr__(self, "target_epsilon", None)
+            _set(self, target_epsilon=None)
         if not self.private:
-            object.__setattr__(self, "noise_multiplier", None)
+            _set(self, noise_multiplier=None)
         if self.sample_rate is not None:
-            object.__setattr__(self, "batch_size", None)
-        if self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
-        if self.device not in DEVICES:
-            raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if min(self.n_layer, self.n_head, self.n_embd, self.block_size) < 1:
-            raise ConfigError("n_layer, n_head, n_embd and block_size must all be >= 1")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
+            _set(self, batch_size=None)
         if self.batch_size is None and self.sample_rate is None:
             raise ConfigError("give batch_size (expected batch size) or sample_rate")
         if self.batch_size is not None and not self.batch_size > 0:
@@ -187,118 +211,217 @@ class RunConfig:
             raise ConfigError("a private run needs target_epsilon or noise_multiplier")
         if self.private and self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ConfigError(f"target_epsilon must be > 0, got {self.target_epsilon}")
-        if self.offload not in ("none", "zenflow", "zero"):
-            raise ConfigError(f"offload must be none, zenflow or zero, got {self.offload!r}")
-        if self.freeze and self.offload != "none":
-            raise ConfigError("freeze with offload is not supported: the offloaded optimizer's state is not kept"
-                              " per parameter")
-        if self.freeze:
-            from fsdpx.optim.freezing import Freezing
+        if not (self.max_noise_multiplier > 0 and math.isfinite(self.max_noise_multiplier)):
+            raise ConfigError(f"max_noise_multiplier must be finite and > 0, got {self.max_noise_multiplier}")
 
-            try:
-                Freezing.parse(self.freeze)
-            except ValueError as err:
-                raise ConfigError(f"freeze {self.freeze!r}: {err}") from None
+    @property
+    def budget(self) -> float | None:
+        """The epsilon no step may exceed: ``epsilon_budget`` when given, else the target the run
+        announced (a run "to epsilon 8" never takes a step past 8, resumed or not); None for a
+        non-private run or one with a fixed noise multiplier and no budget."""
+        if not self.private:
+            return None
+        return self.epsilon_budget if self.epsilon_budget is not None else self.target_epsilon
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """``[offload]``: the optimizer's offload. ``kind``: "none", "zenflow" (selected columns
+    every step, the rest on the host every ``offload_interval`` steps, ``offload_topk`` of the
+    columns selected) or "zero" (ZeRO-Offload: all optimizer state on the host)."""
+
+    kind: str = "none"
+    offload_topk: float = 0.1
+    offload_interval: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in OFFLOAD_KINDS:
+            raise ConfigError(f"offload must be none, zenflow or zero, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """``[checkpoints]``: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the
+    last 3); ``resume`` continues from the newest intact one (same noise, batches and
+    accountant); ``resume_from`` (:mod:`fsdpx.train.resume`) branches from any intact checkpoint
+    (a ``step_<N>`` directory or a root) into this run's own directory and checkpoint root
+    (default ``<out>/<name>/ckpt``); the ``allow_*`` flags loosen what a resume refuses."""
+
+    ckpt_dir: str | None = None
+    ckpt_every: int = 50
+    resume: bool = False
+    resume_from: str | None = None
+    allow_budget_increase: bool = False
+    allow_new_data: bool = False
+
+    def __post_init__(self) -> None:
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("resume needs ckpt_dir")
         if self.resume and self.resume_from is not None:
             raise ConfigError("give resume (the newest checkpoint of ckpt_dir) or resume_from (a branch), not both")
-        if self.resume_from is not None and self.ckpt_dir is None:
-            object.__setattr__(self, "ckpt_dir", str(Path(self.out) / self.name / "ckpt"))
-        if not (self.max_noise_multiplier > 0 and math.isfinite(self.max_noise_multiplier)):
-            raise ConfigError(f"max_noise_multiplier must be finite and > 0, got {self.max_noise_multiplier}")
         if self.ckpt_every < 1:
             raise ConfigError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
-        if self.strategy is not None and self.strategy not in strategies.ALL:
-            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(strategies.ALL)}")
-        if self.tp < 1:
-            raise ConfigError(f"tp must be >= 1, got {self.tp}")
-        if self.tp > 1 and self.strategy is None:
-            raise ConfigError("tp needs a strategy: tensor parallelism runs on several processes")
-        self._check_sources()
-        if self.tp > 1 and self.model == "gpt" and self.n_head % self.tp:
-            raise ConfigError(f"n_head={self.n_head} does not divide by tp={self.tp}: a rank holds whole heads")
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("sequence_parallel needs tp > 1: it splits the sequence over the tensor-parallel ranks")
-        if self.tp > 1 and self.offload != "none":
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """``[logging]``: the run directory ``<out>/<name>``."""
+
+    name: str = "private"
+    out: str = "runs"
+
+
+SECTION_TYPES: dict[str, type] = {
+    "run": RunSettings, "model": ModelSettings, "data": DataSettings, "privacy": PrivacySettings,
+    "parallelism": Layout, "offload": OffloadSettings, "checkpoints": CheckpointSettings, "logging": LoggingSettings,
+}
+"""The sections of a run, in the order of the config file: the attribute, the TOML table and the
+value type of each."""
+
+
+def _flat_name(section: str, attribute: str) -> str:
+    return section if attribute == "kind" else attribute
+
+
+FIELDS: dict[str, tuple[str, str]] = {
+    _flat_name(s, f.name): (s, f.name) for s, cls in SECTION_TYPES.items() for f in dataclasses.fields(cls)}
+"""Every setting's flat name (its flag and full key) -> ``(section, attribute)``."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run depends on, one value per section (see the module doc). The defaults are
+    the ~2 minute demo of ``fsdpx train``. Inconsistent values raise :class:`ConfigError`, each
+    checked once: in its section, or here when it crosses sections.
+
+    Build it by sections (``RunConfig(privacy=PrivacySettings(noise_multiplier=1.0))``) or by
+    flat names (:meth:`of`); read it by section (``config.privacy.clip_norm``) or flat
+    (:meth:`flat`); change it by flat names (:meth:`replace`). ``config_file``: the config file
+    this segment was read from (``fsdpx train --config``), recorded only."""
+
+    run: RunSettings = RunSettings()
+    model: ModelSettings = ModelSettings()
+    data: DataSettings = DataSettings()
+    privacy: PrivacySettings = PrivacySettings()
+    parallelism: Layout = Layout()
+    offload: OffloadSettings = OffloadSettings()
+    checkpoints: CheckpointSettings = CheckpointSettings()
+    logging: LoggingSettings = LoggingSettings()
+    config_file: str | None = None
+
+    def __post_init__(self) -> None:
+        model, layout, offload = self.model, self.parallelism, self.offload.kind
+        if self.run.freeze and offload != "none":
+            raise ConfigError("freeze with offload is not supported: the offloaded optimizer's state is not kept"
+                              " per parameter")
+        if self.checkpoints.resume_from is not None and self.checkpoints.ckpt_dir is None:
+            ckpt_dir = str(Path(self.logging.out) / self.logging.name / "ckpt")
+            _set(self, checkpoints=dataclasses.replace(self.checkpoints, ckpt_dir=ckpt_dir))
+        _check_sources(model, self.data, layout)
+        if layout.tp > 1 and model.kind == "gpt" and model.n_head % layout.tp:
+            raise ConfigError(f"n_head={model.n_head} does not divide by tp={layout.tp}: a rank holds whole heads")
+        if layout.tp > 1 and offload != "none":
             raise ConfigError("offload with tensor parallelism is not supported yet")
-        if self.pp < 1 or self.microbatches < 1 or self.virtual_stages < 1:
-            raise ConfigError("pp, microbatches and virtual_stages must all be >= 1")
-        if self.pp > 1 and self.strategy is None:
-            raise ConfigError("pp needs a strategy: pipeline stages run on several processes")
-        if self.pp * self.virtual_stages > self.n_layer and self.pp > 1 and self.model == "gpt":
-            raise ConfigError(f"pp={self.pp} x virtual_stages={self.virtual_stages} stages but only"
-                              f" n_layer={self.n_layer} blocks: every stage needs a block")
-        if self.pp > 1 and self.offload != "none":
+        if layout.pp > 1 and model.kind == "gpt" and layout.pp * layout.virtual_stages > model.n_layer:
+            raise ConfigError(f"pp={layout.pp} x virtual_stages={layout.virtual_stages} stages but only"
+                              f" n_layer={model.n_layer} blocks: every stage needs a block")
+        if layout.pp > 1 and offload != "none":
             raise ConfigError("offload with pipeline parallelism is not supported yet")
-        if self.pp > 1 and self.sequence_parallel:
-            raise ConfigError("sequence parallelism with a pipeline is not supported yet")
-        if self.strategy is not None and self.private and self.method == "vmap":
+        if layout.strategy is not None and self.privacy.private and self.privacy.method == "vmap":
             raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 
-    def _check_sources(self) -> None:
-        if self.model not in MODEL_KINDS:
-            raise ConfigError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
-        hf = {k: getattr(self, k) for k in ("model_path", "model_class", "model_fields")
-              if getattr(self, k) is not None}
-        if self.model == "gpt" and hf:
-            raise ConfigError(f"{', '.join(hf)} describe a transformers model: add model = \"transformers\"")
-        if self.model == "transformers":
-            if (self.model_path is None) == (self.model_class is None):
-                raise ConfigError("a transformers model needs one of model_path (a local directory holding"
-                                  " config.json, or the file) and model_class (e.g. \"GPT2Config\")")
-            if self.vocab_size is not None:
-                raise ConfigError("vocab_size sizes the built-in GPT; a transformers model's vocabulary is its"
-                                  " config's (model_fields = {vocab_size = ...})")
-            if self.sequence_parallel:
-                raise ConfigError("sequence_parallel is for the built-in GPT: transformers' models derive positions"
-                                  " from the length of the (then split) sequence")
-        functions = {k: getattr(self, k) for k in ("model_fn", "data_fn", "loss_fn", "hparams")
-                     if getattr(self, k) is not None}
-        if self.model != "python" and functions:
-            raise ConfigError(f"{', '.join(functions)} describe your own functions: add model = \"python\"")
-        if self.model == "python":
-            missing = [k for k in ("model_fn", "data_fn", "loss_fn") if getattr(self, k) is None]
-            if missing:
-                raise ConfigError(f"model = \"python\" needs model_fn, data_fn and loss_fn (\"module:qualname\");"
-                                  f" missing {', '.join(missing)}")
-            bad = [k for k in ("model_fn", "data_fn", "loss_fn") if not _is_ref(getattr(self, k))]
-            if bad:
-                raise ConfigError(f"{', '.join(bad)} must be \"module:qualname\", got"
-                                  f" {', '.join(repr(getattr(self, k)) for k in bad)}")
-            if self.hparams is not None and not isinstance(self.hparams, dict):
-                raise ConfigError(f"hparams must be a table, got {self.hparams!r}")
-            given = [k for k in ("data_path", "tokenizer", "vocab_size") if getattr(self, k) is not None]
-            if given or self.data not in ("auto", "python"):
-                raise ConfigError(f"model = \"python\" reads its examples from data_fn; drop"
-                                  f" {', '.join(given) or 'data = ' + repr(self.data)}")
-            if self.sequence_parallel:
-                raise ConfigError("sequence_parallel is for the built-in GPT")
-        elif self.data == "python":
-            raise ConfigError("data = \"python\" is data_fn's, with model = \"python\"")
-        if self.model_fields is not None and not isinstance(self.model_fields, dict):
-            raise ConfigError(f"model_fields must be a table of config fields, got {self.model_fields!r}")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ConfigError(f"vocab_size must be >= 1, got {self.vocab_size}")
-        if self.data not in DATA_KINDS:
-            raise ConfigError(f"data must be one of {DATA_KINDS}, got {self.data!r}")
-        if self.data not in ("auto", "corpus") and self.data_path is None:
-            raise ConfigError(f"data = {self.data!r} needs data_path")
-        if self.data == "corpus" and self.data_path is not None:
-            raise ConfigError("data = \"corpus\" is the embedded corpus: drop data_path or set data to its kind")
-        if self.data_dtype not in TOKEN_DTYPES:
-            raise ConfigError(f"data_dtype must be one of {TOKEN_DTYPES}, got {self.data_dtype!r}")
+    @classmethod
+    def of(cls, **values: Any) -> "RunConfig":
+        """The configuration whose settings are ``values`` by flat name (``steps``,
+        ``clip_norm``, ``offload_topk``, ...; ``config_file``), the rest defaults. An unknown
+        name is a ``TypeError`` naming it, as a dataclass's constructor raises."""
+        sections: dict[str, dict[str, Any]] = {s: {} for s in SECTION_TYPES}
+        top = {}
+        for name, value in values.items():
+            if name == "config_file":
+                top[name] = value
+            elif name in FIELDS:
+                section, attribute = FIELDS[name]
+                sections[section][attribute] = value
+            else:
+                raise TypeError(f"RunConfig.of() got an unexpected keyword argument {name!r}")
+        built = {s: SECTION_TYPES[s](**v) for s, v in sections.items()}
+        return cls(**built, **top)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RunConfig":
+        """The configuration a ``config.json`` or a segment's record holds: the tree
+        (``dataclasses.asdict``) or, as records written before the tree, flat names. Names this
+        version does not know are dropped (a record from a newer version still loads)."""
+        flat: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in SECTION_TYPES and isinstance(value, Mapping):
+                flat.update({_flat_name(key, k): v for k, v in value.items()})
+            else:
+                flat[key] = value
+        return cls.of(**{k: v for k, v in flat.items() if k in FIELDS or k == "config_file"})
+
+    def flat(self) -> dict[str, Any]:
+        """``{flat name: value}`` of every setting, and ``config_file``."""
+        out = {name: getattr(getattr(self, s), a) for name, (s, a) in FIELDS.items()}
+        return {**out, "config_file": self.config_file}
+
+    def replace(self, **values: Any) -> "RunConfig":
+        """This configuration with ``values`` (flat names) changed, checked anew."""
+        return type(self).of(**{**self.flat(), **values})
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.out) / self.name
+        return Path(self.logging.out) / self.logging.name
 
     def model_config(self) -> GPTConfig:
         """The built-in GPT's config on the embedded corpus's alphabet (the jobs' GPT);
         :func:`fsdpx.train.sources.build_source` sizes it to the run's data."""
-        return GPTConfig(vocab_size=data.VOCAB_SIZE, block_size=self.block_size, n_layer=self.n_layer,
-                         n_head=self.n_head, n_embd=self.n_embd)
+        m = self.model
+        return GPTConfig(vocab_size=data.VOCAB_SIZE, block_size=self.data.block_size, n_layer=m.n_layer,
+                         n_head=m.n_head, n_embd=m.n_embd)
 
+
+def _check_sources(model: ModelSettings, data_: DataSettings, layout: Layout) -> None:
+    """The checks that read the model and the data together."""
+    hf = {k: getattr(model, k) for k in ("model_path", "model_class", "model_fields") if getattr(model, k) is not None}
+    if model.kind == "gpt" and hf:
+        raise ConfigError(f"{', '.join(hf)} describe a transformers model: add model = \"transformers\"")
+    if model.kind == "transformers":
+        if (model.model_path is None) == (model.model_class is None):
+            raise ConfigError("a transformers model needs one of model_path (a local directory holding"
+                              " config.json, or the file) and model_class (e.g. \"GPT2Config\")")
+        if model.vocab_size is not None:
+            raise ConfigError("vocab_size sizes the built-in GPT; a transformers model's vocabulary is its"
+                              " config's (model_fields = {vocab_size = ...})")
+        if layout.sequence_parallel:
+            raise ConfigError("sequence_parallel is for the built-in GPT: transformers' models derive positions"
+                              " from the length of the (then split) sequence")
+    functions = {k: v for k, v in (("model_fn", model.model_fn), ("data_fn", data_.data_fn),
+                                   ("loss_fn", model.loss_fn), ("hparams", model.hparams)) if v is not None}
+    if model.kind != "python" and functions:
+        raise ConfigError(f"{', '.join(functions)} describe your own functions: add model = \"python\"")
+    if model.kind == "python":
+        refs = {"model_fn": model.model_fn, "data_fn": data_.data_fn, "loss_fn": model.loss_fn}
+        missing = [k for k, v in refs.items() if v is None]
+        if missing:
+            raise ConfigError(f"model = \"python\" needs model_fn, data_fn and loss_fn (\"module:qualname\");"
+                              f" missing {', '.join(missing)}")
+        bad = [k for k, v in refs.items() if not _is_ref(v)]
+        if bad:
+            raise ConfigError(f"{', '.join(bad)} must be \"module:qualname\", got"
+                              f" {', '.join(repr(refs[k]) for k in bad)}")
+        if model.hparams is not None and not isinstance(model.hparams, dict):
+            raise ConfigError(f"hparams must be a table, got {model.hparams!r}")
+        given = [k for k in ("data_path", "tokenizer") if getattr(data_, k) is not None]
+        given += ["vocab_size"] if model.vocab_size is not None else []
+        if given or data_.kind not in ("auto", "python"):
+            raise ConfigError(f"model = \"python\" reads its examples from data_fn; drop"
+                              f" {', '.join(given) or 'data = ' + repr(data_.kind)}")
+        if layout.sequence_parallel:
+            raise ConfigError("sequence_parallel is for the built-in GPT")
+    elif data_.kind == "python":
+        raise ConfigError("data = \"python\" is data_fn's, with model = \"python\"")
 
 
 def _is_ref(value: Any) -> bool:
@@ -314,25 +437,16 @@ class ConfigFileError(ConfigError):
     """A config file that cannot be read as a run: unknown key, wrong section or wrong type."""
 
 
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "run": ("steps", "seed", "lr", "freeze", "device"),
-    "model": ("model", "model_path", "model_class", "model_fields", "vocab_size", "n_layer", "n_head", "n_embd",
-              "model_fn", "loss_fn", "hparams"),
-    "data": ("data", "data_path", "data_fn", "tokenizer", "data_dtype", "data_column", "data_split", "block_size",
-             "corpus_chars"),
-    "privacy": ("private", "target_epsilon", "noise_multiplier", "delta", "clip_norm", "batch_size", "sample_rate",
-                "method", "clipping", "epsilon_budget", "accountant", "accounting_interval", "max_noise_multiplier"),
-    "parallelism": ("strategy", "nproc", "tp", "sequence_parallel", "pp", "schedule", "microbatches",
-                    "virtual_stages"),
-    "offload": ("offload", "offload_topk", "offload_interval"),
-    "checkpoints": ("ckpt_dir", "ckpt_every", "resume", "resume_from", "allow_budget_increase", "allow_new_data",
-                    "max_restarts"),
-    "logging": ("name", "out", "progress"),
-}
-"""Where each key lives. ``nproc``, ``max_restarts`` and ``progress`` are settings of the command, not
-of the run."""
+COMMAND_KEYS: dict[str, tuple[str, type]] = {"nproc": ("parallelism", int), "max_restarts": ("checkpoints", int),
+                                             "progress": ("logging", bool)}
+"""Settings of the command, not of the run, that a config file also holds: key -> (section, type)."""
 
-COMMAND_KEYS: dict[str, type] = {"nproc": int, "progress": bool, "max_restarts": int}
+SECTIONS: dict[str, tuple[str, ...]] = {
+    s: (*(_flat_name(s, f.name) for f in dataclasses.fields(cls)), *(k for k, (home, _) in COMMAND_KEYS.items()
+                                                                      if home == s))
+    for s, cls in SECTION_TYPES.items()}
+"""Where each key lives (by flat name): the fields of each section's value, then the command's keys."""
+
 _PREFIX = {"checkpoints": "ckpt"}
 EXCLUSIVE = {"target_epsilon": ("noise_multiplier",), "noise_multiplier": ("target_epsilon",),
              "batch_size": ("sample_rate",), "sample_rate": ("batch_size",)}
@@ -360,9 +474,10 @@ def _home(field: str) -> str | None:
 
 def _types() -> dict[str, tuple[type, ...]]:
     """The TOML types each key takes (``float`` fields take integers too)."""
-    hints = typing.get_type_hints(RunConfig)
+    hints = {_flat_name(s, a): hint for s, cls in SECTION_TYPES.items() for a, hint in typing.get_type_hints(cls).items()}
+    hints.update({k: kind for k, (_, kind) in COMMAND_KEYS.items()})
     out = {}
-    for name, hint in {**hints, **COMMAND_KEYS}.items():
+    for name, hint in hints.items():
         kinds = tuple(t for t in (typing.get_args(hint) or (hint,)) if t is not type(None))
         out[name] = tuple(typing.get_origin(t) or t for t in kinds)
     return out
@@ -492,9 +607,9 @@ def _toml_key(key: str) -> str:
 def to_toml(config: RunConfig, extra: Mapping[str, Any] | None = None) -> str:
     """``config`` as a config file, one table per section, short names, ``None`` left out
     (``extra``: command keys such as ``nproc``; ``config_file`` goes into a comment). Guarantee:
-    ``RunConfig(**read_file(f))`` of the written file equals ``config`` but for ``config_file``
+    ``RunConfig.of(**read_file(f))`` of the written file equals ``config`` but for ``config_file``
     (``tests/test_train_config.py::test_the_resolved_file_reads_back_as_the_same_config``)."""
-    values = {**dataclasses.asdict(config), **(extra or {})}
+    values = {**config.flat(), **(extra or {})}
     lines = [f"# fsdpx train --config: the resolved configuration of {config.run_dir}"]
     if config.config_file is not None:
         lines.append(f"# read from {config.config_file}, with the flags typed over it")

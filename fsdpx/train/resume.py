@@ -22,7 +22,13 @@ from ckpt.format import MANIFEST
 from privacy.step import DPConfig
 
 from .budget import check_budget_change, segment_noise
-from .segments import (CheckpointNotFoundError, check_compatible, fingerprint, lineage, owner, read_record)
+from .build import build_step, resolve_privacy, resolve_sample_rate
+from .checkpoints import checkpoint_manager
+from .config import RunConfig
+from .report import json_safe
+from .segments import (CheckpointNotFoundError, ResumeError, check_compatible, data_digest, fingerprint, lineage,
+                       owner, read_record)
+from .sources import build_source
 
 
 class SegmentPlan(NamedTuple):
@@ -41,13 +47,14 @@ class SegmentPlan(NamedTuple):
     notes: list[str]
 
 
-def find_source(config: Any, manager: Any) -> Path | None:
-    """The checkpoint a segment starts from: ``config.resume_from`` (a ``step_<N>`` directory,
-    verified, or a checkpoint root: its newest intact checkpoint), else with ``config.resume``
+def find_source(config: RunConfig, manager: Any) -> Path | None:
+    """The checkpoint a segment starts from: ``resume_from`` (a ``step_<N>`` directory,
+    verified, or a checkpoint root: its newest intact checkpoint), else with ``resume``
     the newest intact checkpoint of ``manager`` (chosen by rank 0), else ``None``.
     Raises :class:`CheckpointNotFoundError` when ``resume_from`` names no intact checkpoint."""
-    if config.resume_from is not None:
-        path = Path(config.resume_from)
+    c = config.checkpoints
+    if c.resume_from is not None:
+        path = Path(c.resume_from)
         if (path / MANIFEST).is_file():
             try:
                 ckpt.verify(path)
@@ -59,15 +66,15 @@ def find_source(config: Any, manager: Any) -> Path | None:
             raise CheckpointNotFoundError(f"{path} is neither a checkpoint (step_<N> with a {MANIFEST}) nor a"
                                           " directory holding an intact one")
         return newest
-    if not config.resume or manager is None:
+    if not c.resume or manager is None:
         return None
-    c = manager.coordinator
-    chosen = manager.latest() if c.rank == 0 else None
-    chosen = c.broadcast(None if chosen is None else str(chosen)) if c.world > 1 else chosen
+    coordinator = manager.coordinator
+    chosen = manager.latest() if coordinator.rank == 0 else None
+    chosen = coordinator.broadcast(None if chosen is None else str(chosen)) if coordinator.world > 1 else chosen
     return None if chosen is None else Path(chosen)
 
 
-def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPConfig | None, digest: str,
+def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp: DPConfig | None, digest: str,
                  manager: Any, world: int = 1, data: str | None = None) -> SegmentPlan:
     """Plan the segment ``config`` asks for (see the module doc); reads, never writes.
 
@@ -83,8 +90,6 @@ def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPCo
 
     ``digest`` is :func:`fsdpx.train.segments.data_digest` of the examples and ``data`` their
     description (:attr:`fsdpx.train.sources.Source.description`), named when data changes."""
-    from .loop import epsilon_budget  # loop imports this module lazily too: no cycle at import
-
     source = find_source(config, manager)
     new_fp = fingerprint(config, params, digest, data=data)
     if source is None:
@@ -99,16 +104,16 @@ def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPCo
     wrote = owner(segments, step)
     shapes = {k: (t.param_shape or t.shape) for k, t in manifest.tensors.items()}
     notes = check_compatible(wrote["fingerprint"] if wrote else None, new_fp, checkpoint_shapes=shapes,
-                             checkpoint_private=manifest.private, allow_new_data=config.allow_new_data)
+                             checkpoint_private=manifest.private, allow_new_data=config.checkpoints.allow_new_data)
     state = ckpt.load(source, mesh=manager.mesh, strategy=manager.strategy, specs=manager.specs,
                       rank=manager.coordinator.rank, private=manager.private, like=fresh)  # on the run's device
     increased_from = None
     if dp is not None:
         spent = state.accountant
-        acc = check_budget_change(spent, epsilon_budget=epsilon_budget(config), delta=config.delta,
-                                  allow_increase=config.allow_budget_increase)
-        acc = dataclasses.replace(acc, accountant=config.accountant,
-                                  value_discretization_interval=config.accounting_interval)
+        p = config.privacy
+        acc = check_budget_change(spent, epsilon_budget=p.budget, delta=p.delta,
+                                  allow_increase=config.checkpoints.allow_budget_increase)
+        acc = dataclasses.replace(acc, accountant=p.accountant, value_discretization_interval=p.accounting_interval)
         if acc.epsilon_budget != spent.epsilon_budget or acc.delta != spent.delta:
             increased_from = {"epsilon_budget": spent.epsilon_budget, "delta": spent.delta}
         state = state._replace(accountant=acc)
@@ -117,28 +122,24 @@ def plan_segment(config: Any, *, params: Mapping[str, Any], fresh: Any, dp: DPCo
         dp = _plan_noise(config, dp, acc, current=current)
     entry = _entry(config, state.step, source, dp, new_fp, world, budget_changed_from=increased_from,
                    new_data=wrote is not None and wrote["fingerprint"]["data"] != new_fp["data"])
-    earlier = Path(record["run_dir"]) if record else (config.run_dir if config.resume else None)
+    earlier = Path(record["run_dir"]) if record else (config.run_dir if config.checkpoints.resume else None)
     return SegmentPlan(state, dp, state.step, source, [*lineage(segments, state.step), entry], earlier, notes)
 
 
-def _plan_noise(config: Any, dp: DPConfig | None, spent: Any, *, current: float | None) -> DPConfig | None:
+def _plan_noise(config: RunConfig, dp: DPConfig | None, spent: Any, *, current: float | None) -> DPConfig | None:
     """``dp`` with the noise of the steps left; unchanged without a target (fixed noise)."""
-    from .loop import epsilon_budget
-
-    if dp is None or config.target_epsilon is None:
+    p = config.privacy
+    if dp is None or p.target_epsilon is None:
         return dp
-    budget = epsilon_budget(config)
-    target = config.target_epsilon if budget is None else min(config.target_epsilon, budget)
-    sigma = segment_noise(spent, target=target, sample_rate=dp.sample_rate, steps=config.steps - spent.steps,
-                          current=current, max_noise=config.max_noise_multiplier)
+    target = p.target_epsilon if p.budget is None else min(p.target_epsilon, p.budget)
+    sigma = segment_noise(spent, target=target, sample_rate=dp.sample_rate, steps=config.run.steps - spent.steps,
+                          current=current, max_noise=p.max_noise_multiplier)
     return dp if sigma == dp.noise_multiplier else dataclasses.replace(dp, noise_multiplier=sigma)
 
 
-def _entry(config: Any, start: int, source: Path | None, dp: DPConfig | None, fp: dict[str, Any], world: int,
+def _entry(config: RunConfig, start: int, source: Path | None, dp: DPConfig | None, fp: dict[str, Any], world: int,
            *, budget_changed_from: dict | None = None, new_data: bool = False) -> dict[str, Any]:
     """The segment's record: where it starts, from which checkpoint, its resolved values."""
-    from .loop import json_safe
-
     return json_safe({
         "start_step": start,
         "source_checkpoint": str(source.resolve()) if source is not None else None,
@@ -151,36 +152,37 @@ def _entry(config: Any, start: int, source: Path | None, dp: DPConfig | None, fp
     })
 
 
-def restarted_config(config: Any, restart: int) -> Any:
+def restarted_config(config: RunConfig, restart: int) -> RunConfig:
     """The configuration a worker runs after torchrun restarted its group ``restart`` times
     (``fsdpx train --max-restarts``): ``config`` itself on the first attempt; afterwards a resume
-    from the newest intact checkpoint of ``config.ckpt_dir``, which continues bit for bit where
+    from the newest intact checkpoint of ``ckpt_dir``, which continues bit for bit where
     the failed attempt last saved (the noise plan keeps an unchanged run's noise). A branch
     (``resume_from``) whose own root holds no checkpoint yet starts again from its source.
 
     Guarantee: the restarted run ends with the same bits as one never interrupted
     (``tests/test_train_elastic.py``). Reads the checkpoint root, writes nothing."""
-    if restart == 0 or config.ckpt_dir is None:
+    c = config.checkpoints
+    if restart == 0 or c.ckpt_dir is None:
         return config
-    if config.resume_from is not None and ckpt.CheckpointManager(config.ckpt_dir).latest() is None:
+    if c.resume_from is not None and ckpt.CheckpointManager(c.ckpt_dir).latest() is None:
         return config
-    return dataclasses.replace(config, resume=True, resume_from=None)
+    return config.replace(resume=True, resume_from=None)
 
 
 # --------------------------------------------------------------------------- Python entry points
 
 
-def merge_overrides(base: Any, overrides: Mapping[str, Any]) -> Any:
-    """``base`` (a ``RunConfig``) with ``overrides`` applied; an override of one of two exclusive
+def merge_overrides(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
+    """``base`` with ``overrides`` (flat names) applied; an override of one of two exclusive
     fields clears the other (``target_epsilon`` vs ``noise_multiplier``, ``batch_size`` vs
     ``sample_rate``), so a branch can switch from one to the other."""
-    values = dataclasses.asdict(base)
+    values = base.flat()
     values.update(overrides)
     for given, cleared in (("target_epsilon", "noise_multiplier"), ("noise_multiplier", "target_epsilon"),
                            ("batch_size", "sample_rate"), ("sample_rate", "batch_size")):
         if overrides.get(given) is not None and given in overrides and cleared not in overrides:
             values[cleared] = None
-    return type(base)(**values)
+    return RunConfig.of(**values)
 
 
 PER_SEGMENT = {"resume": False, "resume_from": None, "allow_budget_increase": False, "allow_new_data": False,
@@ -189,7 +191,7 @@ PER_SEGMENT = {"resume": False, "resume_from": None, "allow_budget_increase": Fa
 to loosen and where it runs (the machine may have changed) are asked for anew each time."""
 
 
-def segment_config(base: Any, overrides: Mapping[str, Any]) -> Any:
+def segment_config(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
     """The configuration of a new segment continuing ``base`` (the ``RunConfig`` that wrote its
     checkpoint): ``base`` with ``overrides`` (see :func:`merge_overrides`), the ``PER_SEGMENT``
     fields reset unless overridden, and for a branch (``resume_from``) its own checkpoint root
@@ -198,12 +200,10 @@ def segment_config(base: Any, overrides: Mapping[str, Any]) -> Any:
     return merge_overrides(base, {**PER_SEGMENT, **branch, **overrides})
 
 
-def source_config(path: str | Path) -> Any | None:
+def source_config(path: str | Path) -> RunConfig | None:
     """The ``RunConfig`` of the segment that wrote the checkpoint ``path`` (a ``step_<N>``
     directory or a root: its newest intact one), from its root's ``run.json``; ``None`` when the
     root has no record."""
-    from .loop import RunConfig
-
     path = Path(path)
     if not (path / MANIFEST).is_file():
         newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
@@ -215,8 +215,7 @@ def source_config(path: str | Path) -> Any | None:
     wrote = owner(record["segments"], manifest.step) if record else None
     if wrote is None:
         return None
-    known = {f.name for f in dataclasses.fields(RunConfig)}
-    return RunConfig(**{k: v for k, v in wrote["config"].items() if k in known})
+    return RunConfig.from_dict(wrote["config"])
 
 
 def resume_from(path: str | Path, overrides: Mapping[str, Any] | None = None) -> tuple[Any, DPConfig | None]:
@@ -235,14 +234,10 @@ def resume_from(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     (``tests/test_train_segments.py::test_resume_from_in_python_gives_the_cli_noise_and_state``).
     Raises :class:`CheckpointNotFoundError` for a path without an intact checkpoint and
     ``ResumeError`` when the root has no ``run.json`` to take the configuration from."""
-    from .loop import build_step, checkpoint_manager, resolve_privacy, resolve_sample_rate
-    from .segments import ResumeError, data_digest
-    from .sources import build_source
-
     base = source_config(path)
     if base is None:
         raise ResumeError(f"{path}: no run.json beside the checkpoint to take the configuration from;"
-                          " start from a RunConfig and fsdpx.train.run(RunConfig(resume_from=...)) instead")
+                          " start from a RunConfig and fsdpx.train.run(RunConfig.of(resume_from=...)) instead")
     config = segment_config(base, {**(overrides or {}), "resume_from": str(path), "strategy": None, "tp": 1, "pp": 1,
                                    "sequence_parallel": False})
     source = build_source(config)
@@ -251,7 +246,7 @@ def resume_from(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     dp = resolve_privacy(config, sample_rate)
     fresh, _ = build_step(config, source.model, source.params, dp, num_examples=num_examples,
                           loss_fn=source.loss_fn)
-    manager = checkpoint_manager(config, None, private=dp is not None, model=source.model)
+    manager = checkpoint_manager(config, None, private=dp is not None)
     plan = plan_segment(config, params=source.params, fresh=fresh, dp=dp,
                         digest=data_digest(source.inputs, source.targets), manager=manager, data=source.description)
     return plan.state, plan.dp

@@ -81,8 +81,8 @@ def fingerprint(config: Any, params: Mapping[str, Tensor], digest: str, *, data:
     """What a resume must keep: parameter shapes, the data's digest, private or not (the offload
     and ``data``, the data's description, are recorded, not checked)."""
     return {"params": {k: list(v.shape) for k, v in params.items()}, "data": digest,
-            "corpus_chars": config.corpus_chars, "data_source": data, "private": config.private,
-            "offload": config.offload}
+            "corpus_chars": config.data.corpus_chars, "data_source": data, "private": config.privacy.private,
+            "offload": config.offload.kind}
 
 
 def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any], *,

@@ -1,8 +1,8 @@
 """What a run trains, built from its :class:`RunConfig`: the model, its per-example loss and the
 examples. :func:`build_source` is the one place ``fsdpx train`` turns a configuration into them.
 
-    source = build_source(RunConfig(model="transformers", model_path="examples/tiny-gpt2",
-                                    data_path="notes.txt", tokenizer="bytes"))
+    source = build_source(RunConfig.of(model="transformers", model_path="examples/tiny-gpt2",
+                                       data_path="notes.txt", tokenizer="bytes"))
     source.model, source.params, source.loss_fn, source.inputs, source.targets
 
 Models: the built-in GPT (``fsdpx.models.gpt``, its vocabulary the data's unless ``vocab_size``
@@ -20,7 +20,8 @@ held in memory as int64.
 
 Refused by name (:class:`ConfigError`), before anything runs: a path that does not exist, a
 token id the model's vocabulary does not cover (:class:`VocabularyError`), examples longer than
-the model's positions, no example at all, and a tensor-parallel run of a model without a plan.
+the model's positions and no example at all. (A tensor-parallel run of a model without a plan is
+refused by :mod:`fsdpx.train.parallel`.)
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
-from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan, opt_plan, qwen3_plan, stablelm_plan
-from fsdpx.sharding.tensor_parallel import TensorParallel
 
 from . import data
-from .config import ConfigError, RunConfig
+from .config import RunConfig
+from .errors import ConfigError
 
 Encode = Callable[[str], Sequence[int]]
 Decode = Callable[[Sequence[int]], str]
@@ -100,24 +100,24 @@ def build_source(config: RunConfig) -> Source:
     Guarantees: a pure function of ``config`` (and the files it names): the same parameters and
     examples on every rank and every call, the global torch RNG left as it was. With the default
     data and model (the embedded corpus, the built-in GPT) the examples and parameters are those
-    of ``data.make_examples`` and ``GPT(config.model_config())`` seeded by ``config.seed``, so
+    of ``data.make_examples`` and ``GPT(config.model_config())`` seeded by ``config.run.seed``, so
     runs and checkpoints from before config files continue bit for bit. Every token id is below
     the model's vocabulary size (else :class:`VocabularyError`). Proven by
     ``tests/test_train_config.py``. ``model = "python"``: :func:`python_source`."""
-    if config.model == "python":
+    if config.model.kind == "python":
         return python_source(config)
     tokens = build_tokens(config)
     if tokens.ids.numel() and int(tokens.ids.min()) < 0:
         raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {int(tokens.ids.min())}")
     top = int(tokens.ids.max()) if tokens.ids.numel() else -1
-    vocab = config.vocab_size or tokens.vocab_size or top + 1
+    vocab = config.model.vocab_size or tokens.vocab_size or top + 1
     model = build_model(config, vocab)
     check_vocabulary(model, top, tokens.description)
-    check_positions(model, config.block_size)
-    inputs, targets = data.windows(tokens.ids, config.block_size)
+    check_positions(model, config.data.block_size)
+    inputs, targets = data.windows(tokens.ids, config.data.block_size)
     if inputs.shape[0] < 1:
         raise ConfigError(f"{tokens.description}: {tokens.ids.numel()} tokens give no example of block_size"
-                          f" {config.block_size} (each needs block_size + 1 tokens)")
+                          f" {config.data.block_size} (each needs block_size + 1 tokens)")
     params = {k: v.detach() for k, v in model.named_parameters()}
     loss_fn = token_loss if isinstance(model, GPT) else lm_loss
     return Source(model, params, loss_fn, inputs, targets, tokens.encode, tokens.decode, model_name(model),
@@ -126,7 +126,7 @@ def build_source(config: RunConfig) -> Source:
 
 def python_source(config: RunConfig) -> Source:
     """The source of your own functions (``model = "python"``): ``model_fn(hparams)`` and
-    ``data_fn(hparams)`` each called with the torch RNG seeded by ``config.seed`` (the global RNG
+    ``data_fn(hparams)`` each called with the torch RNG seeded by ``config.run.seed`` (the global RNG
     restored), ``loss_fn`` as it is.
 
     Guarantees: every process calling it with one ``config`` builds the same parameters and
@@ -137,39 +137,42 @@ def python_source(config: RunConfig) -> Source:
     tensors of the same number (>= 1) of examples."""
     from .refs import resolve_ref
 
-    model_fn, data_fn, loss_fn = (resolve_ref(r) for r in (config.model_fn, config.data_fn, config.loss_fn))
-    hparams = dict(config.hparams or {})
+    refs = (config.model.model_fn, config.data.data_fn, config.model.loss_fn)
+    model_fn, data_fn, loss_fn = (resolve_ref(r) for r in refs)
+    hparams = dict(config.model.hparams or {})
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.run.seed)
         model = model_fn(hparams)
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model_fn {config.model_fn} returned {type(model).__name__}, not a torch.nn.Module")
+        raise ConfigError(f"model_fn {config.model.model_fn} returned {type(model).__name__}, not a torch.nn.Module")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.run.seed)
         examples = data_fn(hparams)
     if not (isinstance(examples, (tuple, list)) and len(examples) == 2
             and all(isinstance(t, Tensor) for t in examples)):
-        raise ConfigError(f"data_fn {config.data_fn} must return (inputs, targets), two tensors")
+        raise ConfigError(f"data_fn {config.data.data_fn} must return (inputs, targets), two tensors")
     inputs, targets = examples
     if inputs.ndim < 1 or inputs.shape[0] < 1 or targets.ndim < 1 or targets.shape[0] != inputs.shape[0]:
-        raise ConfigError(f"data_fn {config.data_fn}: inputs {tuple(inputs.shape)} and targets"
+        raise ConfigError(f"data_fn {config.data.data_fn}: inputs {tuple(inputs.shape)} and targets"
                           f" {tuple(targets.shape)} need the same number (>= 1) of examples along the first dimension")
     params = {k: v.detach() for k, v in model.named_parameters()}
-    return Source(model, params, loss_fn, inputs, targets, None, None, f"{type(model).__name__} ({config.model_fn})",
-                  f"{config.data_fn}: {inputs.shape[0]} examples", language_model=False)
+    return Source(model, params, loss_fn, inputs, targets, None, None,
+                  f"{type(model).__name__} ({config.model.model_fn})", f"{config.data.data_fn}: {inputs.shape[0]} examples",
+                  language_model=False)
 
 
 # --------------------------------------------------------------------------- models
 
 
 def build_model(config: RunConfig, vocab_size: int) -> nn.Module:
-    """The model of ``config``, initialised from ``config.seed`` (the global RNG is restored):
+    """The model of ``config``, initialised from ``config.run.seed`` (the global RNG is restored):
     the built-in GPT with ``vocab_size`` entries, or the transformers causal LM it names."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.seed)
-        if config.model == "gpt":
-            return GPT(GPTConfig(vocab_size=vocab_size, block_size=config.block_size, n_layer=config.n_layer,
-                                 n_head=config.n_head, n_embd=config.n_embd))
+        torch.manual_seed(config.run.seed)
+        if config.model.kind == "gpt":
+            m = config.model
+            return GPT(GPTConfig(vocab_size=vocab_size, block_size=config.data.block_size, n_layer=m.n_layer,
+                                 n_head=m.n_head, n_embd=m.n_embd))
         return _transformers_model(config)
 
 
@@ -184,10 +187,10 @@ def _transformers():
 
 def _transformers_model(config: RunConfig) -> nn.Module:
     tf = _transformers()
-    fields = dict(config.model_fields or {})
+    fields = dict(config.model.model_fields or {})
     model_class = None
-    if config.model_path is not None:
-        path = Path(config.model_path)
+    if config.model.model_path is not None:
+        path = Path(config.model.model_path)
         if not (path.is_file() or (path / "config.json").is_file()):
             raise ConfigError(f"model_path {path}: no config.json there (a local directory holding one, or the"
                               " file; nothing is downloaded)")
@@ -196,16 +199,16 @@ def _transformers_model(config: RunConfig) -> nn.Module:
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"model_path {path}: not a transformers config: {e}") from None
     else:
-        cls = getattr(tf, config.model_class, None)
+        cls = getattr(tf, config.model.model_class, None)
         if isinstance(cls, type) and issubclass(cls, tf.PreTrainedModel):
             model_class, cls = cls, cls.config_class
         if not (isinstance(cls, type) and issubclass(cls, tf.PretrainedConfig)):
-            raise ConfigError(f"model_class {config.model_class!r} is neither a transformers config class (e.g."
+            raise ConfigError(f"model_class {config.model.model_class!r} is neither a transformers config class (e.g."
                               " GPT2Config) nor a model class (e.g. GPT2LMHeadModel)")
         try:
             hf_config = cls(**fields)
         except (TypeError, ValueError) as e:
-            raise ConfigError(f"model_class {config.model_class} with fields {fields}: {e}") from None
+            raise ConfigError(f"model_class {config.model.model_class} with fields {fields}: {e}") from None
     hf_config.use_cache = False  # a training forward needs no key/value cache in its output
     try:
         return model_class(hf_config) if model_class else tf.AutoModelForCausalLM.from_config(hf_config)
@@ -253,57 +256,17 @@ def lm_loss(out: Any, targets: Tensor) -> Tensor:
     return token_loss(out if isinstance(out, Tensor) else out.logits, targets)
 
 
-LLAMA_LIKE = ("Llama", "Mistral", "Ministral", "Ministral3", "Qwen2", "Gemma", "Gemma2", "VaultGemma", "Olmo",
-              "SmolLM3", "Granite", "Helium", "Cohere", "Cohere2", "Ernie4_5", "Cwm", "HyperCLOVAX")
-PER_HEAD_NORMS = ("Qwen3", "Gemma3", "Exaone4")
-TP_PLANS = {"GPT2LMHeadModel": gpt2_plan, "OPTForCausalLM": opt_plan, "StableLmForCausalLM": stablelm_plan,
-            **{f"{family}ForCausalLM": llama_plan for family in LLAMA_LIKE},
-            **{f"{family}ForCausalLM": qwen3_plan for family in PER_HEAD_NORMS}}
-"""Tensor-parallel plans of transformers models, by class name (``fsdpx.models.tp_plans``): the
-``LLAMA_LIKE`` families have Llama's module tree (their logit scales and soft-capping act on each
-vocabulary entry alone, so the vocabulary-parallel loss takes them); the ``PER_HEAD_NORMS``
-families add Qwen3's per-head query/key norms; StableLM shapes its heads with its own counts.
-Each equals the unsharded run, plain and private
-(``tests/test_tensor_parallel_hf.py::test_every_planned_family_equals_the_unsharded_run``)."""
-
-
-def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:
-    """The tensor-parallel plan of ``model`` over ``tp`` ranks: the built-in GPT's, the ready
-    plan of its transformers class, or the model's own: ``model.tensor_parallel_plan(tp)``
-    (a :class:`TensorParallel`) when its class defines one. :class:`ConfigError` for a class
-    without a plan or heads that do not divide by ``tp`` (a rank holds whole heads)."""
-    if isinstance(model, GPT):
-        return gpt_plan(model.config, sequence_parallel=sequence_parallel)
-    own = getattr(model, "tensor_parallel_plan", None)
-    if callable(own) and not sequence_parallel:
-        return own(tp)
-    name = type(model).__name__
-    if name not in TP_PLANS:
-        raise ConfigError(f"no tensor-parallel plan for {name}: tp > 1 runs the built-in GPT, "
-                          + ", ".join(TP_PLANS) + ", or a model defining tensor_parallel_plan(tp)")
-    config = model.config
-    heads = {k: getattr(config, k) for k in ("n_head", "num_attention_heads", "num_key_value_heads")
-             if isinstance(getattr(config, k, None), int)}
-    for key, count in heads.items():
-        if count % tp:
-            raise ConfigError(f"{name}: {key}={count} does not divide by tp={tp}: a rank holds whole heads")
-    try:
-        return TP_PLANS[name](config)
-    except ValueError as e:  # a configuration the plan does not cover (OPT's projected embeddings)
-        raise ConfigError(f"{name}: {e}") from None
-
-
 # --------------------------------------------------------------------------- data
 
 
 def data_kind(config: RunConfig) -> str:
-    """``config.data``, or for ``"auto"`` the kind read off ``data_path``: none -> the corpus,
+    """``config.data.kind``, or for ``"auto"`` the kind read off ``data_path``: none -> the corpus,
     ``.npy``, ``.bin``, a directory -> a saved dataset, any other file -> text."""
-    if config.data != "auto":
-        return config.data
-    if config.data_path is None:
+    if config.data.kind != "auto":
+        return config.data.kind
+    if config.data.data_path is None:
         return "corpus"
-    path = Path(config.data_path)
+    path = Path(config.data.data_path)
     if path.suffix in (".npy", ".bin"):
         return path.suffix[1:]
     return "dataset" if path.is_dir() else "text"
@@ -314,12 +277,12 @@ def build_tokens(config: RunConfig) -> Tokens:
     a file that is not what its kind says."""
     kind = data_kind(config)
     if kind == "corpus":
-        text = data.corpus(config.corpus_chars)
-        if config.tokenizer is None:  # the character alphabet: the examples of data.make_examples
+        text = data.corpus(config.data.corpus_chars)
+        if config.data.tokenizer is None:  # the character alphabet: the examples of data.make_examples
             return Tokens(data.encode(text), data.VOCAB_SIZE, data.encode, data.decode,
-                          f"the embedded corpus ({config.corpus_chars} characters)")
-        return _tokenize(text, config.tokenizer, f"the embedded corpus ({config.corpus_chars} characters)")
-    path = Path(config.data_path)
+                          f"the embedded corpus ({config.data.corpus_chars} characters)")
+        return _tokenize(text, config.data.tokenizer, f"the embedded corpus ({config.data.corpus_chars} characters)")
+    path = Path(config.data.data_path)
     if not path.exists():
         raise ConfigError(f"data_path {path} does not exist")
     if kind == "text":
@@ -327,11 +290,12 @@ def build_tokens(config: RunConfig) -> Tokens:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, IsADirectoryError) as e:
             raise ConfigError(f"data_path {path} is not a UTF-8 text file: {e}") from None
-        return _tokenize(text, config.tokenizer or "bytes", f"text {path}")
+        return _tokenize(text, config.data.tokenizer or "bytes", f"text {path}")
     if kind == "dataset":
         return _dataset_tokens(config, path)
-    ids = _token_file(path, kind, config.data_dtype)
-    encode, decode, vocab, how = _tokenizer(config.tokenizer) if config.tokenizer else (None, None, None, None)
+    ids = _token_file(path, kind, config.data.data_dtype)
+    tokenizer = config.data.tokenizer
+    encode, decode, vocab, how = _tokenizer(tokenizer) if tokenizer else (None, None, None, None)
     return Tokens(ids, vocab, encode, decode, f"{kind} {path}" + (f", read by {how}" if how else ""))
 
 
@@ -365,21 +329,22 @@ def _dataset_tokens(config: RunConfig, path: Path) -> Tokens:
         raise ConfigError(f"data_path {path} is not a dataset saved with save_to_disk: {e}") from None
     where = f"dataset {path}"
     if isinstance(ds, datasets.DatasetDict):
-        if config.data_split not in ds:
-            raise ConfigError(f"{where} has splits {sorted(ds)}, not data_split {config.data_split!r}")
-        ds, where = ds[config.data_split], f"{where} [{config.data_split}]"
-    column = config.data_column or next((c for c in ("input_ids", "text") if c in ds.column_names), None)
+        if config.data.data_split not in ds:
+            raise ConfigError(f"{where} has splits {sorted(ds)}, not data_split {config.data.data_split!r}")
+        ds, where = ds[config.data.data_split], f"{where} [{config.data.data_split}]"
+    column = config.data.data_column or next((c for c in ("input_ids", "text") if c in ds.column_names), None)
     if column not in ds.column_names:
         raise ConfigError(f"{where} has columns {ds.column_names}: set data_column to the text or token ids")
     rows = list(ds[column])
     where = f"{where}, column {column}"
     if all(isinstance(r, str) for r in rows):
-        return _tokenize("\n".join(rows), config.tokenizer or "bytes", where)
+        return _tokenize("\n".join(rows), config.data.tokenizer or "bytes", where)
     try:
         ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError):
         raise ConfigError(f"{where}: rows must be strings or lists of token ids") from None
-    encode, decode, vocab, how = _tokenizer(config.tokenizer) if config.tokenizer else (None, None, None, None)
+    tokenizer = config.data.tokenizer
+    encode, decode, vocab, how = _tokenizer(tokenizer) if tokenizer else (None, None, None, None)
     return Tokens(ids, vocab, encode, decode, where + (f", read by {how}" if how else ""))
 
 

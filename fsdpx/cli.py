@@ -1,0 +1,33 @@
+"""The ``fsdpx`` command (also ``python -m fsdpx``): the front door above the training job and the
+jobs planner, dispatching each command to its own command line.
+
+    fsdpx train ...                      # one run (fsdpx.train.cli; fsdpx train --help)
+    fsdpx jobs plan examples/jobs.toml   # many jobs at once (fsdpx.jobs.cli)
+    fsdpx schedule 1f1b --ranks 4 --microbatches 8   # a pipeline schedule simulated (fsdpx.train.schedule_cli)
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the command ``argv`` names (default ``sys.argv[1:]``); anything that is not ``jobs`` or
+    ``schedule`` goes to ``fsdpx train``'s parser, which also answers ``--help`` and a missing or
+    unknown command (exit 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["jobs"]:  # the multi-job planner has its own command line
+        from fsdpx.jobs.cli import main as jobs_main
+
+        return jobs_main(argv[1:])
+    if argv[:1] == ["schedule"]:  # a pipeline schedule simulated and shown
+        from fsdpx.train.schedule_cli import main as schedule_main
+
+        return schedule_main(argv[1:])
+    from fsdpx.train.cli import main as train_main
+
+    return train_main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Building a run's step: its privacy, optimizer and freezing resolved from the configuration,
+and :func:`build_step`, the one place a step function is chosen (plain or private, one process
+or sharded, offloaded or not).
+
+    dp = resolve_privacy(config, resolve_sample_rate(config, len(inputs)))
+    state, step = build_step(config, model, params, dp, num_examples=len(inputs))
+
+The step is pure (:mod:`privacy.step`, :mod:`fsdpx.runtime`); this module only decides which one
+to build. A sharded run passes its :class:`fsdpx.train.parallel.Parallel`, resolved once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import offload
+from fsdpx.models.gpt import token_loss
+from fsdpx.optim import Optimizer, adamw
+from fsdpx.optim.freezing import Freezing, Trainable, bind
+from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
+from fsdpx.sharding.comm import Comm
+from privacy.accounting import Accountant, noise_multiplier
+from privacy.step import DPConfig, TrainState, init_state, make_private_step
+
+from .config import RunConfig
+from .device import run_device
+from .errors import ConfigError
+from .parallel import Parallel, resolve_parallel
+from .sources import Source, build_source
+
+Step = Callable[[TrainState, tuple[Tensor, Tensor]], tuple[TrainState, dict[str, float]]]
+
+
+def resolve_sample_rate(config: RunConfig, num_examples: int) -> float:
+    """The Poisson sample rate: ``sample_rate``, or ``batch_size / num_examples``. Raises
+    :class:`ConfigError` when the expected batch would be larger than the dataset."""
+    p = config.privacy
+    if p.sample_rate is not None:
+        return p.sample_rate
+    if p.batch_size > num_examples:
+        raise ConfigError(f"batch_size={p.batch_size:g} is larger than the dataset ({num_examples} examples)")
+    return p.batch_size / num_examples
+
+
+def resolve_privacy(config: RunConfig, sample_rate: float) -> DPConfig | None:
+    """The :class:`DPConfig` of a private run (``None`` for a non-private one). With
+    ``target_epsilon``, sigma is the smallest noise multiplier whose epsilon over ``steps`` at
+    ``delta`` is at most the target, by the same accountant the run reports with. Invalid
+    privacy values raise :class:`privacy.errors.PrivacyError` naming them."""
+    p = config.privacy
+    if not p.private:
+        return None
+    sigma = p.noise_multiplier
+    if sigma is None:
+        sigma = noise_multiplier(p.target_epsilon, p.delta, sample_rate, config.run.steps, accountant=p.accountant,
+                                 value_discretization_interval=p.accounting_interval)
+    return DPConfig(clip_norm=p.clip_norm, noise_multiplier=sigma, sample_rate=sample_rate, delta=p.delta,
+                    method=p.method, clipping=p.clipping, epsilon_budget=p.budget, accountant=p.accountant)
+
+
+def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimizer,
+                    trainable: Trainable | None = None) -> Step:
+    """Non-private baseline with the private step's signature: :func:`fsdpx.runtime.plain_step.make_plain_step`
+    (the mean gradient of the batch, no clipping, no noise) on a :class:`TrainState`. The
+    accountant records noise multiplier 0, so ``epsilon`` is ``inf``: plain training gives no
+    guarantee. An empty batch leaves the gradient zero. ``trainable``: a freezing schedule, as
+    :func:`fsdpx.runtime.plain_step.make_plain_step` takes it."""
+    plain = plain_step.make_plain_step(model, loss_fn, optimizer, trainable=trainable)
+
+    def step(state: TrainState, batch: tuple[Tensor, Tensor]) -> tuple[TrainState, dict[str, float]]:
+        new, metrics = plain(plain_step.PlainState(state.params, state.opt_state, state.step), batch)
+        accountant = state.accountant.record(0.0, 1.0)
+        metrics = {**metrics, "clipped_fraction": 0.0, "mean_norm": math.nan}
+        return TrainState(new.params, new.opt_state, new.step, state.key, accountant), metrics
+
+    return step
+
+
+def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor], dp: DPConfig | None,
+               *, num_examples: int, comm: Comm | None = None, parallel: Parallel | None = None,
+               loss_fn: Callable[[Any, Tensor], Tensor] = token_loss) -> tuple[TrainState, Step]:
+    """The initial state and the step function of a run: the one place a step is chosen.
+
+    Returns ``(state, step)`` with ``state.step == 0``. The accountant carries the run's delta,
+    budget and PLD discretization, so the epsilon it reports is the one ``resolve_privacy``
+    calibrated against. With ``comm`` (a sharded run) and its ``parallel`` (the run's layout
+    resolved on ``model``, :func:`fsdpx.train.parallel.resolve_parallel`) the state is this
+    rank's :class:`fsdpx.runtime.ShardedState` and the step takes the global batch.
+    ``loss_fn(model output, targets) -> (B,)``: the source's
+    (:attr:`fsdpx.train.sources.Source.loss_fn`)."""
+    optimizer = make_optimizer(config, comm)
+    trainable = freezing(config, model, params)
+    p = config.privacy
+    accountant = Accountant(accountant=p.accountant, delta=p.delta, epsilon_budget=p.budget,
+                            value_discretization_interval=p.accounting_interval)
+    seed = config.run.seed
+    if comm is not None:
+        if parallel is None:
+            raise ValueError("a sharded step needs the run's resolved layout (parallel=resolve_parallel(...))")
+        shapes = {k: tuple(v.shape) for k, v in params.items()}
+        step = make_sharded_step(model, loss_fn, optimizer, parallel.plan, comm, param_shapes=shapes, config=dp,
+                                 num_examples=num_examples, donate=True, trainable=trainable)
+        state = init_sharded(params, optimizer, parallel.plan, comm, key=seed, config=dp)
+        return state._replace(accountant=accountant), step
+    if dp is None:
+        fresh = {k: v.clone() for k, v in params.items()}
+        state = TrainState(fresh, optimizer.init(fresh), 0, seed, accountant)
+        return state, make_plain_step(model, loss_fn, optimizer, trainable=trainable)
+    state = init_state(params, optimizer, key=seed, config=dp)._replace(accountant=accountant)
+    return state, make_private_step(model, loss_fn, optimizer, dp, num_examples=num_examples, donate=True,
+                                    trainable=trainable)
+
+
+def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
+    """AdamW, wrapped by the configured offload. In a sharded run ZenFlow scores columns over
+    the rows of every rank (one all-reduce of ``in`` floats per weight), so all ranks select
+    what one unsharded run would."""
+    inner = adamw(config.run.lr)
+    off = config.offload
+    if off.kind == "zero":
+        return offload.zero_offload(inner)
+    if off.kind == "none":
+        return inner
+    combine = None
+    if comm is not None:
+        rows = config.parallelism.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
+        combine = offload.sharded_scores(comm, rows) if rows else None
+    interval = off.offload_interval
+    return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=interval,
+                           select_interval=interval * max(1, 100 // interval), combine_scores=combine)
+
+
+def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:
+    """The run's freezing schedule (``config.run.freeze`` parsed), every name in it resolved
+    against ``model``'s parameters now; ``None`` without one. Raises :class:`ConfigError` naming
+    a name that matches no parameter, before any step or file."""
+    spec = config.run.freeze
+    if not spec:
+        return None
+    schedule = Freezing.parse(spec)
+    try:
+        bind(schedule, model, params)  # resolves every name of the schedule
+    except KeyError as err:
+        raise ConfigError(f"freeze {spec!r}: {err.args[0]}") from None
+    return schedule
+
+
+def check_layout(config: RunConfig, world: int) -> Source:
+    """Raise :class:`ConfigError` if the run's device is missing (:class:`DeviceUnavailableError`:
+    ``cuda`` without a GPU for each of ``world`` processes), its model and data cannot be built,
+    or its layout on ``world`` processes (a tp x pp that does not divide it, a pipeline schedule
+    that cannot run the microbatches, a model without a tensor-parallel plan): checked once,
+    before torchrun starts any process. Returns the source it built."""
+    run_device(config.run.device, processes=world)  # cuda without a GPU for each process: refused now
+    source = build_source(config)
+    freezing(config, source.model, source.params)
+    layout = config.parallelism
+    resolve_parallel(layout, source.model, layout.mesh(world), source.inputs[:1])
+    return source
+
+
+def offload_metrics(state: Any) -> dict[str, float]:
+    """The offload optimizer's last-step metrics (loop wait on the host, bytes each way), if any."""
+    opt = state.opt_state
+    found = opt.get("metrics") if isinstance(opt, dict) else None
+    return {f"offload_{k}": v for k, v in found.items()} if found else {}

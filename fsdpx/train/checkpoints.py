@@ -1,0 +1,45 @@
+"""A run's checkpoints: the manager that saves the train state in the run's own layout, and the
+state as a checkpoint holds it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ckpt
+import offload
+from fsdpx.sharding.comm import Comm
+
+from .config import RunConfig
+from .parallel import Parallel
+
+
+def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool,
+                       parallel: Parallel | None = None) -> ckpt.CheckpointManager | None:
+    """The run's :class:`ckpt.CheckpointManager` (``None`` without ``ckpt_dir``): the sharded
+    state is saved by every rank in the layouts of ``parallel`` (the run's, resolved once) and
+    can be restored into another."""
+    c = config.checkpoints
+    if c.ckpt_dir is None:
+        return None
+    if comm is None:
+        return ckpt.CheckpointManager(c.ckpt_dir, keep_last=3, every_n_steps=c.ckpt_every, private=private)
+    return ckpt.CheckpointManager(c.ckpt_dir, mesh=comm.mesh, strategy=parallel.plan,
+                                  coordinator=ckpt.TorchDistCoordinator(), keep_last=3,
+                                  every_n_steps=c.ckpt_every, private=private)
+
+
+def savable(state: Any) -> Any:
+    """``state`` with any in-flight ZenFlow host window finished and folded in, and an
+    offloading optimizer's last-step ``metrics`` (seconds and bytes each rank measured for its
+    own loop and shard, so they differ between ranks) zeroed: plain data, the same on every
+    rank, that a checkpoint can hold; training continues bit for bit from it (the metrics are
+    reported, never read by the update:
+    ``tests/test_train_resume.py::test_sharded_zero3_run_resumes_bit_for_bit``)."""
+    opt = state.opt_state
+    if not isinstance(opt, dict):
+        return state
+    if "selected" in opt:
+        opt = offload.materialize(opt)
+    if isinstance(opt.get("metrics"), dict):
+        opt = {**opt, "metrics": {k: type(v)() for k, v in opt["metrics"].items()}}
+    return state._replace(opt_state=opt)

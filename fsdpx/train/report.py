@@ -1,0 +1,172 @@
+"""What a run reports: the summary it returns and prints, ``metrics.jsonl`` and ``config.json``
+written as JSON (non-finite numbers as ``null``), the progress bar and ``plot.png``. The files
+and the terminal live here; the loop (:mod:`fsdpx.train.loop`) only calls these."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence, TextIO
+
+from tqdm import tqdm
+
+from privacy.step import DPConfig
+
+from .config import RunConfig
+from .sources import Source
+
+SMOOTHING = 10  # steps averaged for the reported final loss and the plot's trend line
+
+
+def numbers(record: dict[str, Any]) -> dict[str, Any]:
+    """A record read back from ``metrics.jsonl`` with its nulls (non-finite values) as NaN."""
+    return {**record, **{k: math.nan for k in ("loss", "epsilon") if record.get(k) is None}}
+
+
+def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DPConfig | None,
+            sample_rate: float, start: float, start_step: int, starts: list[int], stopped: str | None,
+            *, sample: str) -> dict[str, Any]:
+    """The summary :func:`fsdpx.train.run` returns (its keys are documented there)."""
+    rows = [r for r in history if r.get("loss") is not None and math.isfinite(r["loss"])]
+    return {
+        "steps": state.step,
+        "start_step": start_step,
+        "initial_loss": rows[0]["loss"] if rows else math.nan,
+        "initial_step": rows[0]["step"] if rows else None,
+        "final_loss": mean([r["loss"] for r in rows[-SMOOTHING:]]),
+        "epsilon": state.accountant.epsilon(),
+        "delta": config.privacy.delta,
+        "noise_multiplier": dp.noise_multiplier if dp else 0.0,
+        "sample_rate": sample_rate,
+        "seconds": time.perf_counter() - start,
+        "run_dir": str(config.run_dir),
+        "sample": sample,
+        "segment_starts": starts,
+        "stopped": stopped,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The few lines ``fsdpx train`` prints at the end: the whole run's steps, loss and epsilon
+    (a resumed run's first loss is its step 1's, not the segment's)."""
+    s = summary
+    privacy = (f"epsilon {s['epsilon']:.3f} at delta {s['delta']:g} (noise multiplier {s['noise_multiplier']:.3f}, "
+               f"sample rate {s['sample_rate']:.4g})" if math.isfinite(s["epsilon"]) else "non-private: no guarantee")
+    segment = (f"  (segments start at steps {', '.join(map(str, s['segment_starts']))}; this one trained"
+               f" {s['steps'] - s['start_step']} from step {s['start_step']})" if s["segment_starts"] else "")
+    first = f"at step {s['initial_step']}" if s["initial_step"] is not None else "(no step recorded)"
+    lines = [
+        f"steps        {s['steps']}{segment}" + (f"  (stopped early: {s['stopped']})" if s["stopped"] else ""),
+        f"loss         {s['initial_loss']:.3f} {first} -> {s['final_loss']:.3f} (mean of the last {SMOOTHING} steps)",
+        f"privacy      {privacy}",
+        f"wall time    {s['seconds']:.1f} s",
+        f"sample       {s['sample']!r}",
+        f"files        {s['run_dir']}/{{metrics.jsonl,plot.png,config.json,config.toml}}",
+    ]
+    return "\n".join(lines)
+
+
+def mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+# --------------------------------------------------------------------------- files
+
+
+def prepare_run_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def open_log(path: Path, main: bool, *, append: bool = False) -> Iterator[TextIO]:
+    """``metrics.jsonl`` opened for writing (appending on resume) on the main rank; a sink
+    elsewhere."""
+    with open(path if main else os.devnull, "a" if append else "w") as log:
+        yield log
+
+
+def json_safe(x: Any) -> Any:
+    """``x`` with every float that is not finite as ``None``: JSON has no inf or nan."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def write_json(path: Path | None, obj: dict[str, Any]) -> None:
+    """``obj`` as indented JSON at ``path``; nothing when ``path`` is None (not the main rank)."""
+    if path is None:
+        return
+    path.write_text(json.dumps(json_safe(obj), indent=2, allow_nan=False) + "\n")
+
+
+def append_jsonl(log: TextIO, record: dict[str, Any]) -> None:
+    log.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+    log.flush()
+
+
+# --------------------------------------------------------------------------- the terminal and the plot
+
+
+def progress_bar(config: RunConfig, enabled: bool, initial: int = 0) -> tqdm:
+    return tqdm(total=config.run.steps, initial=initial, desc=config.logging.name, unit="step",
+                disable=not enabled, dynamic_ncols=True)
+
+
+def update_bar(bar: tqdm, history: list[dict[str, Any]]) -> None:
+    recent = [r["loss"] for r in history[-SMOOTHING:] if math.isfinite(r["loss"])]
+    eps = history[-1]["epsilon"]
+    bar.set_postfix(loss=f"{mean(recent):.3f}", eps=f"{eps:.2f}" if math.isfinite(eps) else "inf", refresh=False)
+    bar.update(1)
+
+
+def plot_title(config: RunConfig, dp: DPConfig | None, source: Source) -> str:
+    name = config.logging.name
+    model = f"{source.model_name}, block {config.data.block_size}" if source.language_model else source.model_name
+    if dp is None:
+        return f"{name}: {model}, non-private"
+    return f"{name}: {model}, DP-SGD sigma={dp.noise_multiplier:.3f}, q={dp.sample_rate:.4f}, C={dp.clip_norm:g}"
+
+
+def plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float, starts: Sequence[int] = ()) -> None:
+    """``plot.png``: the loss per step and its trend above, epsilon below, a dashed line where
+    each resumed or branched segment began."""
+    import matplotlib  # imported here: it is slow to import and the backend must be set first
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    losses = [r["loss"] for r in history]
+    trend = [mean([x for x in losses[max(0, i - SMOOTHING + 1): i + 1] if math.isfinite(x)])
+             for i in range(len(losses))]
+    fig, (ax_loss, ax_eps) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=(2, 1))
+    ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss (batch)")
+    ax_loss.plot(steps, trend, color="tab:blue", linewidth=2, label=f"loss ({SMOOTHING}-step mean)")
+    ax_loss.set_ylabel("loss (nats / token)")
+    ax_loss.legend(loc="upper right")
+    ax_loss.grid(alpha=0.3)
+    epsilons = [r["epsilon"] for r in history]
+    for at in starts:  # where a resume or branch began
+        for ax in (ax_loss, ax_eps):
+            ax.axvline(at + 0.5, color="gray", linestyle="--", linewidth=1)
+        ax_loss.text(at + 0.5, 1.0, f" resumed at {at}", transform=ax_loss.get_xaxis_transform(), fontsize=8,
+                     color="gray", va="top")
+    if epsilons and all(math.isfinite(e) for e in epsilons):
+        ax_eps.plot(steps, epsilons, color="tab:red", linewidth=2)
+    else:
+        ax_eps.text(0.5, 0.5, "non-private: epsilon is infinite", ha="center", va="center", transform=ax_eps.transAxes)
+        ax_eps.set_yticks([])
+    ax_eps.set_ylabel(f"epsilon (delta={delta:g})")
+    ax_eps.set_xlabel("step")
+    ax_eps.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
