@@ -197,7 +197,9 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
 @pytest.mark.parametrize("argv, message", [
     (["--pp", "2"], "pp needs a strategy"),
     (["--pp", "3", "--strategy", "zero3", "--nproc", "4", "--n-layer", "3"], "tp=1 x pp=3 does not divide the 4"),
-    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "every stage needs a block"),
+    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "virtual_stages=2 needs an interleaved kind"),
+    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b"],
+     "4 pipeline stages but only 2 blocks: every stage needs a block"),
     (["--pp", "2", "--strategy", "zero3", "--offload", "zenflow"], "offload with pipeline parallelism"),
     (["--pp", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b", "--n-layer", "4", "--virtual-stages",
       "2", "--microbatches", "3"], "multiple"),

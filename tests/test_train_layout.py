@@ -34,8 +34,6 @@ def test_degrees_that_cannot_work_are_refused_by_name():
         Layout("zero3", tp=2, pp=2).mesh(6)
     with pytest.raises(ConfigError, match="tp needs a strategy"):
         Layout(tp=2)
-    with pytest.raises(ConfigError, match="unknown schedule 'fast'"):
-        Layout("zero3", pp=2, schedule="fast")
     with pytest.raises(ConfigError, match="unknown strategy 'zero4'"):
         RunConfig.of(strategy="zero4")
 

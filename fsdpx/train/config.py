@@ -322,9 +322,6 @@ class RunConfig:
             raise ConfigError(f"n_head={model.n_head} does not divide by tp={layout.tp}: a rank holds whole heads")
         if layout.tp > 1 and offload != "none":
             raise ConfigError("offload with tensor parallelism is not supported yet")
-        if layout.pp > 1 and model.kind == "gpt" and layout.pp * layout.virtual_stages > model.n_layer:
-            raise ConfigError(f"pp={layout.pp} x virtual_stages={layout.virtual_stages} stages but only"
-                              f" n_layer={model.n_layer} blocks: every stage needs a block")
         if layout.pp > 1 and offload != "none":
             raise ConfigError("offload with pipeline parallelism is not supported yet")
         if layout.strategy is not None and self.privacy.private and self.privacy.method == "vmap":

@@ -17,7 +17,6 @@ from typing import Any, Mapping
 
 from fsdpx.sharding import strategies
 from fsdpx.sharding.mesh import Mesh
-from fsdpx.sharding.schedule import KINDS
 
 from .errors import ConfigError
 
@@ -30,7 +29,9 @@ class Layout:
     (:func:`fsdpx.train.parallel.tp_plan`), ``sequence_parallel`` splitting the activations
     between its regions along the sequence; ``pp``: the model's blocks cut into ``pp *
     virtual_stages`` stages run by ``schedule`` on ``microbatches`` per data-parallel rank.
-    Inconsistent degrees raise :class:`ConfigError`."""
+    Inconsistent degrees raise :class:`ConfigError`; what depends on the model (heads, blocks,
+    the schedule on the stages) is checked where the layout is resolved on it
+    (:func:`fsdpx.train.parallel.resolve_parallel`)."""
 
     strategy: str | None = None
     tp: int = 1
@@ -53,10 +54,6 @@ class Layout:
             raise ConfigError("pp, microbatches and virtual_stages must all be >= 1")
         if self.pp > 1 and self.strategy is None:
             raise ConfigError("pp needs a strategy: pipeline stages run on several processes")
-        if self.pp > 1 and self.sequence_parallel:
-            raise ConfigError("sequence parallelism with a pipeline is not supported yet")
-        if self.schedule not in KINDS:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(KINDS)}")
 
     @property
     def sharded(self) -> bool:
