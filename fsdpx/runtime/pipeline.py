@@ -46,7 +46,7 @@ from fsdpx.sharding.schedule import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, S
 from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.spec import Spec
 from privacy import contributions as C
-from privacy.clipping import _factors, summed_sq_norms
+from privacy.clipping import guarded_clip_factors, summed_sq_norms
 from privacy.ghost import contributions
 from privacy.step import DPConfig, check_budget
 from privacy.batch import call_model, first_tensor, real_count, slice_batch, unpack
@@ -613,8 +613,8 @@ class _Run:
         if rec.size == 0:
             _free_all(rec.gatherer)
             return
-        factors, parts = _factors(norms, rec.parts, o.config.clip_norm, o.config.clipping, o.config.nonfinite,
-                                  keep=mask)
+        factors, parts = guarded_clip_factors(norms, rec.parts, o.config.clip_norm, o.config.clipping,
+                                              o.config.nonfinite, keep=mask)
         for n in o.stages[s].names:
             if not parts.get(n):
                 continue

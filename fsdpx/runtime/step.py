@@ -57,7 +57,7 @@ from privacy.step import DPConfig, check_budget
 from privacy.tape import LossFn
 from privacy.validate import check_model
 
-from .gather import Gatherer, _local_shape
+from .gather import Gatherer, cached_local_shape
 from .replicas import ReplicaCheck
 from .tensor_parallel import TensorParallelHooks
 from .units import Unit, make_units
@@ -447,7 +447,7 @@ def _reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, com
             if g is None:  # frozen: no gradient
                 continue
             lay = plan.params[name]
-            g = g.reshape(_local_shape(lay.shape, lay.compute, mesh, comm.rank))  # the layout's view
+            g = g.reshape(cached_local_shape(lay.shape, lay.compute, mesh, comm.rank))  # the layout's view
             g = _run_plan(comm, plan_collectives(lay.raw_grad, lay.grad, lay.shape, mesh, g.dtype), g)
             if replicas is not None:
                 replicas.add(plan, name, g)
