@@ -36,25 +36,33 @@ def module_name(path: Path) -> str:
 
 def imports_of(path: Path) -> list[tuple[int, str]]:
     """``(line, absolute module)`` for every import in the file, relative ones resolved."""
-    tree = ast.parse(path.read_text(), str(path))
-    here = module_name(path).split(".")
-    is_pkg = path.name == "__init__.py"
+    return imports_in(path.read_text(), module_name(path), path.name == "__init__.py")
+
+
+def imports_in(source: str, module: str, is_pkg: bool) -> list[tuple[int, str]]:
+    """``(line, absolute module)`` for every import of the library in ``source``, the code of
+    ``module`` (a package's ``__init__`` when ``is_pkg``)."""
     out = []
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here if is_pkg else here[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, module, is_pkg)
             # ``from pkg import sub`` imports the submodule ``pkg.sub`` when there is one
             for a in node.names:
                 sub = f"{mod}.{a.name}"
                 out.append((node.lineno, sub if layer_of(sub) is not None and _is_module(sub) else mod))
     return [(line, m) for line, m in out if m.split(".")[0] in PACKAGES]
+
+
+def _from_module(node: ast.ImportFrom, module: str, is_pkg: bool) -> str:
+    """The absolute module of ``from <module> import ...``, a relative one resolved."""
+    if not node.level:
+        return node.module or ""
+    here = module.split(".")
+    base = here if is_pkg else here[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
 
 
 def _is_module(name: str) -> bool:
@@ -95,9 +103,9 @@ def test_the_facade_imports_nothing_eagerly():
     assert not eager, f"fsdpx/__init__.py imports at lines {eager}: importing fsdpx.sharding would load them"
 
 
-def test_the_layer_check_sees_lazy_and_relative_imports(tmp_path):
+def test_the_layer_check_sees_lazy_and_relative_imports():
     """The checker itself: an import inside a function and a relative import are both found."""
-    f = ROOT / "fsdpx" / "runtime" / "step.py"
-    found = {m for _, m in imports_of(f)}
-    assert "fsdpx.runtime.gather" in found  # ``from .gather import Gatherer``
-    assert "privacy.layers" in found  # imported inside ``needs_fallback``
+    source = "from .gather import Gatherer\n\ndef f():\n    from privacy.layers import rule_for\n"
+    found = {m for _, m in imports_in(source, "fsdpx.runtime.step", is_pkg=False)}
+    assert found == {"fsdpx.runtime.gather", "privacy.layers"}
+    assert "fsdpx.runtime.gather" in {m for _, m in imports_of(ROOT / "fsdpx" / "runtime" / "step.py")}

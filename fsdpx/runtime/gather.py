@@ -34,7 +34,7 @@ from .units import Unit
 @functools.lru_cache(maxsize=65536)
 def cached_local_shape(shape, spec, mesh, rank) -> tuple[int, ...]:
     """``fsdpx.sharding.layout.local_shape``, memoised: a pipeline builds a ``Gatherer`` per
-    microbatch and stage, and the reduction (``fsdpx.runtime.step``) views every gradient in
+    microbatch and stage, and the reduction (``fsdpx.runtime.reduce``) views every gradient in
     it. The same tuple as ``local_shape`` (a cache of a pure function of hashable arguments;
     the sharded steps that use it: ``property_tests/test_sharded_properties.py``)."""
     return local_shape(shape, spec, mesh, rank)
