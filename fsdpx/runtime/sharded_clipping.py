@@ -49,6 +49,9 @@ def sharded_norms(plan: ShardingPlan, comm: Comm) -> ShardedNorms | None:
 
 def needs_fallback(model: nn.Module, trainable) -> bool:
     """True if a module owning a trainable parameter has no ghost rule: its per-module vmap
-    reads the gathered parameters after the backward, so they must stay gathered until then."""
+    reads the gathered parameters after the backward, so they must stay gathered until then.
+    ``trainable``: the parameter names (a mapping's keys count). Without it those runs read
+    freed storage: ``tests/test_tensor_parallel_hf.py::test_every_planned_family_equals_the_unsharded_run``
+    (Cohere, Cohere2 and Helium, private: their norms have no ghost rule)."""
     modules = dict(model.named_modules())
     return any(rule_for(modules[m]) is None for m in owners(model, dict.fromkeys(trainable)))
