@@ -173,6 +173,7 @@ def install_fsdpx_timers(comm) -> None:
     """Phase timers around fsdpx's collectives (``DistComm.run`` on this instance), its noise
     draw and its metric gathers: module-level names looked up at call time, patched in this
     process only (fsdpx's files are untouched)."""
+    import fsdpx.runtime.owned_noise as noise_mod  # the module whose globals OwnedNoise.pop looks up
     import fsdpx.runtime.step as rt  # the module whose globals the step looks up
 
     real_run = comm.run
@@ -187,9 +188,9 @@ def install_fsdpx_timers(comm) -> None:
 
     comm.run = run
     comm.all_gather_object = timed("metrics", comm.all_gather_object)
-    rt.shard_noise = timed("noise", rt.shard_noise)
-    # the step calls _reduce_and_update once the backward is over: a memory mark only
-    rt._reduce_and_update = timed("reduce_and_update", rt._reduce_and_update, before="forward+backward")
+    noise_mod.shard_noise = timed("noise", noise_mod.shard_noise)
+    # the step calls reduce_and_update once the backward is over: a memory mark only
+    rt.reduce_and_update = timed("reduce_and_update", rt.reduce_and_update, before="forward+backward")
 
 
 def make_model(cfg: dict):

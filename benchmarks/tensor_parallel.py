@@ -343,14 +343,16 @@ def timed(name: str, fn: Callable, *, before: str | None = None, after: str | No
 
 def install_fsdpx_timers() -> None:
     """Phase timers (and memory marks) around fsdpx's gradient reduction + update and its noise
-    draws: module globals of ``fsdpx.runtime.step``, looked up at call time, patched in this
-    process only (fsdpx's files are untouched). Once the backward is over the step calls
-    ``_reduce_and_update``, which draws each parameter's noise (``OwnedNoise.pop``, private
-    only) as it reduces that parameter's gradient: the noise phase is inside the reduction's."""
+    draws: ``fsdpx.runtime.step``'s module global ``reduce_and_update``, looked up at call time,
+    and ``fsdpx.runtime.owned_noise.OwnedNoise.pop``, patched in this process only (fsdpx's files
+    are untouched). Once the backward is over the step calls ``reduce_and_update``, which draws
+    each parameter's noise (``OwnedNoise.pop``, private only) as it reduces that parameter's
+    gradient: the noise phase is inside the reduction's."""
+    import fsdpx.runtime.owned_noise as noise_mod
     import fsdpx.runtime.step as step_mod
 
-    step_mod.OwnedNoise.pop = timed("noise", step_mod.OwnedNoise.pop)
-    step_mod._reduce_and_update = timed("reduce_and_update", step_mod._reduce_and_update, before="forward+backward")
+    noise_mod.OwnedNoise.pop = timed("noise", noise_mod.OwnedNoise.pop)
+    step_mod.reduce_and_update = timed("reduce_and_update", step_mod.reduce_and_update, before="forward+backward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -721,7 +723,7 @@ PHASES = ["comm", "comm@1", "noise", "update", "compute"]
 
 def breakdown(rec: dict) -> dict[str, float]:
     """One rank's step split: time inside the counted collectives (and DTensor's waits for
-    them), noise, the gradient reduction + optimizer (fsdpx: ``_reduce_and_update`` minus its
+    them), noise, the gradient reduction + optimizer (fsdpx: ``reduce_and_update`` minus its
     collectives; DTensor: ``optimizer.step``), the rest (forward, backward, clipping)."""
     cs, ph = rec["coll_seconds"], rec["phases"]
     one = sum(v for k, v in cs.items() if k.endswith("@1"))
@@ -782,7 +784,7 @@ def tables_for(nproc: int, res: dict) -> str:
                   "rounds; ratios are medians of same-round ratios. Phases (slowest rank of each round, median "
                   "per column): time inside the collectives over tp (DTensor: with its waits); inside fsdpx's "
                   "all-reduces on the 1-rank dp group (`@1`); fsdpx's noise draw; update: everything after the "
-                  "backward (fsdpx: `_reduce_and_update` less its `@1` calls; DTensor: `optimizer.step`); "
+                  "backward (fsdpx: `reduce_and_update` less its `@1` calls; DTensor: `optimizer.step`); "
                   "the rest (forward, backward, clipping):", "",
                   "| mode | wall s | vs dtensor-tp | vs fsdpx-tp | CPU s | collectives over tp s "
                   "| all-reduces @1 s | noise s | update s | compute + rest s |",

@@ -1,10 +1,12 @@
 """A train state <-> (a JSON tree, a flat ``{path: Tensor}``), without pickle.
 
 A state is built from dicts with ``str`` keys, lists, tuples, ``None``, ``bool``, ``int``,
-``float``, ``str``, tensors, and the registered types (``register_type``; built in:
-``privacy.step.TrainState``, ``privacy.accounting.Accountant``,
-``privacy.sampling.PoissonSampler``, ``privacy.step.DPConfig``; the runtime registers its own
-``fsdpx.runtime.ShardedState`` when it is imported, since ``ckpt`` sits below the runtime).
+``float``, ``str``, tensors, and the registered types (``register_type``). ``ckpt`` knows no
+type of its own: each package registers its types where they are defined, when it is imported
+(``privacy``: ``TrainState``, ``Accountant``, ``PoissonSampler``, ``DPConfig``; the runtime:
+``ShardedState``), and ``ckpt`` imports neither, so a process decodes a type once it has
+imported the package that defines it (``tests/test_ckpt_flatten.py::
+test_a_type_decodes_once_its_package_is_imported``).
 The tree is tagged JSON::
 
     dict            {"$dict": [[key, node], ...]}        (insertion order kept)
@@ -32,7 +34,6 @@ Guarantees (``tests/test_ckpt_flatten.py``):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -56,7 +57,6 @@ class Codec:
 
 
 _CODECS: dict[str, Codec] = {}
-_BUILTINS_LOADED = False
 
 
 def register_type(tag: str, cls: type, to_node: Callable[[Any], Any], from_node: Callable[[Any], Any]) -> None:
@@ -65,31 +65,7 @@ def register_type(tag: str, cls: type, to_node: Callable[[Any], Any], from_node:
     _CODECS[tag] = Codec(tag, cls, to_node, from_node)
 
 
-def load_builtin_types() -> None:
-    """Register the built-in types (imports ``privacy``; done lazily on first use)."""
-    global _BUILTINS_LOADED
-    if _BUILTINS_LOADED:
-        return
-    from privacy.accounting import Accountant
-    from privacy.sampling import PoissonSampler
-    from privacy.step import DPConfig, TrainState
-
-    _BUILTINS_LOADED = True
-    register_type("TrainState", TrainState, lambda s: dict(s._asdict()), lambda d: TrainState(**d))
-    register_type("Accountant", Accountant, Accountant.to_dict, Accountant.from_dict)
-    register_type("PoissonSampler", PoissonSampler, PoissonSampler.to_dict, PoissonSampler.from_dict)
-    register_type("DPConfig", DPConfig, dataclasses.asdict, lambda d: DPConfig(**d))
-
-
-# Qualified names of the built-in types: an object of one of them means ``privacy`` is already
-# imported, so registering them then is free; other states never import ``privacy``.
-_BUILTIN_NAMES = {"privacy.step.TrainState", "privacy.step.DPConfig", "privacy.accounting.Accountant",
-                  "privacy.sampling.PoissonSampler"}
-
-
 def _codec_for(obj: Any) -> Codec | None:
-    if f"{type(obj).__module__}.{type(obj).__qualname__}" in _BUILTIN_NAMES:
-        load_builtin_types()
     for c in _CODECS.values():
         if type(obj) is c.cls:
             return c
@@ -156,10 +132,10 @@ def unflatten(tree: Tree, tensor_at: Callable[[str], Tensor]) -> Any:
         if tag == "$float":
             return float(v)
     if isinstance(tree, dict) and set(tree) == {"$type", "value"}:
-        load_builtin_types()
         if tree["$type"] not in _CODECS:
-            hint = " (import fsdpx.runtime, which registers it)" if tree["$type"] == "ShardedState" else ""
-            raise UnsupportedStateError(f"unknown type tag {tree['$type']!r}: register it with ckpt.register_type{hint}")
+            raise UnsupportedStateError(f"unknown type tag {tree['$type']!r}: register it with ckpt.register_type (a "
+                                        "package registers its own types when it is imported: import the one that "
+                                        "defines it before loading)")
         return _CODECS[tree["$type"]].from_node(unflatten(tree["value"], tensor_at))
     raise UnsupportedStateError(f"malformed state node {str(tree)[:80]!r}")
 

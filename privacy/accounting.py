@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import dp_accounting
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+from ckpt.flatten import register_type
 from privacy.errors import BudgetExhaustedError, PrivacyError
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -451,3 +452,8 @@ class Accountant:
             epsilon_budget=data["epsilon_budget"],
             value_discretization_interval=data["value_discretization_interval"],
         )
+
+
+# ckpt stores states without pickle, by registered type, and knows no type of privacy's: each
+# registers itself where it is defined (importing any module of privacy imports this one)
+register_type("Accountant", Accountant, Accountant.to_dict, Accountant.from_dict)

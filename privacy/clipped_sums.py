@@ -8,7 +8,7 @@ the whole model's gradient (474 MiB) on every rank, even under ZeRO-3, whose poi
 quarter of it. :class:`ClippedSums` forms a parameter's sum when the reduction takes it
 (:meth:`ClippedSums.pop`) and drops that parameter's contributions right away, so the factors
 shrink as the sums are taken and only the sums not yet reduced are alive: one unit's at a
-time when the runtime reduces unit by unit (``fsdpx.runtime.step._reduce_and_update``).
+time when the runtime reduces unit by unit (``fsdpx.runtime.reduce.reduce_and_update``).
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def clip_and_sum(
             sums, sq = stream_clipped_sums({k: parts.pop(k) for k in streamed}, shapes, sq,
                                            lambda norm: clip_factors(norm, clip_norm, clipping), keep=mask)
     norms = sq.sqrt()
-    factors, parts = _factors(norms, parts, clip_norm, clipping, nonfinite, keep=mask)
+    factors, parts = guarded_clip_factors(norms, parts, clip_norm, clipping, nonfinite, keep=mask)
     clipped = ClippedSums(parts, factors, params, ready=sums)
     grads = clipped if lazy else dict(clipped.items())
     if mask is not None:  # padding rows report nothing: they drop out of every sum and mean
@@ -254,12 +254,16 @@ def summed_sq_norms(parts: dict[str, list[C.Contribution]], shapes: dict, sharde
     return sq
 
 
-def _factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str,
-             keep: Tensor | None = None):
+def guarded_clip_factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str,
+                         keep: Tensor | None = None) -> tuple[Tensor, dict]:
     """``(c, parts)``: each example's clipping factor, and ``parts`` with the rows of examples
     that must add nothing zeroed when their norm is not finite (``where``: NaN-safe). An
     example masked out by ``keep`` (padding) gets ``c_i = 0`` and never raises; one with a
-    non-finite norm raises :class:`NonFiniteGradientError` or (``nonfinite="zero"``) gets 0."""
+    non-finite norm raises :class:`NonFiniteGradientError` or (``nonfinite="zero"``) gets 0.
+    ``clip_and_sum`` and the pipelined step's deferred clipping (``fsdpx.runtime.pipeline``)
+    both clip through it (``tests/test_clipping.py::test_non_finite_examples_are_named_or_zeroed``;
+    padding: ``property_tests/test_padded_batch_properties.py::
+    test_a_padding_row_of_nan_contributes_nothing``)."""
     bad = ~torch.isfinite(norms)
     if keep is None and not bad.any():
         return clip_factors(norms, clip_norm, clipping), parts

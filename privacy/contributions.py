@@ -135,7 +135,7 @@ def reuse_saving(parts: list[Contribution], param_shape: torch.Size) -> int | No
     factored = [p for p in parts if isinstance(p, Factored)]
     if not any(not p.one_hot for p in factored):
         return None
-    if any(isinstance(p, Dense) for p in parts) or _rows_overlap(factored):
+    if any(isinstance(p, Dense) for p in parts) or rows_overlap(factored):
         norm = instantiate_cost(factored)
     else:
         norm = min(gram_cost(factored), instantiate_cost(factored))
@@ -239,7 +239,7 @@ def sq_norms(parts: list[Contribution], param_shape: torch.Size, *, force_instan
         total = torch.stack(dense).sum(0) if len(dense) > 1 else dense[0]
         return _row_sq_norms(total)
     num_rows = param_shape[0]
-    if dense or force_instantiate or _rows_overlap(factored) or _prefer_instantiate(factored):
+    if dense or force_instantiate or rows_overlap(factored) or _prefer_instantiate(factored):
         g = sum(instantiate(p, num_rows) for p in factored).view(-1, *param_shape)
         g = g + sum(dense) if dense else g
         return _row_sq_norms(g)
@@ -258,9 +258,11 @@ def _row_sq_norms(g: Tensor) -> Tensor:
     return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1).square()
 
 
-def _rows_overlap(parts: list[Factored]) -> bool:
+def rows_overlap(parts: list[Factored]) -> bool:
     """True when two parts cover different but overlapping row blocks (Gram pairs assume
-    equal or disjoint blocks)."""
+    equal or disjoint blocks): those parts' norms and sums must go through the instantiated
+    gradient (here and in ``privacy.streaming``). False for no parts or a single block.
+    Proven with the norms and sums it routes: ``property_tests/test_ghost_properties.py``."""
     blocks = {p.rows for p in parts}
     return any(a != b and a[0] < b[1] and b[0] < a[1] for a in blocks for b in blocks)
 

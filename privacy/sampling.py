@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ckpt.flatten import register_type
 from privacy.errors import PrivacyError
 
 _HASH_PERSON = b"fsdpx.sample.v1"
@@ -117,3 +118,7 @@ class PoissonSampler:
                 f"got missing {sorted(expected - set(config))}, unexpected {sorted(set(config) - expected)}"
             )
         return cls(num_examples=config["num_examples"], sample_rate=config["sample_rate"], key=config["key"])
+
+
+# ckpt stores states without pickle, by registered type: privacy registers its own types
+register_type("PoissonSampler", PoissonSampler, PoissonSampler.to_dict, PoissonSampler.from_dict)

@@ -15,12 +15,14 @@ fixed) -> optimizer update -> accountant record.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from torch import Tensor, nn
 
+from ckpt.flatten import register_type
 from fsdpx.optim.freezing import Trainable, bind, update_trainable, values_in
 from privacy.accounting import Accountant, max_steps
 from privacy.batch import real_count
@@ -73,6 +75,11 @@ class TrainState(NamedTuple):
     step: int
     key: int
     accountant: Accountant
+
+
+# ckpt stores states without pickle, by registered type: privacy registers its own types
+register_type("TrainState", TrainState, lambda s: dict(s._asdict()), lambda d: TrainState(**d))
+register_type("DPConfig", DPConfig, dataclasses.asdict, lambda d: DPConfig(**d))
 
 
 def init_state(params: Params, optimizer: Optimizer, *, key: int, config: DPConfig) -> TrainState:

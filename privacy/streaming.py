@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from privacy.contributions import REUSE_MAX_BYTES, Contribution, Factored, _rows_overlap, instantiate, reuse_saving
+from privacy.contributions import REUSE_MAX_BYTES, Contribution, Factored, instantiate, reuse_saving, rows_overlap
 
 STREAM_MAX_BYTES = REUSE_MAX_BYTES
 """Most bytes of ONE example's gradients of all streamed parameters together: they are formed,
@@ -41,7 +41,7 @@ def choose_streamed(parts: dict[str, list[Contribution]], shapes: dict[str, torc
         if not plist or not all(isinstance(p, Factored) for p in plist):
             continue
         saving = reuse_saving(plist, shapes[name])
-        if saving is None or saving <= 0 or _rows_overlap(plist):
+        if saving is None or saving <= 0 or rows_overlap(plist):
             continue
         nbytes = math.prod(shapes[name]) * plist[0].right.element_size()
         ranked.append((-saving / nbytes, name, nbytes))

@@ -17,7 +17,8 @@ from fsdpx.runtime.threads import run_threads
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import adamw
 from fsdpx.runtime.plain_step import init_plain, make_plain_step
-from fsdpx.runtime.step import init_sharded, local_block, make_sharded_step
+from fsdpx.runtime.sharded_state import init_sharded, local_block
+from fsdpx.runtime.step import make_sharded_step
 
 F64 = torch.float64
 TOL = 1e-10

@@ -2,7 +2,12 @@
 
 import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from concurrent.futures import Future
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -14,6 +19,8 @@ from ckpt.flatten import contains_type, flatten, unflatten
 from privacy.accounting import Accountant
 from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, TrainState
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _same(a, b) -> bool:
@@ -63,3 +70,33 @@ def test_unsupported_leaf_names_its_path(leaf, where):
 def test_unknown_type_tag_is_an_error_not_an_import():
     with pytest.raises(UnsupportedStateError, match="os.system"):
         unflatten({"$type": "os.system", "value": "echo hi"}, lambda p: None)
+
+
+def test_a_type_decodes_once_its_package_is_imported():
+    """``ckpt`` imports nothing of ``privacy``: in a fresh process a ``TrainState`` is an unknown
+    tag until privacy is imported, and importing any of its modules (``privacy.noise`` here, not
+    where the types live) registers every one of its types."""
+    script = textwrap.dedent("""
+        import sys
+        from ckpt.errors import UnsupportedStateError
+        from ckpt.flatten import unflatten
+        tree = {"$type": "TrainState", "value": {"$dict": [
+            ["params", {"$dict": []}], ["opt_state", None], ["step", 3], ["key", 1],
+            ["accountant", {"$type": "Accountant", "value": {"$dict": [
+                ["accountant", "rdp"], ["delta", 1e-05], ["epsilon_budget", None],
+                ["value_discretization_interval", 0.0001], ["events", []]]}}]]}}
+        try:
+            unflatten(tree, lambda p: None)
+        except UnsupportedStateError as e:
+            assert "TrainState" in str(e), e
+        else:
+            raise AssertionError("decoded a TrainState without privacy")
+        assert not any(m == "privacy" or m.startswith("privacy.") for m in sys.modules), "ckpt imported privacy"
+        import privacy.noise
+        state = unflatten(tree, lambda p: None)
+        assert type(state).__name__ == "TrainState" and state.step == 3 and state.accountant.steps == 0
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fsdpx.optim import adamw
-from fsdpx.runtime.step import init_sharded, make_sharded_step
+from fsdpx.runtime.sharded_state import init_sharded
+from fsdpx.runtime.step import make_sharded_step
 from fsdpx.runtime.step_memory import LiveBytes, step_peak
 from fsdpx.runtime.threads import run_threads
 from fsdpx.sharding import Mesh, strategies

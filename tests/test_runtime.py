@@ -8,7 +8,9 @@ import torch
 from fsdpx import Mesh, run_threads, strategies, unshard
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import sgd
-from fsdpx.runtime.step import flat_runs, init_sharded, make_sharded_step
+from fsdpx.runtime.owned_noise import flat_runs
+from fsdpx.runtime.sharded_state import init_sharded
+from fsdpx.runtime.step import make_sharded_step
 from privacy import DPConfig, init_state, make_private_step
 
 
@@ -93,7 +95,7 @@ def test_flat_runs_list_the_global_indices_of_a_box(shape, box, runs):
     ((), ()),
 ])
 def test_shard_noise_equals_the_unsharded_draw_of_its_box(shape, box):
-    from fsdpx.runtime.step import shard_noise
+    from fsdpx.runtime.owned_noise import shard_noise
     from privacy.noise import noise_slice
 
     numel = max(1, int(torch.tensor(shape).prod())) if shape else 1

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import ckpt
 from fsdpx.runtime.dist_comm import backend_for, init_from_env, shutdown
-from fsdpx.runtime.step import shard_noise
+from fsdpx.runtime.owned_noise import shard_noise
 from fsdpx.sharding import Mesh
 from fsdpx.train import ConfigError, RunConfig, run
 from fsdpx.cli import main

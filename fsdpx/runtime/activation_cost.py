@@ -27,10 +27,12 @@ from torch.func import functional_call
 from fsdpx.sharding.collectives import Collective
 from fsdpx.sharding.layout import chunk_bounds, local_shape
 from fsdpx.sharding.mesh import Mesh
+from fsdpx.sharding.pipeline import microbatch_bounds
 from fsdpx.sharding.plan import ShardingPlan
 from privacy.tape import record
 
-from .step import sharded_norms
+from .sharded_clipping import sharded_norms
+from .stages import StageExit, StageForward, absent_uses
 from .tensor_parallel import TensorParallelHooks
 
 
@@ -118,10 +120,6 @@ def pipeline_activation_collectives(model: nn.Module, plan: ShardingPlan, mesh: 
     Returns ``[]`` without tensor parallelism. Guarantee: with ``pipeline_comm_per_step(...,
     activations=...)`` rank 0's counted bytes (``property_tests/test_pipeline_properties.py::
     test_counted_bytes_equal_pipeline_comm_per_step``)."""
-    from fsdpx.sharding.pipeline import microbatch_bounds
-
-    from .stages import StageExit, StageForward, absent_uses
-
     layout = plan.pipeline
     if not plan.modules or plan.tp_axis is None or layout is None:
         return []

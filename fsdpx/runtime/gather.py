@@ -32,8 +32,11 @@ from .units import Unit
 
 
 @functools.lru_cache(maxsize=65536)
-def _local_shape(shape, spec, mesh, rank) -> tuple[int, ...]:
-    """``local_shape``, memoised: a pipeline builds a ``Gatherer`` per microbatch and stage."""
+def cached_local_shape(shape, spec, mesh, rank) -> tuple[int, ...]:
+    """``fsdpx.sharding.layout.local_shape``, memoised: a pipeline builds a ``Gatherer`` per
+    microbatch and stage, and the reduction (``fsdpx.runtime.reduce``) views every gradient in
+    it. The same tuple as ``local_shape`` (a cache of a pure function of hashable arguments;
+    the sharded steps that use it: ``property_tests/test_sharded_properties.py``)."""
     return local_shape(shape, spec, mesh, rank)
 
 
@@ -55,7 +58,7 @@ class Gatherer:
             for n, lay in plan.params.items()
         }
         # this rank's compute block of each parameter, in the layout's (view) shape
-        self.local_shapes = {n: _local_shape(lay.shape, lay.compute, comm.mesh, comm.rank)
+        self.local_shapes = {n: cached_local_shape(lay.shape, lay.compute, comm.mesh, comm.rank)
                              for n, lay in plan.params.items()}
         self.batched = {u.module: self._batchable(u) for u in units}  # decided once, used every gather
         self.moving = {u.module: any(self.plans[n] for n in u.params) for u in units}

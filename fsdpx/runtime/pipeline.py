@@ -17,7 +17,7 @@ parameters (``rank_plan``), each in the plan's data/tensor-parallel layout. One 
 3. a parameter held by two stages on different ranks (a tied embedding and LM head) has its
    gradient summed between them, in stage order on both, so both copies stay bit-identical;
 4. reduction over the data axes, noise (private), and the optimizer: exactly the non-pipelined
-   step's ``_reduce_and_update`` on the rank's parameters.
+   step's ``fsdpx.runtime.reduce.reduce_and_update`` on the rank's parameters.
 
 A microbatch that is empty on this data-parallel rank (a batch smaller than ``dp`` times the
 microbatch count) still runs its parameter collectives, in the order a real one would, so the
@@ -46,20 +46,22 @@ from fsdpx.sharding.schedule import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, S
 from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.spec import Spec
 from privacy import contributions as C
-from privacy.clipping import _factors, summed_sq_norms
+from privacy.clipping import guarded_clip_factors, summed_sq_norms
 from privacy.ghost import contributions
 from privacy.step import DPConfig, check_budget
 from privacy.batch import call_model, first_tensor, real_count, slice_batch, unpack
 from privacy.tape import LossFn, Tape, fill_grads, taping
 
 from .gather import Gatherer
+from .global_batch import global_metrics, masked_losses, my_share
 from .host_heap import raise_thresholds
 from .stages import StageExit, StageForward, absent_uses
 from .parts_p2p import recv_parts, send_parts
+from .owned_noise import OwnedNoise
+from .reduce import gradient_divisor, reduce_and_update, trainable_update
 from .replicas import ReplicaCheck
-from .step import (ShardedState, _divisor, _global_metrics, _my_share, _owned_noise, _reduce_and_update,
-                   masked_losses, needs_fallback, sharded_norms)
-from .step import trainable_update
+from .sharded_clipping import needs_fallback, sharded_norms
+from .sharded_state import ShardedState
 from .tensor_parallel import TensorParallelHooks
 from .weight_pass import capturing, input_grads, separable, weight_grads
 from .units import Unit, make_units
@@ -212,7 +214,7 @@ class PipelineStep:
             check_budget(state.accountant, self.config)
         self._train_now(state.step)
         before = self.comm.counts()
-        share = _my_share(batch, self.plan, self.comm)
+        share = my_share(batch, self.plan, self.comm)
         mbs = [slice_batch(share, a, b) for a, b in microbatch_bounds(share[1].shape[0], self.layout.microbatches)]
         run = _Run(self, state, mbs)
         run.execute(self.schedule.ranks[self.index])
@@ -222,12 +224,12 @@ class PipelineStep:
         self._sum_shared(raw)
         units = [Unit("", tuple(self.local_plan.params), ())]
         update = trainable_update(self.optimizer, self.donate, self.trainable)
-        new_params, opt_state, resident = _reduce_and_update(raw, state, self.local_plan, self.group, units, update,
-                                                             _divisor(batch, self.config, self.num_examples),
-                                                             _owned_noise(state, self.local_plan, self.group, self.config,
-                                                                          self.now) if self.config else None, self.now,
-                                                             self.replicas)
-        metrics = _global_metrics(self.comm, run.stats(), self.config)
+        new_params, opt_state, resident = reduce_and_update(raw, state, self.local_plan, self.group, units, update,
+                                                            gradient_divisor(batch, self.config, self.num_examples),
+                                                            OwnedNoise(state, self.local_plan, self.group, self.config,
+                                                                       self.now) if self.config else None, self.now,
+                                                            self.replicas)
+        metrics = global_metrics(self.comm, run.stats(), self.config)
         metrics["comm"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
         metrics["resident_bytes"] = resident
         accountant = state.accountant.record(self.config.noise_multiplier, self.config.sample_rate) \
@@ -613,8 +615,8 @@ class _Run:
         if rec.size == 0:
             _free_all(rec.gatherer)
             return
-        factors, parts = _factors(norms, rec.parts, o.config.clip_norm, o.config.clipping, o.config.nonfinite,
-                                  keep=mask)
+        factors, parts = guarded_clip_factors(norms, rec.parts, o.config.clip_norm, o.config.clipping,
+                                              o.config.nonfinite, keep=mask)
         for n in o.stages[s].names:
             if not parts.get(n):
                 continue

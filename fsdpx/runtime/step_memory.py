@@ -39,6 +39,9 @@ from fsdpx.sharding.mesh import Mesh
 from privacy.step import DPConfig
 from privacy.tape import LossFn
 
+from .sharded_state import init_sharded
+from .step import make_sharded_step
+
 
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of the storages operators create while the mode is on: ``live`` now,
@@ -160,8 +163,6 @@ def step_peak(model: nn.Module, loss_fn: LossFn, optimizer: Optimizer, strategy:
     (``tests/test_max_batch_search.py::test_step_peak_counts_a_step_exactly``). Against a real
     process's peak RSS: ``benchmarks/max_batch.py``, docs/performance.md. Raises what ``make_sharded_step`` raises for a bad
     plan or config."""
-    from .step import init_sharded, make_sharded_step
-
     comm = _MetaComm(mesh)
     with torch.device("meta"):
         params = {k: torch.empty(v.shape, dtype=dtype) for k, v in model.named_parameters()}

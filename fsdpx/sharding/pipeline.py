@@ -33,9 +33,12 @@ from typing import Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
+from .collectives import cost, plan as plan_collectives
+from .layout import chunk_bounds, local_shape, unshard
 from .mesh import Mesh
 from .plan import ShardingPlan
-from .schedule import KINDS, schedule as make_schedule
+from .schedule import KINDS, SEND_B, SEND_F, schedule as make_schedule
+from .spec import Spec
 
 
 class PipelinePlanError(ValueError):
@@ -283,8 +286,6 @@ def unshard_stages(per_rank: Sequence[Mapping[str, Tensor]], plan: ShardingPlan,
     Guarantees: without a pipeline this is ``layout.unshard`` per parameter; a parameter held by
     several pipeline ranks (a tied embedding and head) must be bit-identical on all of them,
     else ``ValueError`` naming it (the copies drifting apart is always a bug)."""
-    from .layout import unshard
-
     if plan.pipeline is None:
         return {n: unshard([per_rank[r][n] for r in range(mesh.size)], getattr(lay, layout), mesh)
                 for n, lay in plan.params.items()}
@@ -336,11 +337,6 @@ def pipeline_comm_per_step(plan: ShardingPlan, mesh: Mesh, rank: int, *, batch_s
     Guarantee: the simulated mesh counts exactly this for rank 0, plain and private, with and
     without tensor parallelism
     (``property_tests/test_pipeline_properties.py::test_counted_bytes_equal_pipeline_comm_per_step``)."""
-    from .collectives import cost, plan as plan_collectives
-    from .layout import chunk_bounds, local_shape
-    from .schedule import SEND_B, SEND_F
-    from .spec import Spec
-
     layout = plan.pipeline
     p, item = layout.degree(), dtype.itemsize
     index = mesh.index(rank, layout.axis)

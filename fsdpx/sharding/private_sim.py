@@ -15,9 +15,10 @@ norms, so it cannot run right after its ``B``. The executor (``fsdpx.runtime.pip
     without looking again (a ``W`` started is finished: the message waits for it);
   - after its list, every microbatch left, each as soon as its norms are complete.
 
-Costs are ``simulate``'s (``fsdpx.sharding.schedule_sim``), ``W`` being one stage's clipped sum
-of one microbatch; so are transit and shared cores. The timeline's bubble then counts the
-``W``s formed in waits as work and the wait for the last norms as idle. A message, or norms,
+Costs are ``simulate``'s (``fsdpx.sharding.schedule_sim``; both run on the clock of
+``fsdpx.sharding.schedule_clock``), ``W`` being one stage's clipped sum of one microbatch; so
+are transit and shared cores. The timeline's bubble then counts the ``W``s formed in waits as
+work and the wait for the last norms as idle. A message, or norms,
 arriving at the very instant a rank looks count as in. A pipeline with a parameter two stages
 share completes every norm after the lists (one all-reduce): ``norms`` longer than the step
 puts every ``W`` there.
@@ -30,8 +31,8 @@ from numbers import Real
 from typing import Mapping, Sequence
 
 from .schedule import RECV_B, RECV_F, Action, B, F, Schedule, W, check, matching
-from .schedule_sim import (Deadlock, Entry, Timeline, Transfer, _advance, _check_cores, _delay, _ready, _timeline,
-                           _waits_for, _work)
+from .schedule_clock import (Deadlock, Entry, Timeline, Transfer, action_work, advance, check_cores, ready_at,
+                             timeline_of, transit_delay, waits_for)
 
 
 def simulate_private(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
@@ -62,12 +63,12 @@ def simulate_private(schedule: Schedule, costs: Mapping[str, float] | None = Non
 
     Raises ``ValueError`` as ``simulate`` does, and for negative ``norms``."""
     check(schedule)
-    delay = _delay(transfer)
+    delay = transit_delay(transfer)
     if norms < 0:
         raise ValueError(f"the norms' all-reduce time must be >= 0, got {norms}")
-    work = _work(schedule, costs, rank_costs, stage_costs, action_costs)
-    _check_cores(cores)
-    return _timeline(schedule, _PrivateRun(schedule, work, delay, norms, cores).run())
+    work = action_work(schedule, costs, rank_costs, stage_costs, action_costs)
+    check_cores(cores)
+    return timeline_of(schedule, _PrivateRun(schedule, work, delay, norms, cores).run())
 
 
 def private_held_by_rank(timeline: Timeline, activations: Sequence[Real],
@@ -110,8 +111,9 @@ def private_held_by_rank(timeline: Timeline, activations: Sequence[Real],
 
 
 class _PrivateRun:
-    """The event loop: as ``schedule_sim._run_shared`` (``_advance``: processor sharing when
-    ``cores`` is given, a core each otherwise), each idle rank asking ``_next`` what it does now."""
+    """The event loop: as ``schedule_sim``'s shared-cores loop (``schedule_clock.advance``:
+    processor sharing when ``cores`` is given, a core each otherwise), each idle rank asking
+    ``_next`` what it does now."""
 
     def __init__(self, schedule: Schedule, work, delay: Real, norms: Real, cores: int | None):
         self.schedule, self.work, self.delay, self.norms, self.cores = schedule, work, delay, norms, cores
@@ -142,7 +144,7 @@ class _PrivateRun:
                     break
             if not running and wake is None:
                 break
-            t, ended = _advance(running, self.cores, t, wake)
+            t, ended = advance(running, self.cores, t, wake)
             for r, start, a in ended:
                 self._end(r, a, start, t)
         self._check_done()
@@ -175,7 +177,7 @@ class _PrivateRun:
             return self.forming[r][0], t
         if self.pos[r] < len(self.lists[r]):
             a = self.lists[r][self.pos[r]]
-            deps = _waits_for(a, self.schedule)
+            deps = waits_for(a, self.schedule)
             if isinstance(a, (RECV_F, RECV_B)):
                 send = matching(a, self.schedule.num_ranks)
                 arrival = self.ends[send] + self.delay if send in self.ends else None
@@ -191,7 +193,7 @@ class _PrivateRun:
                 return (a, start) if start <= t else (None, start)
             if any(d not in self.ends for d in deps):
                 return None, None
-            return a, _ready(a, deps, self.ends, self.free[r], self.delay)
+            return a, ready_at(a, deps, self.ends, self.free[r], self.delay)
         if self.next_mb[r] < self.schedule.num_microbatches:
             done = self.complete[self.next_mb[r]]
             if done is None or done > t:
@@ -240,7 +242,7 @@ class _PrivateRun:
         for r, actions in enumerate(self.lists):
             if self.pos[r] < len(actions):
                 a = actions[self.pos[r]]
-                missing = ", ".join(repr(d) for d in _waits_for(a, self.schedule) if d not in self.ends)
+                missing = ", ".join(repr(d) for d in waits_for(a, self.schedule) if d not in self.ends)
                 stuck.append(f"rank {r} is stuck at {a!r}, waiting for {missing}")
             elif self.next_mb[r] < self.schedule.num_microbatches or self.forming[r]:
                 stuck.append(f"rank {r} never formed the W's of microbatch {self.next_mb[r]} (norms never complete)")

@@ -38,17 +38,10 @@ slice); a rank waiting for its inputs, or a message in transit, uses no core. An
 duration (``end - start``) is its wall time, so time a rank spends inside an ``F`` waiting for
 a core counts as computing, as a timer around the real ``F`` counts it.
 
-Definitions (``Timeline``):
-  * ``makespan``: the last action's end (all ranks start at 0).
-  * ``idle_time``: rank-time not spent in ``F``/``B``/``W``, ``p * makespan - compute``; time
-    in transfers counts as idle. ``bubble = idle_time / (p * makespan)``, ``0`` when the
-    makespan is ``0``.
-  * ``peak_in_flight[s]``: the most microbatches stage ``s`` holds at once, a microbatch being
-    held from the start of its ``F`` to the end of its ``W`` (the activations a ``W`` still
-    reads). One rank runs all of a stage's actions one after another, so this is counted in
-    list order and does not depend on costs (a private timeline's, whose ``W``s move with the
-    clock, in the order its ranks ran them: ``fsdpx.sharding.private_sim``).
-    ``peak_in_flight_by_rank`` counts a rank's stages together.
+The rules above (what an action waits for, its cost, processor sharing) and the ``Timeline``
+with its definitions (``makespan``, ``idle_time``, ``bubble``, ``peak_in_flight``) live in
+``fsdpx.sharding.schedule_clock``, which the private pipeline's simulator
+(``fsdpx.sharding.private_sim``) runs on too.
 
 A schedule where no rank can move raises ``Deadlock`` naming each blocked rank, the action it
 is stuck at and what that action waits for. ``plot(timeline, path)`` draws the Gantt chart.
@@ -58,78 +51,13 @@ from __future__ import annotations
 
 from collections import deque
 from numbers import Real
-from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
-from types import MappingProxyType
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Mapping, Sequence
 
-from .schedule import ACTION_KINDS, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, Schedule, W, check, matching
-
-DEFAULT_COSTS: Mapping[str, float] = MappingProxyType(
-    {"F": 1, "B": 1, "W": 1, "SEND_F": 0, "RECV_F": 0, "SEND_B": 0, "RECV_B": 0}
-)
-
-
-class Transfer(NamedTuple):
-    """The time a message spends between two ranks: ``latency + message_bytes *
-    seconds_per_byte`` (``delay``), from the end of its send to the earliest end of its
-    receive. One activation and its gradient have the same shape, so one ``message_bytes``
-    prices both directions. Every field ``0`` (the default) is free transit: ``simulate`` then
-    returns exactly the timeline it returns without a ``Transfer``.
-
-    Measured, not fitted: ``benchmarks/pipeline.py`` times a send/receive of a small message
-    (``latency``) and of one activation on the same gloo group."""
-
-    latency: Real = 0
-    seconds_per_byte: Real = 0
-    message_bytes: Real = 0
-
-    @property
-    def delay(self) -> Real:
-        return self.latency + self.message_bytes * self.seconds_per_byte
-
-
-class Deadlock(RuntimeError):
-    """No rank can run its next action; the message names each blocked rank and its wait."""
-
-
-class Entry(NamedTuple):
-    """One action as run: ``(start, end, action)``."""
-
-    start: float
-    end: float
-    action: Action
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """A schedule as run on the clock (definitions in the module docstring).
-
-    * ``ranks[r]``: rank ``r``'s ``Entry``s in the order it ran them.
-    * ``makespan``, ``compute_time`` (sum of ``F``/``B``/``W`` durations over ranks).
-    * ``peak_in_flight``: per stage; ``peak_in_flight_by_rank``: per rank."""
-
-    schedule: Schedule
-    ranks: tuple[tuple[Entry, ...], ...]
-    makespan: float
-    compute_time: float
-    peak_in_flight: tuple[int, ...]
-    peak_in_flight_by_rank: tuple[int, ...]
-
-    @property
-    def idle_time(self) -> float:
-        return self.schedule.num_ranks * self.makespan - self.compute_time
-
-    @property
-    def bubble(self) -> float:
-        """Idle fraction of all rank-time, ``idle_time / (p * makespan)``; 0 for a zero makespan."""
-        total = self.schedule.num_ranks * self.makespan
-        return self.idle_time / total if total else 0.0
-
-    def by_action(self) -> dict[Action, Entry]:
-        """Every action's ``Entry``, keyed by the action."""
-        return {e.action: e for entries in self.ranks for e in entries}
+from .schedule import Action, B, F, Schedule, W, check
+# Deadlock, Timeline and Transfer are simulate's own vocabulary: callers import them from here too
+from .schedule_clock import (Deadlock, Entry, Timeline, Transfer, action_work, advance, check_cores, peak_held,
+                             ready_at, timeline_of, transit_delay, waits_for)
 
 
 def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
@@ -184,73 +112,14 @@ def simulate(schedule: Schedule, costs: Mapping[str, float] | None = None, *,
     ``rank_costs`` / ``stage_costs`` of the wrong length, and for a schedule ``check`` rejects;
     ``Deadlock`` when the ranks block each other."""
     check(schedule)
-    delay = _delay(transfer)
-    work = _work(schedule, costs, rank_costs, stage_costs, action_costs)
-    _check_cores(cores)
+    delay = transit_delay(transfer)
+    work = action_work(schedule, costs, rank_costs, stage_costs, action_costs)
+    check_cores(cores)
     if cores is None:
         entries = _run_core_each(schedule, work, delay)
     else:
         entries = _run_shared(schedule, work, delay, cores)
-    return _timeline(schedule, entries)
-
-
-def _delay(transfer: Transfer | None) -> Real:
-    """``transfer``'s delay (``0`` without one); ``ValueError`` when negative."""
-    delay = transfer.delay if transfer is not None else 0
-    if delay < 0:
-        raise ValueError(f"a transfer's delay must be >= 0, got {transfer}")
-    return delay
-
-
-def _check_cores(cores: int | None) -> None:
-    if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
-        raise ValueError(f"cores must be a positive int, got {cores!r}")
-
-
-def _work(schedule: Schedule, costs, rank_costs, stage_costs, action_costs) -> Callable[[Action], Real]:
-    """Each action's duration (or CPU work on shared cores), as ``simulate`` documents it:
-    ``action_costs`` over ``stage_costs`` over ``rank_costs`` over ``costs`` over
-    ``DEFAULT_COSTS``; ``ValueError`` for a negative cost, an unknown kind or a wrong length."""
-    p, num_stages = schedule.num_ranks, schedule.num_stages
-    own = dict(action_costs or {})
-    if any(c < 0 for c in own.values()):
-        raise ValueError(f"action costs must be >= 0, got {min(own.values())}")
-    if rank_costs is not None and len(rank_costs) != p:
-        raise ValueError(f"rank_costs has {len(rank_costs)} entries for {p} ranks")
-    if stage_costs is not None and len(stage_costs) != num_stages:
-        raise ValueError(f"stage_costs has {len(stage_costs)} entries for {num_stages} stages")
-    # per stage (each stage runs on one rank), the merged durations by action kind
-    cost_of = [_costs({**(costs or {}), **(rank_costs[schedule.rank_of(st)] if rank_costs is not None else {}),
-                       **(stage_costs[st] if stage_costs is not None else {})}) for st in range(num_stages)]
-
-    def work(a: Action) -> Real:
-        return own[a] if a in own else cost_of[a.stage][a.kind]
-    return work
-
-
-def _timeline(schedule: Schedule, entries: list[list[Entry]]) -> Timeline:
-    """The ``Timeline`` of ``entries`` (each rank's, in the order it ran them); in-flight
-    peaks counted in that order, which is each rank's list order unless a policy moved its
-    ``W``s (``fsdpx.sharding.private_sim``)."""
-    compute = sum(e.end - e.start for rank in entries for e in rank if isinstance(e.action, COMPUTE))
-    ran = [tuple(e.action for e in rank) for rank in entries]
-    return Timeline(
-        schedule=schedule,
-        ranks=tuple(tuple(e) for e in entries),
-        makespan=max((rank[-1].end for rank in entries if rank), default=0),
-        compute_time=compute,
-        peak_in_flight=tuple(_peak(ran[schedule.rank_of(s)], lambda a, s=s: a.stage == s)
-                             for s in range(schedule.num_stages)),
-        peak_in_flight_by_rank=tuple(_peak(actions, lambda a: True) for actions in ran),
-    )
-
-
-def _ready(a: Action, deps: list[Action], ends: Mapping[Action, float], free: float, delay: float) -> float:
-    """When ``a`` may start: its rank free, what it waits for ended (a receive's send plus the
-    message's transit)."""
-    if delay and isinstance(a, (RECV_F, RECV_B)):  # its only wait is the send, then transit
-        return max(free, ends[deps[0]] + delay)
-    return max([free, *(ends[d] for d in deps)])
+    return timeline_of(schedule, entries)
 
 
 def _run_core_each(schedule: Schedule, work, delay: float) -> list[list[Entry]]:
@@ -266,12 +135,12 @@ def _run_core_each(schedule: Schedule, work, delay: float) -> list[list[Entry]]:
         actions = schedule.ranks[r]
         while len(entries[r]) < len(actions):
             a = actions[len(entries[r])]
-            deps = _waits_for(a, schedule)
+            deps = waits_for(a, schedule)
             missing = next((d for d in deps if d not in ends), None)
             if missing is not None:
                 blocked_on.setdefault(missing, []).append(r)
                 break
-            start = _ready(a, deps, ends, free[r], delay)
+            start = ready_at(a, deps, ends, free[r], delay)
             end = start + work(a)
             entries[r].append(Entry(start, end, a))
             ends[a] = free[r] = end
@@ -301,10 +170,10 @@ def _run_shared(schedule: Schedule, work, delay: float, cores: int) -> list[list
                 if r in running or len(entries[r]) == len(schedule.ranks[r]):
                     continue
                 a = schedule.ranks[r][len(entries[r])]
-                deps = _waits_for(a, schedule)
+                deps = waits_for(a, schedule)
                 if any(d not in ends for d in deps):
                     continue
-                ready, cost = _ready(a, deps, ends, free[r], delay), work(a)
+                ready, cost = ready_at(a, deps, ends, free[r], delay), work(a)
                 if ready > t:
                     arrival = ready if arrival is None else min(arrival, ready)
                 elif cost == 0:
@@ -315,7 +184,7 @@ def _run_shared(schedule: Schedule, work, delay: float, cores: int) -> list[list
                     running[r] = [ready, cost, a, cost]
         if not running and arrival is None:
             break
-        t, ended = _advance(running, cores, t, arrival)
+        t, ended = advance(running, cores, t, arrival)
         for r, start, a in ended:
             entries[r].append(Entry(start, t, a))
             ends[a] = free[r] = t
@@ -324,72 +193,12 @@ def _run_shared(schedule: Schedule, work, delay: float, cores: int) -> list[list
     return entries
 
 
-def _advance(running: dict[int, list], cores: int | None, t: Real,
-             wake: Real | None) -> tuple[Real, list[tuple[int, Real, Action]]]:
-    """Processor sharing from ``t`` to the earlier of ``wake`` and the first end of a running
-    action (``running``: rank -> ``[start, work left, action, work]``; ``n`` running ranks each
-    do ``min(1, cores / n)`` work per unit of time, all of it with ``cores`` None). Returns the
-    new time and the ``(rank, start, action)`` that ended there, taken out of ``running``.
-    Exact for exact costs (``Fraction`` shares)."""
-    share, step = Fraction(1), None
-    if running:
-        n = len(running)
-        share = Fraction(min(cores, n) if cores is not None else n, n)
-        step = min(left / share for _, left, _, _ in running.values())
-    if step is None or (wake is not None and wake - t <= step):
-        step, t = wake - t, wake  # land on the wake-up exactly, floats included
-    else:
-        t = t + step
-    ended = []
-    for r, job in list(running.items()):
-        start, left, a, total = job
-        job[1] = left - step * share
-        if job[1] <= (0 if isinstance(job[1], (int, Fraction)) else 1e-12 * total):
-            del running[r]
-            ended.append((r, start, a))
-    return t, ended
-
-
-def _costs(costs: Mapping[str, float] | None) -> dict[str, float]:
-    out = dict(DEFAULT_COSTS)
-    for k, c in (costs or {}).items():
-        if k not in ACTION_KINDS:
-            raise ValueError(f"unknown action kind {k!r} in costs; kinds are {ACTION_KINDS}")
-        if c < 0:
-            raise ValueError(f"cost of {k} must be >= 0, got {c}")
-        out[k] = c
-    return out
-
-
-def _waits_for(a: Action, schedule: Schedule) -> list[Action]:
-    """What ``a`` waits for besides its rank (module table)."""
-    s, mb, p = a.stage, a.mb, schedule.num_ranks
-    here = schedule.rank_of(s)
-    if isinstance(a, F):
-        if s == 0:
-            return []
-        prev = schedule.rank_of(s - 1)
-        return [F(mb, s - 1)] + ([RECV_F(mb, s, prev)] if prev != here else [])
-    if isinstance(a, B):
-        if s == schedule.num_stages - 1:
-            return [F(mb, s)]
-        nxt = schedule.rank_of(s + 1)
-        return [F(mb, s), B(mb, s + 1)] + ([RECV_B(mb, s, nxt)] if nxt != here else [])
-    if isinstance(a, W):
-        return [B(mb, s)]
-    if isinstance(a, SEND_F):
-        return [F(mb, s)]
-    if isinstance(a, SEND_B):
-        return [B(mb, s)]
-    return [matching(a, p)]  # a receive
-
-
 def _deadlock_message(schedule: Schedule, entries: list[list[Entry]], ends: Mapping[Action, float]) -> str:
     lines = []
     for r, actions in enumerate(schedule.ranks):
         if len(entries[r]) < len(actions):
             a = actions[len(entries[r])]
-            missing = ", ".join(repr(d) for d in _waits_for(a, schedule) if d not in ends)
+            missing = ", ".join(repr(d) for d in waits_for(a, schedule) if d not in ends)
             lines.append(f"rank {r} is stuck at {a!r} (action {len(entries[r])} of {len(actions)}),"
                          f" waiting for {missing}")
     return "deadlock, no rank can move:\n  " + "\n  ".join(lines)
@@ -401,7 +210,7 @@ def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
     ``p - s`` at stage ``s``, gpipe all ``m``, zero_bubble at most ``p``
     (``test_in_flight_microbatches``)."""
     return tuple(
-        _peak(schedule.ranks[schedule.rank_of(s)], lambda a, s=s: a.stage == s) for s in range(schedule.num_stages)
+        peak_held(schedule.ranks[schedule.rank_of(s)], lambda a, s=s: a.stage == s) for s in range(schedule.num_stages)
     )
 
 
@@ -412,17 +221,7 @@ def peak_held_by_rank(schedule: Schedule, per_stage: Sequence[Real]) -> tuple[Re
     times ``peak_in_flight`` (``test_peak_held_weighs_in_flight_microbatches_by_stage``)."""
     if len(per_stage) != schedule.num_stages:
         raise ValueError(f"per_stage has {len(per_stage)} entries for {schedule.num_stages} stages")
-    return tuple(_peak(actions, lambda a: True, per_stage) for actions in schedule.ranks)
-
-
-def _peak(actions: tuple[Action, ...], counted, per_stage: Sequence[Real] | None = None):
-    held = peak = 0
-    for a in actions:
-        if counted(a) and isinstance(a, (F, W)):
-            weight = 1 if per_stage is None else per_stage[a.stage]
-            held += weight if isinstance(a, F) else -weight
-            peak = max(peak, held)
-    return peak
+    return tuple(peak_held(actions, lambda a: True, per_stage) for actions in schedule.ranks)
 
 
 # ---- drawing ---------------------------------------------------------------------------------

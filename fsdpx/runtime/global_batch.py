@@ -1,0 +1,58 @@
+"""Every rank of a sharded step receives the same GLOBAL batch: this module cuts out the rank's
+own rows (``my_share``), zeroes the losses of padding rows (``masked_losses``), and puts the
+ranks' statistics back together into the global batch's metrics (``global_metrics``).
+
+The non-pipelined step (``fsdpx.runtime.step``) and the pipelined one
+(``fsdpx.runtime.pipeline``) share these, so both see the same rows and report the same metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import chunk_bounds
+from fsdpx.sharding.plan import ShardingPlan
+from privacy.batch import slice_batch, unpack
+from privacy.step import DPConfig
+
+
+def my_share(batch: tuple, plan: ShardingPlan, comm: Comm) -> tuple:
+    """This rank's rows of the global ``batch`` (``privacy.batch.slice_batch``: every tensor
+    leading with the batch dimension is cut, mapping inputs and a padding mask included, the
+    rest shared): chunk ``i`` of ``k`` over the plan's data axes (``chunk_bounds``: sizes differ
+    by at most one, so a rank may get no rows; tensor-parallel ranks share theirs). Proven with
+    the steps it feeds: ``property_tests/test_sharded_properties.py::
+    test_sharded_steps_equal_unsharded_steps``, ``property_tests/test_padded_batch_properties.py::
+    test_a_padded_sharded_step_equals_the_unpadded_unsharded_step``."""
+    k = comm.mesh.axis_size(plan.data_axes)
+    i = comm.mesh.index(comm.rank, plan.data_axes)
+    a, b = chunk_bounds(unpack(batch)[1].shape[0], k, i)
+    return slice_batch(batch, a, b)
+
+
+def masked_losses(losses: Tensor, mask: Tensor | None) -> Tensor:
+    """``losses`` with padding rows (mask False) set to exactly 0, so their gradient is 0
+    (``property_tests/test_padded_batch_properties.py::test_a_padding_row_of_nan_contributes_nothing``)."""
+    return losses if mask is None else torch.where(mask, losses, torch.zeros_like(losses))
+
+
+def global_metrics(comm: Comm, stats, config: DPConfig | None) -> dict[str, Any]:
+    """The step's metrics over every rank from each rank's ``stats`` (loss sum, examples,
+    clipped examples, norm sum): summed in rank order, the same floats whichever way they
+    travel (``all_gather_floats`` where the communicator has it: one float64 all-gather).
+    ``loss`` is NaN (and the private fractions 0) when the global batch has no example.
+    The same metrics as the unsharded step (``property_tests/test_padded_batch_properties.py::
+    test_a_padded_sharded_step_equals_the_unpadded_unsharded_step``)."""
+    floats = getattr(comm, "all_gather_floats", None)
+    everyone = floats(stats) if floats is not None else comm.all_gather_object(stats)
+    loss = sum(s[0] for s in everyone)
+    n = int(sum(s[1] for s in everyone))
+    metrics: dict[str, Any] = {"loss": loss / n if n else float("nan"), "batch_size": n}
+    if config is not None:
+        metrics["clipped_fraction"] = sum(s[2] for s in everyone) / n if n else 0.0
+        metrics["mean_norm"] = sum(s[3] for s in everyone) / n if n else 0.0
+    return metrics

@@ -1,0 +1,104 @@
+"""The private step's noise on a sharded run: each rank draws the unsharded run's noise for
+exactly the elements it updates, so the ranks together add one unsharded draw.
+
+``privacy.noise_slice`` is a pure function of (key, step, parameter name, flat index), so the
+bits of an element do not depend on who draws it or in what order; replicas draw identical bits.
+``flat_runs`` turns a rank's block (a box of global indices) into flat index ranges,
+``shard_noise`` draws a box, and ``OwnedNoise`` draws each parameter's optimizer-state block when
+the reduction adds it (``fsdpx.runtime.reduce.reduce_and_update``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Collection
+
+import torch
+from torch import Tensor
+
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import local_box
+from fsdpx.sharding.plan import ShardingPlan
+from privacy.noise import BLOCK, noise_slice
+from privacy.step import DPConfig
+
+from .sharded_state import ShardedState
+
+
+def flat_runs(shape: tuple[int, ...], box: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The global flat index ranges ``[start, stop)`` of ``box`` in row-major order, merged
+    where contiguous (one range for a dim-0 shard)."""
+    if any(a >= b for a, b in box):
+        return []
+    if not shape:
+        return [(0, 1)]
+    inner = math.prod(shape[1:])
+    if all(box[d] == (0, shape[d]) for d in range(1, len(shape))):
+        return [(box[0][0] * inner, box[0][1] * inner)]
+    runs = []
+    for i in range(*box[0]):
+        runs += [(i * inner + a, i * inner + b) for a, b in flat_runs(shape[1:], box[1:])]
+    return runs
+
+
+def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, std: float, dtype,
+                device: torch.device | str = "cpu") -> Tensor:
+    """The unsharded run's noise for the elements of ``box`` of parameter ``name``, shaped like
+    the box: ``noise_slice`` of each of the box's flat runs, concatenated, on ``device``. It is
+    drawn on the host (the sampler is a CPU kernel) and copied: the same bits on any device.
+
+    Runs closer than ``privacy.noise.BLOCK`` are drawn as one covering slice and cut out of it
+    (partition invariance makes the bits the same): a column block of a row-parallel weight is
+    one short run per row, and drawing each alone would restart its noise block every time, up
+    to ``BLOCK`` draws per run; covering costs at most the gaps, never more than the parameter
+    (``tests/test_runtime.py::test_shard_noise_equals_the_unsharded_draw_of_its_box``)."""
+    numel = math.prod(shape)
+    parts = []
+    for lo, hi, runs in _clusters(flat_runs(shape, box), BLOCK):
+        drawn = noise_slice(name, numel, lo, hi, key=key, step=step, std=std, dtype=dtype)
+        parts += [drawn] if len(runs) == 1 else [drawn[a - lo:b - lo] for a, b in runs]
+    size = tuple(b - a for a, b in box)
+    if not parts:
+        return torch.zeros(size, dtype=dtype, device=device)
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).view(size).to(device)
+
+
+def _clusters(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Consecutive ``runs`` grouped while the space between them is at most ``gap``: each group
+    as ``(first start, last stop, its runs)``."""
+    out: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for a, b in runs:
+        if out and a - out[-1][1] <= gap:
+            lo, _, members = out[-1]
+            members.append((a, b))
+            out[-1] = (lo, b, members)
+        else:
+            out.append((a, b, [(a, b)]))
+    return out
+
+
+class OwnedNoise:
+    """Each parameter's noise on the elements this rank updates (its optimizer-state block):
+    the unsharded run's draw for exactly those global indices (a fused view keeps the
+    parameter's flat order, so the indices are the parameter's own). Drawn by :meth:`pop`, when
+    the reduction adds it, so one parameter's noise is alive at a time, never the whole model's
+    (a full gradient's worth under DDP). The bits do not depend on the order of the draws: each
+    is a pure function of (key, step, name, index). Only the ``trainable`` ones exist when a
+    freezing schedule gives them: a frozen parameter gets none (``pop`` raises ``KeyError``),
+    and the others' bits are the same (noise is per parameter name)."""
+
+    def __init__(self, state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig,
+                 trainable: Collection[str] | None = None):
+        self.state, self.plan, self.comm, self.config = state, plan, comm, config
+        self.names = frozenset(plan.params if trainable is None else (n for n in plan.params if n in trainable))
+
+    def pop(self, name: str) -> Tensor:
+        """Parameter ``name``'s noise on this rank's optimizer-state block, shaped like that
+        block, in the dtype and on the device of the parameter's held tensor."""
+        if name not in self.names:
+            raise KeyError(f"no noise for {name!r}: not a trainable parameter of this step")
+        lay = self.plan.params[name]
+        box = local_box(lay.shape, lay.opt_state, self.comm.mesh, self.comm.rank)
+        held = self.state.params[name]
+        return shard_noise(name, lay.shape, box, key=self.state.key, step=self.state.step,
+                           std=self.config.noise_std, dtype=held.dtype, device=held.device)

@@ -1,0 +1,66 @@
+"""One rank's share of the train state (``ShardedState``) and how it is cut from the full
+parameters before step 0 (``init_sharded``).
+
+Each parameter is held in its plan's at-rest layout, the optimizer state in the plan's
+opt_state layout (``fsdpx.sharding.plan``), both in the layout's (view) shape. ``ckpt`` stores
+states without pickle, by registered type; it sits below the runtime, so this module registers
+``ShardedState`` itself when it is imported
+(``tests/test_ckpt_resume.py::test_sharded_runtime_resumes_bitwise_from_its_own_checkpoint``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from ckpt.flatten import register_type
+from fsdpx.optim import Optimizer
+from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.cost_model import PlanLike, as_plan
+from fsdpx.sharding.layout import local_box
+from fsdpx.sharding.mesh import Mesh
+from fsdpx.sharding.pipeline import rank_plan
+from fsdpx.sharding.spec import Spec
+from privacy.accounting import Accountant
+from privacy.step import DPConfig
+
+Params = dict[str, Tensor]
+
+
+class ShardedState(NamedTuple):
+    """One rank's share of the train state."""
+
+    params: Params  # at-rest layout
+    opt_state: Any  # the optimizer's state over the opt_state layout
+    step: int
+    key: int
+    accountant: Accountant | None
+
+
+# ckpt stores states without pickle, by registered type; it sits below the runtime, so the
+# runtime registers its own state type.
+register_type("ShardedState", ShardedState, lambda s: dict(s._asdict()), lambda d: ShardedState(**d))
+
+
+def local_block(t: Tensor, spec: Spec, mesh: Mesh, rank: int) -> Tensor:
+    """A contiguous copy of the block of global tensor ``t`` that ``rank`` holds under ``spec``."""
+    box = local_box(tuple(t.shape), spec, mesh, rank)
+    return t[tuple(slice(a, b) for a, b in box)].clone()
+
+
+def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm: Comm, *, key: int,
+                 config: DPConfig | None = None) -> ShardedState:
+    """This rank's state before step 0, cut from the full ``params`` (every rank passes the same
+    full values): parameters at rest, optimizer state initialised on the opt_state layout, each
+    in the plan's (view) shape. ``strategy``: a ``Strategy`` or a resolved ``ShardingPlan``; with
+    a pipeline, only the parameters of this rank's stages (``fsdpx.sharding.pipeline.rank_plan``)."""
+    mesh, rank = comm.mesh, comm.rank
+    plan = rank_plan(as_plan(strategy, {n: tuple(p.shape) for n, p in params.items()}), mesh, rank)
+    views = {n: params[n].detach().reshape(lay.shape) for n, lay in plan.params.items()}
+    at_rest = {n: local_block(v, plan.params[n].at_rest, mesh, rank) for n, v in views.items()}
+    at_opt = {n: local_block(v, plan.params[n].opt_state, mesh, rank) for n, v in views.items()}
+    accountant = None
+    if config is not None:
+        accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)
+    return ShardedState(at_rest, optimizer.init(at_opt), 0, key, accountant)
