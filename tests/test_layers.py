@@ -1,5 +1,6 @@
 """The packages form layers and every import points down (or sideways within a layer).
 
+    4  fsdpx.cli  fsdpx.__main__         the ``fsdpx`` front door: dispatches train, jobs, schedule
     3  fsdpx.train  fsdpx.jobs           the job, its data, CLI, launcher; the multi-job planner
     2  fsdpx.runtime                     the sharded step, gathering, comm backends
     1  privacy  offload  ckpt            DP-SGD, selective offload, checkpoints
@@ -10,8 +11,7 @@ lazy import cannot hide an upward dependency. Over the same imports: the module 
 graph of the packages above have no cycle (a lazy import that only dodges a circle at import
 time still ties the two modules into one), and no module takes a ``_private`` name of another
 module of the library (``from m import _x``, or ``m._x`` on an imported module): what two
-modules share is public where it lives. The cycles fsdpx.train and fsdpx.jobs still have are
-listed, edge by edge, in ``KNOWN_TRAIN_JOBS``; nothing else is exempt.
+modules share is public where it lives. Nothing is exempt.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ LAYERS = {
     "fsdpx.sharding": 0, "fsdpx.optim": 0, "fsdpx.models": 0,
     "privacy": 1, "offload": 1, "ckpt": 1,
     "fsdpx.runtime": 2,
-    "fsdpx.train": 3, "fsdpx.jobs": 3, "fsdpx.__main__": 3,
+    "fsdpx.train": 3, "fsdpx.jobs": 3,
+    "fsdpx.cli": 4, "fsdpx.__main__": 4,
 }
 
 
@@ -123,28 +124,14 @@ def test_the_layer_check_sees_lazy_and_relative_imports():
     assert "fsdpx.runtime.gather" in {m for _, m in imports_of(ROOT / "fsdpx" / "runtime" / "step.py")}
 
 
-# The import cycles the lead is removing from fsdpx.train and fsdpx.jobs (issue 27), as the one
-# edge (importer, imported) of each that the checks below leave out; nothing outside those two
-# packages may be listed. Empty it as they go: an entry whose import is gone fails the test.
-KNOWN_TRAIN_JOBS = {
-    # fsdpx.train.loop -> fsdpx.train.resume -> fsdpx.train.loop: both import the other inside
-    # functions (loop.py: ``from .resume import plan_segment``)
-    ("fsdpx.train.loop", "fsdpx.train.resume"),
-    # the packages fsdpx.train -> fsdpx.jobs -> fsdpx.train: ``fsdpx train`` dispatches ``fsdpx
-    # jobs`` (cli.py: ``from fsdpx.jobs.cli import main``) while the jobs run fsdpx.train
-    ("fsdpx.train.cli", "fsdpx.jobs.cli"),
-}
-
-
 def import_graph() -> dict[str, dict[str, str]]:
-    """``{module: {imported module: "module:line" of its first import}}`` over the library,
-    without the ``KNOWN_TRAIN_JOBS`` edges."""
+    """``{module: {imported module: "module:line" of its first import}}`` over the library."""
     graph: dict[str, dict[str, str]] = {}
     for path in project_files():
         me = module_name(path)
         edges = graph.setdefault(me, {})
         for line, target in sorted(imports_of(path)):
-            if target != me and (me, target) not in KNOWN_TRAIN_JOBS:
+            if target != me:
                 edges.setdefault(target, f"{me}:{line}")
     return graph
 
@@ -227,14 +214,6 @@ def test_the_package_import_graph_has_no_cycle():
     graph = package_graph(import_graph())
     found = cycles(graph)
     assert not found, "package cycles:\n" + "\n".join(_describe(c, graph) for c in found)
-
-
-def test_known_train_jobs_cycles_are_only_in_train_and_jobs_and_still_there():
-    graph = {module_name(p): {m for _, m in imports_of(p)} for p in project_files()}
-    for importer, imported in KNOWN_TRAIN_JOBS:
-        assert package_of(importer) in ("fsdpx.train", "fsdpx.jobs"), f"{importer}: only train/jobs may be listed"
-        assert imported in graph.get(importer, ()), (f"{importer} no longer imports {imported}: remove the entry "
-                                                     "from KNOWN_TRAIN_JOBS")
 
 
 def private_imports(source: str, module: str, is_pkg: bool) -> list[tuple[int, str]]:
