@@ -5,7 +5,7 @@ peft wraps each targeted linear (``q_proj``, ``v_proj``, ``down_proj`` of Llama;
 ``c_attn``, a ``Conv1D``) in a layer that adds ``lora_B(lora_A(x)) * scaling`` to the frozen
 base layer's output. ``lora_A`` and ``lora_B`` are plain ``nn.Linear`` modules, so ghost
 clipping takes them as they are: no rule for peft, no wrapper. Judged against the oracle of
-``hf_support.loop_grads`` (one example at a time, float64) and, sharded, against the unsharded
+``support.oracle.loop_grads`` (one example at a time, float64) and, sharded, against the unsharded
 steps (ZeRO-3 over two simulated ranks, plain and private).
 """
 
@@ -22,8 +22,9 @@ from privacy import clipped_grad, per_sample_norms
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from hf_support import (assert_close, clipped_sum_of, float32_ops, gpt2, llama, lm_loss, loop_grads,  # noqa: E402
-                        norms_of, padded_batch)
+from support.hf import gpt2, llama, lm_loss, padded_batch  # noqa: E402
+from support.oracle import clipped_sum_of, loop_grads, norms_of  # noqa: E402
+from support.tolerance import assert_close, float32_ops  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_tensor_parallel_hf import _check, _dp_config  # noqa: E402

@@ -32,7 +32,7 @@ from fsdpx.sharding.tensor_parallel import resolve
 from privacy.step import DPConfig, init_state, make_private_step
 
 pytest.importorskip("transformers")
-from hf_support import T, bert, cls_loss, gpt2, llama, lm_loss, padded_batch  # noqa: E402
+from support.hf import T, bert, cls_loss, gpt2, llama, lm_loss, padded_batch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
 from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs_support import run_losses as losses, wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import parallel, techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -24,6 +23,8 @@ from fsdpx.jobs.runner import run_jobs
 from fsdpx.jobs.train_run import run_config
 from fsdpx.sharding.tensor_parallel import ColumnParallel, RowParallel, TensorParallel
 from fsdpx.train import run
+
+from support.jobs import run_losses as losses, wait
 
 MiB = 2**20
 CORES = sorted(os.sched_getaffinity(0))

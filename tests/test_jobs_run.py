@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from jobs_support import wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -23,6 +22,8 @@ from fsdpx.jobs.live import read_progress
 from fsdpx.jobs.plan import Assignment, Option, Plan
 from fsdpx.jobs.replan import Running, keep_placement, remaining_options, replan, same_choice, stays
 from fsdpx.jobs.runner import RunReport, run_jobs
+
+from support.jobs import wait
 
 ROOT = Path(__file__).resolve().parents[1]
 CORES = sorted(os.sched_getaffinity(0))

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs_support import run_losses as losses, wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -27,6 +26,8 @@ from fsdpx.jobs.task import UnimportableTaskError
 from fsdpx.jobs.train_run import run_config
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.train import data, run
+
+from support.jobs import run_losses as losses, wait
 
 CORES = sorted(os.sched_getaffinity(0))
 

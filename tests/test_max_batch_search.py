@@ -19,7 +19,7 @@ from privacy.step import DPConfig
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from max_batch import max_fitting  # noqa: E402
 
-from hf_support import T, VOCAB, gpt2, lm_loss  # noqa: E402
+from support.hf import T, VOCAB, gpt2, lm_loss  # noqa: E402
 
 
 @pytest.mark.parametrize("b_star", [0, 1, 2, 3, 7, 8, 9, 100, 1000])

@@ -25,7 +25,7 @@ from fsdpx.sharding.tensor_parallel import resolve
 from privacy.step import DPConfig
 
 pytest.importorskip("transformers")
-from hf_support import causal_lm, gpt2, lm_loss, padded_batch  # noqa: E402
+from support.hf import causal_lm, gpt2, lm_loss, padded_batch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_hf_sharded import _check_plan  # noqa: E402
@@ -134,7 +134,7 @@ def test_a_stand_in_feeding_the_blocks_is_refused():
     on wrong values without a word)."""
     import transformers
 
-    from hf_support import PAD, VOCAB, cls_loss
+    from support.hf import PAD, VOCAB, cls_loss
 
     torch.manual_seed(0)
     config = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -189,7 +189,7 @@ def test_blocks_that_pass_state_besides_the_hidden_state_are_refused():
     from fsdpx.runtime.stages import check_stages
     from fsdpx.train.config import ConfigError
     from fsdpx.train.loop import check_pipeline
-    from hf_support import PAD, VOCAB, llama
+    from support.hf import PAD, VOCAB, llama
 
     torch.manual_seed(0)
     model, ids = _BiasPassing(), torch.randint(0, 11, (1, 5))

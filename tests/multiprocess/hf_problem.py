@@ -1,12 +1,12 @@
 """The problem ``hf_worker.py`` trains and ``test_hf_gloo.py`` checks: a tiny BERT classifier
-(``hf_support.bert``), two padded batches of mapping inputs (the second padded to a fixed size
+(``support.hf.bert``), two padded batches of mapping inputs (the second padded to a fixed size
 with masked rows, ``privacy.padding``), private ghost clipping, SGD with momentum."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: hf_support
-from hf_support import bert, padded_batch  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: support
+from support.hf import bert, padded_batch  # noqa: E402
 
 from fsdpx.optim import sgd  # noqa: E402
 from privacy.padding import pad_batch  # noqa: E402

@@ -15,7 +15,7 @@ from fsdpx import Mesh, strategies  # noqa: E402
 from fsdpx.runtime import init_sharded, make_sharded_step  # noqa: E402
 from fsdpx.runtime.dist_comm import init_from_env, shutdown  # noqa: E402
 from hf_problem import NUM_EXAMPLES, batches, config, make_bert, optimizer  # noqa: E402
-from hf_support import cls_loss  # noqa: E402
+from support.hf import cls_loss  # noqa: E402
 
 
 def main() -> None:

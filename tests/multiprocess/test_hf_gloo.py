@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 HERE = os.path.dirname(__file__)
 sys.path.insert(0, HERE)
 from hf_problem import NUM_EXAMPLES, batches, config, make_bert, optimizer  # noqa: E402
-from hf_support import cls_loss  # noqa: E402
+from support.hf import cls_loss  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Helpers shared by the jobs tests (imported by name: pytest puts tests/ on sys.path)."""
+"""Helpers shared by the jobs tests: waiting for an attempt, reading a run's losses."""
 
 from __future__ import annotations
 
