@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_gen import meshes, shapes, specs
 
 import ckpt
 from fsdpx import Mesh, Spec, shard
 
+from support.layout_gen import meshes, shapes, specs
 from support.processes import python_env
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool]

@@ -5,9 +5,7 @@ policy's timeline (``fsdpx.jobs.parallel.activation_bytes``)."""
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +19,8 @@ from privacy import contributions as C
 from privacy.contributions import Dense, Factored, kept_bytes
 from privacy.step import DPConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_pipeline_properties import _pipelined  # noqa: E402
-from test_sharded_properties import _optimizer  # noqa: E402
+from support.mesh_runs import pipelined_run
+from support.reference import optimizer_for
 
 HP = dict(n_layer=4, n_head=2, n_embd=16, block_size=8, corpus_chars=4000)
 PLAIN = gpt_task("contrib-plain", steps=1, batch_size=8, **HP)
@@ -74,7 +71,7 @@ def test_predicted_contribution_bytes_are_what_the_runtime_keeps(monkeypatch, sc
     model = task.model_fn(task.hparams)
     inputs, targets = corpus_data(task.hparams)
     config = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1, method="auto")
-    _pipelined(model, [(inputs[:8], targets[:8])], _optimizer(torch.float32), plan, mesh, config)
+    pipelined_run(model, [(inputs[:8], targets[:8])], optimizer_for(torch.float32), plan, mesh, config)
     assert len(kept) == m * plan.pipeline.num_stages * tp
     by_stage = defaultdict(list)
     for stages, got in kept:
@@ -136,7 +133,7 @@ def test_transformers_models_keep_what_is_predicted_under_tensor_parallelism(mon
 
     monkeypatch.setattr(C, "instantiate_for_reuse", watched)
     config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto")
-    _pipelined(model, [batch], _optimizer(torch.float64), plan, mesh, config, loss_fn=H.hf_loss)
+    pipelined_run(model, [batch], optimizer_for(torch.float64), plan, mesh, config, loss_fn=H.hf_loss)
     assert sorted(kept) == [0, 1] and all(len(got) == 2 * 2 for got in kept.values())  # microbatches x tp ranks
     for s, got in kept.items():
         assert max(got) == want[s]

@@ -15,8 +15,6 @@ private ZeRO-3 is ``tests/multiprocess/test_hf_gloo.py``.
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,11 +29,10 @@ from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline, unshard_
 from fsdpx.sharding.tensor_parallel import resolve
 from privacy.step import DPConfig, init_state, make_private_step
 
+from support.reference import assert_close_to_reference, optimizer_for
+
 pytest.importorskip("transformers")
 from support.hf import T, bert, cls_loss, gpt2, llama, lm_loss, padded_batch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402
 
 TOL = 1e-9
 NUM_EXAMPLES = 50
@@ -107,11 +104,11 @@ def _check(name, strategy, mesh, private, form="mapping"):
     build, loss_fn, causal = MODELS[name]
     model = build()
     batches = _batches(causal, form)
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     config = _config() if private else None
     ref, ref_losses = _reference(model, loss_fn, batches, optimizer, config)
     got, metrics = _sharded(model, loss_fn, batches, optimizer, config, strategy, mesh)
-    _assert_close_to_reference(got, ref, model, TOL)
+    assert_close_to_reference(got, ref, model, TOL)
     for per_rank in metrics:  # every rank reports the unsharded step's loss and batch size
         for i, m in enumerate(per_rank):
             assert m["loss"] == pytest.approx(ref_losses[i], rel=1e-12)
@@ -161,11 +158,11 @@ def test_llama_pipelined_with_attention_mask_and_ignored_labels(private):
 
 def _check_plan(model, loss_fn, plan, mesh, private, *, causal, config=None):
     batches = _batches(causal)
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     config = config or (_config() if private else None)
     ref, ref_losses = _reference(model, loss_fn, batches, optimizer, config)
     got, metrics = _sharded(model, loss_fn, batches, optimizer, config, plan, mesh)
-    _assert_close_to_reference(got, ref, model, TOL)
+    assert_close_to_reference(got, ref, model, TOL)
     for per_rank in metrics:
         for i, m in enumerate(per_rank):
             assert m["loss"] == pytest.approx(ref_losses[i], rel=1e-12)
@@ -184,11 +181,11 @@ def test_bert_padded_poisson_batches_equal_the_unpadded_run(private):
     plain = [({k: v[i] for k, v in inputs.items()}, labels[i]) for i in picks]
     padded = [pad_batch((inputs, labels), i, 7) for i in picks]
     assert {b[1].shape[0] for b in padded} == {7}
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     config = _config() if private else None
     ref, ref_losses = _reference(model, cls_loss, plain, optimizer, config)
     got, metrics = _sharded(model, cls_loss, padded, optimizer, config, strategies.zero3(), Mesh(dp=3))
-    _assert_close_to_reference(got, ref, model, TOL)
+    assert_close_to_reference(got, ref, model, TOL)
     for per_rank in metrics:
         assert [m["batch_size"] for m in per_rank] == [3, 5]
         assert [m["loss"] for m in per_rank] == pytest.approx(ref_losses, rel=1e-12)
@@ -208,11 +205,11 @@ def test_llama_pipelined_padded_batches_equal_the_unpadded_run(private):
     mesh = Mesh(dp=1, pp=2)
     plan = resolve_pipeline(model, resolve(model, None, strategies.zero3(), mesh),
                             PipelineParallel(schedule="1f1b", microbatches=3), mesh)
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto") if private else None
     ref, ref_losses = _reference(model, lm_loss, plain, optimizer, config)
     got, metrics = _sharded(model, lm_loss, padded, optimizer, config, plan, mesh)
-    _assert_close_to_reference(got, ref, model, TOL)
+    assert_close_to_reference(got, ref, model, TOL)
     last = metrics[-1]  # the last stage's rank reports the loss
     assert [m["batch_size"] for m in last] == [3, 5]
     assert [m["loss"] for m in last] == pytest.approx(ref_losses, rel=1e-12)

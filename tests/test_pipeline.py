@@ -7,8 +7,6 @@ here: what ``resolve_pipeline`` builds and refuses, and the runtime on what user
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +20,8 @@ from fsdpx.sharding.pipeline import (PipelineParallel, PipelinePlanError, balanc
                                      rank_plan, resolve_pipeline)
 from fsdpx.sharding.tensor_parallel import resolve
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_pipeline_properties import _pipelined  # noqa: E402
-from test_sharded_properties import _assert_close_to_reference, _baseline, _optimizer  # noqa: E402
+from support.mesh_runs import pipelined_run
+from support.reference import assert_close_to_reference, baseline, optimizer_for
 
 
 def _gpt(n_layer=4, tie=True):
@@ -105,9 +102,9 @@ def test_a_batch_smaller_than_the_microbatch_count_trains_on_what_there_is():
     plan = _plan(model, mesh, strategy="zero3", microbatches=5)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 11, (3, 4), generator=g), torch.randint(0, 11, (3, 4), generator=g))]
-    optimizer = _optimizer(torch.float64)
-    got, metrics = _pipelined(model, batches, optimizer, plan, mesh)
-    _assert_close_to_reference(got, _baseline(model, batches, optimizer, None), model, 1e-10)
+    optimizer = optimizer_for(torch.float64)
+    got, metrics = pipelined_run(model, batches, optimizer, plan, mesh)
+    assert_close_to_reference(got, baseline(model, batches, optimizer, None), model, 1e-10)
     assert {m["batch_size"] for m in metrics} == {3}
 
 
@@ -120,9 +117,9 @@ def test_a_rank_that_dies_between_stages_is_named_by_its_peer():
     batch = (torch.randint(0, 11, (4, 4)), torch.randint(0, 11, (4, 4)))
 
     def rank(comm):
-        step = make_sharded_step(copy.deepcopy(model), token_loss, _optimizer(torch.float64), plan, comm,
+        step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer_for(torch.float64), plan, comm,
                                  param_shapes=shapes)
-        state = init_sharded(params, _optimizer(torch.float64), plan, comm, key=0)
+        state = init_sharded(params, optimizer_for(torch.float64), plan, comm, key=0)
         step(state, batch)  # both ranks agree and run one step
         if comm.rank == 0:
             raise SystemExit("rank 0 dies before its second step")
@@ -146,16 +143,16 @@ def _hf_check(model, mesh, tp_plan=None, config=None, frozen=(), **kw):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 37, (4, 8), generator=g), torch.randint(0, 37, (4, 8), generator=g))
                for _ in range(2)]
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     from test_tensor_parallel_hf import _reference
 
     ref = _reference(model, batches, optimizer, config, trainable)
     got, _ = _pipelined_hf(model, batches, optimizer, plan, mesh, config)
-    _assert_close_to_reference(got, ref, model, 1e-10)
+    assert_close_to_reference(got, ref, model, 1e-10)
 
 
 def _pipelined_hf(model, batches, optimizer, plan, mesh, config=None):
-    return _pipelined(model, batches, optimizer, plan, mesh, config, loss_fn=hf_loss)
+    return pipelined_run(model, batches, optimizer, plan, mesh, config, loss_fn=hf_loss)
 
 
 @pytest.mark.parametrize("mesh, kw", [
@@ -227,7 +224,7 @@ def test_a_split_backward_does_the_work_of_one_fused_backward():
         plan = _plan(model, mesh, schedule=kind, microbatches=2)
 
         def rank(comm):
-            optimizer = _optimizer(torch.float64)
+            optimizer = optimizer_for(torch.float64)
             step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer, plan, comm, param_shapes=shapes)
             state = init_sharded(params, optimizer, plan, comm, key=0)
             with Products() as counter:
@@ -264,7 +261,7 @@ def test_a_gradient_sum_never_writes_into_a_sent_tensor():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 11, (4, 4), generator=g), torch.randint(0, 11, (4, 4), generator=g))
                for _ in range(2)]
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     params = {k: v.detach() for k, v in model.named_parameters()}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
 
@@ -289,7 +286,7 @@ def test_a_gradient_sum_never_writes_into_a_sent_tensor():
     states = run_threads(mesh, rank, timeout=60)
     got = unshard_stages([s.params for s in states], plan, mesh)
     got = {k: t.reshape(shapes[k]) for k, t in got.items()}
-    _assert_close_to_reference(got, _baseline(model, batches, optimizer, None), model, 1e-10)
+    assert_close_to_reference(got, baseline(model, batches, optimizer, None), model, 1e-10)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -323,7 +320,7 @@ def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
     batch = (torch.randint(0, 37, (4, 8)), torch.randint(0, 37, (4, 8)))
     counted, want = {}, {}
     for private in (False, True):
-        _, metrics = _pipelined_hf(model, [batch], _optimizer(torch.float64), plan, mesh,
+        _, metrics = _pipelined_hf(model, [batch], optimizer_for(torch.float64), plan, mesh,
                                    hf_dp("ghost") if private else None)
         counted[private] = metrics[0]["comm"].get("all_reduce", 0)
         want[private] = pipeline_comm_per_step(plan, mesh, 0, batch_size=4, hidden=(8, model.config.hidden_size),

@@ -5,7 +5,7 @@ downloaded), on the simulated mesh, equal the unsharded run.
 Two AdamW steps of ``make_sharded_step`` with ZeRO-3 over ``dp`` and Megatron tensor parallelism
 over ``tp`` (``Mesh(dp=1, tp=2)``, ``Mesh(dp=2, tp=2)``) give the parameters of two unsharded
 steps, plain and private (same key), float64 to rel 1e-10, judged as
-``property_tests/test_sharded_properties.py::_assert_close_to_reference`` judges them. The
+``support.reference.assert_close_to_reference`` judges them. The
 vocabulary (37) does not divide by ``tp`` (ranks hold 19 and 18 rows); GPT-2 ties its LM head to
 ``wte``; Llama's attention is grouped-query (4 heads, 2 k/v heads: one k/v head per rank).
 
@@ -15,9 +15,6 @@ parallelism, where the logits are vocabulary-sharded.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +27,10 @@ from fsdpx.sharding.tensor_parallel import resolve
 from fsdpx.train.sources import LLAMA_LIKE, PER_HEAD_NORMS, TP_PLANS
 from privacy.step import DPConfig, init_state, make_private_step
 
+from support.mesh_runs import tensor_parallel_run
+from support.reference import assert_close_to_reference, optimizer_for
+
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402
-from test_tensor_parallel_properties import _tensor_parallel  # noqa: E402
 
 VOCAB, T, B = 37, 8, 4
 TOL = 1e-10
@@ -74,7 +71,7 @@ def _batches():
 
 
 def _dp_config(method: str) -> DPConfig:
-    """``property_tests/test_sharded_properties.py::_dp_config``'s knobs, with the clipping method."""
+    """``support.reference.dp_config``'s knobs, with the clipping method."""
     return DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method=method)
 
 
@@ -96,11 +93,11 @@ def _check(model, tp_plan, mesh, config, frozen=(), tol=TOL):
     plan = resolve(model, tp_plan, strategies.zero3(), mesh, trainable=trainable)
     assert set(plan.params) == set(trainable)
     batches = _batches()
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     ref = _reference(model, batches, optimizer, config, trainable)
-    got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh, loss_fn=hf_loss,
+    got, metrics = tensor_parallel_run(model, batches, optimizer, config, plan, mesh, loss_fn=hf_loss,
                                     trainable=trainable)
-    _assert_close_to_reference(got, ref, model, tol)
+    assert_close_to_reference(got, ref, model, tol)
     assert len({m["loss"] for m in metrics}) == 1  # every rank reports the same loss
 
 
