@@ -19,6 +19,7 @@ from privacy import contributions as C
 from privacy.contributions import Dense, Factored, kept_bytes
 from privacy.step import DPConfig
 
+from support import tp_hf
 from support.mesh_runs import pipelined_run
 from support.reference import optimizer_for
 
@@ -105,23 +106,22 @@ def test_transformers_models_keep_what_is_predicted_under_tensor_parallelism(mon
     """transformers' GPT-2 (tied, fused ``c_attn`` as ``Conv1D``) and Llama (q, k, v sharing one
     input), unmodified, private on tp = 2 x pp = 2: the largest rank keeps per stage exactly
     what ``contribution_bytes_of`` predicts from the model and the plan's blocks."""
-    import test_tensor_parallel_hf as H
-
+    pytest.importorskip("transformers")
     from fsdpx.jobs.memory import contribution_bytes_of
     from fsdpx.models.tp_plans import gpt2_plan, llama_plan
     from fsdpx.sharding import Mesh, strategies
     from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
     from fsdpx.sharding.tensor_parallel import resolve
 
-    model, tp_plan = (H._gpt2("eager"), gpt2_plan) if family == "gpt2" else (H._llama("eager"), llama_plan)
+    model, tp_plan = (tp_hf.gpt2("eager"), gpt2_plan) if family == "gpt2" else (tp_hf.llama("eager"), llama_plan)
     mesh = Mesh(dp=1, tp=2, pp=2)
     plan = resolve_pipeline(model, resolve(model, tp_plan(model.config), strategies.zero3(), mesh),
                             PipelineParallel(schedule="1f1b", microbatches=2), mesh)
     stage_of = parallel.stage_of_modules(model, plan)
     blocks = {n: L.param_shape(local_shape(L.shape, L.compute, mesh, 0)) for n, L in plan.params.items()}
     g = torch.Generator().manual_seed(1)
-    batch = (torch.randint(0, H.VOCAB, (4, 8), generator=g), torch.randint(0, H.VOCAB, (4, 8), generator=g))
-    want = contribution_bytes_of(model, H.hf_loss, (batch[0][:2], batch[1][:2]), stage_of, 2, blocks)
+    batch = (torch.randint(0, tp_hf.VOCAB, (4, 8), generator=g), torch.randint(0, tp_hf.VOCAB, (4, 8), generator=g))
+    want = contribution_bytes_of(model, tp_hf.hf_loss, (batch[0][:2], batch[1][:2]), stage_of, 2, blocks)
 
     kept: dict[int, list[int]] = defaultdict(list)
     real = C.instantiate_for_reuse
@@ -133,7 +133,7 @@ def test_transformers_models_keep_what_is_predicted_under_tensor_parallelism(mon
 
     monkeypatch.setattr(C, "instantiate_for_reuse", watched)
     config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto")
-    pipelined_run(model, [batch], optimizer_for(torch.float64), plan, mesh, config, loss_fn=H.hf_loss)
+    pipelined_run(model, [batch], optimizer_for(torch.float64), plan, mesh, config, loss_fn=tp_hf.hf_loss)
     assert sorted(kept) == [0, 1] and all(len(got) == 2 * 2 for got in kept.values())  # microbatches x tp ranks
     for s, got in kept.items():
         assert max(got) == want[s]

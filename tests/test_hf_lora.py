@@ -11,9 +11,6 @@ steps (ZeRO-3 over two simulated ranks, plain and private).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,12 +19,10 @@ from privacy import clipped_grad, per_sample_norms
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
+from support import tp_hf  # noqa: E402
 from support.hf import gpt2, llama, lm_loss, padded_batch  # noqa: E402
 from support.oracle import clipped_sum_of, loop_grads, norms_of  # noqa: E402
 from support.tolerance import assert_close, float32_ops  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_tensor_parallel_hf import _check, _dp_config  # noqa: E402
 
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn"]}
 
@@ -61,4 +56,4 @@ def test_lora_under_zero3_equals_the_unsharded_steps(private):
     two steps equal the unsharded steps, float64 rel 1e-10."""
     model = _lora("llama")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    _check(model, None, Mesh(dp=2), _dp_config("ghost") if private else None, frozen=frozen)
+    tp_hf.check(model, None, Mesh(dp=2), tp_hf.dp_config("ghost") if private else None, frozen=frozen)

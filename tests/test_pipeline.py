@@ -20,6 +20,7 @@ from fsdpx.sharding.pipeline import (PipelineParallel, PipelinePlanError, balanc
                                      rank_plan, resolve_pipeline)
 from fsdpx.sharding.tensor_parallel import resolve
 
+from support import tp_hf
 from support.mesh_runs import pipelined_run
 from support.reference import assert_close_to_reference, baseline, optimizer_for
 
@@ -133,7 +134,6 @@ def test_a_rank_that_dies_between_stages_is_named_by_its_peer():
 # ---- transformers' models, unmodified --------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-from test_tensor_parallel_hf import _gpt2, _llama, hf_loss  # noqa: E402
 
 
 def _hf_check(model, mesh, tp_plan=None, config=None, frozen=(), **kw):
@@ -144,15 +144,13 @@ def _hf_check(model, mesh, tp_plan=None, config=None, frozen=(), **kw):
     batches = [(torch.randint(0, 37, (4, 8), generator=g), torch.randint(0, 37, (4, 8), generator=g))
                for _ in range(2)]
     optimizer = optimizer_for(torch.float64)
-    from test_tensor_parallel_hf import _reference
-
-    ref = _reference(model, batches, optimizer, config, trainable)
+    ref = tp_hf.reference(model, batches, optimizer, config, trainable)
     got, _ = _pipelined_hf(model, batches, optimizer, plan, mesh, config)
     assert_close_to_reference(got, ref, model, 1e-10)
 
 
 def _pipelined_hf(model, batches, optimizer, plan, mesh, config=None):
-    return pipelined_run(model, batches, optimizer, plan, mesh, config, loss_fn=hf_loss)
+    return pipelined_run(model, batches, optimizer, plan, mesh, config, loss_fn=tp_hf.hf_loss)
 
 
 @pytest.mark.parametrize("mesh, kw", [
@@ -162,17 +160,17 @@ def _pipelined_hf(model, batches, optimizer, plan, mesh, config=None):
 def test_hf_gpt2_pipelined_steps_equal_unsharded_steps(mesh, kw):
     """GPT-2 ties ``lm_head`` to ``wte`` (first and last stage) and builds its positions and
     masks inside its forward, which every stage runs as the model does."""
-    _hf_check(_gpt2("sdpa"), mesh, **kw)
+    _hf_check(tp_hf.gpt2("sdpa"), mesh, **kw)
 
 
 def test_hf_llama_pipelined_with_tensor_parallelism_equals_unsharded_steps():
     """Llama's rotary tables are computed in the model's forward, on every stage."""
-    model = _llama("eager")
+    model = tp_hf.llama("eager")
     _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), schedule="gpipe", microbatches=2)
 
 
 def test_hf_gpt2_pipelined_with_tensor_parallelism_equals_unsharded_steps():
-    model = _gpt2("eager")
+    model = tp_hf.gpt2("eager")
     _hf_check(model, Mesh(dp=1, tp=2, pp=2), gpt2_plan(model.config), schedule="1f1b", microbatches=3)
 
 
@@ -180,19 +178,15 @@ def test_hf_gpt2_private_pipeline_equals_unsharded_private_steps():
     """Ghost clipping through a pipeline: the tied ``wte``/``lm_head`` norm is completed on the
     last stage with the first stage's contributions; ``wpe``, looked up with positions ``[1, T]``
     broadcast over the batch, trains too (the tape expands that call to the batch)."""
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-
-    _hf_check(_gpt2("eager"), Mesh(dp=1, pp=2), config=hf_dp("ghost"),
+    _hf_check(tp_hf.gpt2("eager"), Mesh(dp=1, pp=2), config=tp_hf.dp_config("ghost"),
               schedule="1f1b", microbatches=2)
 
 
 def test_hf_llama_private_pipeline_with_tensor_parallelism_equals_unsharded_private_steps():
     """``method="auto"``: every layer ghost-clipped at its stage's backward (Llama's RMSNorm by
     its code's rule, ``privacy.layers.SAME_CODE``), norms completed over ``tp`` and ``pp``."""
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-
-    model = _llama("eager")
-    _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), config=hf_dp("auto"), schedule="gpipe",
+    model = tp_hf.llama("eager")
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), config=tp_hf.dp_config("auto"), schedule="gpipe",
               microbatches=2)
 
 
@@ -295,12 +289,10 @@ def test_hf_qwen3_pipelined_with_tensor_parallelism_equals_unsharded_steps(priva
     ``tp`` within the stage's group, as without a pipeline; private, each example's gradient of
     them summed over ``tp`` before its norm."""
     from fsdpx.models.tp_plans import qwen3_plan
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-    from test_tensor_parallel_hf import _qwen3
 
-    model = _qwen3()
-    _hf_check(model, Mesh(dp=1, tp=2, pp=2), qwen3_plan(model.config), config=hf_dp("ghost") if private else None,
-              schedule="1f1b", microbatches=2)
+    model = tp_hf.qwen3()
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), qwen3_plan(model.config),
+              config=tp_hf.dp_config("ghost") if private else None, schedule="1f1b", microbatches=2)
 
 
 def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
@@ -311,17 +303,15 @@ def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
     trace on meta tensors, so the activation collectives, the same in both, cancel out)."""
     from fsdpx.models.tp_plans import qwen3_plan
     from fsdpx.sharding.pipeline import pipeline_comm_per_step
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-    from test_tensor_parallel_hf import _qwen3
 
-    model, mesh = _qwen3(), Mesh(dp=1, tp=2, pp=2)
+    model, mesh = tp_hf.qwen3(), Mesh(dp=1, tp=2, pp=2)
     plan = resolve_pipeline(model, resolve(model, qwen3_plan(model.config), strategies.zero3(), mesh),
                             PipelineParallel(schedule="1f1b", microbatches=2), mesh)
     batch = (torch.randint(0, 37, (4, 8)), torch.randint(0, 37, (4, 8)))
     counted, want = {}, {}
     for private in (False, True):
         _, metrics = _pipelined_hf(model, [batch], optimizer_for(torch.float64), plan, mesh,
-                                   hf_dp("ghost") if private else None)
+                                   tp_hf.dp_config("ghost") if private else None)
         counted[private] = metrics[0]["comm"].get("all_reduce", 0)
         want[private] = pipeline_comm_per_step(plan, mesh, 0, batch_size=4, hidden=(8, model.config.hidden_size),
                                                dtype=torch.float64, private=private).get("all_reduce", 0)
