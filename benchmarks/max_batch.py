@@ -93,7 +93,7 @@ import time
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import launch_worker, reset_hwm, status_kb  # noqa: E402
+from bench_common import launch_worker, logger, reset_hwm, status_kb, write_report  # noqa: E402
 
 MODES = ["ddp", "zero3", "zero3-zenflow"]  # the default list: fsdpx's own modes
 OPACUS_MODES = ["opacus-ghost", "opacus-ghost_fsdp"]  # chosen with --modes; always on the untied model
@@ -104,8 +104,7 @@ MIB = 2 ** 20
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def log(msg: str) -> None:
-    print(f"[max_batch {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("max_batch")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -692,9 +691,7 @@ def driver(args) -> None:
     text = table(res)
     print(text)
     log(f"done in {res['wall_s']:.0f}s; load {res['load_start'][0]:.1f} -> {res['load_end'][0]:.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**res, "table": text}, f, indent=1)
+    write_report(args.out, res, text)
 
 
 def main() -> None:

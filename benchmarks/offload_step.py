@@ -81,6 +81,8 @@ from pathlib import Path
 
 import torch
 
+from bench_common import reset_hwm, status_kb
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_VENV = ROOT / ".bench-venv"
 DEEPSPEED = ["torch==2.13.0", "deepspeed==0.19.8"]
@@ -142,24 +144,12 @@ def with_cpu(row: dict, before: tuple[float, float, int]) -> dict:
     return {**row, "user_s": after[0] - before[0], "sys_s": after[1] - before[1], "faults": after[2] - before[2]}
 
 
-def reset_host_peak() -> bool:
-    """Reset this process's peak resident set (``VmHWM``); False where the kernel does not allow it."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def host_peak_bytes() -> int:
     """This process's peak resident set in bytes (``VmHWM``; ``ru_maxrss`` where /proc has none)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return status_kb("VmHWM") * 1024
+    except (OSError, KeyError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def device_of(cfg: dict) -> torch.device:
@@ -168,7 +158,7 @@ def device_of(cfg: dict) -> torch.device:
 
 def memory_marks(device: torch.device) -> dict:
     """The peak-memory readings reset when the warm-up ends (the timed steps' peaks)."""
-    reset = reset_host_peak()
+    reset = reset_hwm()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return {"host_peak_reset": reset}

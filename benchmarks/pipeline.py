@@ -96,9 +96,10 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from typing import Any
+
+from bench_common import logger, random_token_batch, seeded_gpt
 
 FULL = dict(vocab_size=8192, block_size=128, n_layer=8, n_head=8, n_embd=256, tie_weights=False)
 SMALL = dict(vocab_size=128, block_size=16, n_layer=8, n_head=2, n_embd=16, tie_weights=False)
@@ -126,28 +127,10 @@ def run_delay() -> float:
         return 0.0
 
 
-def log(msg: str) -> None:
-    print(f"[pipeline {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("pipeline")
 
 
 # ---- worker: the modes ----------------------------------------------------------------------
-
-def make_model(cfg):
-    import torch
-
-    from fsdpx.models.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**cfg))
-
-
-def make_batch(cfg):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    shape = (GLOBAL_BATCH, cfg["block_size"])
-    return torch.randint(0, cfg["vocab_size"], shape, generator=g), torch.randint(0, cfg["vocab_size"], shape, generator=g)
-
 
 class ActionTimer:
     """Wraps the fsdpx executor's F/B/W methods to time each action on this rank: ``times[kind]``
@@ -594,8 +577,8 @@ def worker(args) -> None:
     TIMER.install()
     cfg = SMALL if args.small else FULL
     say = log if rank == 0 else (lambda m: None)
-    base = make_model(cfg)
-    batch = make_batch(cfg)
+    base = seeded_gpt(cfg)
+    batch = random_token_batch(cfg, GLOBAL_BATCH)
     modes = args.modes.split(",")
     runs: dict[str, Any] = {}
     plans = {}

@@ -15,7 +15,7 @@ gained and what the bound gained. The load average (1 min) is the mean of before
 solve. Instances from ``fsdpx.jobs.synthetic.synthetic_options`` (seeded).
 Targets: plan <= 1.05x the bound where J >= G/4, never worse than greedy, solve < 10 s.
 
-(b) The four jobs of ``tests/test_jobs_run.py`` (different sizes, one private) on G = 2 devices
+(b) The four jobs ``tests/support/jobs.py::FOUR_JOBS`` (different sizes, one private) on G = 2 devices
 (this machine's cores): each repeat profiles them afresh (``--profile-counts``, ddp and
 ddp-private), runs the plan with the local backend (``fsdpx.jobs.runner``), then the same jobs
 one after another on all G devices with their best technique (Saturn's first baseline,
@@ -64,7 +64,7 @@ def real_run(root: Path, counts: set[int], time_limit: float) -> dict:
     from fsdpx.jobs.cli import profiled_options
     from fsdpx.jobs.devices import physical_ids
     from fsdpx.jobs.runner import run_jobs
-    from test_jobs_run import FOUR_JOBS, tiny_gpt
+    from support.jobs import FOUR_JOBS, tiny_gpt
 
     tasks = [tiny_gpt(name, steps, **kw) for name, steps, kw in FOUR_JOBS]
     cluster = jobs.Devices(len(os.sched_getaffinity(0)), 2**30)

@@ -59,7 +59,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import statistics
 import subprocess
@@ -73,6 +72,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from bench_common import logger, median_ratio, reset_hwm, status_kb  # noqa: E402
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss  # noqa: E402
 from fsdpx.optim import Optimizer, adamw  # noqa: E402
 from privacy.step import DPConfig, init_state, make_private_step  # noqa: E402
@@ -96,8 +96,7 @@ NUM_EXAMPLES = 1024  # fsdpx: sample_rate = batch / NUM_EXAMPLES, so the expecte
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger()
 
 
 # --------------------------------------------------------------------------- model and batch
@@ -372,15 +371,10 @@ def paired_ratio(times: list[float], base: list[float] | None) -> float | None:
     two ran seconds apart, so slow drifts of the machine's load cancel."""
     if not base or len(base) != len(times):
         return None
-    return statistics.median(t / b for t, b in zip(times, base))
+    return median_ratio(times, base)
 
 
 # --------------------------------------------------------------------------- memory
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
 
 
 def memory_child(mode: str, name: str, steps: int, max_mem_gb: float) -> dict[str, Any]:
@@ -392,20 +386,18 @@ def memory_child(mode: str, name: str, steps: int, max_mem_gb: float) -> dict[st
     if reason:
         return {"mode": mode, "skipped": reason}
     gc.collect()
-    baseline_kb = _status_kb("VmRSS")
-    try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+    baseline_kb = status_kb("VmRSS")
+    if reset_hwm():  # reset the high-water mark to the current RSS (Linux >= 4.0)
         method = "VmHWM after clear_refs"
-    except OSError:
+    else:
         method = "ru_maxrss (includes model construction if it peaked higher)"
     runner = make_runner(mode, model, batch)
     for i in range(steps):
         t0 = time.perf_counter()
         runner.step()
         log(f"[{name}] memory {mode} step {i + 1}/{steps}: {time.perf_counter() - t0:.3f} s, "
-            f"RSS {_status_kb('VmRSS') / 1024:.0f} MB")
-    peak_kb = _status_kb("VmHWM")
+            f"RSS {status_kb('VmRSS') / 1024:.0f} MB")
+    peak_kb = status_kb("VmHWM")
     if method.startswith("ru_maxrss"):
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"mode": mode, "baseline_mb": baseline_kb / 1024, "peak_mb": peak_kb / 1024,
@@ -665,7 +657,7 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu") -> 
     lines = [f"**{name}** phases on {device}, {rounds} interleaved rounds, {torch.get_num_threads()} threads", "",
              "| part | median s | vs non-private step (median of same-round ratios) |", "|---|---:|---:|"]
     for label, ts in times.items():
-        ratio = statistics.median(t / b for t, b in zip(ts, base))
+        ratio = median_ratio(ts, base)
         lines.append(f"| {label} | {statistics.median(ts):.3f} | {ratio:.2f}x |")
     noise_s = statistics.median(times[f"noise ({numel / 1e6:.1f}M normals)"])
     lines.append(f"\nnoise: {noise_s / numel * 1e9:.1f} ns per normal (wall, all threads)")

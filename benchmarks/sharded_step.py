@@ -58,10 +58,12 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import MemMarks, clocks, launch_worker, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
+from bench_common import (Counter, MemMarks, clocks, launch_worker, logger, nbytes as _nbytes,  # noqa: E402
+                          paired_ratio, per_rank_cell, random_token_batch, reset_hwm, seeded_gpt, status_kb,
+                          write_report)
 
 MODES = ["fsdpx-zero3", "fsdpx-zero3-private", "fsdp2", "ddp", "fsdpx-ddp"]
 LR, WD = 1e-3, 0.01
@@ -76,40 +78,12 @@ SMALL = dict(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64, bias
 GLOBAL_BATCH = 8
 
 
-def log(msg: str) -> None:
-    print(f"[sharded_step {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("sharded_step")
 
 
 # ----------------------------------------------------------------------------------------------
 # worker side
 # ----------------------------------------------------------------------------------------------
-
-class Counter:
-    """Bytes, calls and seconds per collective kind, and seconds per named phase, of one step."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.reset()
-
-    def reset(self) -> None:
-        self.bytes: dict[str, int] = {}
-        self.calls: dict[str, int] = {}
-        self.seconds: dict[str, float] = {}  # wall
-        self.cpu: dict[str, float] = {}  # process CPU time (every thread)
-
-    def add(self, kind: str, nbytes: int, t0: tuple[float, float]) -> None:
-        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        self._time(kind, t0)
-
-    def phase(self, name: str, t0: tuple[float, float]) -> None:
-        self._time("phase:" + name, t0)
-
-    def _time(self, key: str, t0: tuple[float, float]) -> None:
-        wall, cpu = clocks()
-        self.seconds[key] = self.seconds.get(key, 0.0) + wall - t0[0]
-        self.cpu[key] = self.cpu.get(key, 0.0) + cpu - t0[1]
-
 
 COUNT = Counter()
 
@@ -150,23 +124,7 @@ def install_counting_wrappers() -> None:
 
 
 MEM = MemMarks()
-
-
-def timed(name: str, fn: Callable, *, before: str | None = None, after: str | None = None) -> Callable:
-    """``fn`` with its seconds added to phase ``name`` (and memory marks ``before``/``after``)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if before:
-            MEM.mark(before)
-        t0 = clocks()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if COUNT.active:
-                COUNT.phase(name, t0)
-            if after:
-                MEM.mark(after)
-    return wrapper
+timed = functools.partial(COUNT.timed, marks=MEM)  # fn timed as a phase of COUNT, marking MEM
 
 
 def install_fsdpx_timers(comm) -> None:
@@ -191,24 +149,6 @@ def install_fsdpx_timers(comm) -> None:
     noise_mod.shard_noise = timed("noise", noise_mod.shard_noise)
     # the step calls reduce_and_update once the backward is over: a memory mark only
     rt.reduce_and_update = timed("reduce_and_update", rt.reduce_and_update, before="forward+backward")
-
-
-def make_model(cfg: dict):
-    import torch
-
-    from fsdpx.models.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**cfg))
-
-
-def make_batch(cfg: dict):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    shape = (GLOBAL_BATCH, cfg["block_size"])
-    return (torch.randint(0, cfg["vocab_size"], shape, generator=g),
-            torch.randint(0, cfg["vocab_size"], shape, generator=g))
 
 
 def local_half(batch, rank: int, world: int):
@@ -323,11 +263,7 @@ def timed_step(run, batch) -> dict[str, Any]:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     MEM.mark("end of step")
     COUNT.active = False
-    return {"seconds": seconds, "cpu_seconds": cpu, "loss": loss, "bytes": dict(COUNT.bytes), "calls": dict(COUNT.calls),
-            "coll_seconds": {k: v for k, v in COUNT.seconds.items() if not k.startswith("phase:")},
-            "phases": {k[6:]: v for k, v in COUNT.seconds.items() if k.startswith("phase:")},
-            "coll_cpu": {k: v for k, v in COUNT.cpu.items() if not k.startswith("phase:")},
-            "phases_cpu": {k[6:]: v for k, v in COUNT.cpu.items() if k.startswith("phase:")},
+    return {"seconds": seconds, "cpu_seconds": cpu, "loss": loss, **COUNT.record(),
             "fsdpx_comm": metrics.get("comm"), "resident_bytes": metrics.get("resident_bytes")}
 
 
@@ -339,7 +275,7 @@ def predictions(cfg: dict, mesh) -> dict[str, Any]:
     from fsdpx.runtime.units import make_units
 
     with torch.device("meta"):
-        model = make_model(cfg)
+        model = seeded_gpt(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
     units = [list(u.params) for u in make_units(model, shapes)]
     out = {"params": sum(torch.Size(s).numel() for s in shapes.values()), "units": len(units)}
@@ -379,8 +315,8 @@ def worker(args) -> None:
 
     if args.worker == "time":
         modes = args.modes.split(",")
-        base = make_model(cfg)
-        batch = make_batch(cfg)
+        base = seeded_gpt(cfg)
+        batch = random_token_batch(cfg, GLOBAL_BATCH)
         runs = {}
         for mode in modes:
             t0 = time.perf_counter()
@@ -399,8 +335,8 @@ def worker(args) -> None:
     else:
         mode = args.mode
         rss_start = status_kb("VmRSS")
-        model = make_model(cfg)
-        batch = make_batch(cfg)
+        model = seeded_gpt(cfg)
+        batch = random_token_batch(cfg, GLOBAL_BATCH)
         rss_model = status_kb("VmRSS")
         hwm_model = status_kb("VmHWM")
         reset = reset_hwm()
@@ -494,20 +430,6 @@ def fmt_mb(b) -> str:
     return "-" if not b else f"{b / MB:.1f}"
 
 
-def per_rank_cell(values: list) -> str:
-    cells = [fmt_mb(v) for v in values]
-    return cells[0] if len(set(cells)) == 1 else " / ".join(cells)
-
-
-def paired_ratio(t: dict, mode: str, ref: str, key: str) -> str:
-    """Median over the measured rounds of (mode's step / ref's step in the same round): modes of
-    one round run back to back, so a load that drifts between rounds cancels."""
-    if ref not in t:
-        return "-"
-    pairs = [a / b for a, b in zip(t[mode][key], t[ref][key])]
-    return f"{statistics.median(pairs):.2f}x"
-
-
 def tables(res: dict) -> str:
     lines: list[str] = []
     pred = res.get("prediction")
@@ -534,9 +456,9 @@ def tables(res: dict) -> str:
             if own[0] is not None:
                 agree = "yes" if all(o.get(k, 0) == bb.get(k, 0) for o, bb in zip(own, b)
                                      for k in ("all_gather", "reduce_scatter", "all_reduce")) else "NO"
-            lines.append(f"| {mode} | {per_rank_cell([x.get('all_gather') for x in b])} "
-                         f"| {per_rank_cell([x.get('reduce_scatter') for x in b])} "
-                         f"| {per_rank_cell([x.get('all_reduce') for x in b])} "
+            lines.append(f"| {mode} | {per_rank_cell([x.get('all_gather') for x in b], fmt_mb)} "
+                         f"| {per_rank_cell([x.get('reduce_scatter') for x in b], fmt_mb)} "
+                         f"| {per_rank_cell([x.get('all_reduce') for x in b], fmt_mb)} "
                          f"| {c.get('all_gather', 0)}/{c.get('reduce_scatter', 0)}/{c.get('all_reduce', 0)} | {agree} |")
         if pred:
             for name in ("zero3", "ddp"):
@@ -582,8 +504,8 @@ def tables(res: dict) -> str:
             d, th = by_env.get("default"), by_env.get("threshold")
             rb = [r["resident_bytes"] for r in (d or th)["ranks"]]
             base = " / ".join(mb(r["rss_model_kb"]) for r in d["ranks"]) if d else "-"
-            lines.append(f"| {mode} | {per_rank_cell(p) if p else '-'} | "
-                         f"{per_rank_cell(rb) if rb[0] is not None else '-'} | {above(d)} | {above(th)} | {base} |")
+            lines.append(f"| {mode} | {per_rank_cell(p, fmt_mb) if p else '-'} | "
+                         f"{per_rank_cell(rb, fmt_mb) if rb[0] is not None else '-'} | {above(d)} | {above(th)} | {base} |")
         phases = ["set-up", "forward+backward", "reduce", "update", "end of step"]
         lines += ["", "Where the peak is (MALLOC_MMAP_THRESHOLD_=65536, rank 0, last step; MB above VmRSS after "
                   "the model; fsdpx reduces after the backward, FSDP2 and DDP during it):", "",
@@ -630,9 +552,7 @@ def driver(args) -> None:
     text = tables(res)
     print(text)
     log(f"done in {res['wall_s']:.0f}s; load average start {res['load_start'][0]:.1f}, end {res['load_end'][0]:.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**res, "table": text}, f, indent=1)
+    write_report(args.out, res, text)
 
 
 def main() -> None:

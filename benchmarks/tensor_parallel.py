@@ -82,10 +82,12 @@ import subprocess
 import sys
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import MemMarks, clocks, launch_worker, nbytes as _nbytes, reset_hwm, status_kb  # noqa: E402
+from bench_common import (Counter, MemMarks, clocks, launch_worker, logger, nbytes as _nbytes,  # noqa: E402
+                          paired_ratio, per_rank_cell, random_token_batch, reset_hwm, seeded_gpt, status_kb,
+                          write_report)
 
 MODES = ["fsdpx-tp", "fsdpx-tp-private", "dtensor-tp"]
 LR, WD = 1e-3, 0.01
@@ -101,42 +103,15 @@ GLOBAL_BATCH = 8
 KINDS = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"]
 
 
-def log(msg: str) -> None:
-    print(f"[tensor_parallel {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("tensor_parallel")
 
 
 # ----------------------------------------------------------------------------------------------
 # worker side: counting
 # ----------------------------------------------------------------------------------------------
 
-class Counter:
-    """Bytes, calls and seconds per collective kind, and seconds per named phase, of one step.
-    A kind on a process group of one rank (nothing moves) is suffixed ``@1``."""
-
-    def __init__(self) -> None:
-        self.active = False
-        self.reset()
-
-    def reset(self) -> None:
-        self.bytes: dict[str, int] = {}
-        self.calls: dict[str, int] = {}
-        self.seconds: dict[str, float] = {}  # wall
-        self.cpu: dict[str, float] = {}  # process CPU time (every thread)
-
-    def add(self, kind: str, nbytes: int, t0: tuple[float, float]) -> None:
-        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        self._time(kind, t0)
-
-    def phase(self, name: str, t0: tuple[float, float]) -> None:
-        self._time("phase:" + name, t0)
-
-    def _time(self, key: str, t0: tuple[float, float]) -> None:
-        wall, cpu = clocks()
-        self.seconds[key] = self.seconds.get(key, 0.0) + wall - t0[0]
-        self.cpu[key] = self.cpu.get(key, 0.0) + cpu - t0[1]
-
-
+# bytes, calls and seconds per collective kind and per phase of one step; a kind on a process
+# group of one rank (nothing moves) is suffixed ``@1``
 COUNT = Counter()
 
 
@@ -230,7 +205,7 @@ def install_counting_wrappers() -> None:
             return real_wait(tensor)
         t0 = clocks()
         out = real_wait(tensor)
-        COUNT._time("wait", t0)
+        COUNT.add_time("wait", t0)
         return out
 
     funcol.wait_tensor = functools.wraps(real_wait)(wait_tensor)
@@ -322,23 +297,7 @@ def make_audit():
 
 
 MEM = MemMarks()
-
-
-def timed(name: str, fn: Callable, *, before: str | None = None, after: str | None = None) -> Callable:
-    """``fn`` with its seconds added to phase ``name`` (and memory marks ``before``/``after``)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if before:
-            MEM.mark(before)
-        t0 = clocks()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if COUNT.active:
-                COUNT.phase(name, t0)
-            if after:
-                MEM.mark(after)
-    return wrapper
+timed = functools.partial(COUNT.timed, marks=MEM)  # fn timed as a phase of COUNT, marking MEM
 
 
 def install_fsdpx_timers() -> None:
@@ -358,24 +317,6 @@ def install_fsdpx_timers() -> None:
 # ----------------------------------------------------------------------------------------------
 # worker side: the modes
 # ----------------------------------------------------------------------------------------------
-
-def make_model(cfg: dict):
-    import torch
-
-    from fsdpx.models.gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    return GPT(GPTConfig(**cfg))
-
-
-def make_batch(cfg: dict):
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    shape = (GLOBAL_BATCH, cfg["block_size"])
-    return (torch.randint(0, cfg["vocab_size"], shape, generator=g),
-            torch.randint(0, cfg["vocab_size"], shape, generator=g))
-
 
 def dp_config():
     from privacy.step import DPConfig
@@ -525,12 +466,7 @@ def timed_step(run, batch, audit: bool = False) -> dict[str, Any]:
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     MEM.mark("end of step")
     COUNT.active = False
-    rec = {"seconds": seconds, "cpu_seconds": cpu, "loss": loss, "bytes": dict(COUNT.bytes),
-           "calls": dict(COUNT.calls),
-           "coll_seconds": {k: v for k, v in COUNT.seconds.items() if not k.startswith("phase:")},
-           "phases": {k[6:]: v for k, v in COUNT.seconds.items() if k.startswith("phase:")},
-           "coll_cpu": {k: v for k, v in COUNT.cpu.items() if not k.startswith("phase:")},
-           "phases_cpu": {k[6:]: v for k, v in COUNT.cpu.items() if k.startswith("phase:")},
+    rec = {"seconds": seconds, "cpu_seconds": cpu, "loss": loss, **COUNT.record(),
            "fsdpx_comm": metrics.get("comm"), "resident_bytes": metrics.get("resident_bytes")}
     if mode is not None:
         rec["audit"] = {"bytes": mode.bytes, "calls": mode.calls, "unknown": mode.unknown}
@@ -548,7 +484,7 @@ def predictions(cfg: dict, mesh) -> dict[str, Any]:
     from fsdpx.runtime.units import make_units
 
     with torch.device("meta"):
-        model = make_model(cfg)
+        model = seeded_gpt(cfg)
     shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
     units = [list(u.params) for u in make_units(model, shapes)]
     plan = fsdpx_plan(model, mesh)
@@ -623,8 +559,8 @@ def worker(args) -> None:
 
     if args.worker == "time":
         modes = args.modes.split(",")
-        base = make_model(cfg)
-        batch = make_batch(cfg)
+        base = seeded_gpt(cfg)
+        batch = random_token_batch(cfg, GLOBAL_BATCH)
         result["reference_loss"] = reference_loss(base, batch)
         if "dtensor-tp" in modes:
             result["naive_dtensor_loss"] = naive_dtensor_loss(base, batch, world)
@@ -647,8 +583,8 @@ def worker(args) -> None:
     else:
         mode = args.mode
         rss_start = status_kb("VmRSS")
-        model = make_model(cfg)
-        batch = make_batch(cfg)
+        model = seeded_gpt(cfg)
+        batch = random_token_batch(cfg, GLOBAL_BATCH)
         rss_model = status_kb("VmRSS")
         hwm_model = status_kb("VmHWM")
         reset = reset_hwm()
@@ -743,19 +679,6 @@ def fmt_mb(b) -> str:
     return f"{b / MB:.2f}" if b >= 0.1 * MB else f"{b / MB:.2g}"
 
 
-def per_rank_cell(values: list, fmt=fmt_mb) -> str:
-    cells = [fmt(v) for v in values]
-    return cells[0] if len(set(cells)) == 1 else " / ".join(cells)
-
-
-def paired_ratio(t: dict, mode: str, ref: str, key: str) -> str:
-    """Median over the measured rounds of (mode's step / ref's step in the same round)."""
-    if ref not in t:
-        return "-"
-    pairs = [a / b for a, b in zip(t[mode][key], t[ref][key])]
-    return f"{statistics.median(pairs):.2f}x"
-
-
 def _kinds_of(d: dict) -> dict[str, int]:
     return {k: v for k, v in d.items() if k.split("@")[0] in KINDS}
 
@@ -820,10 +743,10 @@ def tables_for(nproc: int, res: dict) -> str:
             other = {k for bb in b for k in _kinds_of(bb)} - {"all_reduce", "all_gather", "reduce_scatter",
                                                                "all_reduce@1"}
             note = f" (also {sorted(other)})" if other else ""
-            lines.append(f"| {mode}{note} | {per_rank_cell([x.get('all_reduce') for x in b])} "
-                         f"| {per_rank_cell([x.get('all_gather') for x in b])} "
-                         f"| {per_rank_cell([x.get('reduce_scatter') for x in b])} "
-                         f"| {per_rank_cell([x.get('all_reduce@1') for x in b])} "
+            lines.append(f"| {mode}{note} | {per_rank_cell([x.get('all_reduce') for x in b], fmt_mb)} "
+                         f"| {per_rank_cell([x.get('all_gather') for x in b], fmt_mb)} "
+                         f"| {per_rank_cell([x.get('reduce_scatter') for x in b], fmt_mb)} "
+                         f"| {per_rank_cell([x.get('all_reduce@1') for x in b], fmt_mb)} "
                          f"| {c.get('all_reduce', 0)}/{c.get('all_gather', 0)}/{c.get('reduce_scatter', 0)}"
                          f"/{c.get('all_reduce@1', 0)} | {agree} | {audit} |")
         if pred:
@@ -940,9 +863,7 @@ def driver(args) -> None:
     text = "\n".join(tables_for(int(n), run) for n, run in res["runs"].items())
     print(text)
     log(f"done in {res['wall_s']:.0f}s; load average start {res['load_start'][0]:.1f}, end {res['load_end'][0]:.1f}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**res, "table": text}, f, indent=1)
+    write_report(args.out, res, text)
 
 
 def main() -> None:

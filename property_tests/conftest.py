@@ -1,9 +1,6 @@
 import os
-import sys
 
 from hypothesis import HealthCheck, settings
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 # "ci" (the default, what `make test` runs): the same examples on every run (derandomize: drawn
 # from a hash of each test), so a red run is a change, never an unlucky draw. "thorough": fresh

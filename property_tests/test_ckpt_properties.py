@@ -14,12 +14,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from layout_gen import meshes, shapes, specs
 
 import ckpt
 from fsdpx import Mesh, Spec, shard
 
-SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "ckpt_support.py"
+from support.layout_gen import meshes, shapes, specs
+from support.processes import python_env
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool]
 
 
@@ -92,8 +93,9 @@ def _free_port():
 
 def _spawn(directory, world, cases):
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(SUPPORT), "gloo", str(directory), str(r), str(world), str(port),
-                               json.dumps(cases)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-m", "support.ckpt_worker", "gloo", str(directory), str(r), str(world),
+                               str(port), json.dumps(cases)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=python_env())
              for r in range(world)]
     outs = []
     for p in procs:

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from privacy.clipping import clip_factors, clipped_grad
 from privacy.per_sample import per_sample_grads
-from random_models import Case, any_cases, supported_cases
+
+from support.random_models import Case, any_cases, supported_cases
 
 clip_norms = st.floats(1e-3, 10.0)
 

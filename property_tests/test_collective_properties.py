@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from fsdpx import Collective, SimulatedMesh, Spec, adjoint, cost, plan, shard, unshard
 from fsdpx.sharding.collectives import KINDS
-from layout_gen import arbitrary_locals, consistent_locals, meshes, shapes, specs
+
+from support.layout_gen import arbitrary_locals, consistent_locals, meshes, shapes, specs
 
 F64 = torch.float64
 # example counts come from the profile in conftest.py (ci: 40); per-kind tests split them

@@ -13,9 +13,6 @@ import copy
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from random_models import Stack, token_cases, vector_cases
-from test_pipeline_properties import pipelines
-from test_sharded_properties import _assert_close_to_reference
 
 from fsdpx import Mesh, comm_per_step, strategies, unshard
 from fsdpx.optim import Freezing, adamw, sgd
@@ -27,6 +24,10 @@ from fsdpx.runtime.units import make_units
 from fsdpx.sharding.pipeline import unshard_stages
 from privacy.noise import noise_slice
 from privacy.step import DPConfig, init_state, make_private_step
+
+from support.pipeline_cases import pipelines
+from support.random_models import Stack, token_cases, vector_cases
+from support.reference import assert_close_to_reference
 
 CASES = [("ddp", Mesh(dp=1)), ("ddp", Mesh(dp=2)), ("zero2", Mesh(dp=2)), ("zero3", Mesh(dp=1)),
          ("zero3", Mesh(dp=2)), ("hsdp", Mesh(replica=2, shard=1)), ("hsdp", Mesh(replica=1, shard=2))]
@@ -40,7 +41,7 @@ def _dp(private: bool) -> DPConfig | None:
 
 def _optimizer() -> adamw:
     # eps bounds AdamW's amplification of rounding noise in gradients that are 0 in exact
-    # arithmetic (property_tests/test_sharded_properties.py::_optimizer)
+    # arithmetic (support.reference.optimizer_for)
     return adamw(1e-2, eps=1e-5, weight_decay=0.05)
 
 
@@ -128,7 +129,7 @@ def test_sharded_runs_under_a_schedule_equal_the_unsharded_run(problem, case, pr
     config = _dp(private)
     ref = _unsharded(model, loss_fn, batches, _optimizer(), config, schedule)
     got, results = _sharded(model, loss_fn, batches, _optimizer(), config, schedule, strategy, mesh)
-    _assert_close_to_reference(got, ref.params, model, 1e-10)
+    assert_close_to_reference(got, ref.params, model, 1e-10)
     assert all(r[0].opt_state["count"] == ref.opt_state["count"] for r in results)
     shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
     sets = bind(schedule, model, shapes)
@@ -162,7 +163,7 @@ def test_pipelined_and_tensor_parallel_runs_under_a_schedule_equal_the_unsharded
 
     results = run_threads(mesh, rank, timeout=60)
     full = unshard_stages([r.params for r in results], plan, mesh)
-    _assert_close_to_reference({k: t.reshape(shapes[k]) for k, t in full.items()}, ref.params, model, 1e-10)
+    assert_close_to_reference({k: t.reshape(shapes[k]) for k, t in full.items()}, ref.params, model, 1e-10)
 
 
 @settings(max_examples=10, deadline=None)

@@ -9,7 +9,8 @@ from hypothesis import given
 from privacy import contributions as C
 from privacy.clipping import per_sample_norms
 from privacy.errors import UnsupportedLayerError
-from random_models import Case, any_cases, supported_cases
+
+from support.random_models import Case, any_cases, supported_cases
 
 
 @given(supported_cases())

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from fsdpx import Mesh, local_box, shard, unshard
 from fsdpx.sharding.layout import chunk, chunk_bounds, chunks_nest, padded_local_shape
 from fsdpx.sharding.spec import Spec
-from layout_gen import meshes, shapes, specs, torch_chunk_padded
+
+from support.layout_gen import meshes, shapes, specs, torch_chunk_padded
 
 
 

@@ -24,7 +24,8 @@ from fsdpx.sharding import Mesh, strategies
 from privacy.padding import BatchOverflowError, fixed_batch_size, overflow_probability, sample_padded_batch
 from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, init_state, make_private_step, sample_batch
-from test_sharded_properties import _sharded
+
+from support.mesh_runs import sharded_run
 
 TOL = 1e-12
 VOCAB, T = 11, 4
@@ -114,7 +115,7 @@ def test_a_padded_sharded_step_equals_the_unpadded_unsharded_step(run, case, pri
     model = _model(seed, tie)
     config = _config("ghost") if private else None
     want, want_metrics = _run(model, plain, config, sgd(0.1))
-    got, metrics, _ = _sharded(model, padded, sgd(0.1), config, strategies.ALL[name](), mesh)
+    got, metrics, _ = sharded_run(model, padded, sgd(0.1), config, strategies.ALL[name](), mesh)
     _assert_same(got, want)
     for rank_metrics in metrics:  # the last step's metrics, every rank
         _assert_same_metrics([rank_metrics], want_metrics[-1:])

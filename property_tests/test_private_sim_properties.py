@@ -7,12 +7,13 @@ from fractions import Fraction
 
 from hypothesis import given
 from hypothesis import strategies as st
-from test_schedule_properties import costs, schedules, transfers
 
 from fsdpx.sharding.private_sim import private_held_by_rank, simulate_private
 from fsdpx.sharding.schedule import RECV_B, RECV_F, B, W, matching
 from fsdpx.sharding.schedule import schedule as make_schedule
 from fsdpx.sharding.schedule_sim import peak_held_by_rank, simulate
+
+from support.schedule_cases import costs, schedules, transfers
 
 norms_times = st.fractions(0, 4, max_denominator=4)
 

@@ -10,34 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fsdpx.sharding.schedule import (
-    COMPUTE, INTERLEAVED, KINDS, P2P, RECV_B, RECV_F, SEND_B, SEND_F, B, F, W, check, matching,
+    COMPUTE, P2P, RECV_B, RECV_F, SEND_B, SEND_F, B, F, W, check, matching,
 )
 from fsdpx.sharding.schedule import schedule as make_schedule
 from fsdpx.sharding.schedule_sim import Transfer, peak_held_by_rank, simulate
 
-MAX_RANKS, MAX_MICROBATCHES, MAX_VIRTUAL = 8, 16, 3
-
-
-@st.composite
-def schedules(draw, kinds=KINDS, min_ranks=1, at_least_one_round=False):
-    """A valid schedule: interleaved gets ``m`` a multiple of ``p``, the others any ``m``
-    (at least ``p`` with ``at_least_one_round``)."""
-    kind = draw(st.sampled_from(kinds))
-    p = draw(st.integers(min_ranks, MAX_RANKS))
-    if kind in INTERLEAVED:
-        v = draw(st.integers(1, MAX_VIRTUAL))
-        m = p * draw(st.integers(1, MAX_MICROBATCHES // p))
-    else:
-        v = 1
-        m = draw(st.integers(p if at_least_one_round else 1, MAX_MICROBATCHES))
-    return make_schedule(kind, p, m, virtual_stages=v)
-
-
-costs = st.fixed_dictionaries({
-    "F": st.integers(1, 3), "B": st.integers(1, 3), "W": st.integers(0, 3),
-    "SEND_F": st.integers(0, 2), "RECV_F": st.integers(0, 2), "SEND_B": st.integers(0, 2), "RECV_B": st.integers(0, 2),
-})
-
+from support.schedule_cases import MAX_MICROBATCHES, MAX_RANKS, MAX_VIRTUAL, costs, schedules, transfers
 
 def exact_bubble(timeline) -> Fraction:
     """The bubble as a fraction (unit costs keep every time an int)."""
@@ -171,10 +149,6 @@ def test_each_action_costs_what_its_stage_is_given(sched, data):
     for entries in timeline.ranks:
         for e in entries:
             assert e.end - e.start == stage_costs[e.action.stage][e.action.kind]
-
-
-transfers = st.builds(Transfer, latency=st.fractions(0, 3, max_denominator=4),
-                      seconds_per_byte=st.fractions(0, 1, max_denominator=4), message_bytes=st.integers(0, 4))
 
 
 @given(schedules(), costs, st.data())

@@ -9,22 +9,20 @@ equal N unsharded steps, plain and private (same key), float64 to rel 1e-10 and 
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_sharded_properties import _assert_close_to_reference, _baseline, _dp_config, _optimizer
 
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.optim import sgd
-from fsdpx.runtime import init_sharded, make_sharded_step
 from fsdpx.runtime.activation_cost import activation_collectives
-from fsdpx.runtime.threads import run_threads
 from fsdpx.runtime.units import make_units
-from fsdpx.sharding import Mesh, comm_per_step, memory_by_rank, strategies, unshard
+from fsdpx.sharding import Mesh, comm_per_step, memory_by_rank, strategies
 from fsdpx.sharding.tensor_parallel import resolve
+
+from support.mesh_runs import tensor_parallel_run
+from support.reference import assert_close_to_reference, baseline, dp_config, optimizer_for
 
 MESHES = [  # (strategy, mesh): tp 1..4 over dp 1..2, the other strategies, HSDP x TP
     ("zero3", Mesh(dp=1, tp=2)), ("zero3", Mesh(dp=2, tp=2)), ("zero3", Mesh(dp=1, tp=3)),
@@ -54,39 +52,17 @@ def problems(draw, tp: int):
     return model, batches, dtype
 
 
-def _tensor_parallel(model, batches, optimizer, config, plan, mesh, *, loss_fn=token_loss, trainable=None):
-    """Every rank's steps on the simulated mesh (each with its own copy of ``model``); returns
-    the trained parameters unsharded in their own shapes, and every rank's last metrics.
-    ``trainable`` (default all) limits the parameters; the rest stay frozen."""
-    params = {k: v.detach() for k, v in model.named_parameters() if trainable is None or k in trainable}
-    shapes = {k: tuple(v.shape) for k, v in params.items()}
-
-    def rank(comm):
-        m = copy.deepcopy(model)
-        step = make_sharded_step(m, loss_fn, optimizer, plan, comm, param_shapes=shapes, config=config,
-                                 num_examples=50)
-        state = init_sharded(params, optimizer, plan, comm, key=7, config=config)
-        for b in batches:
-            state, metrics = step(state, b)
-        return state, metrics
-
-    results = run_threads(mesh, rank)
-    full = {k: unshard([r[0].params[k] for r in results], lay.at_rest, mesh).reshape(shapes[k])
-            for k, lay in plan.params.items()}
-    return full, [r[1] for r in results]
-
-
 @settings(max_examples=40)
 @given(st.data(), st.sampled_from(MESHES), st.booleans(), st.booleans())
 def test_tensor_parallel_steps_equal_unsharded_steps(data, case, private, sequence_parallel):
     name, mesh = case
     model, batches, dtype = data.draw(problems(mesh.axis_size("tp")))
-    config = _dp_config(private)
-    optimizer = _optimizer(dtype)
+    config = dp_config(private)
+    optimizer = optimizer_for(dtype)
     plan = resolve(model, gpt_plan(model.config, sequence_parallel=sequence_parallel), strategies.ALL[name](), mesh)
-    ref = _baseline(model, batches, optimizer, config)
-    got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh)
-    _assert_close_to_reference(got, ref, model, TOL[dtype])
+    ref = baseline(model, batches, optimizer, config)
+    got, metrics = tensor_parallel_run(model, batches, optimizer, config, plan, mesh)
+    assert_close_to_reference(got, ref, model, TOL[dtype])
     assert len({m["loss"] for m in metrics if m["batch_size"]}) <= 1  # every rank reports the same loss
 
 
@@ -97,9 +73,9 @@ def test_counted_bytes_and_resident_memory_equal_the_cost_model(data, case, priv
     activation collectives read off the model), and every rank holds ``memory_by_rank``."""
     name, mesh = case
     model, batches, dtype = data.draw(problems(mesh.axis_size("tp")))
-    config = _dp_config(private)
+    config = dp_config(private)
     plan = resolve(model, gpt_plan(model.config, sequence_parallel=sequence_parallel), strategies.ALL[name](), mesh)
-    _, metrics = _tensor_parallel(model, batches[:1], sgd(0.1, momentum=0.9), config, plan, mesh)
+    _, metrics = tensor_parallel_run(model, batches[:1], sgd(0.1, momentum=0.9), config, plan, mesh)
     shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
     units = [list(u.params) for u in make_units(model, shapes)]
     x, y = batches[0]

@@ -4,17 +4,16 @@ goes on."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import ckpt
 from fsdpx import Mesh
 
-SUPPORT = Path(__file__).with_name("ckpt_support.py")
+from support.processes import python_env
 
 
 def test_full_disk_raises_and_keeps_earlier_checkpoints(tmp_path):
-    run = subprocess.run([sys.executable, str(SUPPORT), "fsize", str(tmp_path), str(64 << 10)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-m", "support.ckpt_worker", "fsize", str(tmp_path), str(64 << 10)],
+                         capture_output=True, text=True, timeout=120, env=python_env())
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out == {"small": "ok", "big_blocking": "OSError: errno 27", "big_async": "OSError: errno 27", "after": "ok"}

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -17,7 +16,8 @@ import ckpt
 from ckpt import commit
 from fsdpx import Mesh
 
-SUPPORT = Path(__file__).with_name("ckpt_support.py")
+from support.processes import python_env
+
 KILLS = 100
 
 
@@ -29,8 +29,8 @@ def _ask(proc, line: str) -> str:
 
 def test_sigkill_at_100_random_points_never_loses_a_checkpoint(tmp_path):
     rng = random.Random(1234)
-    zygote = subprocess.Popen([sys.executable, str(SUPPORT), "zygote", str(tmp_path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    zygote = subprocess.Popen([sys.executable, "-m", "support.ckpt_worker", "zygote", str(tmp_path)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=python_env())
     manager = ckpt.CheckpointManager(tmp_path, keep_last=3)
     best, seen, deadline = -1, set(), time.monotonic() + 90
     interrupted = 0  # kills that left a half-written save behind

@@ -5,9 +5,7 @@ policy's timeline (``fsdpx.jobs.parallel.activation_bytes``)."""
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +20,9 @@ from privacy import contributions as C
 from privacy.contributions import Dense, Factored, kept_bytes
 from privacy.step import DPConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_pipeline_properties import _pipelined  # noqa: E402
-from test_sharded_properties import _optimizer  # noqa: E402
+from support import tp_hf
+from support.mesh_runs import pipelined_run
+from support.reference import optimizer_for
 
 HP = dict(n_layer=4, n_head=2, n_embd=16, block_size=8, corpus_chars=4000)
 PLAIN = gpt_task("contrib-plain", steps=1, batch_size=8, **HP)
@@ -75,7 +73,7 @@ def test_predicted_contribution_bytes_are_what_the_runtime_keeps(monkeypatch, sc
     model = task.model_fn(task.hparams)
     inputs, targets = corpus_data(task.hparams)
     config = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1, method="auto")
-    _pipelined(model, [(inputs[:8], targets[:8])], _optimizer(torch.float32), plan, mesh, config)
+    pipelined_run(model, [(inputs[:8], targets[:8])], optimizer_for(torch.float32), plan, mesh, config)
     assert len(kept) == m * plan.pipeline.num_stages * tp
     by_stage = defaultdict(list)
     for stages, got in kept:
@@ -109,23 +107,22 @@ def test_transformers_models_keep_what_is_predicted_under_tensor_parallelism(mon
     """transformers' GPT-2 (tied, fused ``c_attn`` as ``Conv1D``) and Llama (q, k, v sharing one
     input), unmodified, private on tp = 2 x pp = 2: the largest rank keeps per stage exactly
     what ``contribution_bytes_of`` predicts from the model and the plan's blocks."""
-    import test_tensor_parallel_hf as H
-
+    pytest.importorskip("transformers")
     from fsdpx.jobs.memory import contribution_bytes_of
     from fsdpx.models.tp_plans import gpt2_plan, llama_plan
     from fsdpx.sharding import Mesh, strategies
     from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
     from fsdpx.sharding.tensor_parallel import resolve
 
-    model, tp_plan = (H._gpt2("eager"), gpt2_plan) if family == "gpt2" else (H._llama("eager"), llama_plan)
+    model, tp_plan = (tp_hf.gpt2("eager"), gpt2_plan) if family == "gpt2" else (tp_hf.llama("eager"), llama_plan)
     mesh = Mesh(dp=1, tp=2, pp=2)
     plan = resolve_pipeline(model, resolve(model, tp_plan(model.config), strategies.zero3(), mesh),
                             PipelineParallel(schedule="1f1b", microbatches=2), mesh)
     stage_of = parallel.stage_of_modules(model, plan)
     blocks = {n: L.param_shape(local_shape(L.shape, L.compute, mesh, 0)) for n, L in plan.params.items()}
     g = torch.Generator().manual_seed(1)
-    batch = (torch.randint(0, H.VOCAB, (4, 8), generator=g), torch.randint(0, H.VOCAB, (4, 8), generator=g))
-    want = contribution_bytes_of(model, H.hf_loss, (batch[0][:2], batch[1][:2]), stage_of, 2, blocks)
+    batch = (torch.randint(0, tp_hf.VOCAB, (4, 8), generator=g), torch.randint(0, tp_hf.VOCAB, (4, 8), generator=g))
+    want = contribution_bytes_of(model, tp_hf.hf_loss, (batch[0][:2], batch[1][:2]), stage_of, 2, blocks)
 
     kept: dict[int, list[int]] = defaultdict(list)
     real = C.instantiate_for_reuse
@@ -137,7 +134,7 @@ def test_transformers_models_keep_what_is_predicted_under_tensor_parallelism(mon
 
     monkeypatch.setattr(C, "instantiate_for_reuse", watched)
     config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto")
-    _pipelined(model, [batch], _optimizer(torch.float64), plan, mesh, config, loss_fn=H.hf_loss)
+    pipelined_run(model, [batch], optimizer_for(torch.float64), plan, mesh, config, loss_fn=tp_hf.hf_loss)
     assert sorted(kept) == [0, 1] and all(len(got) == 2 * 2 for got in kept.values())  # microbatches x tp ranks
     for s, got in kept.items():
         assert max(got) == want[s]

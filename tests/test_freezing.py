@@ -263,7 +263,7 @@ def test_hf_gpt2_tied_embedding_frozen_then_unfrozen():
     """transformers' GPT-2, unmodified: its tied wte/lm_head frozen (named by the lm_head alias)
     with wpe for two steps, then trained; private ZeRO-3 on 2 ranks == the unsharded run."""
     pytest.importorskip("transformers")
-    from hf_support import VOCAB, gpt2, lm_loss
+    from support.hf import VOCAB, gpt2, lm_loss
 
     model = gpt2()
     schedule = Freezing({0: {"lm_head", "transformer.wpe"}, 2: set()})

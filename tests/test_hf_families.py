@@ -8,7 +8,7 @@ feed-forward block on the examples' rows flattened together (``[B * T, hidden]``
 tape accepts once the rows are proven to be the examples' (``privacy/example_rows.py``); its
 learned positional embedding has no rule, so OPT runs under ``method="auto"`` (a vmap for that
 module alone). Every per-example norm and clipped sum is judged against the oracle of
-``hf_support.loop_grads`` (one example at a time, plain autograd, float64), with padding.
+``support.oracle.loop_grads`` (one example at a time, plain autograd, float64), with padding.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_support import assert_close, causal_lm, clipped_sum_of, float32_ops, lm_loss, loop_grads, norms_of, padded_batch
+from support.hf import causal_lm, lm_loss, padded_batch
+from support.oracle import clipped_sum_of, loop_grads, norms_of
+from support.tolerance import assert_close, float32_ops
 from privacy import clipped_grad, per_sample_norms
 from privacy.errors import UnsupportedLayerError
 from privacy.layers import gemma_rms_norm, linear, llama_rms_norm, rule_for, scale_then_cast_rms_norm, scaled_embedding
@@ -161,7 +163,7 @@ def test_activation_checkpointing_under_ghost_matches_the_loop_and_vmap_says_why
     clipping's one forward and one backward are unaffected, its norms and clipped sums equal the
     per-example loop; ``method="vmap"`` is refused naming the cause (torch.func cannot run
     through ``torch.utils.checkpoint``) instead of torch's own error from inside the transform."""
-    from hf_support import gpt2, llama
+    from support.hf import gpt2, llama
     from privacy.errors import PrivacyError
 
     model = (llama("eager") if family == "llama" else gpt2("eager"))
@@ -185,7 +187,7 @@ def test_activation_checkpointing_under_ghost_matches_the_loop_and_vmap_says_why
 def _deberta():
     import transformers
 
-    from hf_support import PAD, VOCAB
+    from support.hf import PAD, VOCAB
 
     torch.manual_seed(0)
     config = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -200,7 +202,7 @@ def test_deberta_under_ghost_names_the_shared_call_it_cannot_follow():
     """DeBERTa-v2 projects its relative embeddings (shared by every example) and repeats them
     per head: the tape's expansion of that shared output to the batch breaks the model's
     shapes. Ghost clipping says so, naming the call and pointing to vmap, which is exact."""
-    from hf_support import cls_loss
+    from support.hf import cls_loss
     from privacy.errors import PerExampleError
 
     model = _deberta()
@@ -219,7 +221,7 @@ def test_encoder_classifiers_under_ghost_equal_the_loop(family):
     embedding), ALBERT (one layer's weights shared by every layer: its calls add up), DistilBERT."""
     import transformers
 
-    from hf_support import PAD, VOCAB, cls_loss
+    from support.hf import PAD, VOCAB, cls_loss
 
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, num_labels=3, pad_token_id=PAD, max_position_embeddings=32, attn_implementation="eager")

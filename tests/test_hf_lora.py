@@ -5,14 +5,11 @@ peft wraps each targeted linear (``q_proj``, ``v_proj``, ``down_proj`` of Llama;
 ``c_attn``, a ``Conv1D``) in a layer that adds ``lora_B(lora_A(x)) * scaling`` to the frozen
 base layer's output. ``lora_A`` and ``lora_B`` are plain ``nn.Linear`` modules, so ghost
 clipping takes them as they are: no rule for peft, no wrapper. Judged against the oracle of
-``hf_support.loop_grads`` (one example at a time, float64) and, sharded, against the unsharded
+``support.oracle.loop_grads`` (one example at a time, float64) and, sharded, against the unsharded
 steps (ZeRO-3 over two simulated ranks, plain and private).
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +19,10 @@ from privacy import clipped_grad, per_sample_norms
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from hf_support import (assert_close, clipped_sum_of, float32_ops, gpt2, llama, lm_loss, loop_grads,  # noqa: E402
-                        norms_of, padded_batch)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_tensor_parallel_hf import _check, _dp_config  # noqa: E402
+from support import tp_hf  # noqa: E402
+from support.hf import gpt2, llama, lm_loss, padded_batch  # noqa: E402
+from support.oracle import clipped_sum_of, loop_grads, norms_of  # noqa: E402
+from support.tolerance import assert_close, float32_ops  # noqa: E402
 
 TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn"]}
 
@@ -60,4 +56,4 @@ def test_lora_under_zero3_equals_the_unsharded_steps(private):
     two steps equal the unsharded steps, float64 rel 1e-10."""
     model = _lora("llama")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-    _check(model, None, Mesh(dp=2), _dp_config("ghost") if private else None, frozen=frozen)
+    tp_hf.check(model, None, Mesh(dp=2), tp_hf.dp_config("ghost") if private else None, frozen=frozen)

@@ -14,32 +14,20 @@ private ZeRO-3 is ``tests/multiprocess/test_hf_gloo.py``.
 
 from __future__ import annotations
 
-import copy
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from fsdpx.models.tp_plans import gpt2_plan
-from fsdpx.runtime import init_sharded, make_sharded_step
-from fsdpx.runtime.plain_step import init_plain, make_plain_step
-from fsdpx.runtime.threads import run_threads
 from fsdpx.sharding import Mesh, strategies
-from fsdpx.sharding.cost_model import as_plan
-from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline, unshard_stages
+from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
 from fsdpx.sharding.tensor_parallel import resolve
-from privacy.step import DPConfig, init_state, make_private_step
+from privacy.step import DPConfig
+
+from support import hf_sharded
+from support.reference import assert_close_to_reference, optimizer_for
 
 pytest.importorskip("transformers")
-from hf_support import T, bert, cls_loss, gpt2, llama, lm_loss, padded_batch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402
-
-TOL = 1e-9
-NUM_EXAMPLES = 50
-LENGTHS = [[5, 8, 3, 6, 2], [8, 1, 4]]  # two steps; 5 and 3 examples split unevenly over the ranks
+from support.hf import bert, cls_loss, gpt2, llama, lm_loss, padded_batch  # noqa: E402
 
 MODELS = {"bert": (bert, cls_loss, False), "gpt2": (gpt2, lm_loss, True), "llama": (llama, lm_loss, True)}
 STRATEGIES = {
@@ -50,72 +38,19 @@ STRATEGIES = {
 }
 
 
-def _config() -> DPConfig:
-    return DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="ghost")
-
-
-def _batches(causal: bool, form: str = "mapping"):
-    """The steps' batches; ``form`` "tuple": BERT's positional ``(input_ids, attention_mask,
-    None, position_ids [1, T])``, a non-tensor entry and a shared tensor among them."""
-    out = []
-    for seed, lengths in enumerate(LENGTHS):
-        inputs, labels = padded_batch(lengths, causal=causal, seed=seed + 1)
-        if form == "tuple":
-            inputs = (inputs["input_ids"], inputs["attention_mask"], None, torch.arange(T)[None, :])
-        out.append((inputs, labels))
-    return out
-
-
-def _reference(model, loss_fn, batches, optimizer, config, trainable=None):
-    params = {k: p for k, p in model.named_parameters() if trainable is None or k in trainable}
-    if config is None:
-        state, step = init_plain(params, optimizer), make_plain_step(model, loss_fn, optimizer)
-    else:
-        state = init_state(params, optimizer, key=7, config=config)
-        step = make_private_step(model, loss_fn, optimizer, config, num_examples=NUM_EXAMPLES)
-    losses = []
-    for b in batches:
-        state, metrics = step(state, b)
-        losses.append(metrics["loss"])
-    return state.params, losses
-
-
-def _sharded(model, loss_fn, batches, optimizer, config, strategy, mesh, trainable=None):
-    """Every rank's steps on the simulated mesh; the trained parameters unsharded in their own
-    shapes, and each step's metrics of every rank."""
-    params = {k: v.detach() for k, v in model.named_parameters() if trainable is None or k in trainable}
-    shapes = {k: tuple(v.shape) for k, v in params.items()}
-    plan = as_plan(strategy, shapes)
-
-    def rank(comm):
-        m = copy.deepcopy(model)
-        step = make_sharded_step(m, loss_fn, optimizer, plan, comm, param_shapes=shapes, config=config,
-                                 num_examples=NUM_EXAMPLES)
-        state = init_sharded(params, optimizer, plan, comm, key=7, config=config)
-        metrics = []
-        for b in batches:
-            state, got = step(state, b)
-            metrics.append(got)
-        return state, metrics
-
-    results = run_threads(mesh, rank, timeout=120)
-    full = unshard_stages([r[0].params for r in results], plan, mesh)
-    return {k: t.reshape(shapes[k]) for k, t in full.items()}, [r[1] for r in results]
-
-
 def _check(name, strategy, mesh, private, form="mapping"):
     build, loss_fn, causal = MODELS[name]
     model = build()
-    batches = _batches(causal, form)
-    optimizer = _optimizer(torch.float64)
-    config = _config() if private else None
-    ref, ref_losses = _reference(model, loss_fn, batches, optimizer, config)
-    got, metrics = _sharded(model, loss_fn, batches, optimizer, config, strategy, mesh)
-    _assert_close_to_reference(got, ref, model, TOL)
+    batches = hf_sharded.batches(causal, form)
+    optimizer = optimizer_for(torch.float64)
+    config = hf_sharded.dp_config() if private else None
+    ref, ref_losses = hf_sharded.reference(model, loss_fn, batches, optimizer, config)
+    got, metrics = hf_sharded.sharded_run(model, loss_fn, batches, optimizer, config, strategy, mesh)
+    assert_close_to_reference(got, ref, model, hf_sharded.TOL)
     for per_rank in metrics:  # every rank reports the unsharded step's loss and batch size
         for i, m in enumerate(per_rank):
             assert m["loss"] == pytest.approx(ref_losses[i], rel=1e-12)
-            assert m["batch_size"] == len(LENGTHS[i])
+            assert m["batch_size"] == len(hf_sharded.LENGTHS[i])
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -143,7 +78,7 @@ def test_gpt2_tensor_parallel_with_attention_mask_and_ignored_labels(private):
     model = gpt2()
     mesh = Mesh(dp=2, tp=2)
     plan = resolve(model, gpt2_plan(model.config), strategies.zero3(), mesh)
-    _check_plan(model, lm_loss, plan, mesh, private, causal=True)
+    hf_sharded.check_plan(model, lm_loss, plan, mesh, private, causal=True)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -156,19 +91,7 @@ def test_llama_pipelined_with_attention_mask_and_ignored_labels(private):
     base = resolve(model, None, strategies.zero3(), mesh)
     plan = resolve_pipeline(model, base, PipelineParallel(schedule="1f1b", microbatches=2), mesh)
     config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto") if private else None
-    _check_plan(model, lm_loss, plan, mesh, private, causal=True, config=config)
-
-
-def _check_plan(model, loss_fn, plan, mesh, private, *, causal, config=None):
-    batches = _batches(causal)
-    optimizer = _optimizer(torch.float64)
-    config = config or (_config() if private else None)
-    ref, ref_losses = _reference(model, loss_fn, batches, optimizer, config)
-    got, metrics = _sharded(model, loss_fn, batches, optimizer, config, plan, mesh)
-    _assert_close_to_reference(got, ref, model, TOL)
-    for per_rank in metrics:
-        for i, m in enumerate(per_rank):
-            assert m["loss"] == pytest.approx(ref_losses[i], rel=1e-12)
+    hf_sharded.check_plan(model, lm_loss, plan, mesh, private, causal=True, config=config)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -184,11 +107,11 @@ def test_bert_padded_poisson_batches_equal_the_unpadded_run(private):
     plain = [({k: v[i] for k, v in inputs.items()}, labels[i]) for i in picks]
     padded = [pad_batch((inputs, labels), i, 7) for i in picks]
     assert {b[1].shape[0] for b in padded} == {7}
-    optimizer = _optimizer(torch.float64)
-    config = _config() if private else None
-    ref, ref_losses = _reference(model, cls_loss, plain, optimizer, config)
-    got, metrics = _sharded(model, cls_loss, padded, optimizer, config, strategies.zero3(), Mesh(dp=3))
-    _assert_close_to_reference(got, ref, model, TOL)
+    optimizer = optimizer_for(torch.float64)
+    config = hf_sharded.dp_config() if private else None
+    ref, ref_losses = hf_sharded.reference(model, cls_loss, plain, optimizer, config)
+    got, metrics = hf_sharded.sharded_run(model, cls_loss, padded, optimizer, config, strategies.zero3(), Mesh(dp=3))
+    assert_close_to_reference(got, ref, model, hf_sharded.TOL)
     for per_rank in metrics:
         assert [m["batch_size"] for m in per_rank] == [3, 5]
         assert [m["loss"] for m in per_rank] == pytest.approx(ref_losses, rel=1e-12)
@@ -208,11 +131,11 @@ def test_llama_pipelined_padded_batches_equal_the_unpadded_run(private):
     mesh = Mesh(dp=1, pp=2)
     plan = resolve_pipeline(model, resolve(model, None, strategies.zero3(), mesh),
                             PipelineParallel(schedule="1f1b", microbatches=3), mesh)
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto") if private else None
-    ref, ref_losses = _reference(model, lm_loss, plain, optimizer, config)
-    got, metrics = _sharded(model, lm_loss, padded, optimizer, config, plan, mesh)
-    _assert_close_to_reference(got, ref, model, TOL)
+    ref, ref_losses = hf_sharded.reference(model, lm_loss, plain, optimizer, config)
+    got, metrics = hf_sharded.sharded_run(model, lm_loss, padded, optimizer, config, plan, mesh)
+    assert_close_to_reference(got, ref, model, hf_sharded.TOL)
     last = metrics[-1]  # the last stage's rank reports the loss
     assert [m["batch_size"] for m in last] == [3, 5]
     assert [m["loss"] for m in last] == pytest.approx(ref_losses, rel=1e-12)

@@ -4,7 +4,7 @@ GPT-2 (tied ``wte``/``lm_head``, ``Conv1D``, position ids ``[1, T]`` broadcast o
 Llama (``LlamaRMSNorm``, rotary, grouped-query attention) and a BERT classifier, each built from
 a tiny local config and called the way transformers documents: ``model(**inputs)`` with an
 attention mask, right padding, and ``-100`` labels on pads. No wrapper. Every per-example norm
-and clipped sum is judged against the oracle of ``hf_support.loop_grads`` (one example at a
+and clipped sum is judged against the oracle of ``support.oracle.loop_grads`` (one example at a
 time, plain autograd, float64).
 """
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_support import (T, assert_close, bert, clipped_sum_of, cls_loss, float32_ops, gpt2, llama, lm_loss, loop_grads,
-                        norms_of, padded_batch, unpadded)
+from support.hf import T, bert, cls_loss, gpt2, llama, lm_loss, padded_batch, unpadded
+from support.oracle import clipped_sum_of, loop_grads, norms_of
+from support.tolerance import assert_close, float32_ops
 from privacy import clipped_grad, per_sample_grads, per_sample_norms
 
 pytest.importorskip("transformers")

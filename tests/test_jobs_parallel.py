@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jobs_support import run_losses as losses, wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import parallel, techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -24,6 +23,9 @@ from fsdpx.jobs.runner import run_jobs
 from fsdpx.jobs.train_run import run_config
 from fsdpx.sharding.tensor_parallel import ColumnParallel, RowParallel, TensorParallel
 from fsdpx.train import Layout, run
+
+from support.jobs import run_losses as losses, wait
+from support.mlp_job import mlp_task
 
 MiB = 2**20
 CORES = sorted(os.sched_getaffinity(0))
@@ -140,8 +142,6 @@ def test_degrees_follow_the_model():
     assert BUILTIN["tp"].search(gpt(n_head=2), roomy)["tp"] == 2
     assert {d.tp for d in candidates(gpt(n_head=2), "tp", 8) if parallel.plan_of(gpt(n_head=2), 8, d)} == {2}
     assert not BUILTIN["pp"].feasible(gpt(n_layer=1), roomy)
-    from test_jobs_user_task import mlp_task
-
     for family in FAMILIES:
         assert not BUILTIN[family].feasible(mlp_task(), roomy)
     assert BUILTIN["tp"].feasible(block_task(), roomy) and BUILTIN["pp"].feasible(block_task(), roomy)

@@ -21,7 +21,7 @@ from fsdpx.jobs.plan import Assignment, Option, Plan
 from fsdpx.jobs.ray_backend import RayBackend, RayNotInstalledError, on_this_node, require_ray, resources
 from fsdpx.jobs.runner import run_jobs
 
-from test_jobs_run import CORES, attempt, check_segments, counting, losses, tiny_gpt, toy, wait  # noqa: F401
+from support.jobs import CORES, attempt, check_segments, job_losses, tiny_gpt, toy, wait
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -59,7 +59,7 @@ def ray_session():
 
 @pytest.fixture
 def backend(ray_session):
-    # the toy techniques' classes live in tests/: the actors import them from there
+    # the toy techniques' classes live in tests/support/: the actors import them from there
     b = RayBackend(runtime_env={"env_vars": {"PYTHONPATH": TESTS}})
     yield b
     b.close()
@@ -152,7 +152,8 @@ def test_a_plan_with_a_builtin_job_runs_on_ray_as_it_runs_locally(counting, back
     assert report.jobs["gpt"].result.ok and report.jobs["toy"].result["cores"] == [CORES[1 % len(CORES)]]
     kind, alone = wait(LocalBackend().start(attempt(tasks[1], "ddp", 1, 8, tmp_path / "local")))
     assert kind == "ok" and alone.ok
-    assert losses(tmp_path / "ray" / "gpt") == losses(tmp_path / "local" / "gpt") and len(losses(tmp_path / "local" / "gpt")) == 8
+    assert job_losses(tmp_path / "ray" / "gpt") == job_losses(tmp_path / "local" / "gpt") \
+        and len(job_losses(tmp_path / "local" / "gpt")) == 8
 
 
 @pytest.mark.slow

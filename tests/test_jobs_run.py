@@ -14,20 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from jobs_support import wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import techniques
-from fsdpx.jobs.backends import Attempt, LocalBackend
-from fsdpx.jobs.gpt_job import gpt_task
+from fsdpx.jobs.backends import LocalBackend
 from fsdpx.jobs.live import read_progress
 from fsdpx.jobs.plan import Assignment, Option, Plan
 from fsdpx.jobs.replan import Running, keep_placement, remaining_options, replan, same_choice, stays
-from fsdpx.jobs.runner import RunReport, run_jobs
+from fsdpx.jobs.runner import run_jobs
 
-ROOT = Path(__file__).resolve().parents[1]
-CORES = sorted(os.sched_getaffinity(0))
-
-
+from support.counting_technique import CountingTechnique
+from support.jobs import CORES, FOUR_JOBS, attempt, check_segments, job_losses, tiny_gpt, toy, wait
+from support.processes import python_env
 # ---------------------------------------------------------------------------- pure: re-planning
 
 
@@ -79,73 +76,6 @@ def test_a_running_job_is_never_paused_at_the_price_of_staying():
 
 
 # ---------------------------------------------------------------------------- a user technique
-
-
-class CountingTechnique:
-    """A user technique that follows the built-ins' file conventions: one line per step in
-    ``<dir>/run/metrics.jsonl``, a ``ckpt/step_<N>`` directory every ``every`` steps, resuming
-    from the newest one. Its "loss" is a function of the step, so a resumed run logs the same.
-    With ``clock`` it logs its own ``seconds`` too (since the attempt began), as the built-ins do."""
-
-    def __init__(self, seconds_per_step: float = 0.05, every: int = 5, fail: str | None = None, clock: bool = False,
-                 linger: float = 0.0):
-        self.dt, self.every, self.fail, self.clock, self.linger = seconds_per_step, every, fail, clock, linger
-
-    def feasible(self, task, devices):
-        return True
-
-    def search(self, task, devices):
-        return {}
-
-    def execute(self, task, devices, params, steps, ckpt_dir):
-        if self.fail == "raise":
-            raise RuntimeError(f"{task.name} cannot run here")
-        if self.fail == "exit":
-            os._exit(3)
-        ckpt_dir = Path(ckpt_dir)
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        done = max((int(p.name[5:]) for p in ckpt_dir.glob("step_*")), default=0)
-        log = ckpt_dir.parent / "run" / "metrics.jsonl"
-        log.parent.mkdir(exist_ok=True)
-        kept = log.read_text().splitlines()[:done] if log.exists() else []
-        log.write_text("".join(f"{r}\n" for r in kept))
-        began = time.perf_counter()
-        with open(log, "a") as f:
-            for s in range(done + 1, steps + 1):
-                time.sleep(self.dt / devices.count)
-                clock = {"seconds": time.perf_counter() - began} if self.clock else {}
-                f.write(json.dumps({"step": s, "loss": 1.0 / s, "epsilon": None, **clock}) + "\n")
-                f.flush()
-                if s % self.every == 0:
-                    (ckpt_dir / f"step_{s}").mkdir()
-        time.sleep(self.linger)  # what a run does after its last step (the built-ins: a sample, a plot)
-        return {"cores": sorted(os.sched_getaffinity(0)), "devices": devices.count}
-
-
-@pytest.fixture
-def counting():
-    for name, fail in (("counting", None), ("raising", "raise"), ("exiting", "exit")):
-        jobs.register(name, CountingTechnique(fail=fail), replace=True)
-    yield
-    for name in ("counting", "raising", "exiting"):
-        techniques.unregister(name)
-
-
-def toy(name: str, steps: int) -> jobs.Task:
-    return jobs.Task(name, lambda h: None, lambda h: None, lambda o, t: None, steps=steps, batch_size=1)
-
-
-def check_segments(report: RunReport) -> None:
-    """Segments overlapping in time hold disjoint devices; each job's segments continue one
-    another from a checkpoint (no step lost before it)."""
-    segs = [s for o in report.jobs.values() for s in o.segments]
-    for x in segs:
-        for y in segs:
-            if x is not y and x.start < y.end - 0.05 and y.start < x.end - 0.05:  # 50 ms: poll granularity
-                assert not set(x.devices) & set(y.devices), (x, y)
-    for o in report.jobs.values():
-        for prev, nxt in zip(o.segments, o.segments[1:]):
-            assert nxt.step_from <= prev.step_to and nxt.start >= prev.end
 
 
 def test_a_technique_that_raises_is_reported_failed_and_the_others_complete(counting, tmp_path):
@@ -260,20 +190,6 @@ def test_bad_runs_are_named_errors_before_anything_starts(counting, tmp_path):
 # ---------------------------------------------------------------------------- real jobs (torchrun)
 
 
-def tiny_gpt(name: str, steps: int, **kw) -> jobs.Task:
-    return gpt_task(name, steps=steps, batch_size=kw.pop("batch_size", 16), n_layer=kw.pop("n_layer", 1),
-                    n_embd=kw.pop("n_embd", 32), n_head=2, corpus_chars=20000, ckpt_every=5, **kw)
-
-
-def losses(job_dir: Path) -> list[float]:
-    return [json.loads(r)["loss"] for r in (job_dir / "run" / "metrics.jsonl").read_text().splitlines()]
-
-
-def attempt(task, technique: str, n: int, steps: int, root: Path):
-    return Attempt(task, technique, jobs.Devices(n, 2**30, ids=tuple(CORES[i % len(CORES)] for i in range(n))),
-                   {}, steps, root / task.name / "ckpt")
-
-
 @pytest.mark.slow
 def test_a_moved_job_continues_bit_for_bit_with_its_technique(tmp_path):
     """A private ddp job stopped mid-run (its processes killed, as a move does) and restarted
@@ -293,17 +209,13 @@ def test_a_moved_job_continues_bit_for_bit_with_its_technique(tmp_path):
         assert 5 <= read_progress(root / "m").step < 16
         kind, result = wait(backend.start(attempt(task, "ddp-private", n, 16, root)))
         assert kind == "ok" and result.ok, result
-        got, want = losses(root / "m"), losses(tmp_path / "ref" / "m")
+        got, want = job_losses(root / "m"), job_losses(tmp_path / "ref" / "m")
         assert len(got) == 16
         if n == 2:
             assert got == want
         else:
             assert got[:5] == want[:5] and got == pytest.approx(want, rel=1e-5)
         assert result.summary["epsilon"] == pytest.approx(ref.summary["epsilon"], rel=1e-9)
-
-
-FOUR_JOBS = (("tiny", 60, {}), ("small", 40, {"n_layer": 2, "n_embd": 48}), ("wide", 30, {"n_embd": 64, "batch_size": 32}),
-             ("private", 40, {"privacy": jobs.Privacy(target_epsilon=8.0)}))
 
 
 @pytest.mark.slow
@@ -333,7 +245,7 @@ def test_four_real_jobs_equal_their_solo_runs_and_the_predicted_makespan(tmp_pat
         kind, alone = wait(backend.start(attempt(task, first.technique, len(first.devices), task.steps,
                                                  tmp_path / "alone")))
         assert kind == "ok" and alone.ok
-        got, want = losses(tmp_path / "run" / task.name), losses(tmp_path / "alone" / task.name)
+        got, want = job_losses(tmp_path / "run" / task.name), job_losses(tmp_path / "alone" / task.name)
         if all((s.technique, len(s.devices)) == (first.technique, len(first.devices)) for s in segs):
             assert got == want
             assert report.jobs[task.name].result.summary["final_loss"] == alone.summary["final_loss"]
@@ -352,17 +264,16 @@ def test_the_runner_takes_its_jobs_processes_with_it(tmp_path):
     """SIGKILL of a runner mid-run: no job process, torchrun or worker of it is alive 10 s
     later, and the jobs' files stop changing."""
     script = f"""
-import sys; sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
 from pathlib import Path
 import fsdpx.jobs as jobs
 from fsdpx.jobs.plan import Option
 from fsdpx.jobs.runner import run_jobs
-from test_jobs_run import tiny_gpt
+from support.jobs import tiny_gpt
 tasks = [tiny_gpt("a", 400), tiny_gpt("b", 400)]
 run_jobs(tasks, {{t.name: [Option("ddp", 1, 60.0)] for t in tasks}}, jobs.Devices(2, 2**30), Path({str(tmp_path)!r}),
          stream=None)
 """
-    runner = subprocess.Popen([sys.executable, "-c", script])
+    runner = subprocess.Popen([sys.executable, "-c", script], env=python_env())
     try:
         deadline = time.monotonic() + 120
         while not all(read_progress(tmp_path / j).step >= 2 for j in "ab"):

@@ -9,11 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-from jobs_support import run_losses as losses, wait  # noqa: E402 (tests/ on sys.path)
 import fsdpx.jobs as jobs
 from fsdpx.jobs import techniques
 from fsdpx.jobs.backends import Attempt, LocalBackend
@@ -28,26 +24,13 @@ from fsdpx.jobs.train_run import run_config
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.train import data, run
 
+from support.jobs import run_losses as losses, wait
+from support.mlp_job import blobs, cross_entropy, mlp, mlp_task
+
 CORES = sorted(os.sched_getaffinity(0))
 
 
-# ---------------------------------------------------------------------------- the user's functions
-
-
-def mlp(h):
-    """A two-layer classifier: (B, d_in) -> (B, classes)."""
-    return nn.Sequential(nn.Linear(h["d_in"], h["hidden"]), nn.Tanh(), nn.Linear(h["hidden"], h["classes"]))
-
-
-def blobs(h):
-    """``n`` points in ``d_in`` dimensions, labelled by the sign pattern of two coordinates."""
-    x = torch.randn(h["n"], h["d_in"])  # seeded by the run: every rank draws the same points
-    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    return x, y
-
-
-def cross_entropy(out, y):
-    return F.cross_entropy(out, y, reduction="none")  # (B,)
+# ------------------------------------------------ the user's functions (the MLP job's: support.mlp_job)
 
 
 def tiny_gpt(h):
@@ -56,12 +39,6 @@ def tiny_gpt(h):
 
 def corpus_windows(h):
     return data.make_examples(data.corpus(h["chars"]), h["block"])
-
-
-def mlp_task(name: str = "mlp", *, steps: int = 6, private: bool = False, **kw) -> jobs.Task:
-    hparams = {"d_in": 8, "hidden": 16, "classes": 3, "n": 256, "lr": 0.05, "ckpt_every": 4, **kw}
-    return jobs.Task(name, mlp, blobs, cross_entropy, steps=steps, batch_size=32,
-                     privacy=jobs.Privacy(target_epsilon=8.0) if private else None, hparams=hparams)
 
 
 def gpt_user_task(name: str, steps: int) -> jobs.Task:
@@ -122,7 +99,7 @@ def test_a_user_task_becomes_a_python_run_of_its_functions(tmp_path):
     early = run_config(task, strategy="zero3", steps=3, out=tmp_path, ckpt_dir=tmp_path / "c").flat()
     full = run_config(task, strategy="ddp", steps=40, out=tmp_path, ckpt_dir=tmp_path / "c").flat()
     assert (early["model"], early["model_fn"], early["data_fn"], early["loss_fn"]) == (
-        "python", f"{__name__}:mlp", f"{__name__}:blobs", f"{__name__}:cross_entropy")
+        "python", f"{mlp.__module__}:mlp", f"{mlp.__module__}:blobs", f"{mlp.__module__}:cross_entropy")
     assert early["hparams"] == task.hparams and early["lr"] == 0.05 and early["ckpt_every"] == 4
     assert early["noise_multiplier"] == full["noise_multiplier"] > 0 and early["steps"] == 3 and early["resume"]
     plain = run_config(mlp_task("a"), strategy="ddp", steps=2, out=tmp_path, ckpt_dir=tmp_path / "c")
@@ -215,7 +192,8 @@ def test_a_python_run_is_checked_and_its_file_reads_back(tmp_path):
     the data is data_fn's, and the resolved config file reads back as the same run."""
     from fsdpx.train.config import ConfigError, RunConfig, read_file, to_toml
 
-    refs = {"model_fn": f"{__name__}:mlp", "data_fn": f"{__name__}:blobs", "loss_fn": f"{__name__}:cross_entropy"}
+    refs = {"model_fn": f"{mlp.__module__}:mlp", "data_fn": f"{mlp.__module__}:blobs",
+            "loss_fn": f"{mlp.__module__}:cross_entropy"}
     config = RunConfig.of(model="python", **refs, hparams={"d_in": 8, "hidden": 4, "classes": 3, "n": 32})
     (tmp_path / "run.toml").write_text(to_toml(config))
     assert RunConfig.of(**read_file(tmp_path / "run.toml")) == config

@@ -3,9 +3,6 @@ model it is compared with (``fsdpx.runtime.step_memory``)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
@@ -17,10 +14,10 @@ from fsdpx.runtime.threads import run_threads
 from fsdpx.sharding import Mesh, strategies
 from privacy.step import DPConfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from max_batch import max_fitting  # noqa: E402
+from support.benchmarks import load_benchmark
+from support.hf import T, VOCAB, gpt2, lm_loss
 
-from hf_support import T, VOCAB, gpt2, lm_loss  # noqa: E402
+max_fitting = load_benchmark("max_batch").max_fitting
 
 
 @pytest.mark.parametrize("b_star", [0, 1, 2, 3, 7, 8, 9, 100, 1000])

@@ -7,8 +7,6 @@ here: what ``resolve_pipeline`` builds and refuses, and the runtime on what user
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +20,9 @@ from fsdpx.sharding.pipeline import (PipelineParallel, PipelinePlanError, balanc
                                      rank_plan, resolve_pipeline)
 from fsdpx.sharding.tensor_parallel import resolve
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_pipeline_properties import _pipelined  # noqa: E402
-from test_sharded_properties import _assert_close_to_reference, _baseline, _optimizer  # noqa: E402
+from support import tp_hf
+from support.mesh_runs import pipelined_run
+from support.reference import assert_close_to_reference, baseline, optimizer_for
 
 
 def _gpt(n_layer=4, tie=True):
@@ -105,9 +103,9 @@ def test_a_batch_smaller_than_the_microbatch_count_trains_on_what_there_is():
     plan = _plan(model, mesh, strategy="zero3", microbatches=5)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 11, (3, 4), generator=g), torch.randint(0, 11, (3, 4), generator=g))]
-    optimizer = _optimizer(torch.float64)
-    got, metrics = _pipelined(model, batches, optimizer, plan, mesh)
-    _assert_close_to_reference(got, _baseline(model, batches, optimizer, None), model, 1e-10)
+    optimizer = optimizer_for(torch.float64)
+    got, metrics = pipelined_run(model, batches, optimizer, plan, mesh)
+    assert_close_to_reference(got, baseline(model, batches, optimizer, None), model, 1e-10)
     assert {m["batch_size"] for m in metrics} == {3}
 
 
@@ -120,9 +118,9 @@ def test_a_rank_that_dies_between_stages_is_named_by_its_peer():
     batch = (torch.randint(0, 11, (4, 4)), torch.randint(0, 11, (4, 4)))
 
     def rank(comm):
-        step = make_sharded_step(copy.deepcopy(model), token_loss, _optimizer(torch.float64), plan, comm,
+        step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer_for(torch.float64), plan, comm,
                                  param_shapes=shapes)
-        state = init_sharded(params, _optimizer(torch.float64), plan, comm, key=0)
+        state = init_sharded(params, optimizer_for(torch.float64), plan, comm, key=0)
         step(state, batch)  # both ranks agree and run one step
         if comm.rank == 0:
             raise SystemExit("rank 0 dies before its second step")
@@ -136,7 +134,6 @@ def test_a_rank_that_dies_between_stages_is_named_by_its_peer():
 # ---- transformers' models, unmodified --------------------------------------------------------
 
 transformers = pytest.importorskip("transformers")
-from test_tensor_parallel_hf import _gpt2, _llama, hf_loss  # noqa: E402
 
 
 def _hf_check(model, mesh, tp_plan=None, config=None, frozen=(), **kw):
@@ -146,16 +143,14 @@ def _hf_check(model, mesh, tp_plan=None, config=None, frozen=(), **kw):
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 37, (4, 8), generator=g), torch.randint(0, 37, (4, 8), generator=g))
                for _ in range(2)]
-    optimizer = _optimizer(torch.float64)
-    from test_tensor_parallel_hf import _reference
-
-    ref = _reference(model, batches, optimizer, config, trainable)
+    optimizer = optimizer_for(torch.float64)
+    ref = tp_hf.reference(model, batches, optimizer, config, trainable)
     got, _ = _pipelined_hf(model, batches, optimizer, plan, mesh, config)
-    _assert_close_to_reference(got, ref, model, 1e-10)
+    assert_close_to_reference(got, ref, model, 1e-10)
 
 
 def _pipelined_hf(model, batches, optimizer, plan, mesh, config=None):
-    return _pipelined(model, batches, optimizer, plan, mesh, config, loss_fn=hf_loss)
+    return pipelined_run(model, batches, optimizer, plan, mesh, config, loss_fn=tp_hf.hf_loss)
 
 
 @pytest.mark.parametrize("mesh, kw", [
@@ -165,17 +160,17 @@ def _pipelined_hf(model, batches, optimizer, plan, mesh, config=None):
 def test_hf_gpt2_pipelined_steps_equal_unsharded_steps(mesh, kw):
     """GPT-2 ties ``lm_head`` to ``wte`` (first and last stage) and builds its positions and
     masks inside its forward, which every stage runs as the model does."""
-    _hf_check(_gpt2("sdpa"), mesh, **kw)
+    _hf_check(tp_hf.gpt2("sdpa"), mesh, **kw)
 
 
 def test_hf_llama_pipelined_with_tensor_parallelism_equals_unsharded_steps():
     """Llama's rotary tables are computed in the model's forward, on every stage."""
-    model = _llama("eager")
+    model = tp_hf.llama("eager")
     _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), schedule="gpipe", microbatches=2)
 
 
 def test_hf_gpt2_pipelined_with_tensor_parallelism_equals_unsharded_steps():
-    model = _gpt2("eager")
+    model = tp_hf.gpt2("eager")
     _hf_check(model, Mesh(dp=1, tp=2, pp=2), gpt2_plan(model.config), schedule="1f1b", microbatches=3)
 
 
@@ -183,19 +178,15 @@ def test_hf_gpt2_private_pipeline_equals_unsharded_private_steps():
     """Ghost clipping through a pipeline: the tied ``wte``/``lm_head`` norm is completed on the
     last stage with the first stage's contributions; ``wpe``, looked up with positions ``[1, T]``
     broadcast over the batch, trains too (the tape expands that call to the batch)."""
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-
-    _hf_check(_gpt2("eager"), Mesh(dp=1, pp=2), config=hf_dp("ghost"),
+    _hf_check(tp_hf.gpt2("eager"), Mesh(dp=1, pp=2), config=tp_hf.dp_config("ghost"),
               schedule="1f1b", microbatches=2)
 
 
 def test_hf_llama_private_pipeline_with_tensor_parallelism_equals_unsharded_private_steps():
     """``method="auto"``: every layer ghost-clipped at its stage's backward (Llama's RMSNorm by
     its code's rule, ``privacy.layers.SAME_CODE``), norms completed over ``tp`` and ``pp``."""
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-
-    model = _llama("eager")
-    _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), config=hf_dp("auto"), schedule="gpipe",
+    model = tp_hf.llama("eager")
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), llama_plan(model.config), config=tp_hf.dp_config("auto"), schedule="gpipe",
               microbatches=2)
 
 
@@ -227,7 +218,7 @@ def test_a_split_backward_does_the_work_of_one_fused_backward():
         plan = _plan(model, mesh, schedule=kind, microbatches=2)
 
         def rank(comm):
-            optimizer = _optimizer(torch.float64)
+            optimizer = optimizer_for(torch.float64)
             step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer, plan, comm, param_shapes=shapes)
             state = init_sharded(params, optimizer, plan, comm, key=0)
             with Products() as counter:
@@ -264,7 +255,7 @@ def test_a_gradient_sum_never_writes_into_a_sent_tensor():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, 11, (4, 4), generator=g), torch.randint(0, 11, (4, 4), generator=g))
                for _ in range(2)]
-    optimizer = _optimizer(torch.float64)
+    optimizer = optimizer_for(torch.float64)
     params = {k: v.detach() for k, v in model.named_parameters()}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
 
@@ -289,7 +280,7 @@ def test_a_gradient_sum_never_writes_into_a_sent_tensor():
     states = run_threads(mesh, rank, timeout=60)
     got = unshard_stages([s.params for s in states], plan, mesh)
     got = {k: t.reshape(shapes[k]) for k, t in got.items()}
-    _assert_close_to_reference(got, _baseline(model, batches, optimizer, None), model, 1e-10)
+    assert_close_to_reference(got, baseline(model, batches, optimizer, None), model, 1e-10)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -298,12 +289,10 @@ def test_hf_qwen3_pipelined_with_tensor_parallelism_equals_unsharded_steps(priva
     ``tp`` within the stage's group, as without a pipeline; private, each example's gradient of
     them summed over ``tp`` before its norm."""
     from fsdpx.models.tp_plans import qwen3_plan
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-    from test_tensor_parallel_hf import _qwen3
 
-    model = _qwen3()
-    _hf_check(model, Mesh(dp=1, tp=2, pp=2), qwen3_plan(model.config), config=hf_dp("ghost") if private else None,
-              schedule="1f1b", microbatches=2)
+    model = tp_hf.qwen3()
+    _hf_check(model, Mesh(dp=1, tp=2, pp=2), qwen3_plan(model.config),
+              config=tp_hf.dp_config("ghost") if private else None, schedule="1f1b", microbatches=2)
 
 
 def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
@@ -314,17 +303,15 @@ def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
     trace on meta tensors, so the activation collectives, the same in both, cancel out)."""
     from fsdpx.models.tp_plans import qwen3_plan
     from fsdpx.sharding.pipeline import pipeline_comm_per_step
-    from test_tensor_parallel_hf import _dp_config as hf_dp
-    from test_tensor_parallel_hf import _qwen3
 
-    model, mesh = _qwen3(), Mesh(dp=1, tp=2, pp=2)
+    model, mesh = tp_hf.qwen3(), Mesh(dp=1, tp=2, pp=2)
     plan = resolve_pipeline(model, resolve(model, qwen3_plan(model.config), strategies.zero3(), mesh),
                             PipelineParallel(schedule="1f1b", microbatches=2), mesh)
     batch = (torch.randint(0, 37, (4, 8)), torch.randint(0, 37, (4, 8)))
     counted, want = {}, {}
     for private in (False, True):
-        _, metrics = _pipelined_hf(model, [batch], _optimizer(torch.float64), plan, mesh,
-                                   hf_dp("ghost") if private else None)
+        _, metrics = _pipelined_hf(model, [batch], optimizer_for(torch.float64), plan, mesh,
+                                   tp_hf.dp_config("ghost") if private else None)
         counted[private] = metrics[0]["comm"].get("all_reduce", 0)
         want[private] = pipeline_comm_per_step(plan, mesh, 0, batch_size=4, hidden=(8, model.config.hidden_size),
                                                dtype=torch.float64, private=private).get("all_reduce", 0)

@@ -11,9 +11,6 @@ module.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -25,10 +22,8 @@ from fsdpx.sharding.tensor_parallel import resolve
 from privacy.step import DPConfig
 
 pytest.importorskip("transformers")
-from hf_support import causal_lm, gpt2, lm_loss, padded_batch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_hf_sharded import _check_plan  # noqa: E402
+from support import hf_sharded  # noqa: E402
+from support.hf import causal_lm, gpt2, lm_loss, padded_batch  # noqa: E402
 
 MESH = Mesh(dp=2, pp=2)
 
@@ -60,7 +55,8 @@ def test_opt_pipelined_with_its_traced_prologue_equals_the_unsharded_run(private
     run's (float64, rel 1e-9); private under ``method="auto"``."""
     model = causal_lm("opt")
     config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method="auto") if private else None
-    _check_plan(model, lm_loss, _plan(model, _example_prologue(model)), MESH, private, causal=True, config=config)
+    hf_sharded.check_plan(model, lm_loss, _plan(model, _example_prologue(model)), MESH, private, causal=True,
+                          config=config)
 
 
 def test_registration_order_on_opt_is_refused_at_the_first_forward_naming_the_module():
@@ -68,7 +64,7 @@ def test_registration_order_on_opt_is_refused_at_the_first_forward_naming_the_mo
     stand-in zeros. It raises instead."""
     model = causal_lm("opt")
     with pytest.raises(PipelinePlanError, match="'model.decoder.final_layer_norm' runs after the block list"):
-        _check_plan(model, lm_loss, _plan(model, None), MESH, False, causal=True)
+        hf_sharded.check_plan(model, lm_loss, _plan(model, None), MESH, False, causal=True)
 
 
 def test_a_traced_prologue_agrees_with_registration_order_where_that_is_right():
@@ -135,7 +131,7 @@ def test_a_stand_in_feeding_the_blocks_is_refused():
     on wrong values without a word)."""
     import transformers
 
-    from hf_support import PAD, VOCAB, cls_loss
+    from support.hf import PAD, VOCAB, cls_loss
 
     torch.manual_seed(0)
     config = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -149,7 +145,7 @@ def test_a_stand_in_feeding_the_blocks_is_refused():
         plan = resolve_pipeline(model, resolve(model, None, strategies.zero3(), mesh),
                                 PipelineParallel(schedule="1f1b", microbatches=2, prologue=prologue), mesh)
         with pytest.raises(PipelinePlanError, match=r"stage 0 .*'deberta.encoder.rel_embeddings.weight'"):
-            _check_plan(model, cls_loss, plan, mesh, False, causal=False)
+            hf_sharded.check_plan(model, cls_loss, plan, mesh, False, causal=False)
 
 
 class _BiasPassing(nn.Module):
@@ -190,7 +186,7 @@ def test_blocks_that_pass_state_besides_the_hidden_state_are_refused():
     from fsdpx.runtime.stages import check_stages
     from fsdpx.train.config import ConfigError
     from fsdpx.train.parallel import check_pipeline
-    from hf_support import PAD, VOCAB, llama
+    from support.hf import PAD, VOCAB, llama
 
     torch.manual_seed(0)
     model, ids = _BiasPassing(), torch.randint(0, 11, (1, 5))

@@ -5,7 +5,7 @@ downloaded), on the simulated mesh, equal the unsharded run.
 Two AdamW steps of ``make_sharded_step`` with ZeRO-3 over ``dp`` and Megatron tensor parallelism
 over ``tp`` (``Mesh(dp=1, tp=2)``, ``Mesh(dp=2, tp=2)``) give the parameters of two unsharded
 steps, plain and private (same key), float64 to rel 1e-10, judged as
-``property_tests/test_sharded_properties.py::_assert_close_to_reference`` judges them. The
+``support.reference.assert_close_to_reference`` judges them (``support.tp_hf.check``). The
 vocabulary (37) does not divide by ``tp`` (ranks hold 19 and 18 rows); GPT-2 ties its LM head to
 ``wte``; Llama's attention is grouped-query (4 heads, 2 k/v heads: one k/v head per rank).
 
@@ -16,101 +16,24 @@ parallelism, where the logits are vocabulary-sharded.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fsdpx.models.tp_plans import gpt2_plan, llama_plan
-from fsdpx.runtime.plain_step import init_plain, make_plain_step
-from fsdpx.sharding import Mesh, strategies
-from fsdpx.sharding.tensor_parallel import resolve
+from fsdpx.sharding import Mesh
 from fsdpx.train.parallel import LLAMA_LIKE, PER_HEAD_NORMS, TP_PLANS
-from privacy.step import DPConfig, init_state, make_private_step
+
+from support import tp_hf
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "property_tests"))
-from test_sharded_properties import _assert_close_to_reference, _optimizer  # noqa: E402
-from test_tensor_parallel_properties import _tensor_parallel  # noqa: E402
-
-VOCAB, T, B = 37, 8, 4
-TOL = 1e-10
-NUM_EXAMPLES = 50
-
-def hf_loss(out, targets: torch.Tensor) -> torch.Tensor:
-    """Per-example loss ``(B,)`` from a transformers ``CausalLMOutput``, as a user writes it."""
-    logits = out.logits
-    b, t, v = logits.shape
-    return F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t), reduction="none").view(b, t).mean(1)
-
-
-def _gpt2(attn: str):
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=4,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                                     bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation=attn)
-    model = transformers.GPT2LMHeadModel(config).double()
-    assert model.lm_head.weight is model.transformer.wte.weight
-    return model
-
-
-def _llama(attn: str, tied: bool = False, pad: int | None = None):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=24, num_hidden_layers=2,
-                                      max_position_embeddings=T, bos_token_id=0, eos_token_id=0, pad_token_id=pad,
-                                      tie_word_embeddings=tied, use_cache=False, attn_implementation=attn)
-    model = transformers.LlamaForCausalLM(config).double()
-    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    return model
-
-
-def _batches():
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, VOCAB, (B, T), generator=g), torch.randint(0, VOCAB, (B, T), generator=g))
-            for _ in range(2)]
-
-
-def _dp_config(method: str) -> DPConfig:
-    """``property_tests/test_sharded_properties.py::_dp_config``'s knobs, with the clipping method."""
-    return DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1, method=method)
-
-
-def _reference(model, batches, optimizer, config, trainable):
-    """The unsharded steps (plain or private, key 7); parameters outside ``trainable`` frozen."""
-    params = {k: p for k, p in model.named_parameters() if k in trainable}
-    if config is None:
-        state, step = init_plain(params, optimizer), make_plain_step(model, hf_loss, optimizer)
-    else:
-        state = init_state(params, optimizer, key=7, config=config)
-        step = make_private_step(model, hf_loss, optimizer, config, num_examples=NUM_EXAMPLES)
-    for b in batches:
-        state, _ = step(state, b)
-    return state.params
-
-
-def _check(model, tp_plan, mesh, config, frozen=(), tol=TOL):
-    trainable = [n for n, _ in model.named_parameters() if n not in frozen]
-    plan = resolve(model, tp_plan, strategies.zero3(), mesh, trainable=trainable)
-    assert set(plan.params) == set(trainable)
-    batches = _batches()
-    optimizer = _optimizer(torch.float64)
-    ref = _reference(model, batches, optimizer, config, trainable)
-    got, metrics = _tensor_parallel(model, batches, optimizer, config, plan, mesh, loss_fn=hf_loss,
-                                    trainable=trainable)
-    _assert_close_to_reference(got, ref, model, tol)
-    assert len({m["loss"] for m in metrics}) == 1  # every rank reports the same loss
-
 
 MESHES = {"dp1_tp2": Mesh(dp=1, tp=2), "dp2_tp2": Mesh(dp=2, tp=2)}
 
 
 @pytest.mark.parametrize("mesh, attn", [("dp1_tp2", "eager"), ("dp2_tp2", "sdpa")])
 def test_hf_gpt2_tensor_parallel_steps_equal_unsharded_steps(mesh, attn):
-    model = _gpt2(attn)
-    _check(model, gpt2_plan(model.config), MESHES[mesh], None)
+    model = tp_hf.gpt2(attn)
+    tp_hf.check(model, gpt2_plan(model.config), MESHES[mesh], None)
 
 
 @pytest.mark.parametrize("mesh, attn", [("dp1_tp2", "sdpa"), ("dp2_tp2", "eager")])
@@ -118,15 +41,15 @@ def test_hf_gpt2_private_tensor_parallel_steps_equal_unsharded_steps(mesh, attn)
     """Ghost clipping (every GPT-2 layer has a rule), everything trains: ``GPT2Model`` looks ``wpe``
     up with positions ``[1, T]`` broadcast over the batch, which the tape expands to the batch
     (``privacy.tape.record``), sharded or not."""
-    model = _gpt2(attn)
-    _check(model, gpt2_plan(model.config), MESHES[mesh], _dp_config("ghost"))
+    model = tp_hf.gpt2(attn)
+    tp_hf.check(model, gpt2_plan(model.config), MESHES[mesh], tp_hf.dp_config("ghost"))
 
 
 @pytest.mark.parametrize("mesh, attn, tied", [("dp1_tp2", "eager", False), ("dp2_tp2", "sdpa", False),
                                               ("dp2_tp2", "sdpa", True)])
 def test_hf_llama_tensor_parallel_steps_equal_unsharded_steps(mesh, attn, tied):
-    model = _llama(attn, tied)
-    _check(model, llama_plan(model.config), MESHES[mesh], None)
+    model = tp_hf.llama(attn, tied)
+    tp_hf.check(model, llama_plan(model.config), MESHES[mesh], None)
 
 
 @pytest.mark.parametrize("mesh, attn, tied", [("dp1_tp2", "sdpa", False), ("dp2_tp2", "eager", False),
@@ -134,8 +57,8 @@ def test_hf_llama_tensor_parallel_steps_equal_unsharded_steps(mesh, attn, tied):
 def test_hf_llama_private_tensor_parallel_steps_equal_unsharded_steps(mesh, attn, tied):
     """``method="auto"``, the default: every layer has a ghost rule (``LlamaRMSNorm`` by its code,
     its weight replicated over ``tp``), so the whole model is ghost-clipped."""
-    model = _llama(attn, tied)
-    _check(model, llama_plan(model.config), MESHES[mesh], _dp_config("auto"))
+    model = tp_hf.llama(attn, tied)
+    tp_hf.check(model, llama_plan(model.config), MESHES[mesh], tp_hf.dp_config("auto"))
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -147,9 +70,9 @@ def test_hf_llama_private_tensor_parallel_with_a_padding_token(pad, private):
     reads it as it was during the call (``privacy.ghost.as_called``). Before, it read the
     global index: rank 1 dropped token 19's contributions (pad 0) or gave the padding row
     contributions (pad 20), so norms and clipped sums were wrong."""
-    model = _llama("eager", pad=pad)
+    model = tp_hf.llama("eager", pad=pad)
     assert model.model.embed_tokens.padding_idx == pad
-    _check(model, llama_plan(model.config), MESHES["dp1_tp2"], _dp_config("ghost") if private else None)
+    tp_hf.check(model, llama_plan(model.config), MESHES["dp1_tp2"], tp_hf.dp_config("ghost") if private else None)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -163,8 +86,9 @@ def test_llama_plan_runs_gemma_unmodified(tied, private):
     from fsdpx.train.parallel import TP_PLANS
 
     assert TP_PLANS["GemmaForCausalLM"] is llama_plan
-    model = _family("Gemma", tie_word_embeddings=tied)
-    _check(model, llama_plan(model.config), MESHES["dp2_tp2"], _dp_config("ghost") if private else None, tol=1e-5)
+    model = tp_hf.family("Gemma", tie_word_embeddings=tied)
+    tp_hf.check(model, llama_plan(model.config), MESHES["dp2_tp2"], tp_hf.dp_config("ghost") if private else None,
+                tol=1e-5)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -179,36 +103,14 @@ def test_opt_plan_runs_opt_unmodified(mesh, private):
 
     assert TP_PLANS["OPTForCausalLM"] is opt_plan
     torch.manual_seed(0)
-    config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=16, ffn_dim=24, num_hidden_layers=2,
-                                    num_attention_heads=4, max_position_embeddings=T, word_embed_proj_dim=16,
+    config = transformers.OPTConfig(vocab_size=tp_hf.VOCAB, hidden_size=16, ffn_dim=24, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=tp_hf.T, word_embed_proj_dim=16,
                                     dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False,
                                     attn_implementation="eager")
     model = transformers.OPTForCausalLM(config).double()
-    _check(model, opt_plan(model.config), MESHES[mesh], _dp_config("auto") if private else None)
+    tp_hf.check(model, opt_plan(model.config), MESHES[mesh], tp_hf.dp_config("auto") if private else None)
     with pytest.raises(ValueError, match="word_embed_proj_dim"):
         opt_plan(transformers.OPTConfig(hidden_size=16, word_embed_proj_dim=8, num_attention_heads=4))
-
-
-def _family(family: str, **config):
-    """transformers' ``{family}ForCausalLM``, unmodified, from one tiny config (4 heads, 2 k/v
-    heads, head_dim 4, ``config`` over it), float64. Per-head query/key norms start at ones;
-    they are moved off them, so a rank's share of their gradient differs from the whole."""
-    cls = getattr(transformers, f"{family}ForCausalLM")
-    torch.manual_seed(0)
-    model = cls(cls.config_class(**{**dict(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4,
-                                           num_key_value_heads=2, head_dim=4, intermediate_size=24,
-                                           num_hidden_layers=2, max_position_embeddings=T, bos_token_id=0,
-                                           eos_token_id=0, pad_token_id=0, use_cache=False,
-                                           attn_implementation="eager"), **config})).double()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(0.5, 1.5)
-    return model
-
-
-def _qwen3(tied: bool = False):
-    return _family("Qwen3", tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -222,8 +124,8 @@ def test_qwen3_plan_runs_qwen3_unmodified(mesh, tied, private):
     from fsdpx.train.parallel import TP_PLANS
 
     assert TP_PLANS["Qwen3ForCausalLM"] is qwen3_plan
-    model = _qwen3(tied)
-    _check(model, qwen3_plan(model.config), MESHES[mesh], _dp_config("ghost") if private else None)
+    model = tp_hf.qwen3(tied)
+    tp_hf.check(model, qwen3_plan(model.config), MESHES[mesh], tp_hf.dp_config("ghost") if private else None)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -235,10 +137,10 @@ def test_qwen3_per_head_norms_without_their_style_are_refused(mesh, private):
     per-head norm and no other parameter."""
     from fsdpx.sharding.tensor_parallel import TensorParallelPlanError
 
-    model = _qwen3()
+    model = tp_hf.qwen3()
     norms = sorted(n for n, _ in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight")))
     with pytest.raises(TensorParallelPlanError, match="ReplicatedOnSplit") as e:
-        _check(model, llama_plan(model.config), MESHES[mesh], _dp_config("ghost") if private else None)
+        tp_hf.check(model, llama_plan(model.config), MESHES[mesh], tp_hf.dp_config("ghost") if private else None)
     assert str(norms) in str(e.value)
 
 
@@ -254,9 +156,10 @@ def test_every_planned_family_equals_the_unsharded_run(family, private):
     unmodified from one tiny config (4 heads, 2 k/v heads, head_dim 4, per-head norms moved off
     ones), at dp=2 x tp=2 under ZeRO-3: two steps equal the unsharded ones, plain and private
     (``method="auto"``), float64 to rel 1e-10 (1e-5 where the norms compute in float32)."""
-    model = _family(family)
-    tol = 1e-5 if family in FLOAT32_NORMS else TOL
-    _check(model, TP_PLANS[f"{family}ForCausalLM"](model.config), MESHES["dp2_tp2"], _dp_config("auto") if private else None, tol=tol)
+    model = tp_hf.family(family)
+    tol = 1e-5 if family in FLOAT32_NORMS else tp_hf.TOL
+    tp_hf.check(model, TP_PLANS[f"{family}ForCausalLM"](model.config), MESHES["dp2_tp2"],
+                tp_hf.dp_config("auto") if private else None, tol=tol)
 
 
 @pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
@@ -267,13 +170,14 @@ def test_stablelm_plan_with_qkv_biases_and_a_parallel_residual(private):
     from fsdpx.models.tp_plans import stablelm_plan
 
     torch.manual_seed(0)
-    config = transformers.StableLmConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
-                                         intermediate_size=24, num_hidden_layers=2, max_position_embeddings=T,
-                                         bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False,
-                                         attn_implementation="eager", use_qkv_bias=True, use_parallel_residual=True)
+    config = transformers.StableLmConfig(vocab_size=tp_hf.VOCAB, hidden_size=16, num_attention_heads=4,
+                                         num_key_value_heads=2, intermediate_size=24, num_hidden_layers=2,
+                                         max_position_embeddings=tp_hf.T, bos_token_id=0, eos_token_id=0,
+                                         pad_token_id=0, use_cache=False, attn_implementation="eager",
+                                         use_qkv_bias=True, use_parallel_residual=True)
     model = transformers.StableLmForCausalLM(config).double()
     assert TP_PLANS["StableLmForCausalLM"] is stablelm_plan
-    _check(model, stablelm_plan(model.config), MESHES["dp2_tp2"], _dp_config("auto") if private else None)
+    tp_hf.check(model, stablelm_plan(model.config), MESHES["dp2_tp2"], tp_hf.dp_config("auto") if private else None)
     with pytest.raises(ValueError, match="qk_layernorm"):
         stablelm_plan(transformers.StableLmConfig(hidden_size=16, num_attention_heads=4, qk_layernorm=True))
 
@@ -287,10 +191,10 @@ def test_dropout_under_tensor_parallelism_is_refused_by_name(private):
     from fsdpx.sharding.tensor_parallel import TensorParallelPlanError
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=16, n_layer=2, n_head=4,
+    config = transformers.GPT2Config(vocab_size=tp_hf.VOCAB, n_positions=tp_hf.T, n_embd=16, n_layer=2, n_head=4,
                                      bos_token_id=0, eos_token_id=0, use_cache=False, attn_implementation="eager")
     model = transformers.GPT2LMHeadModel(config).double()
     assert model.training and config.resid_pdrop > 0
     with pytest.raises(TensorParallelPlanError, match="dropout active") as e:
-        _check(model, gpt2_plan(model.config), MESHES["dp1_tp2"], _dp_config("ghost") if private else None)
+        tp_hf.check(model, gpt2_plan(model.config), MESHES["dp1_tp2"], tp_hf.dp_config("ghost") if private else None)
     assert "transformer.drop" in str(e.value) and "resid_pdrop = 0.0" in str(e.value)

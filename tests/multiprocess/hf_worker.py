@@ -1,21 +1,19 @@
 """A rank of a real gloo run of transformers' BERT classifier, unmodified: mapping inputs with an
 attention mask and right padding, private ZeRO-3 over ``dp = WORLD_SIZE``. Saves this rank's
-final state to ``<out>/rank<r>.pt`` for ``test_hf_gloo.py`` to compare with one process."""
+final state to ``<out>/rank<r>.pt`` for ``test_hf_gloo.py`` to compare with one process. Started
+with ``support.processes.python_env()`` (its problem is ``support.gloo_bert_problem``)."""
 
 import argparse
 import os
-import sys
 
 import torch
 
-HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
+from fsdpx import Mesh, strategies
+from fsdpx.runtime import init_sharded, make_sharded_step
+from fsdpx.runtime.dist_comm import init_from_env, shutdown
 
-from fsdpx import Mesh, strategies  # noqa: E402
-from fsdpx.runtime import init_sharded, make_sharded_step  # noqa: E402
-from fsdpx.runtime.dist_comm import init_from_env, shutdown  # noqa: E402
-from hf_problem import NUM_EXAMPLES, batches, config, make_bert, optimizer  # noqa: E402
-from hf_support import cls_loss  # noqa: E402
+from support.gloo_bert_problem import NUM_EXAMPLES, batches, config, make_bert, optimizer
+from support.hf import cls_loss
 
 
 def main() -> None:

@@ -3,7 +3,6 @@ bytes equal comm_per_step; resident bytes equal memory_by_rank; a dead rank is n
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -22,9 +21,10 @@ from fsdpx.runtime.plain_step import init_plain, make_plain_step
 from fsdpx.runtime.units import make_units
 from privacy.step import init_state, make_private_step
 
+from support.gloo_problem import BATCHES, NUM_EXAMPLES, loss_for, make_model, private_config, tp_plan
+from support.processes import python_env
+
 HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
-from problem import BATCHES, NUM_EXAMPLES, loss_for, make_model, private_config, tp_plan  # noqa: E402
 
 pytestmark = pytest.mark.slow
 WORKER = os.path.join(HERE, "worker.py")
@@ -46,7 +46,7 @@ def _baseline(private: bool, kind: str = "gpt"):
 
 def _run_torchrun(nproc: int, tmp_path, *extra: str) -> list[dict]:
     cmd = torchrun_command(nproc, [WORKER, "--out", str(tmp_path), *extra])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=python_env(OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
@@ -223,7 +223,7 @@ def test_private_untied_pipelines_clip_each_microbatch_in_the_schedule_and_equal
 def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_path):
     start = time.monotonic()
     procs = spawn_ranks(3, [WORKER, "--out", str(tmp_path), "--die-rank", "1", "--die-after", "7",
-                            "--timeout", "20"])
+                            "--timeout", "20"], env=python_env())
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     elapsed = time.monotonic() - start
     assert procs[1].returncode == 3
@@ -235,7 +235,7 @@ def test_a_rank_dying_mid_step_is_named_by_the_survivors_within_the_timeout(tmp_
 
 
 def test_mesh_size_that_differs_from_the_world_size_is_refused(tmp_path):
-    procs = spawn_ranks(2, [WORKER, "--out", str(tmp_path), "--mesh-size", "3"])
+    procs = spawn_ranks(2, [WORKER, "--out", str(tmp_path), "--mesh-size", "3"], env=python_env())
     for p in procs:
         p.communicate(timeout=60)
     result = torch.load(tmp_path / "rank0.pt", weights_only=False)

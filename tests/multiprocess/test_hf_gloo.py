@@ -5,7 +5,6 @@ Poisson batch (``privacy.padding``), whose masked row one rank holds."""
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,18 +13,19 @@ from fsdpx import Mesh, strategies, unshard
 from fsdpx.train.launch import torchrun_command
 from privacy.step import init_state, make_private_step
 
+from support.gloo_bert_problem import NUM_EXAMPLES, batches, config, make_bert, optimizer
+from support.hf import cls_loss
+from support.processes import python_env
+
 pytest.importorskip("transformers")
 HERE = os.path.dirname(__file__)
-sys.path.insert(0, HERE)
-from hf_problem import NUM_EXAMPLES, batches, config, make_bert, optimizer  # noqa: E402
-from hf_support import cls_loss  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 def test_bert_private_zero3_on_gloo_equals_the_single_process_run(tmp_path):
     cmd = torchrun_command(2, [os.path.join(HERE, "hf_worker.py"), "--out", str(tmp_path)])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=python_env(OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     model = make_bert()

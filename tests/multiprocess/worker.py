@@ -1,4 +1,5 @@
-"""A rank of a real multi-process run (gloo), started by torchrun or by ``spawn_ranks``.
+"""A rank of a real multi-process run (gloo), started by torchrun or by ``spawn_ranks`` with
+``support.processes.python_env()`` (its problem is ``support.gloo_problem``).
 
 Trains a tiny GPT for a few sharded steps and saves this rank's final state and metrics to
 ``<out>/rank<r>.pt`` for the test to compare with the unsharded run. ``--die-rank R
@@ -7,7 +8,6 @@ Trains a tiny GPT for a few sharded steps and saves this rank's final state and 
 
 import argparse
 import os
-import sys
 
 import torch
 
@@ -20,8 +20,7 @@ from fsdpx.sharding.tensor_parallel import TensorParallelPlanError, resolve
 from fsdpx.runtime import init_sharded, make_sharded_step
 from privacy.step import DPConfig
 
-sys.path.insert(0, os.path.dirname(__file__))
-from problem import BATCHES, NUM_EXAMPLES, loss_for, make_model, private_config, tp_plan  # noqa: E402
+from support.gloo_problem import BATCHES, NUM_EXAMPLES, loss_for, make_model, private_config, tp_plan
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
-"""Subprocess entry points for the checkpoint tests that need a process of their own.
+"""Subprocess entry points for the checkpoint tests that need a process of their own, started
+with ``support.processes.python_env()``:
 
-    python tests/ckpt_support.py fsize ROOT LIMIT     saves under RLIMIT_FSIZE, prints JSON outcomes
-    python tests/ckpt_support.py zygote ROOT          forks savers on request (kill-safety test):
+    python -m support.ckpt_worker fsize ROOT LIMIT     saves under RLIMIT_FSIZE, prints JSON outcomes
+    python -m support.ckpt_worker zygote ROOT          forks savers on request (kill-safety test):
         stdin "fork\n" -> forks a child that saves step after step forever; prints its pid
         stdin "reap PID\n" -> waits for that child; prints its wait status
-    python tests/ckpt_support.py gloo DIR RANK WORLD PORT CASES   a torch.distributed rank
+    python -m support.ckpt_worker gloo DIR RANK WORLD PORT CASES   a torch.distributed rank
 
 Kept apart from the tests so that a child starts from a fresh interpreter that has never run a
 parallel torch kernel (forking after one is unsafe).
@@ -23,10 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import ckpt  # noqa: E402
-from fsdpx import Mesh, Spec, shard, strategies  # noqa: E402
+import ckpt
+from fsdpx import Mesh, Spec, shard, strategies
 
 KILL_MESH, KILL_STRATEGY = Mesh(dp=2), strategies.zero3()
 KILL_SHAPE = (256, 32)

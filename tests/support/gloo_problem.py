@@ -1,7 +1,8 @@
-"""The fixed problem the multi-process tests train: a tiny GPT (uneven shapes: vocab 11 over
-2 or 3 ranks) and three batches, one of them smaller than the world (a rank gets no example).
-``make_model("hf-gpt2" | "hf-llama" | "hf-qwen3")`` gives transformers' own models of the same vocabulary
-instead (tiny configs built here, never downloaded), trained with ``hf_loss``."""
+"""The fixed problem the multi-process tests (``tests/multiprocess/``) train: a tiny GPT (uneven
+shapes: vocab 11 over 2 or 3 ranks) and three batches, one of them smaller than the world (a rank
+gets no example). ``make_model("hf-gpt2" | "hf-llama" | "hf-qwen3")`` gives transformers' own
+models of the same vocabulary instead (tiny configs built here, never downloaded), trained with
+``hf_loss``."""
 
 import torch
 
