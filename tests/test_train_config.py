@@ -400,3 +400,21 @@ def test_the_shipped_example_config_builds_its_model_and_data():
     fields["data_path"] = str(root / fields["data_path"])
     source = build_source(RunConfig.of(**fields))
     assert type(source.model) is transformers.GPT2LMHeadModel and source.inputs.shape[1] == 64
+
+
+def test_runs_building_their_models_at_once_get_the_same_parameters():
+    """Ranks run as threads build their models at the same time from one seed: each gets the
+    parameters a lone build gets (module initialisation draws from torch's process-wide RNG,
+    which ``sources.seeded`` holds for one build at a time)."""
+    import threading
+
+    config = RunConfig.of(n_layer=2, n_embd=16, n_head=2, block_size=8, corpus_chars=3000, private=False)
+    alone = build_source(config).params
+    for _ in range(5):
+        out: list = [None] * 6
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, build_source(config).params)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(torch.equal(p[k], alone[k]) for p in out for k in alone)

@@ -26,9 +26,11 @@ refused by :mod:`fsdpx.train.parallel`.)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -140,13 +142,11 @@ def python_source(config: RunConfig) -> Source:
     refs = (config.model.model_fn, config.data.data_fn, config.model.loss_fn)
     model_fn, data_fn, loss_fn = (resolve_ref(r) for r in refs)
     hparams = dict(config.model.hparams or {})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.run.seed)
+    with seeded(config.run.seed):
         model = model_fn(hparams)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model_fn {config.model.model_fn} returned {type(model).__name__}, not a torch.nn.Module")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.run.seed)
+    with seeded(config.run.seed):
         examples = data_fn(hparams)
     if not (isinstance(examples, (tuple, list)) and len(examples) == 2
             and all(isinstance(t, Tensor) for t in examples)):
@@ -163,12 +163,25 @@ def python_source(config: RunConfig) -> Source:
 
 # --------------------------------------------------------------------------- models
 
+_GLOBAL_RNG = threading.Lock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Inside: torch's global RNG seeded with ``seed`` and drawn from by this thread alone; after:
+    the RNG as it was. Module initialisation draws from the process-wide generator, so two runs
+    building their models at once (ranks run as threads) interleaved their draws and built
+    different parameters (``tests/test_train_layout.py::test_a_run_resolves_its_plan_once``,
+    whose pipelined ranks then trained their tied embedding apart)."""
+    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
 
 def build_model(config: RunConfig, vocab_size: int) -> nn.Module:
     """The model of ``config``, initialised from ``config.run.seed`` (the global RNG is restored):
     the built-in GPT with ``vocab_size`` entries, or the transformers causal LM it names."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.run.seed)
+    with seeded(config.run.seed):
         if config.model.kind == "gpt":
             m = config.model
             return GPT(GPTConfig(vocab_size=vocab_size, block_size=config.data.block_size, n_layer=m.n_layer,
