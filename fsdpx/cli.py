@@ -8,6 +8,7 @@ jobs planner, dispatching each command to its own command line.
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     ``schedule`` goes to ``fsdpx train``'s parser, which also answers ``--help`` and a missing or
     unknown command (exit 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    importable_from_here()
     if argv[:1] == ["jobs"]:  # the multi-job planner has its own command line
         from fsdpx.jobs.cli import main as jobs_main
 
@@ -27,6 +29,17 @@ def main(argv: list[str] | None = None) -> None:
     from fsdpx.train.cli import main as train_main
 
     return train_main(argv)
+
+
+def importable_from_here() -> None:
+    """Put the directory ``fsdpx`` runs in first on ``sys.path``, as ``python -m fsdpx`` does, so
+    ``--model-fn mylab.jobs:model`` finds ``mylab/`` beside the user the same way from the
+    ``fsdpx`` script (whose own path is its bin directory) and from ``python -m``; torchrun's
+    workers (``-m fsdpx``, same directory) find it too. Nothing when it is there already
+    (``tests/test_cli.py::test_your_own_package_imports_from_the_directory_you_run_in``)."""
+    here = os.getcwd()
+    if not any(p in ("", here) for p in sys.path):
+        sys.path.insert(0, here)
 
 
 if __name__ == "__main__":

@@ -214,3 +214,29 @@ def test_parallelism_flags_that_cannot_work_are_refused(capsys, argv, message):
         cli.main(["train", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_your_own_package_imports_from_the_directory_you_run_in(tmp_path):
+    """``fsdpx train --model python --model-fn mylab.jobs:model ...`` from the directory holding
+    ``mylab/`` works from the ``fsdpx`` script as from ``python -m fsdpx``, without PYTHONPATH."""
+    import inspect
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from support import mlp_job
+
+    (tmp_path / "mylab").mkdir()
+    (tmp_path / "mylab" / "__init__.py").write_text("")
+    (tmp_path / "mylab" / "jobs.py").write_text(inspect.getsource(mlp_job).split("def mlp_task")[0]
+                                                .replace("import fsdpx.jobs as jobs\n", ""))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    script = Path(sys.executable).parent / "fsdpx"
+    argv = ["train", "--model", "python", "--model-fn", "mylab.jobs:mlp", "--data-fn", "mylab.jobs:blobs",
+            "--loss-fn", "mylab.jobs:cross_entropy", "--hparams", "d_in = 8, hidden = 4, classes = 3, n = 64",
+            "--steps", "2", "--batch-size", "16", "--non-private", "--no-progress", "--out", str(tmp_path / "runs")]
+    for name, cmd in [("script", [str(script)]), ("module", [sys.executable, "-m", "fsdpx"])]:
+        done = subprocess.run([*cmd, *argv, "--name", name], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert len((tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()) == 2
