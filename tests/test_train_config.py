@@ -418,3 +418,40 @@ def test_runs_building_their_models_at_once_get_the_same_parameters():
         for t in threads:
             t.join()
         assert all(torch.equal(p[k], alone[k]) for p in out for k in alone)
+
+
+def test_a_model_built_while_another_rank_checks_its_stages_is_the_same():
+    """A pipelined rank checks its stages (a forward with the global RNG forked, which puts the
+    state back on exit) while another rank's thread builds its model: the build gets the
+    parameters a lone build gets. Before both went through ``fsdpx.runtime.global_rng``, the
+    check's exit rewound the build's stream mid-way and the pipeline's tied embedding trained
+    apart (``tests/test_train_layout.py::test_a_run_resolves_its_plan_once[pp2]`` in the suite)."""
+    import threading
+
+    from fsdpx.runtime.stages import check_stages
+    from fsdpx.sharding import Mesh, strategies
+    from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
+    from fsdpx.sharding.tensor_parallel import resolve
+
+    config = RunConfig.of(n_layer=2, n_embd=16, n_head=2, block_size=8, corpus_chars=3000, private=False)
+    alone = build_source(config)
+    mesh = Mesh(pp=2, dp=1)
+    plan = resolve_pipeline(alone.model, resolve(alone.model, None, strategies.ddp(), mesh),
+                            PipelineParallel(schedule="1f1b", microbatches=2), mesh)
+    example = alone.inputs[:1]
+    stop = threading.Event()
+
+    def check_forever() -> None:
+        while not stop.is_set():
+            check_stages(alone.model, plan.pipeline, example)
+
+    checkers = [threading.Thread(target=check_forever) for _ in range(2)]
+    for t in checkers:
+        t.start()
+    try:
+        built = [build_source(config).params for _ in range(20)]
+    finally:
+        stop.set()
+        for t in checkers:
+            t.join()
+    assert all(torch.equal(p[k], alone.params[k]) for p in built for k in alone.params)

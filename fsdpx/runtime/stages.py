@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fsdpx.sharding.pipeline import PipelineLayout, PipelinePlanError
+from . import global_rng
 from .slots import Slots
 
 
@@ -265,11 +266,13 @@ def check_stages(model: nn.Module, layout: PipelineLayout, *args: Any, rtol: flo
 def _quietly(model: nn.Module) -> Iterator[None]:
     """Inside: eval mode, no gradients, the random number generators forked; on exit every
     module's own mode is back (a part the user keeps in eval stays in eval) and the run's random
-    streams are as they were."""
+    streams are as they were. The global generator is held (:mod:`fsdpx.runtime.global_rng`):
+    forking it around this forward while another rank's thread built its model rewound that
+    build's stream."""
     modes = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with global_rng.exclusive(), torch.no_grad():
             yield
     finally:
         for m, training in modes.items():

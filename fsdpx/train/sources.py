@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
@@ -38,6 +37,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+from fsdpx.runtime import global_rng
 
 from . import data
 from .config import RunConfig
@@ -163,18 +163,14 @@ def python_source(config: RunConfig) -> Source:
 
 # --------------------------------------------------------------------------- models
 
-_GLOBAL_RNG = threading.Lock()
-
-
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Inside: torch's global RNG seeded with ``seed`` and drawn from by this thread alone; after:
-    the RNG as it was. Module initialisation draws from the process-wide generator, so two runs
-    building their models at once (ranks run as threads) interleaved their draws and built
-    different parameters (``tests/test_train_layout.py::test_a_run_resolves_its_plan_once``,
-    whose pipelined ranks then trained their tied embedding apart)."""
-    with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    the RNG as it was (:func:`fsdpx.runtime.global_rng.exclusive`). Module initialisation draws
+    from the process-wide generator, so two runs building their models at once (ranks run as
+    threads) interleaved their draws and built different parameters
+    (``tests/test_train_config.py::test_runs_building_their_models_at_once_get_the_same_parameters``)."""
+    with global_rng.exclusive(seed):
         yield
 
 
