@@ -28,7 +28,6 @@ import dataclasses
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
