@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fsdpx train --strategy zero3 --nproc 2
+	$(BIN)/fsdpx train --strategy zero3 --nproc 2 --name demo --overwrite   # its own runs/demo, replaced each time
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

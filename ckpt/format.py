@@ -122,6 +122,7 @@ class Manifest:
     created_unix: float = field(default=0.0, compare=False)
     format_version: int = FORMAT_VERSION
     plan: Any = None  # the sharding plan's layouts (``ckpt.rules.layout_meta``), when saved with one
+    run_id: str | None = None  # the run that wrote it (``CheckpointManager``); retention deletes only its own
 
 
 # ---- encoding --------------------------------------------------------------------------------
@@ -155,6 +156,7 @@ def _body(m: Manifest) -> dict[str, Any]:
         "tensors": {path: _tensor_json(t) for path, t in m.tensors.items()},
         "state": m.state,
         **({"plan": m.plan} if m.plan is not None else {}),
+        **({"run_id": m.run_id} if m.run_id is not None else {}),
     }
 
 
@@ -282,8 +284,10 @@ def decode(data: bytes, path: str = MANIFEST) -> Manifest:
         files[name] = FileRecord(f["rank"], f["size"], f["checksum"])
     _need(isinstance(raw["tensors"], dict), path, "'tensors' must be an object")
     tensors = {t_path: _parse_tensor(t_path, t, files, path) for t_path, t in raw["tensors"].items()}
+    _need(raw.get("run_id") is None or isinstance(raw["run_id"], str), path, "'run_id' must be a string")
     return Manifest(
         library_version=str(raw["library_version"]), mesh=mesh, strategy=raw["strategy"], files=files,
         tensors=tensors, state=raw["state"], private=bool(raw["private"]), step=raw["step"],
         created_unix=float(raw["created_unix"]), format_version=version, plan=raw.get("plan"),
+        run_id=raw.get("run_id"),
     )

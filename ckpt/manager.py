@@ -22,6 +22,12 @@ Guarantees (``tests/test_ckpt_manager.py`` unless named):
     and a checkpoint is deleted only once ``keep_last`` newer-or-equal ones are committed
     (``test_retention_keeps_last_n_and_never_the_newest``). Newer steps (from an abandoned
     branch of the run) are left alone.
+  * Retention deletes only what it can prove this run wrote: a ``step_<N>`` whose manifest
+    reads and records the manager's ``run_id``. Another run's checkpoints, a checkpoint of an
+    older format without a run id, and a user's own ``step_1/`` folder are never deleted, nor
+    counted among the ``keep_last`` (``test_retention_deletes_only_its_own_run_s_checkpoints``).
+    ``run_id`` defaults to a fresh one per manager; a run continued by a new process passes its
+    own (``fsdpx train`` keeps it in the root's ``run.json``).
   * SIGKILL at any point of a save leaves ``latest()`` valid, never older than before
     (``tests/test_ckpt_kill.py::test_sigkill_at_100_random_points_never_loses_a_checkpoint``).
   * Saving a step that exists: ``CheckpointExistsError`` if it verifies; if it is corrupt it is
@@ -32,6 +38,7 @@ Guarantees (``tests/test_ckpt_manager.py`` unless named):
 from __future__ import annotations
 
 import re
+import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -42,8 +49,8 @@ from fsdpx.sharding import Mesh
 from . import commit
 from .async_save import SaveHandle, saver_for
 from .coordinator import Coordinator, SingleProcess
-from .errors import CheckpointExistsError, CorruptCheckpointError
-from .loading import load
+from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from .loading import load, read_manifest
 from .rules import Layouts, Specs
 from .saving import save
 from .verify import verify
@@ -67,6 +74,11 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
 
 
+def new_run_id() -> str:
+    """A fresh run id: 16 random hex digits (two runs never share one by chance)."""
+    return secrets.token_hex(8)
+
+
 def to_delete(steps: Sequence[int], just_saved: int, keep_last: int) -> list[int]:
     """Retention, pure: the steps older than ``just_saved`` beyond the ``keep_last - 1`` newest."""
     older = sorted((s for s in steps if s < just_saved), reverse=True)
@@ -76,7 +88,7 @@ def to_delete(steps: Sequence[int], just_saved: int, keep_last: int) -> list[int
 class CheckpointManager:
     def __init__(self, root: str | Path, *, mesh: Mesh | None = None, strategy: Layouts = None,
                  coordinator: Coordinator | None = None, keep_last: int = 3, every_n_steps: int = 1,
-                 specs: Specs = None, private: bool = False) -> None:
+                 specs: Specs = None, private: bool = False, run_id: str | None = None) -> None:
         if keep_last < 1 or every_n_steps < 1:
             raise ValueError(f"keep_last and every_n_steps must be >= 1, got {keep_last}, {every_n_steps}")
         self.root = Path(root)
@@ -84,6 +96,7 @@ class CheckpointManager:
         self.strategy, self.specs, self.private = strategy, specs, private
         self.coordinator = coordinator if coordinator is not None else SingleProcess()
         self.keep_last, self.every_n_steps = keep_last, every_n_steps
+        self.run_id = run_id if run_id is not None else new_run_id()  # recorded in each manifest; see _retain
         self._last: SaveHandle | None = None
 
     # ---- saving ------------------------------------------------------------------------------
@@ -100,7 +113,7 @@ class CheckpointManager:
             self._prepare_root(step)
         self._last = save(step_dir(self.root, step), state, mesh=self.mesh, strategy=self.strategy,
                           coordinator=self.coordinator, specs=self.specs, private=self.private, step=step,
-                          blocking=blocking, on_commit=self._retain)
+                          blocking=blocking, on_commit=self._retain, run_id=self.run_id)
         return self._last
 
     def wait(self) -> Path | None:
@@ -122,12 +135,21 @@ class CheckpointManager:
 
     def _retain(self, saved: Path) -> None:
         just_saved = int(_STEP.match(saved.name).group(1))
-        steps = committed_steps(self.root)
+        steps = [s for s in committed_steps(self.root) if self.wrote(step_dir(self.root, s))]
         if any(s > just_saved for s in steps):
             warnings.warn(f"{self.root} holds checkpoints newer than step {just_saved}; retention leaves them",
                           RuntimeWarning, stacklevel=2)
         for s in to_delete(steps, just_saved, self.keep_last):
             commit.remove(step_dir(self.root, s))
+
+    def wrote(self, path: Path) -> bool:
+        """Whether ``path`` is a checkpoint of this manager's run: its manifest reads and records
+        ``run_id``. False for anything else (no or unreadable manifest, another or no run id):
+        retention deletes only what this returns True for."""
+        try:
+            return read_manifest(path).run_id == self.run_id
+        except (CheckpointError, OSError):
+            return False
 
     # ---- resuming ----------------------------------------------------------------------------
 

@@ -81,18 +81,20 @@ def save(
     step: int | None = None,
     blocking: bool = True,
     on_commit: Callable[[Path], None] | None = None,
+    run_id: str | None = None,
 ) -> SaveHandle:
     """Save this rank's ``state`` into the new checkpoint ``directory`` (see module doc).
 
     ``on_commit(path)`` runs on rank 0 right after a successful commit (the manager's
-    retention); its errors are warnings, never a failed save. Returns a ``SaveHandle``; with
+    retention); its errors are warnings, never a failed save. ``run_id`` (rank 0's counts) is
+    recorded in the manifest: the run that wrote the checkpoint, which retention checks. Returns a ``SaveHandle``; with
     ``blocking=True`` it is already complete (errors were raised)."""
     coordinator = coordinator if coordinator is not None else _SINGLE
     if coordinator.world != mesh.size:
         raise ValueError(f"{mesh} has {mesh.size} ranks but the coordinator has {coordinator.world}")
     rule = make_rule(strategy, specs)
     meta = {"strategy": None if strategy is None else strategy.name, "private": private, "step": step,
-            "plan": layout_meta(strategy)}
+            "plan": layout_meta(strategy), "run_id": run_id}
 
     saver = saver_for(coordinator)
 
@@ -236,7 +238,7 @@ def _stage_mesh(mesh: Mesh, axis: str, rank: int) -> tuple[Mesh, int]:
 
 
 def assemble(reports: list[dict], mesh: Mesh, *, strategy: str | None, private: bool, step: int | None,
-             plan: dict | None = None) -> fmt.Manifest:
+             plan: dict | None = None, run_id: str | None = None) -> fmt.Manifest:
     """Rank 0's pure step: all ranks' reports -> the manifest (``LayoutError`` if they do not
     describe one consistent state). Under a pipeline (``plan["pipeline"]``) a parameter's
     tensors come from the ranks of its first holding pipeline index, laid out on the mesh
@@ -286,7 +288,7 @@ def assemble(reports: list[dict], mesh: Mesh, *, strategy: str | None, private: 
              for rep in reports if rep["file"] is not None}
     return fmt.Manifest(library_version=library_version(), mesh=mesh, strategy=strategy, files=files,
                         tensors=tensors, state=tree, private=private, step=step,
-                        created_unix=time.time(), plan=plan)
+                        created_unix=time.time(), plan=plan, run_id=run_id)
 
 
 def merge_trees(trees: list[Tree]) -> Tree:

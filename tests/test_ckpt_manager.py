@@ -74,3 +74,26 @@ def test_private_manager_refuses_state_without_accountant(tmp_path):
     with pytest.raises(ckpt.MissingAccountantError):
         m.save(1, _state(1))
     assert m.steps() == []
+
+
+def test_retention_deletes_only_its_own_run_s_checkpoints(tmp_path):
+    """Another run's checkpoints (another run id), a checkpoint without a run id and a user's
+    folder named like a step are never deleted, nor counted among ``keep_last``."""
+    other = ckpt.CheckpointManager(tmp_path, keep_last=5)
+    for step in (3, 6):
+        other.save(step, _state(step))
+    anonymous = tmp_path / "step_4"
+    ckpt.save(anonymous, _state(4), mesh=other.mesh, strategy=None)
+    assert ckpt.read_manifest(anonymous).run_id is None
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "step_1" / "important.txt").write_text("mine")
+    m = ckpt.CheckpointManager(tmp_path, keep_last=2)
+    assert m.run_id != other.run_id
+    for step in (7, 8, 9):
+        m.save(step, _state(step))
+    assert m.steps() == [1, 3, 4, 6, 8, 9]  # its own 7 went; nothing else did
+    assert (tmp_path / "step_1" / "important.txt").read_text() == "mine"
+    assert ckpt.read_manifest(tmp_path / "step_9").run_id == m.run_id
+    again = ckpt.CheckpointManager(tmp_path, keep_last=1, run_id=m.run_id)  # the run, continued by a new process
+    again.save(10, _state(10))
+    assert again.steps() == [1, 3, 4, 6, 10]

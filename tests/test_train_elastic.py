@@ -29,9 +29,11 @@ ARGS = ["--strategy", "zero2", "--nproc", "2", "--steps", str(STEPS), "--n-layer
 def test_a_first_attempt_runs_as_configured_and_a_restart_resumes(tmp_path):
     config = RunConfig.of(ckpt_dir=str(tmp_path / "ck"))
     assert restarted_config(config, 0) is config
-    assert restarted_config(config, 1).checkpoints.resume
+    restarted = restarted_config(config, 1).checkpoints  # resumes if the failed attempt saved, else starts
+    assert restarted.resume_if_present and not restarted.resume and restarted.resume_from is None
     branch = RunConfig.of(resume_from=str(tmp_path / "source"), name="b", out=str(tmp_path))
-    assert restarted_config(branch, 2) == branch  # its own root holds nothing yet: branch again
+    # its own root holds nothing yet: branch again, into the run directory its first attempt wrote
+    assert restarted_config(branch, 2) == branch.replace(overwrite=True)
 
 
 def test_max_restarts_needs_a_strategy_and_a_checkpoint_dir(capsys):

@@ -11,6 +11,7 @@ import torch
 
 import ckpt
 from fsdpx.train import RunConfig, cli, run
+from fsdpx.train.preflight import CheckpointDirInUseError, RunDirExistsError
 from fsdpx.train.report import format_summary
 from fsdpx.train.resume import resume_from
 from fsdpx.train.segments import (BranchError, CheckpointNotFoundError, DataChangeError, ModelChangeError,
@@ -130,10 +131,12 @@ def test_a_branch_never_writes_where_its_source_lives(tmp_path):
     ck = tmp_path / "ck"
     run(_cfg(tmp_path, steps=4, ckpt_dir=str(ck), ckpt_every=2), progress=False)
     source = _snapshot(tmp_path / "a"), _snapshot(ck)
-    with pytest.raises(BranchError, match="its source's: its retention"):
+    with pytest.raises(CheckpointDirInUseError, match="ck already holds step_2, step_4: a new run there would mix"):
         run(_cfg(tmp_path, "b", steps=6, resume_from=str(ck / "step_2"), ckpt_dir=str(ck)), progress=False)
-    with pytest.raises(BranchError, match="source's run directory"):
+    with pytest.raises(RunDirExistsError, match="already holds a run"):
         run(_cfg(tmp_path, "a", steps=6, resume_from=str(ck / "step_2")), progress=False)
+    with pytest.raises(BranchError, match="source's run directory"):  # not even with --overwrite
+        run(_cfg(tmp_path, "a", steps=6, resume_from=str(ck / "step_2"), overwrite=True), progress=False)
     with pytest.raises(CheckpointNotFoundError):
         run(_cfg(tmp_path, "b", steps=6, resume_from=str(ck / "step_3")), progress=False)
     # a branch from the older checkpoint, long enough for its retention to delete its own
@@ -142,8 +145,9 @@ def test_a_branch_never_writes_where_its_source_lives(tmp_path):
     assert ckpt.CheckpointManager(tmp_path / "b" / "ckpt").steps() == [6, 7, 8]
     assert [r["step"] for r in _rows(tmp_path / "b")] == list(range(1, 9))
     assert _bits(_rows(tmp_path / "b"))[:2] == _bits(_rows(tmp_path / "a"))[:2]
-    with pytest.raises(BranchError, match="already holds checkpoints"):
-        run(_cfg(tmp_path, "b", steps=8, resume_from=str(ck / "step_2")), progress=False)
+    with pytest.raises(CheckpointDirInUseError, match="already holds step_6, step_7, step_8"):
+        run(_cfg(tmp_path, "b", steps=8, resume_from=str(ck / "step_2"), overwrite=True), progress=False)
+    assert (_snapshot(tmp_path / "a"), _snapshot(ck)) == source
 
 
 def test_a_branch_run_twice_from_one_checkpoint_gives_the_same_bits(tmp_path):

@@ -79,8 +79,8 @@ def num_examples(task: Task) -> int:
 def run_config(task: Task, *, strategy: str | None, steps: int, out: Path, ckpt_dir: Path, offload: str = "none",
                offload_topk: float = 0.1, **parallel: Any) -> RunConfig:
     """The ``RunConfig`` training ``task`` under ``strategy`` (None: one process, no sharding)
-    up to step ``steps`` (resuming from ``ckpt_dir`` when it holds a checkpoint), writing its
-    run directory to ``out/run``; ``parallel``: ``tp``, ``pp``, ``schedule``, ``microbatches``.
+    up to step ``steps`` (``resume_if_present``: resuming from ``ckpt_dir`` when it holds a
+    checkpoint, starting otherwise), writing its run directory to ``out/run``; ``parallel``: ``tp``, ``pp``, ``schedule``, ``microbatches``.
 
     A private job gets the noise multiplier calibrated for ``task.steps`` (not ``steps``), so
     every segment of it, on any technique, draws the same noise. Raises
@@ -89,7 +89,8 @@ def run_config(task: Task, *, strategy: str | None, steps: int, out: Path, ckpt_
     if not 1 <= steps <= task.steps:
         raise ValueError(f"job {task.name!r}: steps must be in [1, {task.steps}], got {steps}")
     common = dict(source_fields(task), name="run", out=str(out), batch_size=float(task.batch_size),
-                  strategy=strategy, offload=offload, offload_topk=offload_topk, ckpt_dir=str(ckpt_dir), resume=True,
+                  strategy=strategy, offload=offload, offload_topk=offload_topk, ckpt_dir=str(ckpt_dir),
+                  resume_if_present=True,
                   **parallel)
     p = task.privacy
     if p is None:

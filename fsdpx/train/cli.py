@@ -36,6 +36,7 @@ from .device import run_device, torchrun_device
 from .errors import ConfigError
 from .launch import launch, restart_count, torchrun_command, watch_launcher
 from .loop import run
+from .preflight import check_before_writing
 from .report import format_summary
 from .resume import restarted_config, segment_config, source_config
 from .segments import ResumeError
@@ -124,6 +125,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--name", metavar="NAME", default=None,
                      help="run name; files go to DIR/NAME (default: private or non-private)")
     run.add_argument("--out", metavar="DIR", default=d.out, help="directory holding the runs (default %(default)s)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="replace the files of an existing run directory DIR/NAME (refused without it, unless the"
+                          " run continues into it with --resume)")
     run.add_argument("--seed", type=int, metavar="N", default=d.seed,
                      help="seed of init, sampling and noise (default %(default)s)")
     run.add_argument("--corpus-chars", type=_positive_int, metavar="N", default=d.corpus_chars,
@@ -207,7 +211,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     resume = ck.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true",
                         help="continue from the newest intact checkpoint in --ckpt-dir (flags not given are the"
-                             " checkpoint's run's)")
+                             " checkpoint's run's); refused when there is none")
+    resume.add_argument("--resume-if-present", action="store_true",
+                        help="--resume when --ckpt-dir holds a checkpoint, else start the run there (for schedulers"
+                             " and elastic restarts; the run directory is the run's own and may exist)")
     resume.add_argument("--resume-from", metavar="PATH", default=None,
                         help="branch: a new run (--name) from any intact checkpoint (DIR/step_N, or a root: its newest),"
                              " with its own checkpoints (default OUT/NAME/ckpt); flags not given are the source's")
@@ -298,7 +305,8 @@ def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
     if args.config is not None:
         flags["config_file"] = str(Path(args.config).resolve())
     values = merge({k: v for k, v in (file or {}).items() if k in fields}, flags)
-    source = values.get("resume_from") or (values.get("ckpt_dir") if values.get("resume") else None)
+    resuming = values.get("resume") or values.get("resume_if_present")
+    source = values.get("resume_from") or (values.get("ckpt_dir") if resuming else None)
     base = source_config(source) if source is not None and explicit is not None else None
     if base is None:
         values.setdefault("name", "private" if values.get("private", True) else "non-private")
@@ -351,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
         if max_restarts and (not layout.sharded or config.checkpoints.ckpt_dir is None):
             args.command_parser.error("--max-restarts needs --strategy (torchrun restarts the workers) and --ckpt-dir"
                                       " (a restarted worker resumes from its newest intact checkpoint)")
+        if "WORLD_SIZE" not in os.environ:  # the launcher (or the one process): refuse before any process or file
+            check_before_writing(config)
         if layout.sharded and "WORLD_SIZE" not in os.environ:
             nproc = nproc or 2 * layout.tp * layout.pp
             check_layout(config, nproc)  # refuse what cannot run here, before any process starts

@@ -242,14 +242,18 @@ class OffloadSettings:
 @dataclass(frozen=True)
 class CheckpointSettings:
     """``[checkpoints]``: every ``ckpt_every`` steps into ``ckpt_dir`` (async, atomic, keep the
-    last 3); ``resume`` continues from the newest intact one (same noise, batches and
-    accountant); ``resume_from`` (:mod:`fsdpx.train.resume`) branches from any intact checkpoint
-    (a ``step_<N>`` directory or a root) into this run's own directory and checkpoint root
-    (default ``<out>/<name>/ckpt``); the ``allow_*`` flags loosen what a resume refuses."""
+    last 3 of this run's own); ``resume`` continues from the newest intact one (same noise,
+    batches and accountant) and is refused when there is none; ``resume_if_present`` continues
+    from it when there is one and starts the run otherwise (elastic restarts, schedulers:
+    :mod:`fsdpx.train.preflight`); ``resume_from`` (:mod:`fsdpx.train.resume`) branches from any
+    intact checkpoint (a ``step_<N>`` directory or a root) into this run's own directory and
+    checkpoint root (default ``<out>/<name>/ckpt``); the ``allow_*`` flags loosen what a resume
+    refuses."""
 
     ckpt_dir: str | None = None
     ckpt_every: int = 50
     resume: bool = False
+    resume_if_present: bool = False
     resume_from: str | None = None
     allow_budget_increase: bool = False
     allow_new_data: bool = False
@@ -257,18 +261,25 @@ class CheckpointSettings:
     def __post_init__(self) -> None:
         if self.resume and self.ckpt_dir is None:
             raise ConfigError("resume needs ckpt_dir")
-        if self.resume and self.resume_from is not None:
-            raise ConfigError("give resume (the newest checkpoint of ckpt_dir) or resume_from (a branch), not both")
+        if self.resume_if_present and self.ckpt_dir is None:
+            raise ConfigError("resume_if_present needs ckpt_dir")
+        modes = [m for m in ("resume", "resume_if_present", "resume_from") if getattr(self, m) not in (False, None)]
+        if len(modes) > 1:
+            raise ConfigError(f"give one of resume (the newest checkpoint of ckpt_dir), resume_if_present (that, or a"
+                              f" new run when there is none) and resume_from (a branch), not {' and '.join(modes)}")
         if self.ckpt_every < 1:
             raise ConfigError(f"ckpt_every must be >= 1, got {self.ckpt_every}")
 
 
 @dataclass(frozen=True)
 class LoggingSettings:
-    """``[logging]``: the run directory ``<out>/<name>``."""
+    """``[logging]``: the run directory ``<out>/<name>``. One that holds files is refused
+    (:mod:`fsdpx.train.preflight`) unless ``overwrite`` (its run files are replaced) or the run
+    continues into it (``resume`` into the directory its checkpoints record, ``resume_if_present``)."""
 
     name: str = "private"
     out: str = "runs"
+    overwrite: bool = False
 
 
 SECTION_TYPES: dict[str, type] = {

@@ -19,12 +19,14 @@ from typing import Any, Mapping, NamedTuple
 
 import ckpt
 from ckpt.format import MANIFEST
+from ckpt.manager import new_run_id
 from privacy.step import DPConfig
 
 from .budget import check_budget_change, segment_noise
 from .build import build_step, resolve_privacy, resolve_sample_rate
 from .checkpoints import checkpoint_manager
 from .config import RunConfig
+from .preflight import NothingToResumeError
 from .report import json_safe
 from .segments import (CheckpointNotFoundError, ResumeError, check_compatible, data_digest, fingerprint, lineage,
                        owner, read_record)
@@ -36,7 +38,8 @@ class SegmentPlan(NamedTuple):
     budget, delta and accountant kind) or fresh; ``dp``: the privacy of its steps (``None`` for
     a non-private run); ``start``: the step it starts at; ``source``: the checkpoint, if any;
     ``segments``: the lineage of ``state`` plus this segment's entry; ``earlier_run_dir``: the
-    run directory holding the metrics of steps ``1..start``; ``notes``: lines for the user."""
+    run directory holding the metrics of steps ``1..start``; ``notes``: lines for the user;
+    ``run_id``: the run's id (:func:`run_id`), recorded in its checkpoints and ``run.json``."""
 
     state: Any
     dp: DPConfig | None
@@ -45,13 +48,17 @@ class SegmentPlan(NamedTuple):
     segments: list[dict[str, Any]]
     earlier_run_dir: Path | None
     notes: list[str]
+    run_id: str | None = None
 
 
 def find_source(config: RunConfig, manager: Any) -> Path | None:
     """The checkpoint a segment starts from: ``resume_from`` (a ``step_<N>`` directory,
     verified, or a checkpoint root: its newest intact checkpoint), else with ``resume``
-    the newest intact checkpoint of ``manager`` (chosen by rank 0), else ``None``.
-    Raises :class:`CheckpointNotFoundError` when ``resume_from`` names no intact checkpoint."""
+    the newest intact checkpoint of ``manager`` (chosen by rank 0), with ``resume_if_present``
+    that or ``None``, else ``None``. Raises :class:`CheckpointNotFoundError` when
+    ``resume_from`` names no intact checkpoint, and its
+    :class:`fsdpx.train.preflight.NothingToResumeError` when ``resume`` finds none (a root whose
+    checkpoints all fail verification: the preflight saw their manifests only)."""
     c = config.checkpoints
     if c.resume_from is not None:
         path = Path(c.resume_from)
@@ -66,12 +73,31 @@ def find_source(config: RunConfig, manager: Any) -> Path | None:
             raise CheckpointNotFoundError(f"{path} is neither a checkpoint (step_<N> with a {MANIFEST}) nor a"
                                           " directory holding an intact one")
         return newest
-    if not c.resume or manager is None:
+    if not (c.resume or c.resume_if_present) or manager is None:
         return None
     coordinator = manager.coordinator
     chosen = manager.latest() if coordinator.rank == 0 else None
     chosen = coordinator.broadcast(None if chosen is None else str(chosen)) if coordinator.world > 1 else chosen
+    if chosen is None and c.resume:
+        raise NothingToResumeError(f"--resume: --ckpt-dir {c.ckpt_dir} holds no intact checkpoint, so there is"
+                                   " nothing to resume")
     return None if chosen is None else Path(chosen)
+
+
+def run_id(config: RunConfig, source: Path | None, record: Mapping[str, Any] | None, manager: Any) -> str | None:
+    """The id of the run a segment belongs to: a resume (``resume``, ``resume_if_present``) from a
+    checkpoint continues its run's (the root's ``run.json``, else the checkpoint's manifest);
+    anything else (a new run, a branch) is a new run with a new id. ``None`` without a
+    checkpoint directory. Rank 0's choice, broadcast, so every rank agrees."""
+    if manager is None:
+        return None
+    c = config.checkpoints
+    found = None
+    if source is not None and (c.resume or c.resume_if_present):
+        found = (record or {}).get("run_id") or ckpt.read_manifest(source).run_id
+    chosen = found or new_run_id()
+    coordinator = manager.coordinator
+    return coordinator.broadcast(chosen) if coordinator.world > 1 else chosen
 
 
 def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp: DPConfig | None, digest: str,
@@ -95,11 +121,12 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
     if source is None:
         planned = _plan_noise(config, dp, fresh.accountant, current=dp.noise_multiplier if dp else None)
         entry = _entry(config, 0, None, planned, new_fp, world)
-        return SegmentPlan(fresh, planned, 0, None, [entry], None, [])
+        return SegmentPlan(fresh, planned, 0, None, [entry], None, [], run_id(config, None, None, manager))
 
     manifest = ckpt.read_manifest(source)
     step = manifest.step if manifest.step is not None else int(source.name.split("_")[-1])
     record = read_record(source.parent)
+    segment_run = run_id(config, source, record, manager)
     segments = record["segments"] if record else []
     wrote = owner(segments, step)
     shapes = {k: (t.param_shape or t.shape) for k, t in manifest.tensors.items()}
@@ -122,8 +149,10 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
         dp = _plan_noise(config, dp, acc, current=current)
     entry = _entry(config, state.step, source, dp, new_fp, world, budget_changed_from=increased_from,
                    new_data=wrote is not None and wrote["fingerprint"]["data"] != new_fp["data"])
-    earlier = Path(record["run_dir"]) if record else (config.run_dir if config.checkpoints.resume else None)
-    return SegmentPlan(state, dp, state.step, source, [*lineage(segments, state.step), entry], earlier, notes)
+    resuming = config.checkpoints.resume or config.checkpoints.resume_if_present
+    earlier = Path(record["run_dir"]) if record else (config.run_dir if resuming else None)
+    return SegmentPlan(state, dp, state.step, source, [*lineage(segments, state.step), entry], earlier, notes,
+                       segment_run)
 
 
 def _plan_noise(config: RunConfig, dp: DPConfig | None, spent: Any, *, current: float | None) -> DPConfig | None:
@@ -154,10 +183,13 @@ def _entry(config: RunConfig, start: int, source: Path | None, dp: DPConfig | No
 
 def restarted_config(config: RunConfig, restart: int) -> RunConfig:
     """The configuration a worker runs after torchrun restarted its group ``restart`` times
-    (``fsdpx train --max-restarts``): ``config`` itself on the first attempt; afterwards a resume
-    from the newest intact checkpoint of ``ckpt_dir``, which continues bit for bit where
-    the failed attempt last saved (the noise plan keeps an unchanged run's noise). A branch
-    (``resume_from``) whose own root holds no checkpoint yet starts again from its source.
+    (``fsdpx train --max-restarts``): ``config`` itself on the first attempt; afterwards
+    ``resume_if_present`` from ``ckpt_dir``: a resume from its newest intact checkpoint, which
+    continues bit for bit where the failed attempt last saved (the noise plan keeps an unchanged
+    run's noise), or the run started again when the failed attempt saved none. A branch
+    (``resume_from``) whose own root holds no checkpoint yet starts again from its source, with
+    ``overwrite`` (its run directory is the one its failed attempt wrote). Either way the
+    preflight lets the restart write where the first attempt was allowed to.
 
     Guarantee: the restarted run ends with the same bits as one never interrupted
     (``tests/test_train_elastic.py``). Reads the checkpoint root, writes nothing."""
@@ -165,8 +197,8 @@ def restarted_config(config: RunConfig, restart: int) -> RunConfig:
     if restart == 0 or c.ckpt_dir is None:
         return config
     if c.resume_from is not None and ckpt.CheckpointManager(c.ckpt_dir).latest() is None:
-        return config
-    return config.replace(resume=True, resume_from=None)
+        return config.replace(overwrite=True)
+    return config.replace(resume=False, resume_if_present=True, resume_from=None)
 
 
 # --------------------------------------------------------------------------- Python entry points
@@ -185,10 +217,10 @@ def merge_overrides(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
     return RunConfig.of(**values)
 
 
-PER_SEGMENT = {"resume": False, "resume_from": None, "allow_budget_increase": False, "allow_new_data": False,
-               "config_file": None, "device": "cpu"}
+PER_SEGMENT = {"resume": False, "resume_if_present": False, "resume_from": None, "allow_budget_increase": False,
+               "allow_new_data": False, "overwrite": False, "config_file": None, "device": "cpu"}
 """Fields a segment never inherits from the one before it: how it starts, what it is allowed
-to loosen and where it runs (the machine may have changed) are asked for anew each time."""
+to loosen or replace and where it runs (the machine may have changed) are asked for anew each time."""
 
 
 def segment_config(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
@@ -205,11 +237,14 @@ def source_config(path: str | Path) -> RunConfig | None:
     directory or a root: its newest intact one), from its root's ``run.json``; ``None`` when the
     root has no record."""
     path = Path(path)
-    if not (path / MANIFEST).is_file():
-        newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
-        if newest is None:
-            return None
-        path = newest
+    try:
+        if not (path / MANIFEST).is_file():
+            newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
+            if newest is None:
+                return None
+            path = newest
+    except PermissionError:  # a root that cannot be read: the preflight refuses it, naming the flag
+        return None
     record = read_record(path.parent)
     manifest = ckpt.read_manifest(path)
     wrote = owner(record["segments"], manifest.step) if record else None
