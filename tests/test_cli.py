@@ -147,7 +147,7 @@ def test_sharded_main_job_on_two_gloo_processes(tmp_path):
     assert "zero3 on Mesh(dp=2)" in done.stderr
     records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[-1]["comm"]["all_gather"] > 0 and records[-1]["comm"]["reduce_scatter"] > 0
+    assert records[-1]["comm_bytes"]["all_gather"] > 0 and records[-1]["comm_bytes"]["reduce_scatter"] > 0
     assert 0 < records[-1]["epsilon"] < 8.5
     assert (out / "private" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
