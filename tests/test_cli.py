@@ -8,13 +8,15 @@ import sys
 import pytest
 import torch
 
-from fsdpx.train import cli
+from fsdpx.train import cli, loop, report
 from fsdpx.train import ConfigError, RunConfig
 from privacy.errors import PrivacyError
 
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-chars", "20000",
         "--no-progress"]
-METRIC_KEYS = {"step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "seconds"}
+METRIC_KEYS = {"step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
+               "elapsed_seconds"}
+CLOCKS = ("step_seconds", "elapsed_seconds")  # wall time: differs from run to run
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -46,7 +48,12 @@ def test_private_run_writes_metrics_plot_config_and_summary(tmp_path, capsys):
     assert all(a < b for a, b in zip(epsilons, epsilons[1:]))
     assert epsilons[-1] <= 4.0
     assert all(math.isfinite(r["loss"]) and 0 <= r["clipped_fraction"] <= 1 and r["mean_norm"] > 0 for r in rows)
-    assert [r["seconds"] for r in rows] == sorted(r["seconds"] for r in rows)
+    assert METRIC_KEYS <= set(loop.METRICS)  # the documented keys
+    assert all(r["step_seconds"] > 0 for r in rows)
+    assert [r["elapsed_seconds"] for r in rows] == sorted(r["elapsed_seconds"] for r in rows)
+    # each step's seconds add up to the time since the loop began (float sums: within rounding)
+    assert [r["elapsed_seconds"] for r in rows] == pytest.approx(
+        [sum(q["step_seconds"] for q in rows[:i + 1]) for i in range(len(rows))], rel=1e-9)
     assert (run_dir / "plot.png").read_bytes()[:8] == PNG_MAGIC
     config = json.loads((run_dir / "config.json").read_text())
     assert config["run"]["steps"] == 5 and config["privacy"]["private"] is True
@@ -58,8 +65,8 @@ def test_private_run_writes_metrics_plot_config_and_summary(tmp_path, capsys):
 def test_a_run_is_a_function_of_its_flags(tmp_path):
     for name in ("a", "b"):
         _train(tmp_path, "--steps", "3", "--name", name, "--batch-size", "16", "--noise-multiplier", "1")
-    drop_time = [{k: v for k, v in r.items() if k != "seconds"} for r in _metrics(tmp_path / "a")]
-    assert drop_time == [{k: v for k, v in r.items() if k != "seconds"} for r in _metrics(tmp_path / "b")]
+    drop_time = [{k: v for k, v in r.items() if k not in CLOCKS} for r in _metrics(tmp_path / "a")]
+    assert drop_time == [{k: v for k, v in r.items() if k not in CLOCKS} for r in _metrics(tmp_path / "b")]
 
 
 def test_run_config_keeps_only_the_fields_it_uses():

@@ -114,9 +114,12 @@ class TimedTechnique:
         run = Path(ckpt_dir).parent / "run"
         run.mkdir(parents=True)
         with open(run / "metrics.jsonl", "w") as f:
+            last = t0
             for s in range(1, steps + 1):
                 time.sleep(self.seconds)
-                f.write(json.dumps({"step": s, "seconds": time.perf_counter() - t0}) + "\n")
+                now = time.perf_counter()
+                f.write(json.dumps({"step": s, "step_seconds": now - last, "elapsed_seconds": now - t0}) + "\n")
+                last = now
         (self.log / f"{task.name}.json").write_text(json.dumps(
             {"cores": sorted(os.sched_getaffinity(0)), "began": began, "ended": time.time()}))
         return Ran(str(run), time.perf_counter() - t0 + 0.5, (100,))

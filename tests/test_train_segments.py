@@ -32,7 +32,7 @@ def _rows(run_dir: Path):
 
 
 def _bits(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("step_seconds", "elapsed_seconds")} for r in rows]
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

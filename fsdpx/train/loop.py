@@ -14,11 +14,26 @@ Files written to ``<out>/<name>/``:
 * ``config.json``: the :class:`RunConfig` tree plus what was derived from it (sample rate,
   noise multiplier, dataset and model sizes, the model and data read), written before the first
   step; ``config.toml``: the same configuration as a file ``fsdpx train --config`` reads back.
-* ``metrics.jsonl``: one object per step: ``step`` (1-based), ``loss`` (mean over the batch),
-  ``epsilon`` (spent after the step, at ``delta``; ``null`` for a non-private run, which has no
-  guarantee), ``batch_size`` (the Poisson draw), ``clipped_fraction``, ``mean_norm`` (mean
-  per-example gradient norm before clipping; ``null`` when not computed), ``seconds`` (wall
-  time since the loop started).
+* ``metrics.jsonl``: one object per step, every key that is a quantity named with its unit
+  (:data:`METRICS` lists them; the README's "The main job" shows them too):
+
+  - ``step``: 1-based;
+  - ``loss``: mean per-example loss over this step's batch (not smoothed);
+  - ``epsilon``: spent after the step, at ``delta`` (``null`` for a non-private run, which has
+    no guarantee);
+  - ``batch_size``: examples in this step's Poisson batch, the whole global batch on every
+    layout;
+  - ``clipped_fraction``, ``mean_norm``: the fraction of the batch's examples whose gradient
+    norm exceeded the clip norm, and their mean gradient norm before clipping (a one-process
+    plain run writes 0 and ``null``; a sharded plain run leaves them out);
+  - ``step_seconds``: wall seconds since the previous step's line (this segment's loop start
+    for its first): the batch, the step, epsilon, the line itself and a checkpoint's snapshot;
+  - ``elapsed_seconds``: wall seconds since this segment's loop started (the sum of its
+    ``step_seconds``);
+  - sharded runs: ``comm_bytes`` (bytes rank 0 moved this step, by collective kind) and
+    ``resident_bytes`` (rank 0's parameters, gradients and optimizer state at rest);
+  - ``--offload``: ``offload_host_wait_seconds``, ``offload_host_loop_seconds``,
+    ``offload_d2h_bytes``, ``offload_h2d_bytes`` (the last step's host work and traffic).
 * ``plot.png``: loss and epsilon against step.
 """
 
@@ -48,6 +63,15 @@ from .parallel import Parallel, resolve_parallel
 from .resume import SegmentPlan, plan_segment
 from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
 from .sources import Source, build_source, sample_text
+
+METRICS = ("step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
+           "elapsed_seconds", "comm_bytes", "resident_bytes", "offload_host_wait_seconds",
+           "offload_host_loop_seconds", "offload_d2h_bytes", "offload_h2d_bytes")
+"""Every key a line of ``metrics.jsonl`` may hold (see the module doc): every line has ``step``,
+``loss``, ``epsilon``, ``batch_size``, ``step_seconds`` and ``elapsed_seconds``; a private run's
+(and a one-process plain run's) ``clipped_fraction`` and ``mean_norm``, a sharded run's
+``comm_bytes`` and ``resident_bytes``, an offloaded run's the four ``offload_`` keys
+(``tests/test_cli.py::test_private_run_writes_metrics_plot_config_and_summary``)."""
 
 
 def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -> dict[str, Any]:
@@ -133,7 +157,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     history: list[dict[str, Any]] = [report.numbers(r) for r in earlier]
     saved_at = plan.start
     stopped, torn = None, False
-    loop_start = time.perf_counter()
+    loop_start = last = time.perf_counter()
     with report.open_log(run_dir / "metrics.jsonl", main, append=True) as log, \
             report.progress_bar(config, progress and main, initial=plan.start) as bar:
         while state.step < config.run.steps:
@@ -152,8 +176,10 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
             # The step does not report epsilon (a PLD query is not free); on the run's coarse
             # grid (accounting_interval) one query per step costs tens of milliseconds.
             epsilon = state.accountant.epsilon() if main else math.nan
+            now = time.perf_counter()
             record = {"step": state.step, **metrics, **offload_metrics(state), "epsilon": epsilon,
-                      "seconds": time.perf_counter() - loop_start}
+                      "step_seconds": now - last, "elapsed_seconds": now - loop_start}
+            last = now
             history.append(record)
             report.append_jsonl(log, record)
             report.update_bar(bar, history)
