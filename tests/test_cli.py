@@ -159,6 +159,32 @@ def test_sharded_main_job_on_two_gloo_processes(tmp_path):
     assert (out / "private" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_progress_bar_says_what_its_loss_is(tmp_path, capsys):
+    """Issue 28: the bar said ``loss=`` for a 10-step running mean. It now names it, and the
+    count of steps it averages (fewer than 10 at the start)."""
+    flags = [f for f in TINY if f != "--no-progress"]
+    cli.main(["train", "--out", str(tmp_path), *flags, "--steps", "3", "--batch-size", "16", "--non-private"])
+    err = capsys.readouterr().err
+    losses = [r["loss"] for r in _metrics(tmp_path / "non-private")]
+    assert f"loss {sum(losses) / 3:.3f} (mean of last 3 steps), non-private" in err
+    assert "loss=" not in err
+    rows = [{"loss": 2.0, "epsilon": 0.5}, {"loss": 4.0, "epsilon": 1.25}]
+    assert report.bar_text(rows) == "loss 3.000 (mean of last 2 steps), epsilon 1.25"
+    assert report.bar_text(rows[:1] * 12) == f"loss 2.000 (mean of last {report.SMOOTHING} steps), epsilon 0.50"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--offload", "zenflow", "--offload-topk", "0.25"], "ZenFlow offload (the top 25% of columns each step, the rest"
+                                                         " on the host every 4 steps)"),
+    (["--offload", "zero"], "ZeRO-Offload (the optimizer on the host)"),
+])
+def test_the_run_header_names_the_offload(tmp_path, capsys, flags, words):
+    """Issue 28: the run's header line left ``--offload`` out."""
+    _train(tmp_path, "--steps", "1", "--batch-size", "16", "--non-private", *flags)
+    header = capsys.readouterr().err.splitlines()[0]
+    assert header.startswith("fsdpx train: 1 steps") and words in header
+
+
 def test_nproc_without_strategy_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--nproc", "2"])

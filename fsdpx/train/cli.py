@@ -407,6 +407,8 @@ def _communicator(config: RunConfig):
 
 
 def _plan_line(config: RunConfig, comm=None) -> str:
+    """The run's header on stderr: steps, model, data, privacy, layout, offload, device and where
+    it writes (``tests/test_cli.py::test_the_run_header_names_the_offload``)."""
     p, m = config.privacy, config.model
     if not p.private:
         privacy = "non-private"
@@ -415,6 +417,10 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     else:
         privacy = f"DP-SGD with noise multiplier {p.noise_multiplier:g}"
     where = f", {config.parallelism.strategy} on {comm.mesh}" if comm is not None else ""
+    off = config.offload
+    where += {"none": "", "zero": ", ZeRO-Offload (the optimizer on the host)",
+              "zenflow": f", ZenFlow offload (the top {off.offload_topk:.0%} of columns each step, the rest on the host"
+                         f" every {off.offload_interval} steps)"}[off.kind]
     if config.run.device != "cpu":
         where += f", on {comm.device if comm is not None else config.run.device}"
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",

@@ -116,9 +116,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         check_branch(config, plan)
     if plan.dp != dp:
         if main and plan.start > 0:
-            print(f"fsdpx train: noise multiplier {plan.dp.noise_multiplier:.4g} (was {dp.noise_multiplier:.4g}) for"
-                  f" the {config.run.steps - plan.start} steps left keeps the whole run within epsilon"
-                  f" {config.privacy.target_epsilon:g}", file=sys.stderr)
+            print(f"fsdpx train: {noise_note(config, plan)}", file=sys.stderr)
         dp = plan.dp
         _, step = build_step(config, model, params, dp, **build)
     state = plan.state
@@ -133,8 +131,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         if main:
             print(f"fsdpx train: {stopped}", file=sys.stderr)
         trained = full_params(state, comm, parallel, source)
+        sample = sample_text(source, trained, 100, seed=config.run.seed)
         return report.summary(config, [report.numbers(r) for r in earlier], state, dp, sample_rate, start,
-                              plan.start, starts, stopped, sample=sample_text(source, trained, 100, seed=config.run.seed))
+                              plan.start, starts, stopped, sample=sample, files=())  # nothing written
 
     run_dir = report.prepare_run_dir(config.run_dir) if main else config.run_dir
     report.write_json(run_dir / "config.json" if main else None, {
@@ -196,7 +195,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         report.plot(history, run_dir / "plot.png", title=report.plot_title(config, dp, source),
                     delta=config.privacy.delta, starts=starts)
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
-                          sample=sample_text(source, trained, 100, seed=config.run.seed))
+                          sample=sample_text(source, trained, 100, seed=config.run.seed), files=report.FILES)
 
 
 def _announce(config: RunConfig, plan: SegmentPlan) -> None:
@@ -207,6 +206,27 @@ def _announce(config: RunConfig, plan: SegmentPlan) -> None:
         print(f"fsdpx train: no checkpoint in {config.checkpoints.ckpt_dir}; starting at step 0", file=sys.stderr)
     elif plan.source is not None:
         print(f"fsdpx train: resuming at step {plan.start} from {plan.source}", file=sys.stderr)
+
+
+def noise_note(config: RunConfig, plan: SegmentPlan) -> str:
+    """The line saying what noise a resumed private segment's steps get, beside what the run's
+    last step before the checkpoint used (its accountant's last event: the noise the run really
+    had, not what a fresh run of the new ``--steps`` would have). Issue 28: "noise multiplier
+    1.148 (was 0.4883)" named a fresh run's 0.4883 where the run had used 0.4689
+    (``tests/test_train_segments.py::test_a_resume_names_the_noise_the_run_used``)."""
+    p, new = config.privacy, plan.dp
+    target = p.target_epsilon if p.budget is None else min(p.target_epsilon, p.budget)
+    events = plan.state.accountant.events if plan.state.accountant is not None else ()
+    left = f"for the {config.run.steps - plan.start} steps left"
+    if not events:
+        before = ""
+    elif math.isclose(events[-1].noise_multiplier, new.noise_multiplier, rel_tol=1e-12):
+        before = f", as step {plan.start} used,"
+    else:
+        rate = (f" at sample rate {events[-1].sample_rate:.4g}" if events[-1].sample_rate != new.sample_rate else "")
+        before = f" (step {plan.start}, the last before the checkpoint, used {events[-1].noise_multiplier:.4g}{rate})"
+    return (f"noise multiplier {new.noise_multiplier:.4g} {left}{before} keeps the whole run within epsilon"
+            f" {target:g}")
 
 
 def full_params(state: Any, comm: Comm | None, parallel: Parallel | None, source: Source) -> dict[str, Tensor]:
