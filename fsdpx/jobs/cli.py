@@ -26,12 +26,11 @@ import argparse
 import sys
 from pathlib import Path
 
+# Only light modules here: the parser answers (``--help``, a bad flag) before the jobs' models
+# (torch) and the solver (scipy) are imported, in main() once the arguments parse.
 from . import techniques
 from .devices import local_devices
-from .jobsfile import JobsFileError, cluster_of, read_jobs
 from .plan import Options, Plan, PlanError
-from .simulate import Drift, Fail, Finish, simulate
-from .solver import solve
 from .task import DuplicateJobError
 
 
@@ -163,6 +162,8 @@ def gantt(plan: Plan, path: Path, title: str = "") -> None:
 
 
 def _events(args) -> list:
+    from .simulate import Drift, Fail, Finish
+
     out = []
     for text in args.fail:
         job, at = text.rsplit("@", 1)
@@ -183,6 +184,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "run":
         sys.exit(run_main(parser, args))
+    from .jobsfile import JobsFileError, cluster_of, read_jobs  # the jobs' models: torch
+    from .simulate import simulate
+    from .solver import solve
+
     try:
         if args.synthetic:
             from .synthetic import synthetic_options
@@ -225,7 +230,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_main(parser: argparse.ArgumentParser, args) -> int:
     """``fsdpx jobs run``: profile, solve, execute; returns the exit status."""
+    from .jobsfile import JobsFileError, cluster_of, read_jobs  # the jobs' models: torch
     from .runner import Runner
+    from .solver import solve
 
     try:
         tasks, table = read_jobs(args.file)

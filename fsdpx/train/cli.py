@@ -26,19 +26,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from fsdpx.sharding import strategies
-from fsdpx.sharding.schedule import KINDS
-from privacy.errors import PrivacyError
-
-from .build import check_layout
+# Only light modules here: the parser and its defaults come before torch, the privacy core and
+# the runtime, which main() imports once the arguments parse (``--help`` and a bad flag answer in
+# well under a second: ``tests/test_fast_feedback.py``).
 from .config import DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, TOKEN_DTYPES, RunConfig, merge, read_file
-from .device import run_device, torchrun_device
 from .errors import ConfigError
-from .launch import launch, restart_count, torchrun_command, watch_launcher
-from .loop import run
-from .report import format_summary
-from .resume import restarted_config, segment_config, source_config
-from .segments import ResumeError
+from .layout import SCHEDULES, STRATEGIES
 
 _DEFAULTS = SimpleNamespace(**RunConfig().flat())  # the flags' defaults, by flat name
 
@@ -173,7 +166,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                     help="refuse (before training) a target that needs more noise than this (default %(default)g)")
 
     shard = p.add_argument_group("sharding")
-    shard.add_argument("--strategy", choices=sorted(strategies.ALL), default=None,
+    shard.add_argument("--strategy", choices=STRATEGIES, default=None,
                        help="shard the run over --nproc local processes (torchrun is launched for you)")
     shard.add_argument("--nproc", type=_positive_int, metavar="N", default=None,
                        help="processes of a sharded run (default 2 with --strategy)")
@@ -185,7 +178,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     shard.add_argument("--pp", type=_positive_int, metavar="N", default=d.pp,
                        help="pipeline degree: the GPT's blocks cut into stages over N of the --nproc processes"
                             " (default %(default)s)")
-    shard.add_argument("--schedule", choices=KINDS, default=d.schedule,
+    shard.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
                        help="with --pp: the pipeline schedule (default %(default)s)")
     shard.add_argument("--microbatches", type=_positive_int, metavar="N", default=d.microbatches,
                        help="with --pp: microbatches per step and data-parallel rank (default %(default)s)")
@@ -299,7 +292,12 @@ def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
         flags["config_file"] = str(Path(args.config).resolve())
     values = merge({k: v for k, v in (file or {}).items() if k in fields}, flags)
     source = values.get("resume_from") or (values.get("ckpt_dir") if values.get("resume") else None)
-    base = source_config(source) if source is not None and explicit is not None else None
+    if source is not None and explicit is not None:
+        from .resume import segment_config, source_config  # reads checkpoints: loads torch
+
+        base = source_config(source)
+    else:
+        base = None
     if base is None:
         values.setdefault("name", "private" if values.get("private", True) else "non-private")
         return RunConfig.of(**values)
@@ -351,6 +349,12 @@ def main(argv: list[str] | None = None) -> None:
         if max_restarts and (not layout.sharded or config.checkpoints.ckpt_dir is None):
             args.command_parser.error("--max-restarts needs --strategy (torchrun restarts the workers) and --ckpt-dir"
                                       " (a restarted worker resumes from its newest intact checkpoint)")
+        # the values check out: now the heavy modules (torch, the privacy core, the runtime)
+        from .build import check_layout
+        from .device import run_device
+        from .launch import restart_count, watch_launcher
+        from .resume import restarted_config
+
         if layout.sharded and "WORLD_SIZE" not in os.environ:
             nproc = nproc or 2 * layout.tp * layout.pp
             check_layout(config, nproc)  # refuse what cannot run here, before any process starts
@@ -368,16 +372,40 @@ def main(argv: list[str] | None = None) -> None:
             from fsdpx.runtime.dist_comm import shutdown
 
             shutdown()
-    except (ConfigError, PrivacyError, ResumeError) as err:  # a bad value, not a bug: no traceback, no usage
+    except Exception as err:  # noqa: BLE001 - a bad value, not a bug: no traceback, no usage
+        if not _refusal(err):
+            raise
         args.command_parser.exit(2, f"{args.command_parser.prog}: error: {err}\n")
     if comm is None or comm.rank == 0:
+        from .report import format_summary
+
         print(format_summary(summary))
+
+
+def _refusal(err: BaseException) -> bool:
+    """Whether ``err`` refuses the user's values (printed as one line, exit 2), not a bug: a
+    ``ConfigError``, ``privacy.errors.PrivacyError`` or ``fsdpx.train.segments.ResumeError``. The
+    last two are looked up only once loaded (an error of a module not imported cannot have been
+    raised), so a bad value answers before torch is imported."""
+    kinds = [ConfigError] + [getattr(sys.modules[m], name) for m, name in
+                             (("privacy.errors", "PrivacyError"), ("fsdpx.train.segments", "ResumeError"))
+                             if m in sys.modules]
+    return isinstance(err, tuple(kinds))
+
+
+def run(config: RunConfig, *, progress: bool = True, comm=None) -> dict[str, Any]:
+    """:func:`fsdpx.train.run`, imported when first called: it loads torch."""
+    from .loop import run as train
+
+    return train(config, progress=progress, comm=comm)
 
 
 def _launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
     """Run ``fsdpx <argv>`` under torchrun on ``nproc`` local processes; returns its exit code.
     The equivalent one-liner: ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m fsdpx
     train ...``."""
+    from .launch import launch, torchrun_command
+
     rest = _drop_flag(argv, "--nproc")
     cmd = torchrun_command(nproc, ["fsdpx", *rest], module=True, max_restarts=max_restarts)
     print("fsdpx: launching " + " ".join(cmd[1:]), file=sys.stderr)
@@ -401,6 +429,8 @@ def _communicator(config: RunConfig):
     if not config.parallelism.sharded:
         return None
     from fsdpx.runtime.dist_comm import init_from_env
+
+    from .device import torchrun_device
 
     device = torchrun_device(config.run.device)  # refused (no GPU for this rank) before the process group
     return init_from_env(config.parallelism.mesh(int(os.environ["WORLD_SIZE"])), device=device)
