@@ -106,7 +106,7 @@ def test_epsilon_budget_stops_the_run_before_the_step_that_would_exceed_it(tmp_p
         (["--non-private", "--target-epsilon", "1"], "not allowed with argument"),
         (["--batch-size", "8", "--sample-rate", "0.1"], "not allowed with argument"),
         (["--method", "magic"], "invalid choice: 'magic'"),
-        (["--n-embd", "30", "--n-head", "4"], "n_embd=30 must be divisible by n_head=4"),
+        (["--n-embd", "30", "--n-head", "4"], "--n-embd=30 must be divisible by --n-head=4"),
         (["--batch-size", "1e9"], "larger than the dataset"),
     ],
 )
@@ -228,19 +228,19 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "2"], "pp needs a strategy"),
-    (["--pp", "3", "--strategy", "zero3", "--nproc", "4", "--n-layer", "3"], "tp=1 x pp=3 does not divide the 4"),
-    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "virtual_stages=2 needs an interleaved kind"),
+    (["--pp", "2"], "error: --pp needs a strategy"),
+    (["--pp", "3", "--strategy", "zero3", "--nproc", "4", "--n-layer", "3"], "--tp=1 x --pp=3 does not divide the 4"),
+    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "--virtual-stages=2 needs an interleaved kind"),
     (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b"],
      "4 pipeline stages but only 2 blocks: every stage needs a block"),
     (["--pp", "2", "--strategy", "zero3", "--offload", "zenflow"], "offload with pipeline parallelism"),
     (["--pp", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b", "--n-layer", "4", "--virtual-stages",
       "2", "--microbatches", "3"], "multiple"),
-    (["--tp", "2"], "tp needs a strategy"),
+    (["--tp", "2"], "error: --tp needs a strategy"),
     (["--tp", "3", "--strategy", "zero3", "--nproc", "4", "--n-head", "3", "--n-embd", "12"],
-     "tp=3 x pp=1 does not divide the 4 processes"),
-    (["--tp", "2", "--strategy", "zero3", "--n-head", "3", "--n-embd", "12"], "n_head=3 does not divide by tp=2"),
-    (["--sequence-parallel", "--strategy", "zero3"], "sequence_parallel needs tp > 1"),
+     "--tp=3 x --pp=1 does not divide the 4 processes"),
+    (["--tp", "2", "--strategy", "zero3", "--n-head", "3", "--n-embd", "12"], "--n-head=3 does not divide by --tp=2"),
+    (["--sequence-parallel", "--strategy", "zero3"], "--sequence-parallel needs --tp > 1"),
 ])
 def test_parallelism_flags_that_cannot_work_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

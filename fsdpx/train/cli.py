@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     explicit = explicit_flags(argv)
+    file = None
     try:
         file = read_file(args.config, checks=file_checks(args.command_parser)) if args.config else {}
         nproc = args.nproc if "nproc" in explicit else file.get("nproc")
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # noqa: BLE001 - a bad value, not a bug: no traceback, no usage
         if not _refusal(err):
             raise
-        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {err}\n")
+        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {_in_their_words(err, args, explicit, file)}\n")
     if comm is None or comm.rank == 0:
         from .report import format_summary
 
@@ -391,6 +392,20 @@ def _refusal(err: BaseException) -> bool:
                              (("privacy.errors", "PrivacyError"), ("fsdpx.train.segments", "ResumeError"))
                              if m in sys.modules]
     return isinstance(err, tuple(kinds))
+
+
+def _in_their_words(err: BaseException, args: argparse.Namespace, explicit: set[str],
+                    file: dict[str, Any] | None) -> str:
+    """A :class:`ConfigError`'s message naming each setting as the user gave it: the flag typed,
+    the config file's key (:func:`fsdpx.train.wording.as_given`); a config file's own errors
+    already name its keys, and other refusals are printed as raised."""
+    from .config import ConfigFileError
+    from .wording import as_given, spellings
+
+    if not isinstance(err, ConfigError) or isinstance(err, ConfigFileError):
+        return str(err)
+    flags = {a.dest: max(a.option_strings, key=len) for a in args.command_parser._actions if a.option_strings}
+    return as_given(str(err), spellings(flags, explicit, file if args.config else None))
 
 
 def run(config: RunConfig, *, progress: bool = True, comm=None) -> dict[str, Any]:
