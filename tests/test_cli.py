@@ -206,7 +206,7 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
     """``fsdpx train --strategy zero3`` with tensor parallelism and sequence parallelism on 4
     processes, a pipeline alone on 2 (zero-bubble), and the full 3-D ``--pp 2 --tp 2`` on 8
     (1F1B): the same batches and noise as one process, so the same losses (float32, rel 1e-5)
-    at every step."""
+    and batch sizes at every step (issue 28: under --tp 2, batch_size was twice the batch)."""
     import json
     import subprocess
     import sys
@@ -214,7 +214,7 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
     flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
              "--no-progress"]
     parallel, mesh = PARALLEL[case]
-    losses = {}
+    losses, batches = {}, {}
     for name, extra in {"parallel": [*parallel, "--strategy", "zero3"], "one": []}.items():
         out = tmp_path / name
         done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
@@ -222,9 +222,11 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
         assert done.returncode == 0, done.stderr[-3000:]
         records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in records]
+        batches[name] = [r["batch_size"] for r in records]
         if name == "parallel":
             assert f"zero3 on {mesh}" in done.stderr
     assert losses["parallel"] == pytest.approx(losses["one"], rel=1e-5)
+    assert batches["parallel"] == batches["one"]
 
 
 @pytest.mark.parametrize("argv, message", [
