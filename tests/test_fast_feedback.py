@@ -135,7 +135,8 @@ def test_only_what_names_a_setting_is_reworded():
         "--data-path runs/ckpt_dir/x.txt does not exist"
     assert as_given("its config's (model_fields = {vocab_size = ...})", spelling) == \
         "its config's (--model-fields {vocab_size = ...})"
-    assert as_given("a transformers model needs one of the data", spelling) == "a transformers model needs one of the data"
+    english = "a transformers model needs one of the data"
+    assert as_given(english, spelling) == english
     assert as_given("model = \"python\" needs data", spelling) == "--model \"python\" needs data"
     assert as_given("needs tp > 1, got tp=1", spelling) == "needs --tp > 1, got --tp=1"
     assert as_given("give ckpt_dir", {"ckpt_dir": "[checkpoints] dir"}) == "give [checkpoints] dir"

@@ -139,7 +139,8 @@ def test_full_field_names_work_in_their_section_and_top_level_keys_are_the_run_s
     ("logging = 3", "logging must be a table: [logging]"),
     ("[data\npath = 'x'", "not valid TOML"),
     ("[model]\nkind = 'transformers'", "a transformers model needs one of [model] path"),
-    ("[model]\nclass = 'GPT2Config'", "[model] class describe a transformers model: add [model] kind = \"transformers\""),
+    ("[model]\nclass = 'GPT2Config'",
+     "[model] class describe a transformers model: add [model] kind = \"transformers\""),
 ])
 def test_a_bad_config_file_is_one_named_error_and_exit_2(tmp_path, capsys, text, message):
     path = _toml(tmp_path / "run.toml", text)

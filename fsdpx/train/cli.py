@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as err:  # noqa: BLE001 - a bad value, not a bug: no traceback, no usage
         if not _refusal(err):
             raise
-        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {_in_their_words(err, args, explicit, file)}\n")
+        words = _in_their_words(err, args, explicit, file)
+        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {words}\n")
     if comm is None or comm.rank == 0:
         from .report import format_summary
 

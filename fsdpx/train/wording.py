@@ -42,9 +42,9 @@ def as_given(message: str, spelling: Mapping[str, str]) -> str:
     A name with an underscore (``data_path``) is a setting wherever it stands as a word (not
     inside a path, a dotted name or a ``{...}`` table); a one-word name (``data``, ``steps``,
     ``tp``), which is also an English word, only where it is plainly the setting: first in the
-    message, or before ``=``, ``<`` or ``>`` (``data = "text"``, ``tp=2``, ``tp > 1``). ``name = value`` becomes ``--name
-    value`` for a flag, ``[section] key = value`` for a key. Proven by
-    ``tests/test_fast_feedback.py::test_errors_name_the_flags_or_keys_the_user_gave``."""
+    message, or before ``=``, ``<`` or ``>`` (``data = "text"``, ``tp=2``, ``tp > 1``).
+    ``name = value`` becomes ``--name value`` for a flag, ``[section] key = value`` for a key.
+    Proven by ``tests/test_fast_feedback.py::test_errors_name_the_flags_or_keys_the_user_gave``."""
     parts = _BRACES.split(message)
     return "".join(p if _BRACES.fullmatch(p) else _reword(p, spelling, first=i == 0) for i, p in enumerate(parts))
 
