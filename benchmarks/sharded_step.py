@@ -29,7 +29,7 @@ Bytes: counting wrappers around the ``torch.distributed`` functions the runtimes
 step. FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``; DDP's reducer
 calls C++ directly, so DDP runs with the Python ``allreduce_hook`` (the same arithmetic as the
 built-in hook: divide by world size, all-reduce the bucket), whose ``dist.all_reduce`` is counted.
-For fsdpx the step's own ``metrics["comm"]`` is reported too (it must agree), next to the
+For fsdpx the step's own ``metrics["comm_bytes"]`` is reported too (it must agree), next to the
 algebra's ``fsdpx.comm_per_step``.
 
 Phases (median seconds per step, slower rank): ``gather`` and ``reduce`` are the time inside the
@@ -264,7 +264,7 @@ def timed_step(run, batch) -> dict[str, Any]:
     MEM.mark("end of step")
     COUNT.active = False
     return {"seconds": seconds, "cpu_seconds": cpu, "loss": loss, **COUNT.record(),
-            "fsdpx_comm": metrics.get("comm"), "resident_bytes": metrics.get("resident_bytes")}
+            "fsdpx_comm": metrics.get("comm_bytes"), "resident_bytes": metrics.get("resident_bytes")}
 
 
 def predictions(cfg: dict, mesh) -> dict[str, Any]:

@@ -60,7 +60,7 @@ coalesced ones; ``wait_tensor`` for their waits), same conventions. The first wa
 every mode also runs under a ``TorchDispatchMode`` (the mechanism of torch's
 ``CommDebugMode``) that sees every ``_c10d_functional`` / ``c10d`` collective op below those
 Python functions; its bytes must equal the wrappers' (column "op audit"). For fsdpx the step's
-own ``metrics["comm"]`` is shown to agree, next to the algebra's prediction
+own ``metrics["comm_bytes"]`` is shown to agree, next to the algebra's prediction
 (``comm_per_step(plan, ..., activations=activation_collectives(...))``).
 
 Memory job: one mode per torchrun invocation. ``VmRSS`` right after the full model is built is
@@ -467,7 +467,7 @@ def timed_step(run, batch, audit: bool = False) -> dict[str, Any]:
     MEM.mark("end of step")
     COUNT.active = False
     rec = {"seconds": seconds, "cpu_seconds": cpu, "loss": loss, **COUNT.record(),
-           "fsdpx_comm": metrics.get("comm"), "resident_bytes": metrics.get("resident_bytes")}
+           "fsdpx_comm": metrics.get("comm_bytes"), "resident_bytes": metrics.get("resident_bytes")}
     if mode is not None:
         rec["audit"] = {"bytes": mode.bytes, "calls": mode.calls, "unknown": mode.unknown}
     return rec

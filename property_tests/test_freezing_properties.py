@@ -109,7 +109,7 @@ def _sharded(model, loss_fn, batches, optimizer, config, schedule, strategy, mes
         comms = []
         for b in batches:
             state, metrics = step(state, b)
-            comms.append(metrics["comm"])
+            comms.append(metrics["comm_bytes"])
         return state, comms
 
     results = run_threads(mesh, rank)

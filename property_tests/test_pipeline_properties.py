@@ -59,4 +59,4 @@ def test_counted_bytes_equal_pipeline_comm_per_step(case, private):
                                                   hidden, dtype=torch.float64)
     want = pipeline_comm_per_step(plan, mesh, 0, batch_size=x.shape[0], hidden=hidden, dtype=torch.float64,
                                   private=private, activations=activations)
-    assert _nonzero(metrics[0]["comm"]) == _nonzero(want)
+    assert _nonzero(metrics[0]["comm_bytes"]) == _nonzero(want)

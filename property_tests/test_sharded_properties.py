@@ -63,7 +63,7 @@ def test_counted_bytes_and_resident_memory_equal_the_cost_model(problem, case, p
     config = dp_config(private)
     _, metrics, shapes = sharded_run(model, batches, sgd(0.1, momentum=0.9), config, strategy, mesh)
     units = [list(u.params) for u in make_units(model, shapes)]
-    assert metrics[0]["comm"] == comm_per_step(strategy, shapes, mesh, units, dtype=dtype)
+    assert metrics[0]["comm_bytes"] == comm_per_step(strategy, shapes, mesh, units, dtype=dtype)
     memory = memory_by_rank(strategy, shapes, mesh, optimizer="sgd_momentum", dtype=dtype)
     assert [m["resident_bytes"] for m in metrics] == memory
 

@@ -80,6 +80,6 @@ def test_counted_bytes_and_resident_memory_equal_the_cost_model(data, case, priv
     units = [list(u.params) for u in make_units(model, shapes)]
     x, y = batches[0]
     acts = activation_collectives(model, plan, mesh, token_loss, x.shape, y.shape, dtype=dtype, private=private)
-    assert metrics[0]["comm"] == comm_per_step(plan, shapes, mesh, units, dtype=dtype, activations=acts)
+    assert metrics[0]["comm_bytes"] == comm_per_step(plan, shapes, mesh, units, dtype=dtype, activations=acts)
     memory = memory_by_rank(plan, shapes, mesh, optimizer="sgd_momentum", dtype=dtype)
     assert [m["resident_bytes"] for m in metrics] == memory

@@ -8,13 +8,15 @@ import sys
 import pytest
 import torch
 
-from fsdpx.train import cli
+from fsdpx.train import cli, loop, report
 from fsdpx.train import ConfigError, RunConfig
 from privacy.errors import PrivacyError
 
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-chars", "20000",
         "--no-progress"]
-METRIC_KEYS = {"step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "seconds"}
+METRIC_KEYS = {"step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
+               "elapsed_seconds"}
+CLOCKS = ("step_seconds", "elapsed_seconds")  # wall time: differs from run to run
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -46,7 +48,12 @@ def test_private_run_writes_metrics_plot_config_and_summary(tmp_path, capsys):
     assert all(a < b for a, b in zip(epsilons, epsilons[1:]))
     assert epsilons[-1] <= 4.0
     assert all(math.isfinite(r["loss"]) and 0 <= r["clipped_fraction"] <= 1 and r["mean_norm"] > 0 for r in rows)
-    assert [r["seconds"] for r in rows] == sorted(r["seconds"] for r in rows)
+    assert METRIC_KEYS <= set(loop.METRICS)  # the documented keys
+    assert all(r["step_seconds"] > 0 for r in rows)
+    assert [r["elapsed_seconds"] for r in rows] == sorted(r["elapsed_seconds"] for r in rows)
+    # each step's seconds add up to the time since the loop began (float sums: within rounding)
+    assert [r["elapsed_seconds"] for r in rows] == pytest.approx(
+        [sum(q["step_seconds"] for q in rows[:i + 1]) for i in range(len(rows))], rel=1e-9)
     assert (run_dir / "plot.png").read_bytes()[:8] == PNG_MAGIC
     config = json.loads((run_dir / "config.json").read_text())
     assert config["run"]["steps"] == 5 and config["privacy"]["private"] is True
@@ -58,8 +65,8 @@ def test_private_run_writes_metrics_plot_config_and_summary(tmp_path, capsys):
 def test_a_run_is_a_function_of_its_flags(tmp_path):
     for name in ("a", "b"):
         _train(tmp_path, "--steps", "3", "--name", name, "--batch-size", "16", "--noise-multiplier", "1")
-    drop_time = [{k: v for k, v in r.items() if k != "seconds"} for r in _metrics(tmp_path / "a")]
-    assert drop_time == [{k: v for k, v in r.items() if k != "seconds"} for r in _metrics(tmp_path / "b")]
+    drop_time = [{k: v for k, v in r.items() if k not in CLOCKS} for r in _metrics(tmp_path / "a")]
+    assert drop_time == [{k: v for k, v in r.items() if k not in CLOCKS} for r in _metrics(tmp_path / "b")]
 
 
 def test_run_config_keeps_only_the_fields_it_uses():
@@ -99,7 +106,7 @@ def test_epsilon_budget_stops_the_run_before_the_step_that_would_exceed_it(tmp_p
         (["--non-private", "--target-epsilon", "1"], "not allowed with argument"),
         (["--batch-size", "8", "--sample-rate", "0.1"], "not allowed with argument"),
         (["--method", "magic"], "invalid choice: 'magic'"),
-        (["--n-embd", "30", "--n-head", "4"], "n_embd=30 must be divisible by n_head=4"),
+        (["--n-embd", "30", "--n-head", "4"], "--n-embd=30 must be divisible by --n-head=4"),
         (["--batch-size", "1e9"], "larger than the dataset"),
     ],
 )
@@ -147,9 +154,35 @@ def test_sharded_main_job_on_two_gloo_processes(tmp_path):
     assert "zero3 on Mesh(dp=2)" in done.stderr
     records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[-1]["comm"]["all_gather"] > 0 and records[-1]["comm"]["reduce_scatter"] > 0
+    assert records[-1]["comm_bytes"]["all_gather"] > 0 and records[-1]["comm_bytes"]["reduce_scatter"] > 0
     assert 0 < records[-1]["epsilon"] < 8.5
     assert (out / "private" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_progress_bar_says_what_its_loss_is(tmp_path, capsys):
+    """Issue 28: the bar said ``loss=`` for a 10-step running mean. It now names it, and the
+    count of steps it averages (fewer than 10 at the start)."""
+    flags = [f for f in TINY if f != "--no-progress"]
+    cli.main(["train", "--out", str(tmp_path), *flags, "--steps", "3", "--batch-size", "16", "--non-private"])
+    err = capsys.readouterr().err
+    losses = [r["loss"] for r in _metrics(tmp_path / "non-private")]
+    assert f"loss {sum(losses) / 3:.3f} (mean of last 3 steps), non-private" in err
+    assert "loss=" not in err
+    rows = [{"loss": 2.0, "epsilon": 0.5}, {"loss": 4.0, "epsilon": 1.25}]
+    assert report.bar_text(rows) == "loss 3.000 (mean of last 2 steps), epsilon 1.25"
+    assert report.bar_text(rows[:1] * 12) == f"loss 2.000 (mean of last {report.SMOOTHING} steps), epsilon 0.50"
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--offload", "zenflow", "--offload-topk", "0.25"], "ZenFlow offload (the top 25% of columns each step, the rest"
+                                                         " on the host every 4 steps)"),
+    (["--offload", "zero"], "ZeRO-Offload (the optimizer on the host)"),
+])
+def test_the_run_header_names_the_offload(tmp_path, capsys, flags, words):
+    """Issue 28: the run's header line left ``--offload`` out."""
+    _train(tmp_path, "--steps", "1", "--batch-size", "16", "--non-private", *flags)
+    header = capsys.readouterr().err.splitlines()[0]
+    assert header.startswith("fsdpx train: 1 steps") and words in header
 
 
 def test_nproc_without_strategy_is_refused(capsys):
@@ -173,7 +206,7 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
     """``fsdpx train --strategy zero3`` with tensor parallelism and sequence parallelism on 4
     processes, a pipeline alone on 2 (zero-bubble), and the full 3-D ``--pp 2 --tp 2`` on 8
     (1F1B): the same batches and noise as one process, so the same losses (float32, rel 1e-5)
-    at every step."""
+    and batch sizes at every step (issue 28: under --tp 2, batch_size was twice the batch)."""
     import json
     import subprocess
     import sys
@@ -181,7 +214,7 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
     flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
              "--no-progress"]
     parallel, mesh = PARALLEL[case]
-    losses = {}
+    losses, batches = {}, {}
     for name, extra in {"parallel": [*parallel, "--strategy", "zero3"], "one": []}.items():
         out = tmp_path / name
         done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
@@ -189,27 +222,30 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
         assert done.returncode == 0, done.stderr[-3000:]
         records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in records]
+        batches[name] = [r["batch_size"] for r in records]
         if name == "parallel":
             assert f"zero3 on {mesh}" in done.stderr
     assert losses["parallel"] == pytest.approx(losses["one"], rel=1e-5)
+    assert batches["parallel"] == batches["one"]
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pp", "2"], "pp needs a strategy"),
-    (["--pp", "3", "--strategy", "zero3", "--nproc", "4", "--n-layer", "3"], "tp=1 x pp=3 does not divide the 4"),
-    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "virtual_stages=2 needs an interleaved kind"),
+    (["--pp", "2"], "error: --pp needs a strategy"),
+    (["--pp", "3", "--strategy", "zero3", "--nproc", "4", "--n-layer", "3"], "--tp=1 x --pp=3 does not divide the 4"),
+    (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "--virtual-stages=2 needs an interleaved kind"),
     (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b"],
      "4 pipeline stages but only 2 blocks: every stage needs a block"),
     (["--pp", "2", "--strategy", "zero3", "--offload", "zenflow"], "offload with pipeline parallelism"),
     (["--pp", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b", "--n-layer", "4", "--virtual-stages",
       "2", "--microbatches", "3"], "multiple"),
-    (["--tp", "2"], "tp needs a strategy"),
+    (["--tp", "2"], "error: --tp needs a strategy"),
     (["--tp", "3", "--strategy", "zero3", "--nproc", "4", "--n-head", "3", "--n-embd", "12"],
-     "tp=3 x pp=1 does not divide the 4 processes"),
-    (["--tp", "2", "--strategy", "zero3", "--n-head", "3", "--n-embd", "12"], "n_head=3 does not divide by tp=2"),
-    (["--sequence-parallel", "--strategy", "zero3"], "sequence_parallel needs tp > 1"),
+     "--tp=3 x --pp=1 does not divide the 4 processes"),
+    (["--tp", "2", "--strategy", "zero3", "--n-head", "3", "--n-embd", "12"], "--n-head=3 does not divide by --tp=2"),
+    (["--sequence-parallel", "--strategy", "zero3"], "--sequence-parallel needs --tp > 1"),
 ])
-def test_parallelism_flags_that_cannot_work_are_refused(capsys, argv, message):
+def test_parallelism_flags_that_cannot_work_are_refused(capsys, tmp_path, monkeypatch, argv, message):
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", *argv])
     assert exit_.value.code == 2

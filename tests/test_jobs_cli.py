@@ -66,7 +66,11 @@ def test_a_jobs_file_is_profiled_for_real_and_planned(tmp_path):
     r = run_cli("plan", "jobs.toml", "--devices", "4", "--techniques", "zero2", "--profile-counts", "1", "2",
                 "--profiles", "prof", "--gantt", "plan.png", "--time-limit", "1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "solo / zero2: profiled [1, 2]" in r.stdout and "makespan" in r.stdout
+    assert "solo / zero2: profiled on 1 and 2 devices" in r.stdout and "How far to trust it" in r.stdout
+    assert "makespan" in r.stdout
+    # issue 28: the minutes of profiling are not silent: what runs, then each profile as it ends
+    assert "fsdpx jobs: profiling 2 of 2 (job, technique, device count)" in r.stderr
+    assert sum(" solo / zero2 on " in line and " s a step, " in line for line in r.stderr.splitlines()) == 2
     assert len(list((tmp_path / "prof").iterdir())) == 2 and (tmp_path / "plan.png").exists()
 
 

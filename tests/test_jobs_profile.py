@@ -114,9 +114,12 @@ class TimedTechnique:
         run = Path(ckpt_dir).parent / "run"
         run.mkdir(parents=True)
         with open(run / "metrics.jsonl", "w") as f:
+            last = t0
             for s in range(1, steps + 1):
                 time.sleep(self.seconds)
-                f.write(json.dumps({"step": s, "seconds": time.perf_counter() - t0}) + "\n")
+                now = time.perf_counter()
+                f.write(json.dumps({"step": s, "step_seconds": now - last, "elapsed_seconds": now - t0}) + "\n")
+                last = now
         (self.log / f"{task.name}.json").write_text(json.dumps(
             {"cores": sorted(os.sched_getaffinity(0)), "began": began, "ended": time.time()}))
         return Ran(str(run), time.perf_counter() - t0 + 0.5, (100,))
@@ -177,3 +180,55 @@ def test_profiling_runs_real_steps_once_then_reads_the_cache(tmp_path):
     again = profile(task, "zero2-private", jobs.Devices(2, 2**30), root=tmp_path, steps=3)
     assert again == m and list(tmp_path.iterdir()) == files
     assert BUILTIN["zero2-private"].feasible(task, jobs.Devices(2, 2**30))
+
+
+def test_the_prediction_check_is_explained_in_words():
+    """Issue 28: ``fsdpx jobs plan`` printed "prediction error at each from the others 1: 531.4%"
+    and nothing else. The report now says what was profiled, how other counts are predicted,
+    and each profiled count's prediction from the others beside its measurement."""
+    from fsdpx.jobs.cli import fit_report
+
+    task, table = small(), ProfileTable()
+    table.add("a", "zero3", 1, Measurement(0.12, 1))
+    table.add("a", "zero3", 2, Measurement(0.76, 1))
+    checks = table.cross_checks(task, "zero3", "zero3")
+    assert {n: c.others for n, c in checks.items()} == {1: (2,), 2: (1,)}
+    assert checks[1].predicted == pytest.approx(2 * 0.76) and checks[1].error == pytest.approx(2 * 0.76 / 0.12 - 1)
+    assert table.fit_errors(task, "zero3", "zero3") == {n: c.error for n, c in checks.items()}
+    text = fit_report("a", "zero3", table.measured("a", "zero3"), checks)
+    assert text.startswith("a / zero3: profiled on 1 and 2 devices: 0.12 s and 0.76 s a step. Other device counts"
+                           " are predicted by fitting step time = compute / devices")
+    assert "predicted from the other profiles alone, on 1 device 1.52 s a step, measured 0.12 s (1167% off);" \
+           " on 2 devices 0.06 s a step, measured 0.76 s (92% off)." in text
+    assert "From one profile the fit can only assume the whole step is compute" in text
+
+
+def test_profiling_says_what_it_runs_and_each_result(tmp_path, capsys):
+    """``fsdpx jobs plan`` profiles before it prints anything else (minutes on a CPU): it now
+    says on stderr what it will run, then one line per profile as it ends, with its times; the
+    report on stdout explains the prediction check in words."""
+    from fsdpx.jobs import cli
+
+    log = tmp_path / "log"
+    log.mkdir()
+    technique = TimedTechnique(log, seconds=0.05)
+    technique.strategy = "ddp"  # the bytes it sends, for predictions at the counts not profiled
+    (tmp_path / "jobs.toml").write_text("[[job]]\nname = 'a'\nsteps = 10\nbatch_size = 16\nn_layer = 1\n"
+                                        "n_embd = 32\nn_head = 2\ncorpus_chars = 4000\n")
+    jobs.register("timed", technique)
+    try:
+        cli.main(["plan", str(tmp_path / "jobs.toml"), "--devices", "2", "--techniques", "timed", "--profiles",
+                  str(tmp_path / "p"), "--gantt", str(tmp_path / "plan.png"), "--time-limit", "1"])
+        first = capsys.readouterr()
+        cli.main(["plan", str(tmp_path / "jobs.toml"), "--devices", "2", "--techniques", "timed", "--profiles",
+                  str(tmp_path / "p"), "--gantt", str(tmp_path / "plan.png"), "--time-limit", "1"])
+        again = capsys.readouterr()
+    finally:
+        jobs.techniques.unregister("timed")
+    lines = first.err.splitlines()
+    assert lines[0].startswith("fsdpx jobs: profiling 2 of 2 (job, technique, device count) with up to 4 real steps")
+    ended = sorted(line for line in lines if " a / timed on " in line)
+    assert len(ended) == 2 and all(" s a step, " in line and " s to start (in " in line for line in ended)
+    assert "a / timed: profiled on 1 and 2 devices" in first.out and "How far to trust it" in first.out
+    assert again.err.splitlines()[0].startswith("fsdpx jobs: all 2 profiles from the cache")
+    assert sum("(from the cache)" in line for line in again.err.splitlines()) == 2

@@ -312,7 +312,7 @@ def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
     for private in (False, True):
         _, metrics = _pipelined_hf(model, [batch], optimizer_for(torch.float64), plan, mesh,
                                    tp_hf.dp_config("ghost") if private else None)
-        counted[private] = metrics[0]["comm"].get("all_reduce", 0)
+        counted[private] = metrics[0]["comm_bytes"].get("all_reduce", 0)
         want[private] = pipeline_comm_per_step(plan, mesh, 0, batch_size=4, hidden=(8, model.config.hidden_size),
                                                dtype=torch.float64, private=private).get("all_reduce", 0)
     # the same model and pipeline under a plan without the per-head style: the norms' all-reduce alone

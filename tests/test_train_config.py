@@ -138,8 +138,9 @@ def test_full_field_names_work_in_their_section_and_top_level_keys_are_the_run_s
     ("model = 3", "model belongs in [model]"),
     ("logging = 3", "logging must be a table: [logging]"),
     ("[data\npath = 'x'", "not valid TOML"),
-    ("[model]\nkind = 'transformers'", "a transformers model needs one of model_path"),
-    ("[model]\nclass = 'GPT2Config'", "add model = \"transformers\""),
+    ("[model]\nkind = 'transformers'", "a transformers model needs one of [model] path"),
+    ("[model]\nclass = 'GPT2Config'",
+     "[model] class describe a transformers model: add [model] kind = \"transformers\""),
 ])
 def test_a_bad_config_file_is_one_named_error_and_exit_2(tmp_path, capsys, text, message):
     path = _toml(tmp_path / "run.toml", text)
@@ -292,7 +293,7 @@ def test_a_vocabulary_that_does_not_cover_the_data_is_a_named_error(tmp_path, fi
         cli.main(["train", "--data-path", str(files["text"]), "--vocab-size", "100", "--out", str(tmp_path / "r")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "give the model a vocab_size of at least" in err and "Traceback" not in err
+    assert "give the model a --vocab-size of at least" in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
 
 

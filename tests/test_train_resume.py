@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fsdpx.train import ConfigError, RunConfig, run
+from fsdpx.train.loop import METRICS
 
 COMMON = dict(corpus_chars=20000, batch_size=32, n_embd=16, n_head=2, seed=3, noise_multiplier=1.0,
               target_epsilon=None)
@@ -84,6 +85,9 @@ def test_zenflow_run_resumes_bit_for_bit_with_its_host_window(tmp_path):
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b]
     assert "offload_d2h_bytes" in a[-1]
+    # every key in the file carries its unit (issue 28): the optimizer's host_wait_s is spelled out
+    assert {"offload_host_wait_seconds", "offload_host_loop_seconds", "step_seconds", "elapsed_seconds"} <= set(a[-1])
+    assert set(a[-1]) <= set(METRICS) and not any(k.endswith("_s") for k in a[-1])
 
 
 @pytest.mark.slow

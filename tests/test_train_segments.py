@@ -33,7 +33,7 @@ def _rows(run_dir: Path):
 
 
 def _bits(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("step_seconds", "elapsed_seconds")} for r in rows]
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -81,7 +81,46 @@ def test_resume_with_nothing_left_to_do_says_so_and_writes_nothing(tmp_path, cap
     out = capsys.readouterr()
     assert "nothing to do: the checkpoint" in out.err and "is at step 3 and --steps is 3" in out.err
     assert "loss" in out.out and "at step 1" in out.out
+    assert "files        none written" in out.out and "metrics.jsonl" not in out.out
     assert _snapshot(tmp_path) == before
+
+
+TINY_FLAGS = ["--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--block-size", "8", "--corpus-chars", "4000",
+              "--batch-size", "16", "--target-epsilon", "4", "--no-progress"]
+
+
+def test_a_branch_with_nothing_to_do_names_no_files(tmp_path, capsys):
+    """Issue 28: a branch from a checkpoint already at ``--steps`` printed a ``files
+    runs/branch-a/{metrics.jsonl,...}`` line for files it never wrote."""
+    ck = tmp_path / "ck"
+    cli.main(["train", "--out", str(tmp_path), "--name", "a", *TINY_FLAGS, "--steps", "3", "--ckpt-dir", str(ck)])
+    capsys.readouterr()
+    cli.main(["train", "--resume-from", str(ck / "step_3"), "--name", "branch-a", "--no-progress"])
+    out = capsys.readouterr()
+    assert "nothing to do" in out.err
+    assert "files        none written" in out.out and "branch-a/{" not in out.out
+    assert not (tmp_path / "branch-a").exists()
+
+
+def test_a_resume_names_the_noise_the_run_used(tmp_path, capsys):
+    """Issue 28: a resume with more ``--steps`` said "noise multiplier 1.148 (was 0.4883)", where
+    0.4883 was what a fresh run of the new ``--steps`` would use and the run had used 0.4689.
+    The line now names the noise of the run's last step before the checkpoint (its record in
+    ``config.json``), and not the fresh run's."""
+    ck = tmp_path / "ck"
+    first = ["train", "--out", str(tmp_path), "--name", "a", *TINY_FLAGS, "--ckpt-dir", str(ck)]
+    cli.main([*first, "--steps", "4"])
+    used = json.loads((tmp_path / "a" / "config.json").read_text())["derived"]["noise_multiplier"]
+    cli.main(["train", "--out", str(tmp_path), "--name", "fresh", *TINY_FLAGS, "--steps", "6"])
+    fresh = json.loads((tmp_path / "fresh" / "config.json").read_text())["derived"]["noise_multiplier"]
+    capsys.readouterr()
+    cli.main(["train", "--ckpt-dir", str(ck), "--resume", "--steps", "6", "--no-progress"])
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "noise multiplier" in x)
+    new = json.loads((tmp_path / "a" / "config.json").read_text())["segments"][-1]["derived"]["noise_multiplier"]
+    assert f"noise multiplier {new:.4g} for the 2 steps left" in line
+    assert f"(step 4, the last before the checkpoint, used {used:.4g})" in line
+    assert f"{fresh:.4g}" not in line and fresh != used
 
 
 def test_changes_a_resume_cannot_honour_are_named_errors_before_anything_runs(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Mapping
 
 import numpy as np
@@ -41,7 +42,8 @@ def completion_lower_bound(options: Options, weights: Mapping[str, float] | None
 
 
 def timeline_lower_bound(options: Options, cluster_size: int, upper: float | None = None, *,
-                         tolerance: float = 1e-3, resolution: int = 4000, max_columns: int = 200) -> float:
+                         tolerance: float = 1e-3, resolution: int = 4000, max_columns: int = 200,
+                         deadline: float | None = None) -> float:
     """A lower bound on every schedule's makespan that knows a job cannot be split over time:
     each device runs its jobs one after another, so the seconds of the jobs on one device fit in
     the makespan.
@@ -73,8 +75,11 @@ def timeline_lower_bound(options: Options, cluster_size: int, upper: float | Non
     the largest ``C`` its ``mu`` certifies and doubles the step, a failure makes that ``C`` the
     ceiling and halves the step (never testing past half-way to the ceiling; the first ceiling
     is ``upper``, default the jobs' fastest options one after another, a feasible makespan),
-    until bound and ceiling are within ``tolerance``. The result is the largest certified ``C`` (or the area bound):
-    each value is proven by its own certificate, so no step relies on monotonicity.
+    until bound and ceiling are within ``tolerance``, or at ``deadline`` (a ``time.perf_counter()``
+    value, checked after every LP: ``solve`` gives the bound a share of its time limit). The result
+    is the largest certified ``C`` (or the area bound): each value is proven by its own
+    certificate, so no step relies on monotonicity, and a search cut short by the deadline
+    returns a valid, looser bound.
 
     Guarantee: ``<=`` the makespan of every schedule of these options on ``cluster_size``
     devices, and ``>=`` :func:`makespan_lower_bound`
@@ -95,9 +100,10 @@ def timeline_lower_bound(options: Options, cluster_size: int, upper: float | Non
     items = [[(o, int(math.floor(o.seconds / unit * (1 - 1e-9)))) for o in os_] for os_ in opts]
     patterns: list[tuple[tuple[int, Option, int], ...]] = [((j, o, w),) for j, its in enumerate(items) for o, w in its]
     step = tolerance * lo
-    while hi - lo > tolerance * hi:
+    late = (lambda: time.perf_counter() >= deadline) if deadline is not None else (lambda: False)
+    while hi - lo > tolerance * hi and not late():
         test = min(lo + step, (lo + hi) / 2) if step < hi - lo else (lo + hi) / 2
-        certified = _certified_up_to(items, cluster_size, int(math.floor(test / unit)), patterns, max_columns)
+        certified = _certified_up_to(items, cluster_size, int(math.floor(test / unit)), patterns, max_columns, late)
         if certified is None:
             hi, step = test, (test - lo) / 2
         else:
@@ -106,11 +112,11 @@ def timeline_lower_bound(options: Options, cluster_size: int, upper: float | Non
 
 
 def _certified_up_to(items: list[list[tuple[Option, int]]], G: int, capacity: int, patterns: list,
-                     max_columns: int) -> int | None:
+                     max_columns: int, late=lambda: False) -> int | None:
     """Column generation at a rounded ``capacity`` (``timeline_lower_bound``): the largest
     rounded capacity its final weights ``mu`` certify (``sum mu > G v``), or ``None`` if they do not
-    certify ``capacity``. ``patterns`` is a shared pool of ``(job, option, units)`` tuples; new
-    patterns join it."""
+    certify ``capacity`` (or ``late()`` turned true first). ``patterns`` is a shared pool of
+    ``(job, option, units)`` tuples; new patterns join it."""
     J = len(items)
     pool = [p for p in patterns if sum(w for _, _, w in p) <= capacity]
     if any(all(w > capacity for _, w in its) for its in items):
@@ -129,7 +135,7 @@ def _certified_up_to(items: list[list[tuple[Option, int]]], G: int, capacity: in
         total = mu.sum() / (G * (1 + 1e-9))
         if total > value[capacity]:
             return int(np.searchsorted(value, total, side="left")) - 1  # value is non-decreasing
-        if res.fun <= G * (1 + 1e-9) or value[capacity] <= 1 + 1e-9 or best in pool:
+        if res.fun <= G * (1 + 1e-9) or value[capacity] <= 1 + 1e-9 or best in pool or late():
             return None
         pool.append(best)
         patterns.append(best)

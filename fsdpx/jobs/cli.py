@@ -14,10 +14,10 @@ may use) or, beyond that, a slot sharing the cores. Exit status 0 when every job
 when one failed.
 
 Profiles: each job, under every technique, is profiled for a few real steps (cached in
-``--profiles``) at the ``--profile-counts`` this machine has; other counts are predicted
-(``ProfileTable.predict``) and the prediction error on profiled points (each predicted from
-the others) is printed. Bad input exits
-with status 2 and one line (an infeasible job, a duplicate name, a bad file).
+``--profiles``) at the ``--profile-counts`` this machine has, a line on stderr as each ends;
+other counts are predicted (``ProfileTable.predict``), and how far to trust that is printed in
+words: each profiled count predicted from the others alone, beside what it measured. Bad
+input exits with status 2 and one line (an infeasible job, a duplicate name, a bad file).
 """
 
 from __future__ import annotations
@@ -25,14 +25,17 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
 
+# Only light modules here: the parser answers (``--help``, a bad flag) before the jobs' models
+# (torch) and the solver (scipy) are imported, in main() once the arguments parse.
 from . import techniques
 from .devices import local_devices
-from .jobsfile import JobsFileError, cluster_of, read_jobs
 from .plan import Options, Plan, PlanError
-from .simulate import Drift, Fail, Finish, simulate
-from .solver import solve
 from .task import DuplicateJobError
+
+if TYPE_CHECKING:
+    from .profile import CrossCheck, Measurement
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,11 +81,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gantt", type=Path, default=Path("runs/plan.png"), help="Gantt chart (default %(default)s)")
 
 
-def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Options, list[str]]:
+def profiled_options(tasks, cluster, counts, root: Path, only=None, progress=None) -> tuple[Options, list[str]]:
     """Options for every job from real profiles at ``counts`` (run side by side, pinned, as the
-    plan will run them: ``profile_store.profile_side_by_side``) plus predictions for the other
-    feasible counts of the cluster (techniques ``only``, default all); and report lines (fit
-    errors). Raises ``InfeasibleJobError`` before profiling when a job fits nowhere."""
+    plan will run them: ``profile_store.profile_side_by_side``, which tells ``progress`` what it
+    runs and each result) plus predictions for the other feasible counts of the cluster
+    (techniques ``only``, default all); and report lines (what was profiled, how the rest is
+    predicted and how far to trust it: :func:`fit_report`). Raises ``InfeasibleJobError`` before
+    profiling when a job fits nowhere."""
     from .builtin import BUILTIN
     from .profile import ProfileTable
     from .profile_store import profile_side_by_side
@@ -93,7 +98,7 @@ def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Opt
     chosen = {(task.name, tech): [n for t, n in feasible[task.name] if t == tech and n in counts and n <= here.count]
               for task in tasks for tech in sorted({t for t, _ in feasible[task.name]})}
     requests = [(task, tech, n) for task in tasks for (job, tech), ns in chosen.items() if job == task.name for n in ns]
-    measured = profile_side_by_side(requests, cluster, root=root)
+    measured = profile_side_by_side(requests, cluster, root=root, progress=progress)
     for key, m in measured.items():
         table.add(*key, m)
     for task in tasks:
@@ -114,13 +119,36 @@ def profiled_options(tasks, cluster, counts, root: Path, only=None) -> tuple[Opt
             b = BUILTIN.get(tech)
             mem = (lambda n, b=b, t=task: b.memory(t, cluster.group(n), {})) if b else (lambda n: 0)
             table.predict(task, tech, strategy, ns, mem, params_of)
-            errors = table.fit_errors(task, tech, strategy)
-            measured_here = sorted(table.measured(task.name, tech))
-            report.append(f"{task.name} / {tech}: profiled {measured_here}"
-                          + (", prediction error at each from the others " + ", ".join(
-                              f"{n}: {e:.1%}" for n, e in sorted(errors.items())) if errors else ""))
+            report.append(fit_report(task.name, tech, table.measured(task.name, tech),
+                                     table.cross_checks(task, tech, strategy)))
     options = table.options(tasks, feasible=feasible)
     return options, report
+
+
+def fit_report(job: str, technique: str, measured: Mapping[int, Measurement], checks: Mapping[int, CrossCheck]) -> str:
+    """What was profiled for ``job`` under ``technique``, how the other device counts are
+    predicted, and how far to trust that: each profiled count predicted from the others alone
+    beside its measurement (``ProfileTable.cross_checks``), the error in words. Issue 28: this
+    was "prediction error at each from the others 1: 531.4%", unexplained
+    (``tests/test_jobs_profile.py::test_the_prediction_check_is_explained_in_words``)."""
+    counts = sorted(measured)
+    times = " and ".join(f"{measured[n].step_seconds:.3g} s" for n in counts)
+    line = (f"{job} / {technique}: profiled on {_devices(counts)}: {times} a step. Other device counts are"
+            " predicted by fitting step time = compute / devices + seconds per byte x bytes sent + fixed to these.")
+    if not checks:
+        return line + " With one profile the fit can only assume the whole step is compute (half the time on" \
+                      " twice the devices)."
+    parts = [f"on {_devices([c.devices])} {c.predicted:.3g} s a step, measured {c.measured:.3g} s ("
+             f"{c.error:.0%} off)" for c in checks.values()]
+    single = " From one profile the fit can only assume the whole step is compute (half the time on twice the" \
+             " devices)." if any(len(c.others) == 1 for c in checks.values()) else ""
+    return f"{line}\n  How far to trust it: predicted from the other profiles alone, {'; '.join(parts)}.{single}"
+
+
+def _devices(counts) -> str:
+    words = [str(n) for n in counts]
+    return (" and ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " and " + words[-1]) \
+        + (" devices" if counts != [1] else " device")
 
 
 def format_plan(plan: Plan) -> str:
@@ -163,6 +191,8 @@ def gantt(plan: Plan, path: Path, title: str = "") -> None:
 
 
 def _events(args) -> list:
+    from .simulate import Drift, Fail, Finish
+
     out = []
     for text in args.fail:
         job, at = text.rsplit("@", 1)
@@ -183,6 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "run":
         sys.exit(run_main(parser, args))
+    from .jobsfile import JobsFileError, cluster_of, read_jobs  # the jobs' models: torch
+    from .simulate import simulate
+    from .solver import solve
+
     try:
         if args.synthetic:
             from .synthetic import synthetic_options
@@ -197,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
             cluster = cluster_of(table, args.devices, args.memory_gib, local_devices())
             G = cluster.count
             options, report = profiled_options(tasks, cluster, set(args.profile_counts), args.profiles,
-                                               args.techniques)
+                                               args.techniques, progress=_to_stderr)
             steps = {t.name: t.steps for t in tasks}
         events = _events(args)
     except (JobsFileError, DuplicateJobError, techniques.InfeasibleJobError, techniques.UnknownTechniqueError,
@@ -223,9 +257,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"simulated makespan {result.makespan:.1f} s; steps lost to failures {sum(result.lost_steps.values())}")
 
 
+def _to_stderr(line: str) -> None:
+    print(f"fsdpx jobs: {line}", file=sys.stderr, flush=True)
+
+
 def run_main(parser: argparse.ArgumentParser, args) -> int:
     """``fsdpx jobs run``: profile, solve, execute; returns the exit status."""
+    from .jobsfile import JobsFileError, cluster_of, read_jobs  # the jobs' models: torch
     from .runner import Runner
+    from .solver import solve
 
     try:
         tasks, table = read_jobs(args.file)
@@ -238,7 +278,8 @@ def run_main(parser: argparse.ArgumentParser, args) -> int:
             from .ray_backend import RayBackend, require_ray
 
             require_ray()  # a missing ray is an error before anything is profiled
-        options, report = profiled_options(tasks, cluster, set(args.profile_counts), args.profiles, args.techniques)
+        options, report = profiled_options(tasks, cluster, set(args.profile_counts), args.profiles, args.techniques,
+                                           progress=_to_stderr)
         backend = RayBackend() if args.backend == "ray" else None
     except (JobsFileError, DuplicateJobError, techniques.InfeasibleJobError, techniques.UnknownTechniqueError,
             PlanError, ValueError, ImportError, ConnectionError) as e:

@@ -91,8 +91,8 @@ def import_roots(config: RunConfig) -> list[str]:
 
 
 def step_seconds(run_dir: str | Path) -> list[float]:
-    """Wall seconds of each step recorded in ``metrics.jsonl`` (differences of its ``seconds``
-    column; the first step's is measured from the loop start)."""
+    """Wall seconds of each step recorded in ``metrics.jsonl``: its ``step_seconds`` column
+    (``fsdpx.train.loop``'s module doc; the first step's is measured from the loop start). A user
+    technique's run directory holds the same column for its steps to be profiled."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
-    times = [r["seconds"] for r in rows]
-    return [b - a for a, b in zip([0.0, *times[:-1]], times)]
+    return [r["step_seconds"] for r in rows]

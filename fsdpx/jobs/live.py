@@ -2,7 +2,7 @@
 
 A job's progress is read from the files the built-in techniques write (a user technique that
 writes them is shown the same way): ``<job dir>/run/metrics.jsonl`` (one JSON line per step:
-``step``, ``loss``, ``epsilon``, optionally ``seconds``) and the checkpoints ``<job dir>/ckpt/step_<N>``.
+``step``, ``loss``, ``epsilon``, optionally ``elapsed_seconds``) and the checkpoints ``<job dir>/ckpt/step_<N>``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from ckpt.manager import committed_steps
 @dataclass(frozen=True)
 class Progress:
     """The last step a job logged (0: none yet), its loss and epsilon, and ``seconds``: the job's
-    own clock when it logged the step (the built-ins: seconds since this attempt's loop began);
-    NaN when not logged."""
+    own clock when it logged the step (its ``elapsed_seconds``; the built-ins: seconds since this
+    attempt's loop began); NaN when not logged."""
 
     step: int = 0
     loss: float = math.nan
@@ -47,7 +47,7 @@ def read_progress(job_dir: Path) -> Progress:
         except ValueError:
             continue
         num = lambda k: math.nan if row.get(k) is None else float(row[k])  # noqa: E731
-        return Progress(int(row.get("step", 0)), num("loss"), num("epsilon"), num("seconds"))
+        return Progress(int(row.get("step", 0)), num("loss"), num("epsilon"), num("elapsed_seconds"))
     return Progress()
 
 

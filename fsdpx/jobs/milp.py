@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -71,7 +72,8 @@ def solve_milp(options: Options, cluster_size: int, incumbent: Sequence[tuple[st
     """Solve the time-indexed MILP above on a grid of about ``slots`` slots spanning the
     makespan of ``incumbent`` (every job's ``(job, option)`` in start order, each option one of
     ``options``); returns the chosen option per job ordered by start slot, or ``None`` when
-    HiGHS found no feasible point within ``time_limit`` seconds.
+    HiGHS found no feasible point within ``time_limit`` seconds. The seconds spent building the
+    model count toward ``time_limit``: HiGHS gets what is left (none left: ``None``).
 
     Determinism: fixed HiGHS options (presolve on, ``mip_rel_gap``, single-threaded
     branch-and-bound); the same input gives the same plan whenever the solve ends by
@@ -79,6 +81,7 @@ def solve_milp(options: Options, cluster_size: int, incumbent: Sequence[tuple[st
     """
     if objective not in ("makespan", "completion"):
         raise ValueError(f"objective must be 'makespan' or 'completion', got {objective!r}")
+    began = time.perf_counter()
     delta = makespan(in_order(incumbent, cluster_size)) / slots
     slots_of = lambda o: max(1, math.ceil(o.seconds / delta - 1e-9))  # noqa: E731
     rounded = [(j, Option(o.technique, o.devices, float(slots_of(o)), o.params)) for j, o in incumbent]
@@ -114,9 +117,12 @@ def solve_milp(options: Options, cluster_size: int, incumbent: Sequence[tuple[st
     hi = np.concatenate([np.ones(len(jobs)), np.full(horizon, float(cluster_size)), np.zeros(len(jobs))])
     integrality = np.concatenate([np.ones(n), [0]])
     bounds = Bounds(np.zeros(n + 1), np.concatenate([np.ones(n), [float(horizon)]]))
+    left = time_limit - (time.perf_counter() - began)
+    if left <= 0:
+        return None
     with _stdout_silenced():
         res = milp(c, constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=bounds,
-                   options={"time_limit": float(time_limit), "presolve": True, "mip_rel_gap": mip_rel_gap,
+                   options={"time_limit": float(left), "presolve": True, "mip_rel_gap": mip_rel_gap,
                             "disp": False})
     if res.x is None:
         return None

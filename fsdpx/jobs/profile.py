@@ -80,6 +80,23 @@ def fit_step_model(points: Sequence[tuple[int, int, float]]) -> StepModel:
     return StepModel(float(coef[0]), float(coef[1]), float(coef[2]))
 
 
+@dataclass(frozen=True)
+class CrossCheck:
+    """The step time at ``devices`` predicted from the profiles at the ``others`` counts only,
+    and the one measured there: how far the step model's predictions for unprofiled counts can
+    be trusted (``error``: ``|predicted / measured - 1|``; from a single other count the model
+    can only assume the whole step is compute, ``seconds x n / devices``)."""
+
+    devices: int
+    others: tuple[int, ...]
+    predicted: float
+    measured: float
+
+    @property
+    def error(self) -> float:
+        return abs(self.predicted / self.measured - 1)
+
+
 @dataclass
 class ProfileTable:
     """Measurements by ``(job, technique, count)``; ``predict`` fills the other counts."""
@@ -122,13 +139,20 @@ class ProfileTable:
         ``|predicted / measured - 1|`` where the prediction is fitted to the OTHER measured
         counts (leave one out; the step model fits 3 coefficients, so an in-sample error on
         two or three points would be 0 and say nothing). Empty with fewer than two points."""
+        return {n: c.error for n, c in self.cross_checks(task, technique, strategy).items()}
+
+    def cross_checks(self, task: Task, technique: str, strategy: str | Callable[[int], int]) -> dict[int, "CrossCheck"]:
+        """For every measured count of ``task`` under ``technique``, its step time predicted from
+        the OTHER measured counts beside the measured one (:class:`CrossCheck`; what
+        :meth:`fit_errors` reports). Empty with fewer than two points."""
         sent = strategy if callable(strategy) else (lambda n: sent_bytes(task, strategy, n))
         got = self.measured(task.name, technique)
         points = {n: (n, sent(n), m.step_seconds) for n, m in got.items()}
         out = {}
         for n in sorted(points) if len(points) > 1 else []:
-            model = fit_step_model([p for k, p in sorted(points.items()) if k != n])
-            out[n] = abs(model.seconds(n, points[n][1]) / points[n][2] - 1)
+            others = tuple(k for k in sorted(points) if k != n)
+            model = fit_step_model([points[k] for k in others])
+            out[n] = CrossCheck(n, others, model.seconds(n, points[n][1]), points[n][2])
         return out
 
     def options(self, tasks: Iterable[Task], steps_left: Mapping[str, int] | None = None,

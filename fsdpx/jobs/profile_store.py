@@ -20,7 +20,7 @@ import json
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import techniques
 from .devices import Devices, hardware_fingerprint
@@ -99,7 +99,8 @@ Request = tuple[Task, str, int]
 
 
 def profile_side_by_side(requests: Sequence[Request], cluster: Devices, *, root: Path, steps: int = 4,
-                         poll: float = 0.05) -> dict[tuple[str, str, int], Measurement]:
+                         poll: float = 0.05, progress: Callable[[str], None] | None = None
+                         ) -> dict[tuple[str, str, int], Measurement]:
     """``profile`` for every request (``{(job, technique, count): Measurement}``), the ones not
     cached run as a plan runs jobs: count by count (widest first), the devices this machine
     gives the cluster (``min(cluster.count, local devices)``) cut into ``k = max(1, that //
@@ -107,15 +108,21 @@ def profile_side_by_side(requests: Sequence[Request], cluster: Devices, *, root:
     time, pinned to it, in its own process group (``LocalBackend``), the next request starting
     as soon as a group is free -- so profiles share the machine as planned jobs do.
 
+    ``progress`` (e.g. a print to stderr) gets a line saying what will run, then one per
+    profile as it is read from the cache or its run ends, with its times (:func:`done_line`):
+    profiling takes minutes on a CPU, and the planner says nothing else meanwhile.
+
     Guarantees: the measurements ``profile`` defines, cached the same way (a cached one is never
     rerun); the groups running at once hold disjoint devices. Raises ``RuntimeError`` naming the
     job when a run fails, after stopping the others (nothing of theirs is cached)
-    (``tests/test_jobs_profile.py::test_profiles_run_side_by_side_on_disjoint_cores``)."""
+    (``tests/test_jobs_profile.py::test_profiles_run_side_by_side_on_disjoint_cores``).
+    The lines: ``tests/test_jobs_profile.py::test_profiling_says_what_it_runs_and_each_result``."""
     import time
 
     from .backends import Attempt, LocalBackend
     from .devices import local_devices, physical_ids
 
+    say = progress or (lambda line: None)
     out: dict[tuple[str, str, int], Measurement] = {}
     todo: dict[int, list] = {}
     for task, technique, n in requests:
@@ -126,6 +133,12 @@ def profile_side_by_side(requests: Sequence[Request], cluster: Devices, *, root:
         else:
             todo.setdefault(n, []).append((task, technique, params, path))
     usable = min(cluster.count, local_devices().count)
+    runs = sum(map(len, todo.values()))
+    say(f"profiling {runs} of {len(requests)} (job, technique, device count) with up to {steps} real steps each,"
+        f" on {usable} device(s) here; {len(out)} from the cache {root}" if runs else
+        f"all {len(requests)} profiles from the cache {root}")
+    for i, ((job, technique, n), m) in enumerate(out.items(), 1):
+        say(done_line(job, technique, n, m, None, i, len(requests)))
     backend = LocalBackend()
     for n in sorted(todo, reverse=True):
         queue = list(todo[n])
@@ -139,8 +152,8 @@ def profile_side_by_side(requests: Sequence[Request], cluster: Devices, *, root:
                         scratch = tempfile.TemporaryDirectory()
                         attempt = Attempt(task, technique, cluster.group(n, groups[g]), params, min(steps, task.steps),
                                           Path(scratch.name) / "ckpt")
-                        running[g] = (backend.start(attempt), req, scratch)
-                for g, (handle, (task, technique, params, path), scratch) in list(running.items()):
+                        running[g] = (backend.start(attempt), req, scratch, time.perf_counter())
+                for g, (handle, (task, technique, params, path), scratch, began) in list(running.items()):
                     msg = handle.poll()
                     if msg is None:
                         continue
@@ -149,11 +162,21 @@ def profile_side_by_side(requests: Sequence[Request], cluster: Devices, *, root:
                         result = msg[1] if msg[0] == "ok" else None
                         if result is None:
                             raise RuntimeError(f"profiling {task.name!r} with {technique} on {n}: {msg[1]}")
-                        out[(task.name, technique, n)] = _measure(result, task, technique, cluster.group(n), params,
-                                                                  path)
+                        m = out[(task.name, technique, n)] = _measure(result, task, technique, cluster.group(n),
+                                                                      params, path)
+                    say(done_line(task.name, technique, n, m, time.perf_counter() - began, len(out), len(requests)))
                 time.sleep(poll)
         finally:
-            for handle, _, scratch in running.values():
+            for handle, _, scratch, _ in running.values():
                 handle.stop()
                 scratch.cleanup()
     return out
+
+
+def done_line(job: str, technique: str, devices: int, m: Measurement, seconds: float | None, done: int,
+              total: int) -> str:
+    """One profile's line for ``profile_side_by_side``'s ``progress``: its step and startup
+    times, and the wall ``seconds`` its run took (``None``: read from the cache)."""
+    how = f"in {seconds:.1f} s" if seconds is not None else "from the cache"
+    return (f"[{done}/{total}] {job} / {technique} on {devices} device{'s' * (devices != 1)}: {m.step_seconds:.3g} s"
+            f" a step, {m.startup_seconds:.3g} s to start ({how})")

@@ -22,7 +22,7 @@ Events (each re-plans the work left with ``replan.replan``, the function the sim
   ``factor`` times its profile and ``replan.drifted(factor, assumed, drift_threshold)`` -- the
   simulation's rule: the work left is re-planned with the job's options scaled by ``factor``
   (every later re-plan keeps it), and the plan then assumes ``factor``, so the same pace never
-  re-plans twice. Steps are timed by the job's own clock (``seconds`` in its metrics, as the
+  re-plans twice. Steps are timed by the job's own clock (``elapsed_seconds`` in its metrics, as the
   built-ins log it), else by when the runner saw them.
 
 A re-plan keeps a running job where it is when the new plan gives it the same choice now;

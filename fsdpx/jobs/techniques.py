@@ -11,13 +11,15 @@ to fix it) when it cannot run the job on any devices: ``check_feasible`` raises 
 no technique takes, and the runner (``check_runnable``) before anything starts.
 
 ``register(name, technique)`` adds one; the planner considers every registered technique for
-every job. Built-ins are registered by ``fsdpx.jobs.builtin`` on import.
+every job. Built-ins are registered by ``fsdpx.jobs.builtin`` on import, which ``fsdpx.jobs``
+defers to the registry's first use (:func:`register_later`): the built-ins load torch, and
+``fsdpx jobs --help`` needs none of it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Mapping, Protocol, runtime_checkable
 
 from .devices import Devices
 from .task import Task, UnsupportedTaskError
@@ -42,6 +44,22 @@ class Technique(Protocol):
 
 
 _REGISTRY: dict[str, Technique] = {}
+_PENDING: list[Callable[[], Any]] = []  # loaders that register techniques, run at the registry's first use
+
+
+def register_later(load: Callable[[], Any]) -> None:
+    """Call ``load`` (which registers techniques, e.g. by importing their module) just before
+    the registry is next read or written, once. ``fsdpx.jobs`` registers its built-ins this way:
+    importing the package stays light, and every function here sees them, a user's ``register``
+    of a taken name included (``tests/test_fast_feedback.py::test_the_built_in_techniques_load_on_first_use``)."""
+    _PENDING.append(load)
+
+
+def _registry() -> dict[str, Technique]:
+    """The registry, after the pending loaders (each popped before it runs: it registers)."""
+    while _PENDING:
+        _PENDING.pop(0)()
+    return _REGISTRY
 
 
 def register(name: str, technique: Technique, *, replace: bool = False) -> Technique:
@@ -50,30 +68,30 @@ def register(name: str, technique: Technique, *, replace: bool = False) -> Techn
     (``tests/test_jobs_registry.py::test_a_user_registers_a_toy_technique``)."""
     if not isinstance(technique, Technique):
         raise TypeError(f"technique {name!r} must have feasible, search and execute methods")
-    if name in _REGISTRY and not replace:
+    if name in _registry() and not replace:
         raise ValueError(f"technique {name!r} is already registered; pass replace=True to swap it")
-    _REGISTRY[name] = technique
+    _registry()[name] = technique
     return technique
 
 
 def unregister(name: str) -> None:
     """Remove ``name`` from the registry (``UnknownTechniqueError`` if absent)."""
-    if name not in _REGISTRY:
+    if name not in _registry():
         raise UnknownTechniqueError(name)
-    del _REGISTRY[name]
+    del _registry()[name]
 
 
 def get(name: str) -> Technique:
     """The technique registered as ``name`` (``UnknownTechniqueError`` listing the known ones)."""
     try:
-        return _REGISTRY[name]
+        return _registry()[name]
     except KeyError:
-        raise UnknownTechniqueError(f"no technique {name!r}; registered: {sorted(_REGISTRY)}") from None
+        raise UnknownTechniqueError(f"no technique {name!r}; registered: {sorted(_registry())}") from None
 
 
 def names() -> list[str]:
     """Registered technique names, sorted."""
-    return sorted(_REGISTRY)
+    return sorted(_registry())
 
 
 def device_counts(cluster: Devices) -> list[int]:
@@ -103,7 +121,7 @@ def check_runnable(tasks: Iterable[Task], chosen: Mapping[str, Iterable[str]]) -
     skipped."""
     for task in tasks:
         for name in sorted(set(chosen.get(task.name, ()))):
-            if name in _REGISTRY and (err := refusal(_REGISTRY[name], task)) is not None:
+            if name in _registry() and (err := refusal(_registry()[name], task)) is not None:
                 raise err
 
 

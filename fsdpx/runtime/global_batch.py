@@ -34,6 +34,18 @@ def my_share(batch: tuple, plan: ShardingPlan, comm: Comm) -> tuple:
     return slice_batch(batch, a, b)
 
 
+def counts_its_share(plan: ShardingPlan, comm: Comm) -> bool:
+    """Whether this rank's statistics count toward the global metrics: the ranks of one
+    tensor-parallel group hold the same share of the batch (``my_share``), so only the first of
+    them (index 0 on ``plan.tp_axis``) counts it and each example is counted once; without
+    tensor parallelism every rank counts its own. Proven by ``tests/test_step_metrics.py``."""
+    return plan.tp_axis is None or comm.mesh.index(comm.rank, plan.tp_axis) == 0
+
+
+NO_STATS = (0.0, 0, 0, 0.0)
+"""The statistics of a rank that counts no example (loss sum, examples, clipped, norm sum)."""
+
+
 def masked_losses(losses: Tensor, mask: Tensor | None) -> Tensor:
     """``losses`` with padding rows (mask False) set to exactly 0, so their gradient is 0
     (``property_tests/test_padded_batch_properties.py::test_a_padding_row_of_nan_contributes_nothing``)."""
@@ -42,9 +54,12 @@ def masked_losses(losses: Tensor, mask: Tensor | None) -> Tensor:
 
 def global_metrics(comm: Comm, stats, config: DPConfig | None) -> dict[str, Any]:
     """The step's metrics over every rank from each rank's ``stats`` (loss sum, examples,
-    clipped examples, norm sum): summed in rank order, the same floats whichever way they
+    clipped examples, norm sum; :data:`NO_STATS` from a rank whose examples another rank
+    counts, :func:`counts_its_share`): summed in rank order, the same floats whichever way they
     travel (``all_gather_floats`` where the communicator has it: one float64 all-gather).
-    ``loss`` is NaN (and the private fractions 0) when the global batch has no example.
+    ``loss`` is NaN (and the private fractions 0) when the global batch has no example;
+    ``batch_size`` is the global batch's count of real examples on every layout
+    (``tests/test_step_metrics.py``).
     The same metrics as the unsharded step (``property_tests/test_padded_batch_properties.py::
     test_a_padded_sharded_step_equals_the_unpadded_unsharded_step``)."""
     floats = getattr(comm, "all_gather_floats", None)

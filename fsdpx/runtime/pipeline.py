@@ -53,7 +53,7 @@ from privacy.batch import call_model, first_tensor, real_count, slice_batch, unp
 from privacy.tape import LossFn, Tape, fill_grads, taping
 
 from .gather import Gatherer
-from .global_batch import global_metrics, masked_losses, my_share
+from .global_batch import NO_STATS, counts_its_share, global_metrics, masked_losses, my_share
 from .host_heap import raise_thresholds
 from .stages import StageExit, StageForward, absent_uses
 from .parts_p2p import recv_parts, send_parts
@@ -230,7 +230,7 @@ class PipelineStep:
                                                                        self.now) if self.config else None, self.now,
                                                             self.replicas)
         metrics = global_metrics(self.comm, run.stats(), self.config)
-        metrics["comm"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
+        metrics["comm_bytes"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
         metrics["resident_bytes"] = resident
         accountant = state.accountant.record(self.config.noise_multiplier, self.config.sample_rate) \
             if self.config else (None if state.accountant is None else state.accountant.record(0.0, 1.0))
@@ -726,10 +726,9 @@ class _Run:
 
     def stats(self) -> tuple[float, int, int, float]:
         o = self.o
-        counts = o.index == (o.layout.num_stages - 1) % o.p and (
-            o.plan.tp_axis is None or o.comm.mesh.index(o.comm.rank, o.plan.tp_axis) == 0)
-        if not counts:
-            return (0.0, 0, 0, 0.0)
+        # the last stage's ranks hold the losses; of a tensor-parallel group, only the first counts them
+        if o.index != (o.layout.num_stages - 1) % o.p or not counts_its_share(o.plan, o.comm):
+            return NO_STATS
         if self.o.config is None:
             return (self.loss_sum, self.count, 0, 0.0)
         norms = self.norms

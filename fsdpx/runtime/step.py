@@ -50,7 +50,7 @@ from privacy.tape import LossFn
 from privacy.validate import check_model
 
 from .gather import Gatherer
-from .global_batch import global_metrics, masked_losses, my_share
+from .global_batch import NO_STATS, counts_its_share, global_metrics, masked_losses, my_share
 from .owned_noise import OwnedNoise
 from .pipeline import PipelineStep
 from .reduce import gradient_divisor, reduce_and_update, trainable_update
@@ -114,11 +114,12 @@ def make_sharded_step(
     with ``config.method`` "ghost" or "auto", noise, accounting; ``num_examples`` then
     required).
 
-    Metrics: loss (global mean), batch_size (global), comm (bytes per collective kind moved by
-    this step), resident_bytes (this rank's parameters at rest + reduced gradients + optimizer
-    state, to compare with ``fsdpx.memory_by_rank``), and for private runs clipped_fraction,
-    mean_norm. All but comm (ThreadComm: rank 0's; DistComm: this rank's) and resident_bytes
-    are identical on every rank.
+    Metrics: loss (global mean), batch_size (the global batch's real examples, each counted
+    once on every layout: ``tests/test_step_metrics.py``), comm_bytes (bytes per collective
+    kind moved by this step), resident_bytes (this rank's parameters at rest + reduced
+    gradients + optimizer state, to compare with ``fsdpx.memory_by_rank``), and for private
+    runs clipped_fraction, mean_norm. All but comm_bytes (ThreadComm: rank 0's; DistComm: this
+    rank's) and resident_bytes are identical on every rank.
     ``donate=True`` (JAX's ``donate_argnums``): the caller gives up ``state``; its tensors may be
     overwritten by the update (``optimizer.update_inplace`` when the optimizer has one). Same
     bits as ``donate=False`` (``property_tests/test_sharded_properties.py::
@@ -155,6 +156,7 @@ def make_sharded_step(
     tensor_parallel = TensorParallelHooks(model, plan, comm)
     norms = sharded_norms(plan, comm) if config is not None else None
     replicas = ReplicaCheck(plan, comm, model)
+    counts = counts_its_share(plan, comm)
     agreed: list[bool] = []
 
     def step(state: ShardedState, batch: tuple) -> tuple[ShardedState, dict[str, Any]]:
@@ -175,8 +177,8 @@ def make_sharded_step(
                                                             gradient_divisor(batch, config, num_examples),
                                                             OwnedNoise(state, plan, comm, config, names)
                                                             if config else None, names, replicas)
-        metrics = global_metrics(comm, stats, config)
-        metrics["comm"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
+        metrics = global_metrics(comm, stats if counts else NO_STATS, config)
+        metrics["comm_bytes"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
         metrics["resident_bytes"] = resident
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else (
             None if state.accountant is None else state.accountant.record(0.0, 1.0))  # plain: epsilon inf, as unsharded
@@ -216,7 +218,7 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
         # activation collectives together, and the parameter collectives still run in order
         gatherer.dry_run()
         zeros = {name: torch.zeros_like(gatherer.full[name]) for name in gatherer.plans}
-        return zeros, (0.0, 0, 0, 0.0)
+        return zeros, NO_STATS
     n = real_count(batch)
     seq_dim = tensor_parallel.seq_dim
     seq_len = first_tensor(inputs).shape[seq_dim] if seq_dim is not None else 0

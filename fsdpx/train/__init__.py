@@ -2,14 +2,31 @@
 sections; ``layout.py``: the parallel layout), what it trains (``sources.py``), the step built
 (``build.py``) on the layout resolved once (``parallel.py``), the loop (``loop.py``), its segments
 and checkpoints (``resume.py``, ``segments.py``, ``checkpoints.py``), the checks made before
-anything is written (``preflight.py``), what it reports (``report.py``), the ``fsdpx train`` command line (``cli.py``) and the torchrun launcher
-(``launch.py``)."""
+anything is written (``preflight.py``), what it reports (``report.py``), the ``fsdpx train``
+command line (``cli.py``) and the torchrun launcher (``launch.py``).
 
-from .build import build_step
-from .config import RunConfig
-from .errors import ConfigError
-from .layout import Layout
-from .loop import run
-from .report import format_summary
+The names below load on first use, as the ``fsdpx`` facade's do: ``fsdpx train --help`` imports
+the command line, its configuration and nothing that loads torch (``tests/test_fast_feedback.py``).
+"""
 
-__all__ = ["ConfigError", "Layout", "RunConfig", "build_step", "format_summary", "run"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {"ConfigError": "errors", "Layout": "layout", "RunConfig": "config", "build_step": "build",
+           "format_summary": "report", "run": "loop"}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

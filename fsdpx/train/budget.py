@@ -19,9 +19,7 @@ from typing import Callable
 from privacy.accounting import NOISE_MULTIPLIER_RTOL, Accountant, max_steps, noise_multiplier
 from privacy.errors import PrivacyError
 
-MAX_NOISE_MULTIPLIER = 10.0
-"""Default largest noise multiplier a segment may be given (``--max-noise-multiplier``): past
-about 10 a small model learns next to nothing, so a plan that needs more is refused instead."""
+from .config import MAX_NOISE_MULTIPLIER
 
 
 class BudgetError(PrivacyError):

@@ -164,7 +164,10 @@ def check_layout(config: RunConfig, world: int) -> Source:
 
 
 def offload_metrics(state: Any) -> dict[str, float]:
-    """The offload optimizer's last-step metrics (loop wait on the host, bytes each way), if any."""
+    """The offload optimizer's last-step metrics (loop wait on the host, bytes each way), if any,
+    as ``metrics.jsonl`` keys: ``offload_`` and the optimizer's name, its ``_s`` spelled
+    ``_seconds`` like the file's other keys (``host_wait_s`` -> ``offload_host_wait_seconds``)."""
     opt = state.opt_state
     found = opt.get("metrics") if isinstance(opt, dict) else None
-    return {f"offload_{k}": v for k, v in found.items()} if found else {}
+    unit = lambda k: k[:-2] + "_seconds" if k.endswith("_s") else k  # noqa: E731
+    return {f"offload_{unit(k)}": v for k, v in found.items()} if found else {}

@@ -26,20 +26,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from fsdpx.sharding import strategies
-from fsdpx.sharding.schedule import KINDS
-from privacy.errors import PrivacyError
-
-from .build import check_layout
+# Only light modules here: the parser and its defaults come before torch, the privacy core and
+# the runtime, which main() imports once the arguments parse (``--help`` and a bad flag answer in
+# well under a second: ``tests/test_fast_feedback.py``).
 from .config import DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, TOKEN_DTYPES, RunConfig, merge, read_file
-from .device import run_device, torchrun_device
 from .errors import ConfigError
-from .launch import launch, restart_count, torchrun_command, watch_launcher
-from .loop import run
-from .preflight import check_before_writing
-from .report import format_summary
-from .resume import restarted_config, segment_config, source_config
-from .segments import ResumeError
+from .layout import SCHEDULES, STRATEGIES
 
 _DEFAULTS = SimpleNamespace(**RunConfig().flat())  # the flags' defaults, by flat name
 
@@ -177,7 +169,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                     help="refuse (before training) a target that needs more noise than this (default %(default)g)")
 
     shard = p.add_argument_group("sharding")
-    shard.add_argument("--strategy", choices=sorted(strategies.ALL), default=None,
+    shard.add_argument("--strategy", choices=STRATEGIES, default=None,
                        help="shard the run over --nproc local processes (torchrun is launched for you)")
     shard.add_argument("--nproc", type=_positive_int, metavar="N", default=None,
                        help="processes of a sharded run (default 2 with --strategy)")
@@ -189,7 +181,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     shard.add_argument("--pp", type=_positive_int, metavar="N", default=d.pp,
                        help="pipeline degree: the GPT's blocks cut into stages over N of the --nproc processes"
                             " (default %(default)s)")
-    shard.add_argument("--schedule", choices=KINDS, default=d.schedule,
+    shard.add_argument("--schedule", choices=SCHEDULES, default=d.schedule,
                        help="with --pp: the pipeline schedule (default %(default)s)")
     shard.add_argument("--microbatches", type=_positive_int, metavar="N", default=d.microbatches,
                        help="with --pp: microbatches per step and data-parallel rank (default %(default)s)")
@@ -307,7 +299,12 @@ def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
     values = merge({k: v for k, v in (file or {}).items() if k in fields}, flags)
     resuming = values.get("resume") or values.get("resume_if_present")
     source = values.get("resume_from") or (values.get("ckpt_dir") if resuming else None)
-    base = source_config(source) if source is not None and explicit is not None else None
+    if source is not None and explicit is not None:
+        from .resume import segment_config, source_config  # reads checkpoints: loads torch
+
+        base = source_config(source)
+    else:
+        base = None
     if base is None:
         values.setdefault("name", "private" if values.get("private", True) else "non-private")
         return RunConfig.of(**values)
@@ -347,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     explicit = explicit_flags(argv)
+    file = None
     try:
         file = read_file(args.config, checks=file_checks(args.command_parser)) if args.config else {}
         nproc = args.nproc if "nproc" in explicit else file.get("nproc")
@@ -359,12 +357,21 @@ def main(argv: list[str] | None = None) -> None:
         if max_restarts and (not layout.sharded or config.checkpoints.ckpt_dir is None):
             args.command_parser.error("--max-restarts needs --strategy (torchrun restarts the workers) and --ckpt-dir"
                                       " (a restarted worker resumes from its newest intact checkpoint)")
+        # the values check out: now the heavy modules (torch, the privacy core, the runtime)
+        from .build import check_layout
+        from .device import run_device
+        from .launch import restart_count, watch_launcher
+        from .resume import restarted_config
+
         if "WORLD_SIZE" not in os.environ:  # the launcher (or the one process): refuse before any process or file
-            check_before_writing(config)
-        if layout.sharded and "WORLD_SIZE" not in os.environ:
-            nproc = nproc or 2 * layout.tp * layout.pp
-            check_layout(config, nproc)  # refuse what cannot run here, before any process starts
-            sys.exit(_launch(argv, nproc, max_restarts))  # re-run this very command on N processes
+            from .preflight import check_before_writing
+
+            if layout.sharded:
+                nproc = nproc or 2 * layout.tp * layout.pp
+                check_layout(config, nproc)  # what cannot run here, before any process starts
+            check_before_writing(config)  # then what would touch the user's files
+            if layout.sharded:
+                sys.exit(_launch(argv, nproc, max_restarts))  # re-run this very command on N processes
         if layout.sharded:
             watch_launcher()  # a worker of `fsdpx train --nproc`: never outlive the launcher
             config = restarted_config(config, restart_count())  # torchrun restarted us: resume
@@ -378,16 +385,55 @@ def main(argv: list[str] | None = None) -> None:
             from fsdpx.runtime.dist_comm import shutdown
 
             shutdown()
-    except (ConfigError, PrivacyError, ResumeError) as err:  # a bad value, not a bug: no traceback, no usage
-        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {err}\n")
+    except Exception as err:  # noqa: BLE001 - a bad value, not a bug: no traceback, no usage
+        if not _refusal(err):
+            raise
+        words = _in_their_words(err, args, explicit, file)
+        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {words}\n")
     if comm is None or comm.rank == 0:
+        from .report import format_summary
+
         print(format_summary(summary))
+
+
+def _refusal(err: BaseException) -> bool:
+    """Whether ``err`` refuses the user's values (printed as one line, exit 2), not a bug: a
+    ``ConfigError``, ``privacy.errors.PrivacyError`` or ``fsdpx.train.segments.ResumeError``. The
+    last two are looked up only once loaded (an error of a module not imported cannot have been
+    raised), so a bad value answers before torch is imported."""
+    kinds = [ConfigError] + [getattr(sys.modules[m], name) for m, name in
+                             (("privacy.errors", "PrivacyError"), ("fsdpx.train.segments", "ResumeError"))
+                             if m in sys.modules]
+    return isinstance(err, tuple(kinds))
+
+
+def _in_their_words(err: BaseException, args: argparse.Namespace, explicit: set[str],
+                    file: dict[str, Any] | None) -> str:
+    """A :class:`ConfigError`'s message naming each setting as the user gave it: the flag typed,
+    the config file's key (:func:`fsdpx.train.wording.as_given`); a config file's own errors
+    already name its keys, and other refusals are printed as raised."""
+    from .config import ConfigFileError
+    from .wording import as_given, spellings
+
+    if not isinstance(err, ConfigError) or isinstance(err, ConfigFileError):
+        return str(err)
+    flags = {a.dest: max(a.option_strings, key=len) for a in args.command_parser._actions if a.option_strings}
+    return as_given(str(err), spellings(flags, explicit, file if args.config else None))
+
+
+def run(config: RunConfig, *, progress: bool = True, comm=None) -> dict[str, Any]:
+    """:func:`fsdpx.train.run`, imported when first called: it loads torch."""
+    from .loop import run as train
+
+    return train(config, progress=progress, comm=comm)
 
 
 def _launch(argv: list[str], nproc: int, max_restarts: int = 0) -> int:
     """Run ``fsdpx <argv>`` under torchrun on ``nproc`` local processes; returns its exit code.
     The equivalent one-liner: ``torchrun --standalone --nproc-per-node N [--max-restarts R] -m fsdpx
     train ...``."""
+    from .launch import launch, torchrun_command
+
     rest = _drop_flag(argv, "--nproc")
     cmd = torchrun_command(nproc, ["fsdpx", *rest], module=True, max_restarts=max_restarts)
     print("fsdpx: launching " + " ".join(cmd[1:]), file=sys.stderr)
@@ -412,11 +458,15 @@ def _communicator(config: RunConfig):
         return None
     from fsdpx.runtime.dist_comm import init_from_env
 
+    from .device import torchrun_device
+
     device = torchrun_device(config.run.device)  # refused (no GPU for this rank) before the process group
     return init_from_env(config.parallelism.mesh(int(os.environ["WORLD_SIZE"])), device=device)
 
 
 def _plan_line(config: RunConfig, comm=None) -> str:
+    """The run's header on stderr: steps, model, data, privacy, layout, offload, device and where
+    it writes (``tests/test_cli.py::test_the_run_header_names_the_offload``)."""
     p, m = config.privacy, config.model
     if not p.private:
         privacy = "non-private"
@@ -425,6 +475,10 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     else:
         privacy = f"DP-SGD with noise multiplier {p.noise_multiplier:g}"
     where = f", {config.parallelism.strategy} on {comm.mesh}" if comm is not None else ""
+    off = config.offload
+    where += {"none": "", "zero": ", ZeRO-Offload (the optimizer on the host)",
+              "zenflow": f", ZenFlow offload (the top {off.offload_topk:.0%} of columns each step, the rest on the host"
+                         f" every {off.offload_interval} steps)"}[off.kind]
     if config.run.device != "cpu":
         where += f", on {comm.device if comm is not None else config.run.device}"
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",

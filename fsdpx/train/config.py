@@ -45,20 +45,28 @@ import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
-
-from fsdpx.models.gpt import GPTConfig
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from . import data
-from .budget import MAX_NOISE_MULTIPLIER
 from .errors import ConfigError
 from .layout import Layout
+
+if TYPE_CHECKING:
+    from fsdpx.models.gpt import GPTConfig
+
+# This module loads no torch (``fsdpx train --help`` builds its defaults from it before anything
+# heavy is imported: ``tests/test_fast_feedback.py``); the model's config is imported where it is made.
 
 MODEL_KINDS = ("gpt", "transformers", "python")
 DATA_KINDS = ("auto", "corpus", "text", "npy", "bin", "dataset", "python")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
 DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_KINDS = ("none", "zenflow", "zero")
+
+MAX_NOISE_MULTIPLIER = 10.0
+"""Default largest noise multiplier a segment may be given (``--max-noise-multiplier``,
+:mod:`fsdpx.train.budget`): past about 10 a small model learns next to nothing, so a plan that
+needs more is refused instead."""
 
 
 def _set(obj: Any, **values: Any) -> None:
@@ -385,6 +393,8 @@ class RunConfig:
     def model_config(self) -> GPTConfig:
         """The built-in GPT's config on the embedded corpus's alphabet (the jobs' GPT);
         :func:`fsdpx.train.sources.build_source` sizes it to the run's data."""
+        from fsdpx.models.gpt import GPTConfig
+
         m = self.model
         return GPTConfig(vocab_size=data.VOCAB_SIZE, block_size=self.data.block_size, n_layer=m.n_layer,
                          n_head=m.n_head, n_embd=m.n_embd)

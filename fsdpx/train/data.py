@@ -14,9 +14,10 @@ enough variety that it cannot just memorise one sentence.
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 ALPHABET = "\n !',.?0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 """Every character the tokenizer knows; token id = position in this string."""
@@ -137,6 +138,8 @@ def encode(text: str) -> Tensor:
     """Token ids ``(len(text),)`` int64, one per character. A character outside
     :data:`ALPHABET` raises ``ValueError`` naming it and its position."""
     try:
+        import torch  # here, not above: the configuration reads this module's sizes without torch
+
         return torch.tensor([_INDEX[ch] for ch in text], dtype=torch.int64)
     except KeyError as err:
         pos = next(i for i, ch in enumerate(text) if ch not in _INDEX)
@@ -168,6 +171,8 @@ def windows(ids: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
     example's privacy unit simple); ``targets`` is the same window shifted by one token.
     ``N = (L - 1) // block_size``; the leftover tail is dropped. ``block_size < 1`` raises
     ``ValueError``."""
+    import torch
+
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     ids = ids.to(torch.int64)

@@ -7,24 +7,35 @@ jobs planner's techniques and their workers.
 A :class:`Layout` holds degrees, not processes: the same layout runs on any world size its
 ``tp x pp`` divides. Resolving it on a model (the per-parameter sharding plan) is
 :func:`fsdpx.train.parallel.resolve_parallel`, once per run.
+
+This module loads no torch: ``fsdpx train --help`` reads its names (:data:`STRATEGIES`,
+:data:`SCHEDULES`) and builds its default before anything heavy is imported; the sharding
+algebra (whose package loads torch) is imported where a mesh or a strategy is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
-
-from fsdpx.sharding import strategies
-from fsdpx.sharding.mesh import Mesh
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from fsdpx.sharding.mesh import Mesh
+
+STRATEGIES = ("ddp", "hsdp", "zero1", "zero2", "zero3")
+"""The names of :data:`fsdpx.sharding.strategies.ALL`, sorted, as plain data (equal to them:
+``tests/test_fast_feedback.py::test_the_light_names_are_the_algebras``)."""
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+""":data:`fsdpx.sharding.schedule.KINDS`, as plain data (equal to them: the same test)."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """``tp`` x ``pp`` x ``dp = world / (tp pp)`` ranks with ``strategy`` (a name of
-    :data:`fsdpx.sharding.strategies.ALL`; ``None``: one process, no sharding) over the
+    """``tp`` x ``pp`` x ``dp = world / (tp pp)`` ranks with ``strategy`` (one of
+    :data:`STRATEGIES`; ``None``: one process, no sharding) over the
     data-parallel ranks. ``tp``: Megatron tensor parallelism with the model's plan
     (:func:`fsdpx.train.parallel.tp_plan`), ``sequence_parallel`` splitting the activations
     between its regions along the sequence; ``pp``: the model's blocks cut into ``pp *
@@ -42,8 +53,8 @@ class Layout:
     virtual_stages: int = 1
 
     def __post_init__(self) -> None:
-        if self.strategy is not None and self.strategy not in strategies.ALL:
-            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {sorted(strategies.ALL)}")
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {self.strategy!r}; choose one of {list(STRATEGIES)}")
         if self.tp < 1:
             raise ConfigError(f"tp must be >= 1, got {self.tp}")
         if self.tp > 1 and self.strategy is None:
@@ -67,6 +78,8 @@ class Layout:
         with ``pp > 1`` a first axis ``pp`` (stages farthest apart: their traffic is the
         lightest). Raises :class:`ConfigError` when ``tp * pp`` does not divide ``world``.
         Proven by ``tests/test_train_layout.py``."""
+        from fsdpx.sharding.mesh import Mesh
+
         tp, pp = self.tp, self.pp
         if world % (tp * pp):
             raise ConfigError(f"tp={tp} x pp={pp} does not divide the {world} processes")
@@ -85,6 +98,8 @@ class Layout:
 
     def data_parallel(self) -> Any:
         """The strategy's :class:`fsdpx.sharding.strategies` value over :meth:`mesh`'s axes."""
+        from fsdpx.sharding import strategies
+
         return strategies.ALL[self.strategy](**self.strategy_axes())
 
     def params(self) -> dict[str, Any]:

@@ -14,11 +14,26 @@ Files written to ``<out>/<name>/``:
 * ``config.json``: the :class:`RunConfig` tree plus what was derived from it (sample rate,
   noise multiplier, dataset and model sizes, the model and data read), written before the first
   step; ``config.toml``: the same configuration as a file ``fsdpx train --config`` reads back.
-* ``metrics.jsonl``: one object per step: ``step`` (1-based), ``loss`` (mean over the batch),
-  ``epsilon`` (spent after the step, at ``delta``; ``null`` for a non-private run, which has no
-  guarantee), ``batch_size`` (the Poisson draw), ``clipped_fraction``, ``mean_norm`` (mean
-  per-example gradient norm before clipping; ``null`` when not computed), ``seconds`` (wall
-  time since the loop started).
+* ``metrics.jsonl``: one object per step, every key that is a quantity named with its unit
+  (:data:`METRICS` lists them; the README's "The main job" shows them too):
+
+  - ``step``: 1-based;
+  - ``loss``: mean per-example loss over this step's batch (not smoothed);
+  - ``epsilon``: spent after the step, at ``delta`` (``null`` for a non-private run, which has
+    no guarantee);
+  - ``batch_size``: examples in this step's Poisson batch, the whole global batch on every
+    layout;
+  - ``clipped_fraction``, ``mean_norm``: the fraction of the batch's examples whose gradient
+    norm exceeded the clip norm, and their mean gradient norm before clipping (a one-process
+    plain run writes 0 and ``null``; a sharded plain run leaves them out);
+  - ``step_seconds``: wall seconds since the previous step's line (this segment's loop start
+    for its first): the batch, the step, epsilon, the line itself and a checkpoint's snapshot;
+  - ``elapsed_seconds``: wall seconds since this segment's loop started (the sum of its
+    ``step_seconds``);
+  - sharded runs: ``comm_bytes`` (bytes rank 0 moved this step, by collective kind) and
+    ``resident_bytes`` (rank 0's parameters, gradients and optimizer state at rest);
+  - ``--offload``: ``offload_host_wait_seconds``, ``offload_host_loop_seconds``,
+    ``offload_d2h_bytes``, ``offload_h2d_bytes`` (the last step's host work and traffic).
 * ``plot.png``: loss and epsilon against step.
 """
 
@@ -48,6 +63,15 @@ from .preflight import check_before_writing
 from .resume import SegmentPlan, plan_segment
 from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
 from .sources import Source, build_source, sample_text
+
+METRICS = ("step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
+           "elapsed_seconds", "comm_bytes", "resident_bytes", "offload_host_wait_seconds",
+           "offload_host_loop_seconds", "offload_d2h_bytes", "offload_h2d_bytes")
+"""Every key a line of ``metrics.jsonl`` may hold (see the module doc): every line has ``step``,
+``loss``, ``epsilon``, ``batch_size``, ``step_seconds`` and ``elapsed_seconds``; a private run's
+(and a one-process plain run's) ``clipped_fraction`` and ``mean_norm``, a sharded run's
+``comm_bytes`` and ``resident_bytes``, an offloaded run's the four ``offload_`` keys
+(``tests/test_cli.py::test_private_run_writes_metrics_plot_config_and_summary``)."""
 
 
 def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -> dict[str, Any]:
@@ -102,9 +126,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         manager.run_id = plan.run_id  # retention deletes only the checkpoints this run wrote
     if plan.dp != dp:
         if main and plan.start > 0:
-            print(f"fsdpx train: noise multiplier {plan.dp.noise_multiplier:.4g} (was {dp.noise_multiplier:.4g}) for"
-                  f" the {config.run.steps - plan.start} steps left keeps the whole run within epsilon"
-                  f" {config.privacy.target_epsilon:g}", file=sys.stderr)
+            print(f"fsdpx train: {noise_note(config, plan)}", file=sys.stderr)
         dp = plan.dp
         _, step = build_step(config, model, params, dp, **build)
     state = plan.state
@@ -119,8 +141,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         if main:
             print(f"fsdpx train: {stopped}", file=sys.stderr)
         trained = full_params(state, comm, parallel, source)
+        sample = sample_text(source, trained, 100, seed=config.run.seed)
         return report.summary(config, [report.numbers(r) for r in earlier], state, dp, sample_rate, start,
-                              plan.start, starts, stopped, sample=sample_text(source, trained, 100, seed=config.run.seed))
+                              plan.start, starts, stopped, sample=sample, files=())  # nothing written
 
     run_dir = report.prepare_run_dir(config.run_dir) if main else config.run_dir
     report.write_json(run_dir / "config.json" if main else None, {
@@ -143,7 +166,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     history: list[dict[str, Any]] = [report.numbers(r) for r in earlier]
     saved_at = plan.start
     stopped, torn = None, False
-    loop_start = time.perf_counter()
+    loop_start = last = time.perf_counter()
     with report.open_log(run_dir / "metrics.jsonl", main, append=True) as log, \
             report.progress_bar(config, progress and main, initial=plan.start) as bar:
         while state.step < config.run.steps:
@@ -162,8 +185,10 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
             # The step does not report epsilon (a PLD query is not free); on the run's coarse
             # grid (accounting_interval) one query per step costs tens of milliseconds.
             epsilon = state.accountant.epsilon() if main else math.nan
+            now = time.perf_counter()
             record = {"step": state.step, **metrics, **offload_metrics(state), "epsilon": epsilon,
-                      "seconds": time.perf_counter() - loop_start}
+                      "step_seconds": now - last, "elapsed_seconds": now - loop_start}
+            last = now
             history.append(record)
             report.append_jsonl(log, record)
             report.update_bar(bar, history)
@@ -180,7 +205,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         report.plot(history, run_dir / "plot.png", title=report.plot_title(config, dp, source),
                     delta=config.privacy.delta, starts=starts)
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
-                          sample=sample_text(source, trained, 100, seed=config.run.seed))
+                          sample=sample_text(source, trained, 100, seed=config.run.seed), files=report.FILES)
 
 
 def _announce(config: RunConfig, plan: SegmentPlan) -> None:
@@ -192,6 +217,27 @@ def _announce(config: RunConfig, plan: SegmentPlan) -> None:
               " step 0", file=sys.stderr)
     elif plan.source is not None:
         print(f"fsdpx train: resuming at step {plan.start} from {plan.source}", file=sys.stderr)
+
+
+def noise_note(config: RunConfig, plan: SegmentPlan) -> str:
+    """The line saying what noise a resumed private segment's steps get, beside what the run's
+    last step before the checkpoint used (its accountant's last event: the noise the run really
+    had, not what a fresh run of the new ``--steps`` would have). Issue 28: "noise multiplier
+    1.148 (was 0.4883)" named a fresh run's 0.4883 where the run had used 0.4689
+    (``tests/test_train_segments.py::test_a_resume_names_the_noise_the_run_used``)."""
+    p, new = config.privacy, plan.dp
+    target = p.target_epsilon if p.budget is None else min(p.target_epsilon, p.budget)
+    events = plan.state.accountant.events if plan.state.accountant is not None else ()
+    left = f"for the {config.run.steps - plan.start} steps left"
+    if not events:
+        before = ""
+    elif math.isclose(events[-1].noise_multiplier, new.noise_multiplier, rel_tol=1e-12):
+        before = f", as step {plan.start} used,"
+    else:
+        rate = (f" at sample rate {events[-1].sample_rate:.4g}" if events[-1].sample_rate != new.sample_rate else "")
+        before = f" (step {plan.start}, the last before the checkpoint, used {events[-1].noise_multiplier:.4g}{rate})"
+    return (f"noise multiplier {new.noise_multiplier:.4g} {left}{before} keeps the whole run within epsilon"
+            f" {target:g}")
 
 
 def full_params(state: Any, comm: Comm | None, parallel: Parallel | None, source: Source) -> dict[str, Tensor]:

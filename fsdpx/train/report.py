@@ -19,7 +19,10 @@ from privacy.step import DPConfig
 from .config import RunConfig
 from .sources import Source
 
-SMOOTHING = 10  # steps averaged for the reported final loss and the plot's trend line
+SMOOTHING = 10  # steps averaged for the reported final loss, the progress bar's and the plot's trend line
+
+FILES = ("metrics.jsonl", "plot.png", "config.json", "config.toml")
+"""What a run that trains writes into its run directory (``fsdpx.train.loop``'s module doc)."""
 
 
 def numbers(record: dict[str, Any]) -> dict[str, Any]:
@@ -29,8 +32,9 @@ def numbers(record: dict[str, Any]) -> dict[str, Any]:
 
 def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DPConfig | None,
             sample_rate: float, start: float, start_step: int, starts: list[int], stopped: str | None,
-            *, sample: str) -> dict[str, Any]:
-    """The summary :func:`fsdpx.train.run` returns (its keys are documented there)."""
+            *, sample: str, files: Sequence[str] = FILES) -> dict[str, Any]:
+    """The summary :func:`fsdpx.train.run` returns (its keys are documented there); ``files``:
+    what the segment wrote into ``run_dir`` (none when it had nothing to do)."""
     rows = [r for r in history if r.get("loss") is not None and math.isfinite(r["loss"])]
     return {
         "steps": state.step,
@@ -44,6 +48,7 @@ def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DP
         "sample_rate": sample_rate,
         "seconds": time.perf_counter() - start,
         "run_dir": str(config.run_dir),
+        "files": list(files),
         "sample": sample,
         "segment_starts": starts,
         "stopped": stopped,
@@ -52,7 +57,9 @@ def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DP
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The few lines ``fsdpx train`` prints at the end: the whole run's steps, loss and epsilon
-    (a resumed run's first loss is its step 1's, not the segment's)."""
+    (a resumed run's first loss is its step 1's, not the segment's), and the files the segment
+    wrote ("none written" when it had nothing to do: ``tests/test_train_segments.py::
+    test_a_branch_with_nothing_to_do_names_no_files``)."""
     s = summary
     privacy = (f"epsilon {s['epsilon']:.3f} at delta {s['delta']:g} (noise multiplier {s['noise_multiplier']:.3f}, "
                f"sample rate {s['sample_rate']:.4g})" if math.isfinite(s["epsilon"]) else "non-private: no guarantee")
@@ -65,7 +72,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"privacy      {privacy}",
         f"wall time    {s['seconds']:.1f} s",
         f"sample       {s['sample']!r}",
-        f"files        {s['run_dir']}/{{metrics.jsonl,plot.png,config.json,config.toml}}",
+        f"files        {s['run_dir']}/{{{','.join(s['files'])}}}" if s.get("files", FILES) else
+        "files        none written",
     ]
     return "\n".join(lines)
 
@@ -119,10 +127,19 @@ def progress_bar(config: RunConfig, enabled: bool, initial: int = 0) -> tqdm:
                 disable=not enabled, dynamic_ncols=True)
 
 
-def update_bar(bar: tqdm, history: list[dict[str, Any]]) -> None:
+def bar_text(history: list[dict[str, Any]]) -> str:
+    """The progress bar's words after the latest step: the loss as what it is, the mean of the
+    last ``SMOOTHING`` steps' batch losses (fewer at the start), and epsilon so far
+    (``tests/test_cli.py::test_the_progress_bar_says_what_its_loss_is``)."""
     recent = [r["loss"] for r in history[-SMOOTHING:] if math.isfinite(r["loss"])]
     eps = history[-1]["epsilon"]
-    bar.set_postfix(loss=f"{mean(recent):.3f}", eps=f"{eps:.2f}" if math.isfinite(eps) else "inf", refresh=False)
+    steps = f"last {len(recent)} steps" if len(recent) != 1 else "last step"
+    return f"loss {mean(recent):.3f} (mean of {steps}), epsilon {eps:.2f}" if math.isfinite(eps) else \
+        f"loss {mean(recent):.3f} (mean of {steps}), non-private"
+
+
+def update_bar(bar: tqdm, history: list[dict[str, Any]]) -> None:
+    bar.set_postfix_str(bar_text(history), refresh=False)
     bar.update(1)
 
 

@@ -19,16 +19,22 @@ from __future__ import annotations
 
 import argparse
 from fractions import Fraction
+from typing import TYPE_CHECKING
 
-from fsdpx.sharding.private_sim import simulate_private
-from fsdpx.sharding.schedule import ACTION_KINDS, KINDS, schedule
-from fsdpx.sharding.schedule_sim import Timeline, Transfer, plot, simulate, text
+# Only light modules here: the parser answers (``--help``, a bad flag) before the sharding
+# package (torch) is imported, in the functions that simulate.
+from .layout import SCHEDULES
+
+if TYPE_CHECKING:
+    from fsdpx.sharding.schedule_sim import Timeline
 
 
 def parse_costs(spec: str) -> dict[str, Fraction]:
     """``"F=1,B=2,W=1/2"`` -> ``{"F": 1, "B": 2, "W": 1/2}`` as exact fractions (decimals too:
     ``0.5``). ``ValueError`` naming the bad item for an unknown kind, a negative or unparsable
     cost (``tests/test_schedule_cli.py``)."""
+    from fsdpx.sharding.schedule import ACTION_KINDS
+
     costs: dict[str, Fraction] = {}
     for item in filter(None, (part.strip() for part in spec.split(","))):
         kind, eq, value = item.partition("=")
@@ -47,7 +53,7 @@ def parse_costs(spec: str) -> dict[str, Fraction]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fsdpx schedule", description=__doc__.splitlines()[0])
-    p.add_argument("kind", choices=KINDS, help="the schedule")
+    p.add_argument("kind", choices=SCHEDULES, help="the schedule")
     p.add_argument("--ranks", type=int, required=True, metavar="P", help="pipeline ranks (stages per round)")
     p.add_argument("--microbatches", type=int, required=True, metavar="M")
     p.add_argument("--virtual", type=int, default=1, metavar="V", help="chunks per rank (interleaved_1f1b)")
@@ -66,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 def describe(timeline: Timeline) -> str:
     """What ``fsdpx schedule`` prints for ``timeline``: the text timeline when every time is an
     integer, then the bubble (exact fraction and percent), makespan and peak in flight."""
+    from fsdpx.sharding.schedule_sim import text
+
     lines = []
     try:
         lines += [text(timeline), ""]
@@ -84,6 +92,10 @@ def main(argv: list[str]) -> None:
     microbatches a multiple of ranks)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from fsdpx.sharding.private_sim import simulate_private
+    from fsdpx.sharding.schedule import schedule
+    from fsdpx.sharding.schedule_sim import Transfer, plot, simulate
+
     try:
         costs = parse_costs(args.costs)
         transit = Fraction(args.transit)

@@ -78,7 +78,7 @@ def test_zero3_on_gloo_equals_the_unsharded_run(tmp_path, nproc, private):
     memory = memory_by_rank(strategy, shapes, mesh, optimizer="sgd_momentum", dtype=torch.float64)
     for rank, r in enumerate(results):
         for metrics in r["metrics"]:
-            assert metrics["comm"] == predicted
+            assert metrics["comm_bytes"] == predicted
             assert metrics["resident_bytes"] == memory[rank]
 
 
@@ -100,10 +100,10 @@ def test_hsdp_on_four_gloo_ranks_equals_the_unsharded_run(tmp_path, private):
     for rank, r in enumerate(results):
         for m in r["metrics"]:
             if rank == 0:  # the rank with the largest blocks: exactly the algebra's figure
-                assert m["comm"] == predicted
+                assert m["comm_bytes"] == predicted
             # the others all-reduce their own (smaller, uneven) blocks; padded kinds are equal
-            assert all(m["comm"][k] <= v for k, v in predicted.items()), (rank, m["comm"], predicted)
-            assert (m["comm"]["all_gather"], m["comm"]["reduce_scatter"]) == \
+            assert all(m["comm_bytes"][k] <= v for k, v in predicted.items()), (rank, m["comm_bytes"], predicted)
+            assert (m["comm_bytes"]["all_gather"], m["comm_bytes"]["reduce_scatter"]) == \
                 (predicted["all_gather"], predicted["reduce_scatter"])
 
 
@@ -124,7 +124,7 @@ def test_zero3_with_tensor_parallelism_on_four_gloo_ranks_equals_the_unsharded_r
     for (x, y), metrics in zip(BATCHES, results[0]["metrics"]):  # rank 0: the largest blocks and batch share
         acts = activation_collectives(model, plan, mesh, token_loss, x.shape, y.shape, dtype=torch.float64,
                                       private=private)
-        assert metrics["comm"] == comm_per_step(plan, shapes, mesh, units, dtype=torch.float64, activations=acts)
+        assert metrics["comm_bytes"] == comm_per_step(plan, shapes, mesh, units, dtype=torch.float64, activations=acts)
 
 
 @pytest.mark.parametrize("kind", ["hf-gpt2", "hf-llama", "hf-qwen3"])
@@ -168,7 +168,7 @@ def _assert_counts_as_predicted(results: list[dict], plan, mesh: Mesh, model, *,
                                           hidden=(x.shape[1], model.config.n_embd), dtype=torch.float64,
                                           private=private)
             for kind in kinds:
-                assert metrics["comm"][kind] == want[kind], (rank, kind, metrics["comm"], want)
+                assert metrics["comm_bytes"][kind] == want[kind], (rank, kind, metrics["comm_bytes"], want)
 
 
 @pytest.mark.parametrize("nproc, extra, private", [

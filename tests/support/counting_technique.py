@@ -13,7 +13,7 @@ class CountingTechnique:
     """A user technique that follows the built-ins' file conventions: one line per step in
     ``<dir>/run/metrics.jsonl``, a ``ckpt/step_<N>`` directory every ``every`` steps, resuming
     from the newest one. Its "loss" is a function of the step, so a resumed run logs the same.
-    With ``clock`` it logs its own ``seconds`` too (since the attempt began), as the built-ins do."""
+    With ``clock`` it logs its own ``elapsed_seconds`` too (since the attempt began), as the built-ins do."""
 
     def __init__(self, seconds_per_step: float = 0.05, every: int = 5, fail: str | None = None, clock: bool = False,
                  linger: float = 0.0):
@@ -41,7 +41,7 @@ class CountingTechnique:
         with open(log, "a") as f:
             for s in range(done + 1, steps + 1):
                 time.sleep(self.dt / devices.count)
-                clock = {"seconds": time.perf_counter() - began} if self.clock else {}
+                clock = {"elapsed_seconds": time.perf_counter() - began} if self.clock else {}
                 f.write(json.dumps({"step": s, "loss": 1.0 / s, "epsilon": None, **clock}) + "\n")
                 f.flush()
                 if s % self.every == 0:
