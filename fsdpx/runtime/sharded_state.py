@@ -10,7 +10,7 @@ states without pickle, by registered type; it sits below the runtime, so this mo
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from torch import Tensor
 
@@ -18,7 +18,7 @@ from ckpt.flatten import register_type
 from fsdpx.optim import Optimizer
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.cost_model import PlanLike, as_plan
-from fsdpx.sharding.layout import local_box
+from fsdpx.sharding.layout import Box, local_box
 from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.pipeline import rank_plan
 from fsdpx.sharding.spec import Spec
@@ -49,17 +49,35 @@ def local_block(t: Tensor, spec: Spec, mesh: Mesh, rank: int) -> Tensor:
     return t[tuple(slice(a, b) for a, b in box)].clone()
 
 
+ReadBlock = Callable[[str, Box, "tuple[int, int] | None"], Tensor]
+"""``read(name, box, fused) -> block``: the block ``box`` of parameter ``name``'s layout view
+(``fused`` as ``ParamLayout.fused``), e.g. read from a file (``fsdpx.train.pretrained.read_block``)."""
+
+
 def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm: Comm, *, key: int,
-                 config: DPConfig | None = None) -> ShardedState:
+                 config: DPConfig | None = None, read: ReadBlock | None = None) -> ShardedState:
     """This rank's state before step 0, cut from the full ``params`` (every rank passes the same
     full values): parameters at rest, optimizer state initialised on the opt_state layout, each
     in the plan's (view) shape. ``strategy``: a ``Strategy`` or a resolved ``ShardingPlan``; with
-    a pipeline, only the parameters of this rank's stages (``fsdpx.sharding.pipeline.rank_plan``)."""
+    a pipeline, only the parameters of this rank's stages (``fsdpx.sharding.pipeline.rank_plan``).
+
+    With ``read``, ``params`` give only shapes and dtypes (they may be on ``meta``) and each block
+    this rank holds is ``read(name, local_box(...), fused)``, a block the same for at rest and
+    optimizer state read once. Guarantee: the state equals the one cut from the full values
+    ``read`` reads (``tests/test_pretrained_weights.py::
+    test_blocks_read_by_each_rank_equal_the_sharded_whole_model``)."""
     mesh, rank = comm.mesh, comm.rank
     plan = rank_plan(as_plan(strategy, {n: tuple(p.shape) for n, p in params.items()}), mesh, rank)
-    views = {n: params[n].detach().reshape(lay.shape) for n, lay in plan.params.items()}
-    at_rest = {n: local_block(v, plan.params[n].at_rest, mesh, rank) for n, v in views.items()}
-    at_opt = {n: local_block(v, plan.params[n].opt_state, mesh, rank) for n, v in views.items()}
+    if read is None:
+        views = {n: params[n].detach().reshape(lay.shape) for n, lay in plan.params.items()}
+        at_rest = {n: local_block(v, plan.params[n].at_rest, mesh, rank) for n, v in views.items()}
+        at_opt = {n: local_block(v, plan.params[n].opt_state, mesh, rank) for n, v in views.items()}
+    else:
+        at_rest, at_opt = {}, {}
+        for n, lay in plan.params.items():
+            rest, opt = (local_box(lay.shape, spec, mesh, rank) for spec in (lay.at_rest, lay.opt_state))
+            at_rest[n] = read(n, rest, lay.fused)
+            at_opt[n] = at_rest[n].clone() if opt == rest else read(n, opt, lay.fused)
     accountant = None
     if config is not None:
         accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)

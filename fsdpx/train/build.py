@@ -30,6 +30,7 @@ from .config import RunConfig
 from .device import run_device
 from .errors import ConfigError
 from .parallel import Parallel, resolve_parallel
+from .pretrained import Weights, file_names, read_block
 from .sources import Source, build_source
 
 Step = Callable[[TrainState, tuple[Tensor, Tensor]], tuple[TrainState, dict[str, float]]]
@@ -82,7 +83,8 @@ def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimi
 
 def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor], dp: DPConfig | None,
                *, num_examples: int, comm: Comm | None = None, parallel: Parallel | None = None,
-               loss_fn: Callable[[Any, Tensor], Tensor] = token_loss) -> tuple[TrainState, Step]:
+               loss_fn: Callable[[Any, Tensor], Tensor] = token_loss,
+               weights: Weights | None = None) -> tuple[TrainState, Step]:
     """The initial state and the step function of a run: the one place a step is chosen.
 
     Returns ``(state, step)`` with ``state.step == 0``. The accountant carries the run's delta,
@@ -91,7 +93,9 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     resolved on ``model``, :func:`fsdpx.train.parallel.resolve_parallel`) the state is this
     rank's :class:`fsdpx.runtime.ShardedState` and the step takes the global batch.
     ``loss_fn(model output, targets) -> (B,)``: the source's
-    (:attr:`fsdpx.train.sources.Source.loss_fn`)."""
+    (:attr:`fsdpx.train.sources.Source.loss_fn`). ``weights``: the pretrained weights of a
+    sharded rank whose ``params`` are on ``meta`` (:func:`fsdpx.train.sources.read_mode`): each
+    rank reads only the blocks it holds (:func:`rank_reader`)."""
     optimizer = make_optimizer(config, comm)
     trainable = freezing(config, model, params)
     p = config.privacy
@@ -104,7 +108,8 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, loss_fn, optimizer, parallel.plan, comm, param_shapes=shapes, config=dp,
                                  num_examples=num_examples, donate=True, trainable=trainable)
-        state = init_sharded(params, optimizer, parallel.plan, comm, key=seed, config=dp)
+        read = rank_reader(model, params, weights, getattr(comm, "device", None))
+        state = init_sharded(params, optimizer, parallel.plan, comm, key=seed, config=dp, read=read)
         return state._replace(accountant=accountant), step
     if dp is None:
         fresh = {k: v.clone() for k, v in params.items()}
@@ -113,6 +118,22 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     state = init_state(params, optimizer, key=seed, config=dp)._replace(accountant=accountant)
     return state, make_private_step(model, loss_fn, optimizer, dp, num_examples=num_examples, donate=True,
                                     trainable=trainable)
+
+
+def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weights | None,
+                device: torch.device | None) -> Callable | None:
+    """``init_sharded``'s ``read``: a block of a parameter read from ``weights`` (only its bytes,
+    :func:`fsdpx.train.pretrained.read_block`), cast to the parameter's dtype, on ``device``;
+    ``None`` when the parameters hold their values (no weights, or read whole)."""
+    if weights is None or not any(p.is_meta for p in params.values()):
+        return None
+    names = file_names(model, weights)
+
+    def read(name: str, box: Any, fused: tuple[int, int] | None) -> Tensor:
+        block = read_block(weights, names[name], box, dtype=params[name].dtype, fused=fused)
+        return block if device is None else block.to(device)
+
+    return read
 
 
 def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
@@ -156,7 +177,7 @@ def check_layout(config: RunConfig, world: int) -> Source:
     that cannot run the microbatches, a model without a tensor-parallel plan): checked once,
     before torchrun starts any process. Returns the source it built."""
     run_device(config.run.device, processes=world)  # cuda without a GPU for each process: refused now
-    source = build_source(config)
+    source = build_source(config, read="none")  # pretrained weights: keys checked, nothing read
     freezing(config, source.model, source.params)
     layout = config.parallelism
     resolve_parallel(layout, source.model, layout.mesh(world), source.inputs[:1])

@@ -136,7 +136,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--n-head", type=_positive_int, metavar="N", default=d.n_head, help="(default %(default)s)")
     model.add_argument("--block-size", type=_positive_int, metavar="N", default=d.block_size,
                        help="characters per example (default %(default)s)")
-    model.add_argument("--lr", type=_positive_float, metavar="X", default=d.lr,
+    model.add_argument("--lr", type=_non_negative_float, metavar="X", default=d.lr,
                        help="AdamW learning rate (default %(default)s)")
     model.add_argument("--freeze", metavar="SPEC", default=None,
                        help="freeze parameters for a span of steps: 'wte,wpe@0-100;lm_head@50-' (names,"

@@ -99,8 +99,8 @@ class RunSettings:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be > 0, got {self.lr}")
+        if not self.lr >= 0:  # 0: the model's loss on the run's batches, its weights kept (a loaded model checked)
+            raise ConfigError(f"lr must be >= 0, got {self.lr}")
         if self.freeze:
             from fsdpx.optim.freezing import Freezing
 

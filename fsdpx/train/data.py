@@ -146,9 +146,16 @@ def encode(text: str) -> Tensor:
         raise ValueError(f"character {err.args[0]!r} at position {pos} is not in the tokenizer's alphabet") from None
 
 
+UNKNOWN = "\ufffd"
+"""What :func:`decode` writes for an id outside the alphabet (a model whose vocabulary is larger
+than the corpus's samples such ids): Unicode's replacement character, as UTF-8 decoding does."""
+
+
 def decode(ids: Tensor | list[int]) -> str:
-    """Inverse of :func:`encode`: ``decode(encode(s)) == s`` for every ``s`` over the alphabet."""
-    return "".join(ALPHABET[int(i)] for i in ids)
+    """Inverse of :func:`encode`: ``decode(encode(s)) == s`` for every ``s`` over the alphabet.
+    An id outside ``0..VOCAB_SIZE - 1`` is written :data:`UNKNOWN`, never an error
+    (``tests/test_pretrained_weights.py::test_a_vocabulary_larger_than_the_alphabet_samples_and_finishes``)."""
+    return "".join(ALPHABET[int(i)] if 0 <= int(i) < VOCAB_SIZE else UNKNOWN for i in ids)
 
 
 # --------------------------------------------------------------------------- examples

@@ -62,7 +62,7 @@ from .parallel import Parallel, resolve_parallel
 from .preflight import check_before_writing
 from .resume import SegmentPlan, plan_segment
 from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
-from .sources import Source, build_source, sample_text
+from .sources import Source, build_source, read_mode, sample_text
 
 METRICS = ("step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
            "elapsed_seconds", "comm_bytes", "resident_bytes", "offload_host_wait_seconds",
@@ -109,13 +109,15 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     start = time.perf_counter()
     # refused here, before any file: cuda without a GPU (a torchrun rank's comm already holds its device)
     device = getattr(comm, "device", None) or run_device(config.run.device)
-    source = build_source(config).to(device)  # built on the host (the same bits anywhere), then moved
+    # built on the host (the same bits anywhere), then moved; pretrained weights: a rank reads its blocks
+    source = build_source(config, read=read_mode(config, comm is not None)).to(device)
     model, params, inputs, targets = source.model, source.params, source.inputs, source.targets
     num_examples = int(inputs.shape[0])
     sample_rate = resolve_sample_rate(config, num_examples)
     dp = resolve_privacy(config, sample_rate)
     parallel = resolve_parallel(config.parallelism, model, comm.mesh, inputs[:1]) if comm is not None else None
-    build = dict(num_examples=num_examples, comm=comm, parallel=parallel, loss_fn=source.loss_fn)
+    build = dict(num_examples=num_examples, comm=comm, parallel=parallel, loss_fn=source.loss_fn,
+                 weights=source.weights)
     state, step = build_step(config, model, params, dp, **build)
     manager = checkpoint_manager(config, comm, private=dp is not None, parallel=parallel)
     plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=data_digest(inputs, targets),

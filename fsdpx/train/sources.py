@@ -7,9 +7,13 @@ examples. :func:`build_source` is the one place ``fsdpx train`` turns a configur
 
 Models: the built-in GPT (``fsdpx.models.gpt``, its vocabulary the data's unless ``vocab_size``
 is given), or a transformers causal LM from a local config (a directory holding
-``config.json``, or the file) or from a class name and fields. Nothing is downloaded; weights
-are initialised from ``seed``; the model goes in unmodified (``use_cache`` off: training needs no
-key/value cache).
+``config.json``, or the file) or from a class name and fields. Nothing is downloaded. A model
+directory holding a transformers save (``model.safetensors``, or the shards of
+``model.safetensors.index.json``) starts from its weights (:mod:`fsdpx.train.pretrained`: built
+with its parameters on ``meta``, nothing drawn from the seed, every key checked by name, stored
+bf16/fp16 cast to fp32); a pickled ``pytorch_model.bin`` alone is refused by name; otherwise
+weights are initialised from ``seed``. The model goes in unmodified (``use_cache`` off: training
+needs no key/value cache).
 
 Data: a token stream cut into examples by :func:`fsdpx.train.data.windows` (``block_size + 1``
 tokens each, the targets shifted by one), from the embedded corpus, a text file (tokenised by
@@ -42,6 +46,7 @@ from fsdpx.runtime import global_rng
 from . import data
 from .config import RunConfig
 from .errors import ConfigError
+from .pretrained import Weights, check_keys, find_weights, load_into, parameters_on_meta
 
 Encode = Callable[[str], Sequence[int]]
 Decode = Callable[[Sequence[int]], str]
@@ -78,12 +83,21 @@ class Source(NamedTuple):
     model_name: str
     description: str
     language_model: bool = True  # a causal LM over token ids: its text can be sampled
+    weights: Weights | None = None  # the pretrained weights the parameters come from, if any
 
     def to(self, device: torch.device) -> "Source":
         """This source with the model (parameters and buffers) and ``params`` on ``device``; the
         examples stay on the host (each step's batch is moved as it is taken). On the CPU it is
-        this very source: nothing is copied."""
-        if all(t.device == device for t in [*self.model.parameters(), *self.model.buffers()]):
+        this very source: nothing is copied. Parameters on ``meta`` (a rank that reads its blocks
+        of pretrained weights, :func:`read_mode`) stay there; the buffers move."""
+        tensors = [t for t in [*self.model.parameters(), *self.model.buffers()] if not t.is_meta]
+        if all(t.device == device for t in tensors):
+            return self
+        if any(p.is_meta for p in self.model.parameters()):
+            for module in self.model.modules():
+                for key, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[key] = buf.to(device)
             return self
         self.model.to(device)
         params = {k: v.detach() for k, v in self.model.named_parameters()}
@@ -96,8 +110,20 @@ class Source(NamedTuple):
         return emb.num_embeddings if emb is not None else None
 
 
-def build_source(config: RunConfig) -> Source:
+def read_mode(config: RunConfig, sharded: bool) -> str:
+    """How a process reads a model's pretrained weights (:func:`build_source`'s ``read``): one
+    process reads them whole; a sharded rank reads only its blocks (``"blocks"``), except in a
+    pipeline, whose stages are checked against the whole model on the ranks (``"whole"``)."""
+    return "blocks" if sharded and config.parallelism.pp == 1 else "whole"
+
+
+def build_source(config: RunConfig, *, read: str = "whole") -> Source:
     """The model, loss and examples ``config`` describes.
+
+    Pretrained weights (a ``model_path`` directory holding safetensors) are read as ``read``
+    says: ``"whole"``, every tensor into the model; ``"blocks"`` or ``"none"``, nothing: the
+    parameters (and ``params``) stay on ``meta`` with their keys checked, for a sharded rank
+    that reads its blocks (:func:`fsdpx.train.build.build_step`) or a check before torchrun.
 
     Guarantees: a pure function of ``config`` (and the files it names): the same parameters and
     examples on every rank and every call, the global torch RNG left as it was. With the default
@@ -113,7 +139,7 @@ def build_source(config: RunConfig) -> Source:
         raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {int(tokens.ids.min())}")
     top = int(tokens.ids.max()) if tokens.ids.numel() else -1
     vocab = config.model.vocab_size or tokens.vocab_size or top + 1
-    model = build_model(config, vocab)
+    model, weights = build_model(config, vocab, read=read)
     check_vocabulary(model, top, tokens.description)
     check_positions(model, config.data.block_size)
     inputs, targets = data.windows(tokens.ids, config.data.block_size)
@@ -123,7 +149,7 @@ def build_source(config: RunConfig) -> Source:
     params = {k: v.detach() for k, v in model.named_parameters()}
     loss_fn = token_loss if isinstance(model, GPT) else lm_loss
     return Source(model, params, loss_fn, inputs, targets, tokens.encode, tokens.decode, model_name(model),
-                  tokens.description)
+                  tokens.description, weights=weights)
 
 
 def python_source(config: RunConfig) -> Source:
@@ -174,15 +200,26 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def build_model(config: RunConfig, vocab_size: int) -> nn.Module:
-    """The model of ``config``, initialised from ``config.run.seed`` (the global RNG is restored):
-    the built-in GPT with ``vocab_size`` entries, or the transformers causal LM it names."""
+def build_model(config: RunConfig, vocab_size: int, *, read: str = "whole") -> tuple[nn.Module, Weights | None]:
+    """The model of ``config`` and the pretrained weights it starts from (``None``: initialised
+    from ``config.run.seed``, the global RNG restored): the built-in GPT with ``vocab_size``
+    entries, or the transformers causal LM it names. Pretrained weights (:func:`build_source`'s
+    ``read``) are checked key by key before anything is read (``WeightKeysError``)."""
     with seeded(config.run.seed):
         if config.model.kind == "gpt":
             m = config.model
             return GPT(GPTConfig(vocab_size=vocab_size, block_size=config.data.block_size, n_layer=m.n_layer,
-                                 n_head=m.n_head, n_embd=m.n_embd))
-        return _transformers_model(config)
+                                 n_head=m.n_head, n_embd=m.n_embd)), None
+        path = config.model.model_path
+        weights = find_weights(Path(path)) if path is not None else None
+        if weights is None:
+            return _transformers_model(config), None
+        with parameters_on_meta():
+            model = _transformers_model(config).float()  # fp32 whatever the saved dtype: the file is cast
+    check_keys(model, weights)
+    if read == "whole":
+        load_into(model, weights)
+    return model, weights
 
 
 def _transformers():
@@ -362,12 +399,24 @@ def _tokenize(text: str, spec: str, where: str) -> Tokens:
     return Tokens(torch.tensor(encode(text), dtype=torch.int64), vocab, encode, decode, f"{where}, {how}")
 
 
+def decode_known(decode: Decode, size: int, ids: Sequence[int]) -> str:
+    """``decode`` of each run of ids below ``size`` (the tokenizer's), every other id written as
+    U+FFFD (:data:`fsdpx.train.data.UNKNOWN`): a model whose vocabulary is larger than its
+    tokenizer's samples such ids, and its sample must not fail the run."""
+    runs = itertools.groupby((int(i) for i in ids), key=lambda i: 0 <= i < size)
+    return "".join(decode(run) if known else data.UNKNOWN * len(run) for known, run in
+                   ((k, list(g)) for k, g in runs))
+
+
+def _decode_bytes(ids: Sequence[int]) -> str:
+    return decode_known(lambda run: bytes(run).decode("utf-8", "replace"), 256, ids)
+
+
 def _tokenizer(spec: str) -> tuple[Encode, Decode, int, str]:
     """``(encode, decode, vocab_size, description)`` of ``"bytes"`` (UTF-8 bytes, ids 0..255)
     or a tokenizer saved in a local directory (``AutoTokenizer``; never downloaded)."""
     if spec == "bytes":
-        return (lambda s: list(s.encode("utf-8")), lambda ids: bytes(int(i) for i in ids).decode("utf-8", "replace"),
-                256, "bytes")
+        return (lambda s: list(s.encode("utf-8")), _decode_bytes, 256, "bytes")
     path = Path(spec)
     if not path.is_dir():
         raise ConfigError(f"tokenizer {spec!r}: give \"bytes\" or a local directory holding a saved tokenizer"
@@ -381,7 +430,7 @@ def _tokenizer(spec: str) -> tuple[Encode, Decode, int, str]:
     def encode(text: str) -> list[int]:
         return tok(text, add_special_tokens=False, verbose=False)["input_ids"]
 
-    return encode, (lambda ids: tok.decode([int(i) for i in ids])), len(tok), f"tokenizer {path}"
+    return encode, (lambda ids: decode_known(tok.decode, len(tok), ids)), len(tok), f"tokenizer {path}"
 
 
 # --------------------------------------------------------------------------- sampling
@@ -392,7 +441,8 @@ def sample_text(source: Source, params: dict[str, Tensor], num_tokens: int, *, s
     """``prompt`` (or, without a tokenizer, the first data token) followed by ``num_tokens``
     tokens sampled from the model at temperature 1, decoded (without a tokenizer: the ids).
     A pure function of ``(params, prompt, num_tokens, seed)``; ``""`` for a source that is no
-    language model (``model = "python"``)."""
+    language model (``model = "python"``). Ids the tokenizer does not know (a vocabulary larger
+    than the data's alphabet) are written U+FFFD: the sample never fails a finished run."""
     if not source.language_model:
         return ""
     gen = torch.Generator().manual_seed(seed)
@@ -400,7 +450,9 @@ def sample_text(source: Source, params: dict[str, Tensor], num_tokens: int, *, s
     if ids.numel() == 0:
         ids = source.inputs[0, :1].clone()
     block = source.inputs.shape[1]
-    device = next(source.model.parameters()).device  # the model's (its buffers'); tokens are drawn on the host
+    # the model's device (its buffers'; parameters may be on meta); tokens are drawn on the host
+    device = next((t.device for t in [*source.model.parameters(), *source.model.buffers()] if not t.is_meta),
+                  next(iter(params.values())).device)
     params = {k: v.to(device) for k, v in params.items()}
     with torch.no_grad():
         for _ in range(num_tokens):
