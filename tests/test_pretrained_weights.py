@@ -131,10 +131,10 @@ def test_a_run_with_lr_0_keeps_the_saved_weights(tmp_path, family, how):
 
 
 def test_a_config_file_names_the_model_directory(tmp_path):
-    """``[model] model_path`` in a TOML file loads the weights as the flag does."""
+    """``[model] path`` in a TOML file loads the weights as the flag does."""
     path = save(tiny("gpt2"), tmp_path / "model")
     toml = tmp_path / "run.toml"
-    toml.write_text(f'[model]\nkind = "transformers"\nmodel_path = "{path}"\n[run]\nsteps = 2\nlr = 0.0\n'
+    toml.write_text(f'[model]\nkind = "transformers"\npath = "{path}"\n[run]\nsteps = 2\nlr = 0.0\n'
                     '[privacy]\nprivate = false\n')
     main(["train", "--config", str(toml), "--out", str(tmp_path / "runs"), "--name", "ft", "--ckpt-dir",
           str(tmp_path / "ckpt"), *SMALL])
@@ -200,6 +200,27 @@ def test_a_missing_and_an_unexpected_key_are_named(tmp_path, capsys):
                                               r" model.norm.weight \(file \[3\], model \[16\]\)"):
         from fsdpx.train.sources import build_source
         build_source(RunConfig.of(model="transformers", model_path=str(path), corpus_chars=2000, block_size=8))
+
+
+def test_a_base_models_save_loads_and_old_masks_are_ignored(tmp_path):
+    """The hub's GPT-2 layout: a ``GPT2Model`` save (no ``transformer.`` prefix), with the
+    ``attn.bias`` masks older releases stored, loads into the causal LM (head tied to ``wte``)."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from fsdpx.train.sources import build_source
+
+    lm = tiny("gpt2")
+    path = tmp_path / "model"
+    lm.config.save_pretrained(str(path))
+    base = {k: v.contiguous() for k, v in lm.transformer.state_dict().items()}
+    save_file({**base, "h.0.attn.bias": torch.ones(1, 1, 16, 16)}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    source = build_source(RunConfig.of(model="transformers", model_path=str(path), corpus_chars=2000, block_size=8))
+    assert isinstance(source.model, transformers.GPT2LMHeadModel)
+    assert set(source.params) == {f"transformer.{k}" for k in base}
+    assert all(torch.equal(v, base[k.removeprefix("transformer.")]) for k, v in source.params.items())
+    assert source.model.lm_head.weight is source.model.transformer.wte.weight
 
 
 def test_a_meta_build_draws_nothing(tmp_path):

@@ -116,7 +116,8 @@ class ModelSettings:
     (``n_layer`` x ``n_embd``, ``n_head`` heads; vocabulary ``vocab_size``, default the data's);
     "transformers": ``model_path`` (a local directory holding config.json, or the file) or
     ``model_class`` (a transformers config or causal-LM class name), ``model_fields`` set on its
-    config, never downloaded, initialised from the seed; or "python": your own functions, each
+    config, never downloaded, initialised from the seed unless the directory holds safetensors
+    weights (:mod:`fsdpx.train.pretrained`: then it starts from them); or "python": your own functions, each
     named "module:qualname" (:mod:`fsdpx.train.refs`) and imported by every process:
     ``model_fn(hparams) -> nn.Module`` (called with the torch RNG seeded by ``seed``) and
     ``loss_fn(model output, targets) -> (B,)`` per-example losses; ``hparams`` (a table of JSON

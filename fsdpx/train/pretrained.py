@@ -11,8 +11,11 @@ its random init, whole or one rank's blocks at a time.
 Files: ``model.safetensors``, or the shards a ``model.safetensors.index.json`` maps. A pickled
 ``pytorch_model.bin`` alone is refused by name (:class:`PickleWeightsError`): unpickling runs
 code, and safetensors reads a slice without reading the tensor. Names are the model's
-``state_dict`` names, as ``save_pretrained`` writes them; a tied parameter (GPT-2's ``lm_head``
-on ``wte``) is found under any of its names, so a file without the tied head is complete.
+``state_dict`` names, as ``save_pretrained`` writes them, or the base model's (without the
+``base_model_prefix``: the hub's ``gpt2`` holds ``h.0.attn.c_attn.weight``, not
+``transformer.h.0...``); a tied parameter (GPT-2's ``lm_head`` on ``wte``) is found under any of
+its names, so a file without the tied head is complete. Tensors the model's class says to
+ignore (``_keys_to_ignore_on_load_unexpected``: GPT-2's old ``attn.bias`` masks) are skipped.
 Stored in another floating dtype (bf16, fp16, fp64) a tensor is cast to the model's (fp32).
 Persistent buffers the file holds are read too; the others keep what the model's build computed
 (Llama's rotary frequencies): parameters alone are built on ``meta``, buffers are real.
@@ -22,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import threading
 from pathlib import Path
 from typing import Iterator, NamedTuple, Sequence
 
@@ -116,13 +121,14 @@ def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 def parameters_on_meta() -> Iterator[None]:
     """Inside: every parameter a module registers is put on ``meta`` (no storage; its init runs
     on meta and draws nothing from torch's generator); buffers are built as usual, so values the
-    build computes (rotary frequencies, masks) stay real. Not thread-safe against other module
-    builds: the caller holds :func:`fsdpx.runtime.global_rng.exclusive` (the sources' ``seeded``).
+    build computes (rotary frequencies, masks) stay real. Only this thread's builds are affected;
+    two such builds at once are serialised by the caller (the sources' ``seeded`` holds
+    :func:`fsdpx.runtime.global_rng.exclusive`).
     Proven by ``tests/test_pretrained_weights.py::test_a_meta_build_draws_nothing``."""
-    original = nn.Module.register_parameter
+    original, owner = nn.Module.register_parameter, threading.get_ident()
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
+        if param is not None and not param.is_meta and threading.get_ident() == owner:  # other threads: as usual
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
@@ -135,11 +141,17 @@ def parameters_on_meta() -> Iterator[None]:
 
 def parameter_names(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Each parameter's canonical name (``named_parameters()``) and every name it goes by (a
-    tied parameter has several; the canonical one first)."""
+    tied parameter has several; the canonical one first; then each without the model's
+    ``base_model_prefix``, as a base model's save names it)."""
     names: dict[int, list[str]] = {}
     for alias, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(alias)
-    return {aliases[0]: tuple(aliases) for aliases in names.values()}
+    return {aliases[0]: tuple(aliases) + tuple(_unprefixed(model, aliases)) for aliases in names.values()}
+
+
+def _unprefixed(model: nn.Module, names: Sequence[str]) -> list[str]:
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    return [n[len(prefix) + 1:] for n in names if prefix and n.startswith(prefix + ".")]
 
 
 def file_names(model: nn.Module, weights: Weights) -> dict[str, str]:
@@ -164,10 +176,11 @@ def check_keys(model: nn.Module, weights: Weights) -> None:
     names = parameter_names(model)
     found = file_names(model, weights)
     missing = [c for c in names if c not in found]
-    buffers = {n for n in model.state_dict(keep_vars=True) if n not in dict(model.named_parameters(
-        remove_duplicate=False))}
-    known = {a for aliases in names.values() for a in aliases} | buffers
-    unexpected = [n for n in weights.files if n not in known]
+    buffers = [n for n in model.state_dict(keep_vars=True) if n not in dict(model.named_parameters(
+        remove_duplicate=False))]
+    known = {a for aliases in names.values() for a in aliases} | set(buffers) | set(_unprefixed(model, buffers))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    unexpected = [n for n in weights.files if n not in known and not any(p.search(n) for p in ignored)]
     params = dict(model.named_parameters())
     misshapen = [f"{k} (file {list(weights.shapes[f])}, model {list(params[k].shape)})" for k, f in found.items()
                  if weights.shapes[f] != tuple(params[k].shape)]
@@ -229,6 +242,14 @@ def load_into(model: nn.Module, weights: Weights) -> None:
         for key, p in module._parameters.items():
             if p is not None and id(p) in loaded:
                 module._parameters[key] = loaded[id(p)]
+    load_buffers(model, weights)
+
+
+def load_buffers(model: nn.Module, weights: Weights) -> None:
+    """Copy into ``model``'s persistent buffers the values the file holds for them (the others
+    keep what the build computed)."""
+    persistent = model.state_dict(keep_vars=True)
     for name, buf in model.named_buffers():
-        if name in weights.files:
-            buf.copy_(read_block(weights, name, dtype=buf.dtype))
+        stored = next((n for n in [name, *_unprefixed(model, [name])] if n in weights.files), None)
+        if stored is not None and name in persistent:
+            buf.copy_(read_block(weights, stored, dtype=buf.dtype))

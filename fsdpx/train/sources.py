@@ -46,7 +46,7 @@ from fsdpx.runtime import global_rng
 from . import data
 from .config import RunConfig
 from .errors import ConfigError
-from .pretrained import Weights, check_keys, find_weights, load_into, parameters_on_meta
+from .pretrained import Weights, check_keys, find_weights, load_buffers, load_into, parameters_on_meta
 
 Encode = Callable[[str], Sequence[int]]
 Decode = Callable[[Sequence[int]], str]
@@ -219,6 +219,8 @@ def build_model(config: RunConfig, vocab_size: int, *, read: str = "whole") -> t
     check_keys(model, weights)
     if read == "whole":
         load_into(model, weights)
+    else:
+        load_buffers(model, weights)
     return model, weights
 
 
