@@ -41,7 +41,7 @@ def tiny(family: str):
     if family == "gpt2":
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
                                          bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # the run trains; HF evaluates
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # HF's model evaluates
         return transformers.GPT2LMHeadModel(config)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
@@ -157,14 +157,16 @@ def test_a_sharded_run_with_lr_0_keeps_the_saved_weights(tmp_path, family, layou
     assert_keeps(tmp_path / "runs" / "ft", tmp_path / "ckpt", path)
 
 
-def test_pickled_weights_are_refused_by_name(tmp_path, capsys):
-    """A ``pytorch_model.bin`` alone: exit 2, one line naming the file and how to convert it."""
+@pytest.mark.parametrize("layout", [[], ["--strategy", "zero3", "--nproc", "2"]], ids=["one", "launcher"])
+def test_pickled_weights_are_refused_by_name(tmp_path, capsys, layout):
+    """A ``pytorch_model.bin`` alone: exit 2, one line naming the file and how to convert it, in
+    one process and in the launcher before torchrun starts."""
     model, path = tiny("gpt2"), tmp_path / "model"
     model.config.save_pretrained(str(path))  # transformers 5 saves no pickle: written as older releases did
     torch.save(model.state_dict(), path / "pytorch_model.bin")
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--model", "transformers", "--model-path", str(path), "--non-private", "--steps", "1",
-              "--out", str(tmp_path / "runs"), *SMALL])
+              "--out", str(tmp_path / "runs"), *SMALL, *layout])
     assert exit_.value.code == 2
     err = errors(capsys)
     assert len(err) == 1 and "pytorch_model.bin" in err[0] and "safe_serialization=True" in err[0], err
