@@ -128,6 +128,8 @@ def test_a_run_with_lr_0_keeps_the_saved_weights(tmp_path, family, how):
            "--out", str(tmp_path / "runs"), "--name", "ft", "--ckpt-dir", str(tmp_path / "ckpt"), *SMALL]
     main(["train", *run])
     assert_keeps(tmp_path / "runs" / "ft", tmp_path / "ckpt", path)
+    derived = json.loads((tmp_path / "runs" / "ft" / "config.json").read_text())["derived"]
+    assert derived["model"].endswith(f"(weights of {path}" + (", BF16 cast to fp32)" if how == "bf16" else ")"))
 
 
 def test_a_config_file_names_the_model_directory(tmp_path):

@@ -61,11 +61,10 @@ class Weights(NamedTuple):
     dtypes: dict[str, str]
 
     def describe(self) -> str:
-        """One line: where the weights come from and their stored dtypes."""
-        kinds = ", ".join(sorted(set(self.dtypes.values())))
-        count = len(set(self.files.values()))
-        return f"weights of {self.path} ({len(self.files)} tensors in {count} safetensors file"\
-               f"{'s' if count > 1 else ''}, {kinds})"
+        """A few words: where the weights come from, and the stored dtypes cast to fp32 if any
+        (``"weights of my-llama, BF16 cast to fp32"``)."""
+        cast = sorted({d for d in self.dtypes.values() if d != "F32"} & {"BF16", "F16", "F64"})
+        return f"weights of {self.path}" + (f", {'/'.join(cast)} cast to fp32" if cast else "")
 
 
 def find_weights(path: Path) -> Weights | None:

@@ -148,8 +148,9 @@ def build_source(config: RunConfig, *, read: str = "whole") -> Source:
                           f" {config.data.block_size} (each needs block_size + 1 tokens)")
     params = {k: v.detach() for k, v in model.named_parameters()}
     loss_fn = token_loss if isinstance(model, GPT) else lm_loss
-    return Source(model, params, loss_fn, inputs, targets, tokens.encode, tokens.decode, model_name(model),
-                  tokens.description, weights=weights)
+    name = model_name(model) + (f" ({weights.describe()})" if weights is not None else "")
+    return Source(model, params, loss_fn, inputs, targets, tokens.encode, tokens.decode, name, tokens.description,
+                  weights=weights)
 
 
 def python_source(config: RunConfig) -> Source:
