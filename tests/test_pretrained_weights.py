@@ -159,6 +159,22 @@ def test_a_sharded_run_with_lr_0_keeps_the_saved_weights(tmp_path, family, layou
     assert_keeps(tmp_path / "runs" / "ft", tmp_path / "ckpt", path)
 
 
+@pytest.mark.slow
+def test_a_sharded_fine_tune_resumes_from_its_checkpoint(tmp_path):
+    """ZeRO-3 on 2 processes, private: 2 steps from the file, then a resume to 3 continues from
+    the checkpoint (the ranks read their blocks, then the checkpoint replaces them)."""
+    path = save(tiny("gpt2"), tmp_path / "model")
+    run = ["--model", "transformers", "--model-path", str(path), "--steps", "2", "--out", str(tmp_path / "runs"),
+           "--name", "ft", "--ckpt-dir", str(tmp_path / "ckpt"), "--strategy", "zero3", *SMALL]
+    first = cli(run, nproc=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = cli([*run, "--steps", "3", "--resume"], nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming at step 2" in again.stderr
+    steps = [json.loads(line)["step"] for line in (tmp_path / "runs" / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
 @pytest.mark.parametrize("layout", [[], ["--strategy", "zero3", "--nproc", "2"]], ids=["one", "launcher"])
 def test_pickled_weights_are_refused_by_name(tmp_path, capsys, layout):
     """A ``pytorch_model.bin`` alone: exit 2, one line naming the file and how to convert it, in
