@@ -336,6 +336,12 @@ def test_a_vocabulary_larger_than_the_alphabet_samples_and_finishes(tmp_path, ca
           "--out", str(tmp_path / "runs"), "--name", "v256", *SMALL])
     assert "sample" in capsys.readouterr().out
 
+    from fsdpx.train.sources import build_source, sample_text
+
+    source = build_source(RunConfig.of(corpus_chars=2000, block_size=8, n_layer=1, n_embd=8, n_head=2))
+    broken = source._replace(params={k: v[:1] for k, v in source.params.items()})  # shapes no forward takes
+    assert sample_text(broken, broken.params, 5, seed=0).startswith("(no sample: ")
+
 
 def test_a_config_directory_alone_still_starts_from_the_seed(tmp_path):
     """No weights beside config.json: no loading, the seeded init of before (nothing on meta)."""

@@ -444,10 +444,20 @@ def sample_text(source: Source, params: dict[str, Tensor], num_tokens: int, *, s
     """``prompt`` (or, without a tokenizer, the first data token) followed by ``num_tokens``
     tokens sampled from the model at temperature 1, decoded (without a tokenizer: the ids).
     A pure function of ``(params, prompt, num_tokens, seed)``; ``""`` for a source that is no
-    language model (``model = "python"``). Ids the tokenizer does not know (a vocabulary larger
-    than the data's alphabet) are written U+FFFD: the sample never fails a finished run."""
+    language model (``model = "python"``). The sample never fails a finished run: ids the
+    tokenizer does not know (a vocabulary larger than the data's alphabet) are written U+FFFD,
+    and a model that cannot be sampled gives ``"(no sample: why)"``
+    (``tests/test_pretrained_weights.py::test_a_vocabulary_larger_than_the_alphabet_samples_and_finishes``)."""
     if not source.language_model:
         return ""
+    try:
+        return _sample(source, params, num_tokens, seed=seed, prompt=prompt)
+    except (RuntimeError, ValueError, IndexError, TypeError, AttributeError) as err:
+        why = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"(no sample: {type(err).__name__}: {why[:200]})"
+
+
+def _sample(source: Source, params: dict[str, Tensor], num_tokens: int, *, seed: int, prompt: str) -> str:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.as_tensor(list(source.encode(prompt)) if source.encode else [], dtype=torch.int64)
     if ids.numel() == 0:
