@@ -62,9 +62,9 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
     a pipeline, only the parameters of this rank's stages (``fsdpx.sharding.pipeline.rank_plan``).
 
     With ``read``, ``params`` give only shapes and dtypes (they may be on ``meta``) and each block
-    this rank holds is ``read(name, local_box(...), fused)``, a block the same for at rest and
-    optimizer state read once. Guarantee: the state equals the one cut from the full values
-    ``read`` reads (``tests/test_pretrained_weights.py::
+    this rank holds is ``read(name, local_box(...), fused)``; an optimizer-state block inside the
+    block at rest (ZeRO-1/2, ZeRO-3) is cut from it, not read again. Guarantee: the state equals
+    the one cut from the full values ``read`` reads (``tests/test_pretrained_weights.py::
     test_blocks_read_by_each_rank_equal_the_sharded_whole_model``)."""
     mesh, rank = comm.mesh, comm.rank
     plan = rank_plan(as_plan(strategy, {n: tuple(p.shape) for n, p in params.items()}), mesh, rank)
@@ -77,7 +77,10 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
         for n, lay in plan.params.items():
             rest, opt = (local_box(lay.shape, spec, mesh, rank) for spec in (lay.at_rest, lay.opt_state))
             at_rest[n] = read(n, rest, lay.fused)
-            at_opt[n] = at_rest[n].clone() if opt == rest else read(n, opt, lay.fused)
+            if all(a <= c and d <= b for (a, b), (c, d) in zip(rest, opt)):  # zero1/2: inside the block at rest
+                at_opt[n] = at_rest[n][tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(rest, opt))].clone()
+            else:
+                at_opt[n] = read(n, opt, lay.fused)
     accountant = None
     if config is not None:
         accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)
