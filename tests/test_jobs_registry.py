@@ -118,7 +118,7 @@ def test_a_private_job_keeps_its_full_run_noise_when_stopped_early(tmp_path):
     task = small("p", steps=100, privacy=jobs.Privacy(target_epsilon=2.0))
     early = run_config(task, strategy="zero2", steps=3, out=tmp_path, ckpt_dir=tmp_path / "c").flat()
     full = run_config(task, strategy="ddp", steps=100, out=tmp_path, ckpt_dir=tmp_path / "c").flat()
-    assert early["noise_multiplier"] == full["noise_multiplier"] > 0 and early["steps"] == 3 and early["resume"]
+    assert early["noise_multiplier"] == full["noise_multiplier"] > 0 and early["steps"] == 3 and early["resume_if_present"]
 
 
 @pytest.mark.slow

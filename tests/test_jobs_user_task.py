@@ -101,7 +101,7 @@ def test_a_user_task_becomes_a_python_run_of_its_functions(tmp_path):
     assert (early["model"], early["model_fn"], early["data_fn"], early["loss_fn"]) == (
         "python", f"{mlp.__module__}:mlp", f"{mlp.__module__}:blobs", f"{mlp.__module__}:cross_entropy")
     assert early["hparams"] == task.hparams and early["lr"] == 0.05 and early["ckpt_every"] == 4
-    assert early["noise_multiplier"] == full["noise_multiplier"] > 0 and early["steps"] == 3 and early["resume"]
+    assert early["noise_multiplier"] == full["noise_multiplier"] > 0 and early["steps"] == 3 and early["resume_if_present"]
     plain = run_config(mlp_task("a"), strategy="ddp", steps=2, out=tmp_path, ckpt_dir=tmp_path / "c")
     assert plain.privacy.private is False
 

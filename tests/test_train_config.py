@@ -441,12 +441,16 @@ def test_a_model_built_while_another_rank_checks_its_stages_is_the_same():
                             PipelineParallel(schedule="1f1b", microbatches=2), mesh)
     example = alone.inputs[:1]
     stop = threading.Event()
+    errors: list[BaseException] = []
 
-    def check_forever() -> None:
-        while not stop.is_set():
-            check_stages(alone.model, plan.pipeline, example)
+    def check_forever(model) -> None:  # each rank checks its own model, as in a run
+        try:
+            while not stop.is_set():
+                check_stages(model, plan.pipeline, example)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
 
-    checkers = [threading.Thread(target=check_forever) for _ in range(2)]
+    checkers = [threading.Thread(target=check_forever, args=(build_source(config).model,)) for _ in range(2)]
     for t in checkers:
         t.start()
     try:
@@ -455,4 +459,5 @@ def test_a_model_built_while_another_rank_checks_its_stages_is_the_same():
         stop.set()
         for t in checkers:
             t.join()
+    assert not errors, errors[0]
     assert all(torch.equal(p[k], alone.params[k]) for p in built for k in alone.params)
