@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import ckpt
+import privacy  # noqa: F401 - registers the Accountant, so a checkpoint loads whole
 from ckpt.flatten import flatten
 from fsdpx.sharding import Mesh
 from fsdpx.train.launch import LAUNCHER_PID, die_with_parent
@@ -55,11 +56,77 @@ BOUND = 60  # seconds from a worker's SIGKILL to the launcher's line
 # --------------------------------------------------------------------------- processes and files
 
 
-def start(ws: Path, *argv: str) -> subprocess.Popen:
-    """``fsdpx train ARGS ARGV`` from ``ws``, dying with this process."""
-    return subprocess.Popen([sys.executable, "-m", "fsdpx", "train", *ARGS, *argv], cwd=ws,
-                            env=python_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=die_with_parent)
+def start(ws: Path, *argv: str, zygote: "Zygote | None" = None) -> "subprocess.Popen | Forked":
+    """``fsdpx train ARGS ARGV`` from ``ws``, dying with this process: forked by ``zygote`` when
+    given (the same command line in a process of its own, without the imports), else a fresh
+    ``python -m fsdpx``."""
+    argv = ["train", *ARGS, *argv]
+    if zygote is not None:
+        return zygote.fork(ws, argv)
+    return subprocess.Popen([sys.executable, "-m", "fsdpx", *argv], cwd=ws, env=python_env(OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+
+
+class Zygote:
+    """``support.cli_zygote``: forks ``fsdpx train`` processes on request."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "support.cli_zygote"], env=python_env(OMP_NUM_THREADS="1"),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=die_with_parent)
+        assert self.proc.stdout.readline().strip() == "ready"
+        self.count = 0
+
+    def ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def fork(self, ws: Path, argv: list[str]) -> "Forked":
+        self.count += 1
+        out, err = ws.parent / f"out_{self.count}.txt", ws.parent / f"err_{self.count}.txt"
+        pid = int(self.ask(json.dumps({"argv": argv, "cwd": str(ws), "out": str(out), "err": str(err)})))
+        return Forked(self, pid, err)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+class Forked:
+    """A forked ``fsdpx train``, as much of ``subprocess.Popen`` as the tests use."""
+
+    def __init__(self, zygote: Zygote, pid: int, err: Path) -> None:
+        self.zygote, self.pid, self.err, self.returncode = zygote, pid, err, None
+        self.stderr = self  # .stderr.read(), as a Popen's pipe
+
+    def read(self) -> str:
+        return self.err.read_text() if self.err.exists() else ""
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            answer = self.zygote.ask(f"poll {self.pid}")
+            self.returncode = None if answer == "running" else int(answer)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = int(self.zygote.ask(f"reap {self.pid}"))
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        deadline = time.monotonic() + (timeout or 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.02)
+        return "", self.read()
 
 
 def finish(proc: subprocess.Popen, timeout: float = DEADLINE) -> tuple[int, str]:
@@ -71,6 +138,11 @@ def finish(proc: subprocess.Popen, timeout: float = DEADLINE) -> tuple[int, str]
         _, err = proc.communicate()
         pytest.fail(f"still running after {timeout} s: {err[-3000:]}")
     return proc.returncode, err
+
+
+def last_line(text: str) -> str:
+    lines = text.splitlines()
+    return lines[-1] if lines else ""
 
 
 def last_step(metrics: Path) -> int:
@@ -93,13 +165,22 @@ def _rows(metrics: Path) -> list[dict]:
 
 
 def reach(proc: subprocess.Popen, metrics: Path, step: int) -> None:
-    """Wait until ``proc`` has logged ``step``."""
+    """Wait until ``proc`` has logged ``step`` (in a ``metrics.jsonl`` of its own: each segment
+    replaces the file, cut back to its start, before its first step)."""
     deadline = time.monotonic() + DEADLINE
-    while last_step(metrics) < step:
+    old = _inode(metrics)
+    while _inode(metrics) == old or last_step(metrics) < step:
         if proc.poll() is not None:
             pytest.fail(f"ended (status {proc.returncode}) before step {step}: {proc.stderr.read()[-3000:]}")
         assert time.monotonic() < deadline, f"step {step} not reached in {DEADLINE} s"
         time.sleep(0.02)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
 
 
 def files(root: Path) -> dict[str, bytes]:
@@ -149,10 +230,14 @@ def fill(directory: Path) -> Path:
     return filler
 
 
-def interrupted_line(step: int, ck: str, newest_step: int | None) -> str:
-    where = f"newest checkpoint {ck}/step_{newest_step} (continue with --resume)" if newest_step is not None \
+def where(ck: str, newest_step: int | None) -> str:
+    """How a stopped run names its newest checkpoint."""
+    return f"newest checkpoint {ck}/step_{newest_step} (continue with --resume)" if newest_step is not None \
         else f"newest checkpoint: none in {ck}"
-    return f"fsdpx train: interrupted at step {step}; {where}"
+
+
+def interrupted_line(step: int, ck: str, newest_step: int | None) -> str:
+    return f"fsdpx train: interrupted at step {step}; {where(ck, newest_step)}"
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -171,6 +256,13 @@ def small_disk(tmp_path_factory):
     subprocess.run(["umount", "-l", str(where)], check=False)
 
 
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
 def workspace(tmp_path: Path, ck: Path | None = None) -> Path:
     """A user's directory: ``notes.txt`` of theirs, and ``ck`` (a mount point, if given) holding
     ``ck/notes.txt``."""
@@ -187,7 +279,7 @@ def workspace(tmp_path: Path, ck: Path | None = None) -> Path:
 # --------------------------------------------------------------------------- the chains
 
 
-def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str) -> list[str]:
+def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, zygote: Zygote | None = None) -> list[str]:
     """Faults ``kinds`` in order, each at a random step of its own segment, then the run
     finished; returns what was done (for the failure message). Checks each fault's status, line
     and files (see the module doc)."""
@@ -200,7 +292,7 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str) -> li
             break
         at = start_step + rng.randint(1, 3)
         before = checkpoints(ck)
-        proc = start(ws, "--ckpt-dir", "ck", "--resume-if-present", *extra)
+        proc = start(ws, "--ckpt-dir", "ck", "--resume-if-present", *extra, zygote=zygote)
         try:
             reach(proc, metrics, at)
             log.append(f"{kind}@{at}")
@@ -211,7 +303,7 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str) -> li
                 os.kill(ranks[victim], signal.SIGKILL)
                 code, err = finish(proc)
                 assert time.monotonic() - t0 < BOUND, f"the dead rank was named after {time.monotonic() - t0:.0f} s"
-                assert (code, err.splitlines()[-1]) == (1, f"fsdpx train: error: rank {victim}: killed by SIGKILL"), err
+                assert (code, last_line(err)) == (1, f"fsdpx train: error: rank {victim}: killed by SIGKILL"), err
             elif kind == "kill":
                 proc.kill()
                 code, err = finish(proc)
@@ -221,15 +313,15 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str) -> li
                 code, err = finish(proc)
                 step = last_step(metrics)
                 want = interrupted_line(step, "ck", step if kind == "term" else newest(ck))
-                assert (code, err.splitlines()[-1]) == (143 if kind == "term" else 130, want), (log, err)
+                assert (code, last_line(err)) == (143 if kind == "term" else 130, want), (log, code, err)
                 assert err.count("interrupted") == 1 and "Traceback" not in err, err
             else:  # the disk fills up: the next save fails, the run stops with one line
                 filler = fill(ck)
                 code, err = finish(proc)
                 filler.unlink()
                 pattern = (r"fsdpx train: error: checkpoint ck/step_\d+ not saved: .*No space left on device;"
-                           rf" stopped at step \d+; newest checkpoint ck/step_{newest(ck)} \(continue with --resume\)")
-                assert code == 1 and re.fullmatch(pattern, err.splitlines()[-1]), (log, err)
+                           rf" stopped at step \d+; {re.escape(where('ck', newest(ck)))}")
+                assert code == 1 and re.fullmatch(pattern, last_line(err)), (log, err)
                 assert "Traceback" not in err, err
         finally:
             if proc.poll() is None:
@@ -241,7 +333,7 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str) -> li
         after = checkpoints(ck)
         assert {k: v for k, v in after.items() if k in before} == {k: v for k, v in before.items() if k in after}
         assert {k: (ws / k).read_bytes() for k in user} == user
-    proc = start(ws, "--ckpt-dir", "ck", "--resume-if-present", *extra)
+    proc = start(ws, "--ckpt-dir", "ck", "--resume-if-present", *extra)  # the real entry, `python -m fsdpx`
     code, err = finish(proc)
     assert code == 0, (log, err[-3000:])
     return log
@@ -258,14 +350,14 @@ def assert_same_run(ws: Path, reference: Path, log: list[str]) -> None:
     assert all(torch.equal(tensors[k], ref_tensors[k]) for k in tensors), log
 
 
-def reference_run(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def reference_run(tmp_path: Path, *extra: str, zygote: Zygote | None = None) -> tuple[object, Path]:
     """The same run, never interrupted (started now, waited for later)."""
-    where = tmp_path / "reference"
-    where.mkdir()
-    return start(where, "--name", "ref", "--ckpt-dir", "ref_ck", *extra), where
+    where = tmp_path / "reference" / "ws"
+    where.mkdir(parents=True)
+    return start(where, "--name", "ref", "--ckpt-dir", "ref_ck", *extra, zygote=zygote), where
 
 
-def test_a_run_survives_faults_at_random_steps_and_ends_as_an_uninterrupted_run(tmp_path, small_disk):
+def test_a_run_survives_faults_at_random_steps_and_ends_as_an_uninterrupted_run(tmp_path, small_disk, zygote):
     """Seventeen faults of the four kinds at random steps of one-process segments (the disk
     fills up only where a tmpfs can be mounted), each checked, then the run ends bit for bit as
     one never interrupted."""
@@ -274,9 +366,9 @@ def test_a_run_survives_faults_at_random_steps_and_ends_as_an_uninterrupted_run(
     kinds = ["kill", "term", "int"] + (["disk_full"] if disk is not None else [])
     chain = (kinds * ONE_PROCESS_FAULTS)[:ONE_PROCESS_FAULTS]
     rng.shuffle(chain)
-    ref, where = reference_run(tmp_path)
+    ref, where = reference_run(tmp_path, zygote=zygote)
     ws = workspace(tmp_path, disk)
-    log = run_chain(ws, chain, rng)
+    log = run_chain(ws, chain, rng, zygote=zygote)
     assert finish(ref)[0] == 0
     assert len(log) >= 15 and {k.split("@")[0] for k in log} == set(kinds), log
     assert_same_run(ws, where, log)
@@ -301,18 +393,18 @@ def test_a_sharded_run_stops_once_on_signals_and_names_a_dead_rank(tmp_path):
     refusal = start(ws, "--ckpt-dir", "ck", "--resume", "--steps", str(STEPS + 2), "--n-embd", "16", *SHARDED)
     code, err = finish(refusal)
     assert code == 2 and re.fullmatch(r"fsdpx train: error: rank [01]: checkpoint tensor params/\S+ has shape .*",
-                                      err.splitlines()[-1]), err
+                                      last_line(err)), err
     assert "Traceback" not in err and "ChildFailedError" not in err and err.count("error") == 1, err
 
 
-def test_a_refusal_in_the_run_exits_2_with_one_line(tmp_path):
+def test_a_refusal_in_the_run_exits_2_with_one_line(tmp_path, zygote):
     """One process, the same refusal as the sharded test's: status 2, one line, no traceback."""
     ws = workspace(tmp_path)
-    code, err = finish(start(ws, "--ckpt-dir", "ck", "--steps", "3"))
+    code, err = finish(start(ws, "--ckpt-dir", "ck", "--steps", "3", zygote=zygote))
     assert code == 0, err
-    code, err = finish(start(ws, "--ckpt-dir", "ck", "--resume", "--steps", "5", "--n-embd", "16"))
+    code, err = finish(start(ws, "--ckpt-dir", "ck", "--resume", "--steps", "5", "--n-embd", "16", zygote=zygote))
     assert code == 2 and re.fullmatch(r"fsdpx train: error: checkpoint tensor params/\S+ has shape .*",
-                                      err.splitlines()[-1]), err
+                                      last_line(err)), err
     assert "Traceback" not in err, err
 
 
