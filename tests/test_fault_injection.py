@@ -33,6 +33,7 @@ import pytest
 import torch
 
 import ckpt
+import fsdpx.runtime.sharded_state  # noqa: F401 - registers ShardedState: a sharded checkpoint loads whole
 import privacy  # noqa: F401 - registers the Accountant, so a checkpoint loads whole
 from ckpt.flatten import flatten
 from fsdpx.sharding import Mesh
@@ -47,7 +48,8 @@ EVERY = 3
 ARGS = ["--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--block-size", "8", "--corpus-chars", "4000",
         "--batch-size", "16", "--noise-multiplier", "1", "--steps", str(STEPS), "--ckpt-every", str(EVERY),
         "--no-progress"]
-SHARDED = ["--strategy", "zero2", "--nproc", "2"]
+SHARDED_STEPS = 16
+SHARDED = ["--strategy", "zero2", "--nproc", "2", "--steps", str(SHARDED_STEPS)]  # the later --steps wins
 ONE_PROCESS_FAULTS = 17
 DEADLINE = 150  # seconds any one process may take to reach its step or to end
 BOUND = 60  # seconds from a worker's SIGKILL to the launcher's line
@@ -279,7 +281,8 @@ def workspace(tmp_path: Path, ck: Path | None = None) -> Path:
 # --------------------------------------------------------------------------- the chains
 
 
-def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, zygote: Zygote | None = None) -> list[str]:
+def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, steps: int = STEPS,
+              zygote: Zygote | None = None) -> list[str]:
     """Faults ``kinds`` in order, each at a random step of its own segment, then the run
     finished; returns what was done (for the failure message). Checks each fault's status, line
     and files (see the module doc)."""
@@ -288,7 +291,7 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, zygot
     log = []
     for kind in kinds:
         start_step = newest(ck) or 0
-        if start_step >= STEPS - 5:
+        if start_step >= steps - 5:
             break
         at = start_step + rng.randint(1, 3)
         before = checkpoints(ck)
@@ -317,16 +320,21 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, zygot
                 assert err.count("interrupted") == 1 and "Traceback" not in err, err
             else:  # the disk fills up: the next save fails, the run stops with one line
                 filler = fill(ck)
+                full_at = last_step(metrics)
                 code, err = finish(proc)
                 filler.unlink()
                 pattern = (r"fsdpx train: error: checkpoint ck/step_\d+ not saved: .*No space left on device;"
-                           rf" stopped at step \d+; {re.escape(where('ck', newest(ck)))}")
-                assert code == 1 and re.fullmatch(pattern, last_line(err)), (log, err)
+                           rf" stopped at step (\d+); {re.escape(where('ck', newest(ck)))}")
+                found = re.fullmatch(pattern, last_line(err))
+                assert code == 1 and found, (log, err)
+                # a save started once the disk was full fails; the next save (or the end) says so
+                assert int(found.group(1)) <= min(full_at + 2 * EVERY, STEPS), (log, full_at, err)
                 assert "Traceback" not in err, err
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        log[-1] += f" ({time.monotonic() - t0:.1f} s to end)"
         # nothing lost, nothing rewritten: the newest checkpoint is intact, no checkpoint and no
         # file of the user's changed
         assert ckpt.CheckpointManager(ck).latest() == (ck / f"step_{newest(ck)}" if newest(ck) is not None else None)
@@ -336,13 +344,14 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, zygot
     proc = start(ws, "--ckpt-dir", "ck", "--resume-if-present", *extra)  # the real entry, `python -m fsdpx`
     code, err = finish(proc)
     assert code == 0, (log, err[-3000:])
+    print("faults:", ", ".join(log))
     return log
 
 
-def assert_same_run(ws: Path, reference: Path, log: list[str]) -> None:
+def assert_same_run(ws: Path, reference: Path, log: list[str], steps: int = STEPS) -> None:
     """Every step's metrics once and equal to the uninterrupted run's; the final checkpoints equal."""
     got, want = _rows(ws / "runs" / "private" / "metrics.jsonl"), _rows(reference / "runs" / "ref" / "metrics.jsonl")
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1)), log
+    assert [r["step"] for r in got] == list(range(1, steps + 1)), log
     keys = ("loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm")
     assert [[r.get(k) for k in keys] for r in got] == [[r.get(k) for k in keys] for r in want], log
     (tree, tensors), (ref_tree, ref_tensors) = final_state(ws / "ck"), final_state(reference / "ref_ck")
@@ -385,12 +394,13 @@ def test_a_sharded_run_stops_once_on_signals_and_names_a_dead_rank(tmp_path):
     rng = random.Random(SEED + 1)
     ref, where = reference_run(tmp_path, *SHARDED)
     ws = workspace(tmp_path)
-    log = run_chain(ws, ["term", "kill", "int"], rng, *SHARDED)
+    log = run_chain(ws, ["term", "kill", "int"], rng, *SHARDED, steps=SHARDED_STEPS)
     assert finish(ref)[0] == 0
     assert len(log) == 3, log
-    assert_same_run(ws, where, log)
+    assert_same_run(ws, where, log, SHARDED_STEPS)
 
-    refusal = start(ws, "--ckpt-dir", "ck", "--resume", "--steps", str(STEPS + 2), "--n-embd", "16", *SHARDED)
+    refusal = start(ws, "--ckpt-dir", "ck", "--resume", "--n-embd", "16", *SHARDED, "--steps",
+                    str(SHARDED_STEPS + 2))
     code, err = finish(refusal)
     assert code == 2 and re.fullmatch(r"fsdpx train: error: rank [01]: checkpoint tensor params/\S+ has shape .*",
                                       last_line(err)), err
