@@ -41,7 +41,7 @@ _DEFAULT_GRACE = 25.0
 _received: list[int] = []
 _installed = False
 _over = threading.Event()  # set when the handling block ends
-_last_words: Callable[[], tuple[str, int]] | None = None  # what the watchdog says before a hard exit
+_where: Callable[[], tuple[int | None, str | None, str | None]] | None = None  # the watchdog's step and checkpoint
 
 
 class Interrupted(Exception):
@@ -126,11 +126,13 @@ def exit_code(signum: int) -> int:
     return EXIT_CODES[signal.Signals(signum)]
 
 
-def line(step: int | None, ckpt_dir: str | None, newest: str | None) -> str:
+def line(step: int | None, ckpt_dir: str | None, newest: str | None, note: str = "") -> str:
     """The one line a stopped run says: ``interrupted at step N; newest checkpoint DIR/step_M
-    (continue with --resume)``, or ``newest checkpoint: none in DIR`` / ``none (no --ckpt-dir)``.
-    ``step`` ``None``: stopped before the segment knew its first step. Pure."""
+    (continue with --resume)``, or ``newest checkpoint: none in DIR`` / ``none (no --ckpt-dir)``;
+    ``note`` follows the step, in parentheses. ``step`` ``None``: stopped before the segment knew
+    its first step. Pure."""
     at = "interrupted before the first step" if step is None else f"interrupted at step {step}"
+    at += f" ({note})" if note else ""
     if ckpt_dir is None:
         return f"{at}; newest checkpoint: none (no --ckpt-dir)"
     if newest is None:
@@ -138,19 +140,20 @@ def line(step: int | None, ckpt_dir: str | None, newest: str | None) -> str:
     return f"{at}; newest checkpoint {newest} (continue with --resume)"
 
 
-def on_grace_over(say: Callable[[], tuple[str, int]] | None) -> None:
-    """What the watchdog says when the grace period ends: ``say()`` -> ``(line, code)``; the
-    loop keeps it current (its step, its newest checkpoint)."""
-    global _last_words
-    _last_words = say
+def on_grace_over(where: Callable[[], tuple[int | None, str | None, str | None]] | None) -> None:
+    """What the watchdog says when the grace period ends: ``where()`` -> ``(step, ckpt_dir,
+    newest)`` as :func:`line` takes them; the loop keeps it current."""
+    global _where
+    _where = where
 
 
 def _watchdog(seconds: float) -> None:
     if _over.wait(seconds):
         return
-    words, code = (_last_words or (lambda: ("interrupted", 143)))()
-    from .reports import announce  # the rank's report or the line on stderr
+    step, ckpt_dir, newest = _where() if _where is not None else (None, None, None)
+    note = f"grace period over: {GRACE}={seconds:g}"
+    from .reports import announce  # the rank's report, or the line on stderr
 
-    announce("interrupted", f"{words} (the grace period of {seconds:g} s ended first: {GRACE})", code)
+    announce("interrupted", line(step, ckpt_dir, newest, note), EXIT_CODES[signal.SIGTERM])
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(EXIT_CODES[signal.SIGTERM])

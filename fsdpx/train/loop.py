@@ -168,7 +168,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     saved_at = plan.start
     stopped, torn, signum = None, False, None
     ckpt_dir = config.checkpoints.ckpt_dir
-    interrupts.on_grace_over(lambda: (interrupts.line(state.step, ckpt_dir, newest_checkpoint(manager)), 143))
+    interrupts.on_grace_over(lambda: (state.step, ckpt_dir, _name(newest_checkpoint(manager))))
     loop_start = last = time.perf_counter()
     with report.open_log(run_dir / "metrics.jsonl", main, append=True) as log, \
             report.progress_bar(config, progress and main, initial=plan.start) as bar:
@@ -215,7 +215,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
             raise save_failure(err, state.step, manager) from err
     if signum is not None:
         # the steps done are in metrics.jsonl; a resume cuts it back to the newest checkpoint
-        words = interrupts.line(state.step, ckpt_dir, newest_checkpoint(manager))
+        words = interrupts.line(state.step, ckpt_dir, _name(newest_checkpoint(manager)))
         raise interrupts.Interrupted(words, interrupts.exit_code(signum))
 
     trained = full_params(state, comm, parallel, source)
@@ -224,6 +224,10 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                     delta=config.privacy.delta, starts=starts)
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
                           sample=sample_text(source, trained, 100, seed=config.run.seed), files=report.FILES)
+
+
+def _name(path: Any) -> str | None:
+    return None if path is None else str(path)
 
 
 def _save(manager: Any, state: Any, step: int, *, force: bool = False) -> None:
