@@ -101,6 +101,14 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     the segments. A checkpoint already at ``steps`` trains nothing, writes nothing and says so
     in ``stopped``. A step that would exceed the budget is not taken: the run stops there.
 
+    Interruptions and failures (``fsdpx train`` handles the signals, :mod:`fsdpx.train.interrupts`):
+    asked to stop, every rank stops after the same step; on SIGTERM the step reached is saved
+    (when there is a ``ckpt_dir``), on SIGINT nothing more is written; then
+    :class:`fsdpx.train.interrupts.Interrupted` is raised with the line to print and the exit
+    status. A checkpoint save that fails (in the background: it surfaces at the next save or at
+    the end) raises :class:`fsdpx.train.errors.RunFailure` naming it, its cause and the newest
+    intact checkpoint, which is kept (``tests/test_fault_injection.py``).
+
     Sharded (``comm`` given, every rank calls ``run``): the layout is resolved on the model once
     (:func:`fsdpx.train.parallel.resolve_parallel`) and every rank feeds the same global Poisson
     batch to its sharded step; only rank 0 writes files and shows progress."""

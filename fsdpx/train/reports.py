@@ -119,7 +119,7 @@ def read_agent(directory: Path) -> dict[str, Any] | None:
 def choose(reports: Sequence[Report], agent: Mapping[str, Any] | None, signaled: int | None,
            returncode: int) -> tuple[str, int, str | None] | None:
     """The one line, exit status and traceback (a bug's, else ``None``) a sharded run ends with;
-    ``None`` when it succeeded (torchrun's ``returncode`` 0 and no signal). Pure.
+    ``None`` when it succeeded (torchrun's ``returncode`` 0). Pure.
 
     * The launcher got a signal (``signaled``): rank 0's interruption line (ranks agree on the
       step), else the lowest rank's; with none, a failure report; else ``interrupted``.
@@ -132,7 +132,7 @@ def choose(reports: Sequence[Report], agent: Mapping[str, Any] | None, signaled:
 
     Edge cases: reports of earlier attempts (``--max-restarts``) are not passed (:func:`read`);
     ties in time go to the lower rank. ``tests/test_fault_injection.py::test_the_launcher_names_the_first_failing_rank``."""
-    if signaled is None and returncode == 0:
+    if returncode == 0:  # every worker finished (a signal that came after their last step changes nothing)
         return None
     if signaled is not None:
         stops = [r for r in reports if r.kind == "interrupted"]
