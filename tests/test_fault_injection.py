@@ -386,21 +386,21 @@ def test_a_run_survives_faults_at_random_steps_and_ends_as_an_uninterrupted_run(
 
 
 @pytest.mark.slow
-def test_a_sharded_run_stops_once_on_signals_and_names_a_dead_rank(tmp_path):
+def test_a_sharded_run_stops_once_on_signals_and_names_a_dead_rank(tmp_path, zygote):
     """zero2 on two gloo processes: SIGTERM and SIGINT to the launcher stop every rank after
     the same step with the one-process line and status; SIGKILL to a worker is named within
     ``BOUND`` seconds, one line; resumed, the run ends as one never interrupted. A refusal in the
     workers (a resume into another model's shapes) is the one-process line, once, with its rank."""
     rng = random.Random(SEED + 1)
-    ref, where = reference_run(tmp_path, *SHARDED)
+    ref, where = reference_run(tmp_path, *SHARDED, zygote=zygote)  # the launcher forked; torchrun and workers fresh
     ws = workspace(tmp_path)
-    log = run_chain(ws, ["term", "kill", "int"], rng, *SHARDED, steps=SHARDED_STEPS)
+    log = run_chain(ws, ["term", "kill", "int"], rng, *SHARDED, steps=SHARDED_STEPS, zygote=zygote)
     assert finish(ref)[0] == 0
     assert len(log) == 3, log
     assert_same_run(ws, where, log, SHARDED_STEPS)
 
     refusal = start(ws, "--ckpt-dir", "ck", "--resume", "--n-embd", "16", *SHARDED, "--steps",
-                    str(SHARDED_STEPS + 2))
+                    str(SHARDED_STEPS + 2), zygote=zygote)
     code, err = finish(refusal)
     assert code == 2 and re.fullmatch(r"fsdpx train: error: rank [01]: checkpoint tensor params/\S+ has shape .*",
                                       last_line(err)), err
