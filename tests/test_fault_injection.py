@@ -1,12 +1,14 @@
 """Issue 28, items 2-4: faults at random steps, delivered for real to the real command line.
 
-A run of ``fsdpx train`` (a subprocess, as a user starts it) meets a chain of faults, each at a
+A run of ``fsdpx train`` (a process of its own running the real command line: forked by
+``support.cli_zygote``, which paid the imports once; each chain's last segment a fresh
+``python -m fsdpx``) meets a chain of faults, each at a
 step drawn from a fixed seed (``FSDPX_FAULT_SEED``, default 28, so CI is reproducible): SIGKILL,
 SIGTERM (preemption), SIGINT (Ctrl-C) and a disk that fills up (its ``--ckpt-dir`` is a small
 tmpfs this test mounts; a filler file takes the rest). After each fault the test checks what
 the user sees (the exit status and the one line) and what is on disk (the newest checkpoint
-intact, no checkpoint or file of the user's changed), then continues the run with
-``--resume-if-present``, the way a scheduler restarts a job. Once the chain is done the run is
+intact, no checkpoint or file of the user's changed), then continues the run with ``--resume``
+(``--resume-if-present`` while there is no checkpoint yet). Once the chain is done the run is
 finished and compared with one never interrupted: every step's metrics once, equal, and the
 final checkpoint's tensors and accountant equal bit for bit. A sharded chain (``--strategy
 zero2 --nproc 2``, gloo) does the same with SIGTERM and SIGINT to the launcher and SIGKILL to a
@@ -14,7 +16,8 @@ worker, which is named within a bounded time. A refusal in the workers is one li
 failing rank's, with the one-process exit status.
 
 Every process the test starts dies with it (``PR_SET_PDEATHSIG``; the launcher's workers die
-with the launcher).
+with the launcher). About 40 s for the one-process chain and 100 s for the sharded one on two
+busy cores; ``FSDPX_FAULT_SEED`` draws other steps and kinds.
 """
 
 from __future__ import annotations
@@ -281,6 +284,12 @@ def workspace(tmp_path: Path, ck: Path | None = None) -> Path:
 # --------------------------------------------------------------------------- the chains
 
 
+def resume(ck: Path) -> list[str]:
+    """How the user continues: ``--resume`` from the newest checkpoint; ``--resume-if-present``
+    while there is none (the run directory exists, the run starts again)."""
+    return ["--resume"] if newest(ck) is not None else ["--resume-if-present"]
+
+
 def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, steps: int = STEPS,
               zygote: Zygote | None = None) -> list[str]:
     """Faults ``kinds`` in order, each at a random step of its own segment, then the run
@@ -295,7 +304,7 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, steps
             break
         at = start_step + rng.randint(1, 3)
         before = checkpoints(ck)
-        proc = start(ws, "--ckpt-dir", "ck", "--resume-if-present", *extra, zygote=zygote)
+        proc = start(ws, "--ckpt-dir", "ck", *resume(ck), *extra, zygote=zygote)
         try:
             reach(proc, metrics, at)
             log.append(f"{kind}@{at}")
@@ -341,7 +350,7 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, steps
         after = checkpoints(ck)
         assert {k: v for k, v in after.items() if k in before} == {k: v for k, v in before.items() if k in after}
         assert {k: (ws / k).read_bytes() for k in user} == user
-    proc = start(ws, "--ckpt-dir", "ck", "--resume-if-present", *extra)  # the real entry, `python -m fsdpx`
+    proc = start(ws, "--ckpt-dir", "ck", *resume(ck), *extra)  # the real entry, `python -m fsdpx`
     code, err = finish(proc)
     assert code == 0, (log, err[-3000:])
     print("faults:", ", ".join(log))
