@@ -426,7 +426,7 @@ def _end(err: BaseException, args: argparse.Namespace, explicit: set[str], file:
     first failing rank's only). A worker of a sharded run exits at once (``os._exit``): its peers
     may be gone, so no barrier, and no teardown of a process group still alive."""
     from .errors import RunFailure
-    from .interrupts import EXIT_CODES, Interrupted, line
+    from .interrupts import EXIT_CODES, Interrupted, line, where
     from .reports import announce
 
     worker = "WORLD_SIZE" in os.environ
@@ -434,9 +434,10 @@ def _end(err: BaseException, args: argparse.Namespace, explicit: set[str], file:
     failure = sys.modules.get("fsdpx.sharding.comm")
     if isinstance(err, Interrupted):
         kind, detail, code = "interrupted", err.line, err.code
-    elif isinstance(err, KeyboardInterrupt):  # a second Ctrl-C before the loop: nothing was trained
+    elif isinstance(err, KeyboardInterrupt):  # a second Ctrl-C outside a step: where the loop is, if it began
         ckpt_dir = config.checkpoints.ckpt_dir if config is not None else None
-        kind, detail, code = "interrupted", line(None, ckpt_dir, _newest(ckpt_dir)), EXIT_CODES[signal.SIGINT]
+        step, ckpt_dir, newest = where() or (None, ckpt_dir, _newest(ckpt_dir))
+        kind, detail, code = "interrupted", line(step, ckpt_dir, newest), EXIT_CODES[signal.SIGINT]
     elif _refusal(err):
         kind, detail, code = "refusal", _in_their_words(err, args, explicit, file), 2
     elif isinstance(err, RunFailure):

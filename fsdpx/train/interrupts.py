@@ -85,6 +85,7 @@ def handling() -> Iterator[bool]:
         _installed = False
         _over.set()  # a watchdog still waiting has nothing left to bound
         _received.clear()
+        on_grace_over(None)
 
 
 def installed() -> bool:
@@ -147,10 +148,16 @@ def on_grace_over(where: Callable[[], tuple[int | None, str | None, str | None]]
     _where = where
 
 
+def where() -> tuple[int | None, str | None, str | None] | None:
+    """The loop's ``(step, ckpt_dir, newest)`` now (see :func:`on_grace_over`), or ``None``
+    before a loop started in this :func:`handling` block."""
+    return _where() if _where is not None else None
+
+
 def _watchdog(seconds: float) -> None:
     if _over.wait(seconds):
         return
-    step, ckpt_dir, newest = _where() if _where is not None else (None, None, None)
+    step, ckpt_dir, newest = where() or (None, None, None)
     note = f"grace period over: {GRACE}={seconds:g}"
     from .reports import announce  # the rank's report, or the line on stderr
 
