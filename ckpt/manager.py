@@ -53,7 +53,7 @@ from fsdpx.sharding import Mesh
 from . import commit
 from .async_save import SaveHandle, saver_for
 from .coordinator import Coordinator, SingleProcess
-from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, SaveError
 from .loading import load, read_manifest
 from .rules import Layouts, Specs
 from .saving import save
@@ -102,6 +102,7 @@ class CheckpointManager:
         self.keep_last, self.every_n_steps = keep_last, every_n_steps
         self.run_id = run_id if run_id is not None else new_run_id()  # recorded in each manifest; see _retain
         self._last: SaveHandle | None = None
+        self._last_dir: Path | None = None
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -120,16 +121,23 @@ class CheckpointManager:
         saver_for(self.coordinator).wait_idle()  # any save of this rank owns its temporary directory
         if self.coordinator.rank == 0:
             self._prepare_root(step)
-        self._last = save(step_dir(self.root, step), state, mesh=self.mesh, strategy=self.strategy,
+        self._last_dir = step_dir(self.root, step)
+        self._last = save(self._last_dir, state, mesh=self.mesh, strategy=self.strategy,
                           coordinator=self.coordinator, specs=self.specs, private=self.private, step=step,
                           blocking=blocking, on_commit=self._retain, run_id=self.run_id)
         return self._last
 
     def wait(self) -> Path | None:
-        """Wait for the last save; its committed path, or re-raise its error. Each save is
-        answered once: ``None`` when no save is pending (none started, or already waited for)."""
+        """Wait for the last save; its committed path, or re-raise its error (a ``SaveError``
+        naming its ``step_<N>``). Each save is answered once: ``None`` when no save is pending
+        (none started, or already waited for)."""
         last, self._last = self._last, None
-        return None if last is None else last.wait()
+        if last is None:
+            return None
+        try:
+            return last.wait()
+        except OSError as e:  # rank 0 could not even start it (e.g. a full disk): name the checkpoint too
+            raise SaveError(f"checkpoint {self._last_dir} not saved: {type(e).__name__}: {e}") from e
 
     def _prepare_root(self, step: int) -> None:
         for leftover in commit.stale_temporaries(self.root):

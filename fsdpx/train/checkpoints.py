@@ -64,7 +64,9 @@ def newest_checkpoint(manager: ckpt.CheckpointManager | None) -> Path | None:
 def save_failure(err: BaseException, step: int, manager: ckpt.CheckpointManager) -> RunFailure:
     """The one-line :class:`RunFailure` of a checkpoint that could not be saved (``err``, its
     ``SaveError`` naming ``step_<N>`` and the cause, or the error of a save that could not start),
-    the run stopping at ``step``, with the newest intact checkpoint to continue from."""
+    the run stopping at ``step``, with the newest intact checkpoint to continue from
+    (``tests/test_fault_injection.py::test_a_run_survives_faults_at_random_steps_and_ends_as_an_uninterrupted_run``:
+    a tmpfs that fills up)."""
     cause = str(err) if isinstance(err, ckpt.SaveError) else \
         f"checkpoint not saved in {manager.root}: {type(err).__name__}: {err}"
     newest = newest_checkpoint(manager)
