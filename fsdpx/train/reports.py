@@ -131,7 +131,8 @@ def choose(reports: Sequence[Report], agent: Mapping[str, Any] | None, signaled:
       stopping the others after a failure: secondary.
 
     Edge cases: reports of earlier attempts (``--max-restarts``) are not passed (:func:`read`);
-    ties in time go to the lower rank. ``tests/test_fault_injection.py::test_the_launcher_names_the_first_failing_rank``."""
+    ties in time go to the lower rank.
+    ``tests/test_fault_injection.py::test_the_launcher_names_the_first_failing_rank``."""
     if returncode == 0:  # every worker finished (a signal that came after their last step changes nothing)
         return None
     if signaled is not None:
