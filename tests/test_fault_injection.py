@@ -61,14 +61,15 @@ BOUND = 60  # seconds from a worker's SIGKILL to the launcher's line
 # --------------------------------------------------------------------------- processes and files
 
 
-def start(ws: Path, *argv: str, zygote: "Zygote | None" = None) -> "subprocess.Popen | Forked":
+def start(ws: Path, *argv: str, zygote: "Zygote | None" = None, env: dict | None = None) -> "subprocess.Popen | Forked":
     """``fsdpx train ARGS ARGV`` from ``ws``, dying with this process: forked by ``zygote`` when
     given (the same command line in a process of its own, without the imports), else a fresh
     ``python -m fsdpx``."""
     argv = ["train", *ARGS, *argv]
     if zygote is not None:
-        return zygote.fork(ws, argv)
-    return subprocess.Popen([sys.executable, "-m", "fsdpx", *argv], cwd=ws, env=python_env(OMP_NUM_THREADS="1"),
+        return zygote.fork(ws, argv, env or {})
+    return subprocess.Popen([sys.executable, "-m", "fsdpx", *argv], cwd=ws,
+                            env=python_env(OMP_NUM_THREADS="1", **(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
 
 
@@ -87,10 +88,10 @@ class Zygote:
         self.proc.stdin.flush()
         return self.proc.stdout.readline().strip()
 
-    def fork(self, ws: Path, argv: list[str]) -> "Forked":
+    def fork(self, ws: Path, argv: list[str], env: dict[str, str]) -> "Forked":
         self.count += 1
         out, err = ws.parent / f"out_{self.count}.txt", ws.parent / f"err_{self.count}.txt"
-        pid = int(self.ask(json.dumps({"argv": argv, "cwd": str(ws), "out": str(out), "err": str(err)})))
+        pid = int(self.ask(json.dumps({"argv": argv, "cwd": str(ws), "out": str(out), "err": str(err), "env": env})))
         return Forked(self, pid, err)
 
     def close(self) -> None:
@@ -425,6 +426,24 @@ def test_a_refusal_in_the_run_exits_2_with_one_line(tmp_path, zygote):
     assert code == 2 and re.fullmatch(r"fsdpx train: error: checkpoint tensor params/\S+ has shape .*",
                                       last_line(err)), err
     assert "Traceback" not in err, err
+
+
+def test_a_stop_that_outlasts_the_grace_period_ends_it_there(tmp_path, zygote):
+    """SIGTERM with a grace period shorter than any step (``FSDPX_GRACE_SECONDS=0.001``): the
+    watchdog ends the run before the step finishes, still status 143 and one line saying so, the
+    newest checkpoint intact (an abandoned save leaves nothing under its name)."""
+    ws = workspace(tmp_path)
+    metrics = ws / "runs" / "private" / "metrics.jsonl"
+    proc = start(ws, "--ckpt-dir", "ck", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", zygote=zygote,
+                 env={"FSDPX_GRACE_SECONDS": "0.001"})
+    reach(proc, metrics, 4)
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc, timeout=30)
+    pattern = (r"fsdpx train: interrupted at step (\d+) \(grace period over: FSDPX_GRACE_SECONDS=0.001\);"
+               rf" {re.escape(where('ck', newest(ws / 'ck')))}")
+    assert code == 143 and re.fullmatch(pattern, last_line(err)), (code, err)
+    last = newest(ws / "ck")
+    assert ckpt.CheckpointManager(ws / "ck").latest() == (None if last is None else ws / "ck" / f"step_{last}")
 
 
 def test_the_launcher_names_the_first_failing_rank():

@@ -4,7 +4,7 @@ request, so a test can start dozens of runs without paying Python's and torch's 
 in its own working directory with its stdout and stderr in files; signals sent to it are real.
 
     python -m support.cli_zygote          (OMP_NUM_THREADS=1: nothing parallel before a fork)
-    stdin  {"argv": [...], "cwd": DIR, "out": FILE, "err": FILE}   -> stdout: the child's pid
+    stdin  {"argv": [...], "cwd": DIR, "out": FILE, "err": FILE, "env": {...}}   -> stdout: the child's pid
     stdin  "poll PID" -> its status, or "running"; "reap PID" -> its status (waits)
 
 A status is the child's exit status, or minus the signal that killed it (``subprocess``'s
@@ -32,6 +32,7 @@ def _child(request: dict) -> None:
     code = 1
     try:
         die_with_parent()
+        os.environ.update(request.get("env", {}))
         os.chdir(request["cwd"])
         for fd, path in ((1, request["out"]), (2, request["err"])):
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
