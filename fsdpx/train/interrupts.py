@@ -19,7 +19,10 @@ edge of signals, a clock and a hard exit; ``fsdpx train`` installs it, the loop 
   after the same step (SIGTERM wins over SIGINT: the checkpoint is the safe choice).
 
 Outside ``handling`` (the Python entry ``fsdpx.train.run``, ``fsdpx jobs`` workers) nothing is
-requested and the loop runs as before. Proved by ``tests/test_fault_injection.py``.
+requested and the loop runs as before. Edge cases: a signal before ``handling`` began (Python
+still importing) ends the process the default way; a signal after the last step's check leaves
+the finished run alone. Proved by ``tests/test_fault_injection.py`` (the grace period:
+``test_a_stop_that_outlasts_the_grace_period_ends_it_there``).
 """
 
 from __future__ import annotations
