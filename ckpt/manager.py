@@ -33,6 +33,10 @@ Guarantees (``tests/test_ckpt_manager.py`` unless named):
   * Saving a step that exists: ``CheckpointExistsError`` if it verifies; if it is corrupt it is
     set aside as ``.step_<N>.corrupt-<token>`` (kept for inspection) and the save proceeds
     (``test_a_corrupt_checkpoint_at_the_same_step_is_set_aside``).
+  * A failed background save is never dropped unseen: the next ``save`` waits for it and
+    re-raises its error before starting (nothing of the new step is written), else ``wait``
+    does; each error is raised once
+    (``test_a_failed_async_save_surfaces_at_the_next_save``).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from fsdpx.sharding import Mesh
 from . import commit
 from .async_save import SaveHandle, saver_for
 from .coordinator import Coordinator, SingleProcess
-from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError, SaveError
 from .loading import load, read_manifest
 from .rules import Layouts, Specs
 from .saving import save
@@ -98,6 +102,7 @@ class CheckpointManager:
         self.keep_last, self.every_n_steps = keep_last, every_n_steps
         self.run_id = run_id if run_id is not None else new_run_id()  # recorded in each manifest; see _retain
         self._last: SaveHandle | None = None
+        self._last_dir: Path | None = None
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -105,20 +110,34 @@ class CheckpointManager:
         return step % self.every_n_steps == 0
 
     def save(self, step: int, state: Any, *, force: bool = False, blocking: bool = True) -> SaveHandle | None:
-        """Save ``state`` as ``step_<step>`` if due (or ``force``); ``None`` if not due."""
+        """Save ``state`` as ``step_<step>`` if due (or ``force``); ``None`` if not due.
+
+        The previous save is waited for first and its error, if it failed, is raised here
+        (``SaveError`` naming its ``step_<N>``), before anything of this step is written: a
+        run learns of a failed background save at its next save at the latest."""
         if not (force or self.should_save(step)):
             return None
-        saver_for(self.coordinator).wait_idle()  # our previous save owns its temporary directory
+        self.wait()  # our previous save: finished and succeeded, else its error stops this one
+        saver_for(self.coordinator).wait_idle()  # any save of this rank owns its temporary directory
         if self.coordinator.rank == 0:
             self._prepare_root(step)
-        self._last = save(step_dir(self.root, step), state, mesh=self.mesh, strategy=self.strategy,
+        self._last_dir = step_dir(self.root, step)
+        self._last = save(self._last_dir, state, mesh=self.mesh, strategy=self.strategy,
                           coordinator=self.coordinator, specs=self.specs, private=self.private, step=step,
                           blocking=blocking, on_commit=self._retain, run_id=self.run_id)
         return self._last
 
     def wait(self) -> Path | None:
-        """Wait for the last save; re-raise its error."""
-        return None if self._last is None else self._last.wait()
+        """Wait for the last save; its committed path, or re-raise its error (a ``SaveError``
+        naming its ``step_<N>``). Each save is answered once: ``None`` when no save is pending
+        (none started, or already waited for)."""
+        last, self._last = self._last, None
+        if last is None:
+            return None
+        try:
+            return last.wait()
+        except OSError as e:  # rank 0 could not even start it (e.g. a full disk): name the checkpoint too
+            raise SaveError(f"checkpoint {self._last_dir} not saved: {type(e).__name__}: {e}") from e
 
     def _prepare_root(self, step: int) -> None:
         for leftover in commit.stale_temporaries(self.root):

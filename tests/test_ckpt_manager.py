@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt.async_save import saver_for
 from ckpt.manager import to_delete
 
 
@@ -97,3 +98,26 @@ def test_retention_deletes_only_its_own_run_s_checkpoints(tmp_path):
     again = ckpt.CheckpointManager(tmp_path, keep_last=1, run_id=m.run_id)  # the run, continued by a new process
     again.save(10, _state(10))
     assert again.steps() == [1, 3, 4, 6, 10]
+
+
+
+def test_a_failed_async_save_surfaces_at_the_next_save(tmp_path, monkeypatch):
+    """A background save that fails (its commit raises ENOSPC; the real full disk is
+    ``tests/test_fault_injection.py``'s) is reported by the next ``save``, before that one writes
+    anything, and only once; ``wait`` answers each save once."""
+    m = ckpt.CheckpointManager(tmp_path, keep_last=5)
+    m.save(1, _state(1), blocking=False)
+    assert m.wait() == tmp_path / "step_1" and m.wait() is None
+
+    def full(tmp, directory, manifest):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt.commit, "commit", full)
+        m.save(2, _state(2), blocking=False)
+        saver_for(m.coordinator).wait_idle()
+    with pytest.raises(ckpt.SaveError, match=r"step_2 not saved: .*No space left on device"):
+        m.save(3, _state(3), blocking=False)
+    assert m.steps() == [1]  # step 3 was not started
+    m.save(3, _state(3), blocking=False)  # raised once: the next save goes on
+    assert m.wait() == tmp_path / "step_3" and m.steps() == [1, 3]

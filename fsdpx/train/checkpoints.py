@@ -3,6 +3,7 @@ state as a checkpoint holds it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import ckpt
@@ -10,6 +11,7 @@ import offload
 from fsdpx.sharding.comm import Comm
 
 from .config import RunConfig
+from .errors import RunFailure
 from .parallel import Parallel
 
 
@@ -43,3 +45,31 @@ def savable(state: Any) -> Any:
     if isinstance(opt.get("metrics"), dict):
         opt = {**opt, "metrics": {k: type(v)() for k, v in opt["metrics"].items()}}
     return state._replace(opt_state=opt)
+
+
+def newest_checkpoint(manager: ckpt.CheckpointManager | None) -> Path | None:
+    """The newest committed checkpoint of ``manager``'s run under its root (``step_<N>`` whose
+    manifest records the run's id; commits are atomic, so it is whole; its checksums are not
+    read: cheap enough for a run that must stop within a grace period), or ``None`` (no
+    manager, none yet)."""
+    if manager is None:
+        return None
+    for step in reversed(manager.steps()):
+        path = manager.root / f"step_{step}"
+        if manager.wrote(path):
+            return path
+    return None
+
+
+def save_failure(err: BaseException, step: int, manager: ckpt.CheckpointManager) -> RunFailure:
+    """The one-line :class:`RunFailure` of a checkpoint that could not be saved (``err``, its
+    ``SaveError`` naming ``step_<N>`` and the cause, or the error of a save that could not start),
+    the run stopping at ``step``, with the newest intact checkpoint to continue from
+    (``tests/test_fault_injection.py::test_a_run_survives_faults_at_random_steps_and_ends_as_an_uninterrupted_run``:
+    a tmpfs that fills up)."""
+    cause = str(err) if isinstance(err, ckpt.SaveError) else \
+        f"checkpoint not saved in {manager.root}: {type(err).__name__}: {err}"
+    newest = newest_checkpoint(manager)
+    where = f"newest checkpoint {newest} (continue with --resume)" if newest else \
+        f"newest checkpoint: none in {manager.root}"
+    return RunFailure(f"{cause.splitlines()[0]}; stopped at step {step}; {where}")

@@ -20,11 +20,13 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tomllib
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 # Only light modules here: the parser and its defaults come before torch, the privacy core and
 # the runtime, which main() imports once the arguments parse (``--help`` and a bad flag answer in
@@ -125,6 +127,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--corpus-chars", type=_positive_int, metavar="N", default=d.corpus_chars,
                      help="length of the embedded corpus (default %(default)s)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--verbose", action="store_true",
+                     help="a sharded run shows every rank's own errors and tracebacks and torchrun's log lines and"
+                          " failure banners (also FSDPX_VERBOSE=1); without it a failure is one line, once: the first"
+                          " failing rank's. Exit status: 2 refused, 1 failed while running, 130 SIGINT, 143 SIGTERM"
+                          " (the step under way finishes; with --ckpt-dir a checkpoint of it is written within"
+                          " FSDPX_GRACE_SECONDS, default 25)")
     run.add_argument("--device", choices=DEVICES, default=d.device,
                      help="where the model, optimizer state and batches live: cpu, cuda (one GPU per process,"
                           " cuda:LOCAL_RANK, NCCL between processes) or auto (cuda when there is a GPU for every"
@@ -338,13 +346,27 @@ def explicit_flags(argv: list[str]) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command. Exits with status 2 and
-    a message on bad flags or values the privacy core rejects."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command. Ends as
+    :mod:`fsdpx.train.reports` says, one line on stderr: exit status 2 for bad flags or values
+    the privacy core rejects (refusals), 1 for a failure while training (a checkpoint that could
+    not be saved), 130 and 143 for SIGINT and SIGTERM (:mod:`fsdpx.train.interrupts`: the step
+    under way finishes; SIGTERM writes its checkpoint), the same in a sharded run."""
+    from .interrupts import handling
+
+    with handling():  # from the first moment: a signal is a request to stop after the step under way
+        _main(argv)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.verbose:
+        from .reports import VERBOSE
+
+        os.environ[VERBOSE] = "1"  # the launcher, its agent and the workers see it
     explicit = explicit_flags(argv)
-    file = None
+    file = config = None
     try:
         file = read_file(args.config, checks=file_checks(args.command_parser)) if args.config else {}
         nproc = args.nproc if "nproc" in explicit else file.get("nproc")
@@ -371,6 +393,7 @@ def main(argv: list[str] | None = None) -> None:
                 check_layout(config, nproc)  # what cannot run here, before any process starts
             check_before_writing(config)  # then what would touch the user's files
             if layout.sharded:
+                _stop_if_asked(config)  # a Ctrl-C while the checks ran: start nothing
                 sys.exit(_launch(argv, nproc, max_restarts))  # re-run this very command on N processes
         if layout.sharded:
             watch_launcher()  # a worker of `fsdpx train --nproc`: never outlive the launcher
@@ -385,15 +408,74 @@ def main(argv: list[str] | None = None) -> None:
             from fsdpx.runtime.dist_comm import shutdown
 
             shutdown()
-    except Exception as err:  # noqa: BLE001 - a bad value, not a bug: no traceback, no usage
-        if not _refusal(err):
-            raise
-        words = _in_their_words(err, args, explicit, file)
-        args.command_parser.exit(2, f"{args.command_parser.prog}: error: {words}\n")
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - said in one line where it is not a bug (and once, sharded)
+        _end(err, args, explicit, file, config)
     if comm is None or comm.rank == 0:
         from .report import format_summary
 
         print(format_summary(summary))
+
+
+def _end(err: BaseException, args: argparse.Namespace, explicit: set[str], file: dict[str, Any] | None,
+         config: RunConfig | None) -> NoReturn:
+    """End the process as ``err`` calls for (:mod:`fsdpx.train.reports`): an interruption, a
+    refusal, a failure while running or another rank's death is one line with its exit status;
+    a bug keeps its traceback (a worker of the launcher hands it to the launcher, which shows the
+    first failing rank's only). A worker of a sharded run exits at once (``os._exit``): its peers
+    may be gone, so no barrier, and no teardown of a process group still alive."""
+    from .errors import RunFailure
+    from .interrupts import EXIT_CODES, Interrupted, line, where
+    from .reports import announce
+
+    worker = "WORLD_SIZE" in os.environ
+    secondary, trace = False, None
+    failure = sys.modules.get("fsdpx.sharding.comm")
+    if isinstance(err, Interrupted):
+        kind, detail, code = "interrupted", err.line, err.code
+    elif isinstance(err, KeyboardInterrupt):  # a second Ctrl-C outside a step: where the loop is, if it began
+        ckpt_dir = config.checkpoints.ckpt_dir if config is not None else None
+        step, ckpt_dir, newest = where() or (None, ckpt_dir, _newest(ckpt_dir))
+        kind, detail, code = "interrupted", line(step, ckpt_dir, newest), EXIT_CODES[signal.SIGINT]
+    elif _refusal(err):
+        kind, detail, code = "refusal", _in_their_words(err, args, explicit, file), 2
+    elif isinstance(err, RunFailure):
+        kind, detail, code = "failure", str(err), 1
+    elif failure is not None and isinstance(err, failure.RankFailure):  # another rank died first
+        kind, detail, code, secondary = "failure", str(err), 1, True
+    elif worker and isinstance(err, Exception):
+        first = (str(err).splitlines() or [""])[0]
+        kind, detail, code, trace = "failure", f"{type(err).__name__}: {first}", 1, traceback.format_exc()
+    else:
+        raise err
+    announce(kind, detail, code, secondary=secondary, traceback=trace)
+    if worker:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _stop_if_asked(config: RunConfig) -> None:
+    """In the launcher, before torchrun starts: a signal already received ends the run here, as
+    one process would (nothing was trained)."""
+    from .interrupts import Interrupted, exit_code, line, requested
+
+    signum = requested()
+    if signum is not None:
+        ckpt_dir = config.checkpoints.ckpt_dir
+        raise Interrupted(line(None, ckpt_dir, _newest(ckpt_dir)), exit_code(signum))
+
+
+def _newest(ckpt_dir: str | None) -> str | None:
+    """The newest committed ``step_<N>`` under ``ckpt_dir`` (not verified), or ``None``."""
+    if ckpt_dir is None:
+        return None
+    import ckpt
+
+    steps = ckpt.CheckpointManager(ckpt_dir).steps()
+    return str(Path(ckpt_dir) / f"step_{steps[-1]}") if steps else None
 
 
 def _refusal(err: BaseException) -> bool:

@@ -9,6 +9,13 @@ Workers never outlive their launcher (issue 14): ``launch`` starts torchrun with
 dies, however it dies) and ``LAUNCHER_PID`` in its environment; each worker calls
 ``watch_launcher``, which sets the same on itself (torchrun killed -> its workers killed) and
 polls the launcher's pid, covering the moment before ``prctl`` and a torchrun that survived.
+
+One line, once (issue 28): ``launch`` runs torchrun through :mod:`fsdpx.train.agent` (torchrun
+without its log lines and failure banners unless ``FSDPX_VERBOSE``), in a session of its own (a
+Ctrl-C in the terminal reaches the launcher only), forwards SIGINT and SIGTERM to it (torchrun
+passes them on to every worker and waits for them), and, once it is done, prints the one line
+the workers' reports and torchrun's account call for (:func:`fsdpx.train.reports.choose`) and
+returns its exit status.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
 LAUNCHER_PID = "FSDPX_LAUNCHER_PID"
@@ -74,10 +83,61 @@ def die_with_parent() -> bool:
 
 
 def launch(cmd: Sequence[str]) -> int:
-    """Run ``cmd`` (torchrun) as a child that dies with this process; its exit code. Its
-    workers find this process's pid in ``FSDPX_LAUNCHER_PID``."""
-    env = {**os.environ, LAUNCHER_PID: str(os.getpid())}
-    return subprocess.call(list(cmd), env=env, preexec_fn=die_with_parent)
+    """Run the torchrun command ``cmd`` (:func:`torchrun_command`) through the quiet agent, as a
+    child that dies with this process, in its own session; returns the run's exit status, having
+    printed its one line on stderr when it failed or was interrupted (see the module doc). Its
+    workers find this process's pid in ``FSDPX_LAUNCHER_PID`` and where to report in
+    ``FSDPX_REPORT_DIR``.
+
+    Guarantees: SIGINT and SIGTERM are forwarded (every worker stops after the same step; the
+    line is rank 0's, as a one-process run prints it), and this returns at most the grace period
+    plus 15 s after the first one (the agent is killed then, and its workers with it)
+    (``tests/test_fault_injection.py``)."""
+    from .interrupts import grace_seconds
+    from .reports import REPORT_DIR, choose, read, read_agent
+
+    grace = grace_seconds()
+    cmd = list(cmd)
+    at = cmd.index("torch.distributed.run")
+    cmd[at:at + 1] = ["fsdpx.train.agent", f"--shutdown-timeout={int(grace) + 5}"]
+    with tempfile.TemporaryDirectory(prefix="fsdpx-reports-") as reports:
+        env = {**os.environ, LAUNCHER_PID: str(os.getpid()), REPORT_DIR: reports}
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent, start_new_session=True)
+        signaled: list[int] = []
+
+        def forward(signum: int, frame: object) -> None:
+            signaled.append(signum)
+            proc.send_signal(signum)
+
+        handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            returncode = _wait(proc, signaled, grace + 15)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        outcome = choose(read(Path(reports)), read_agent(Path(reports)), signaled[0] if signaled else None,
+                         returncode)
+    if outcome is None:
+        return 0
+    line, code, traceback = outcome
+    if traceback:
+        print(traceback, file=sys.stderr, end="")
+    print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def _wait(proc: subprocess.Popen, signaled: list[int], bound: float) -> int:
+    """``proc``'s exit status; once ``signaled`` holds a signal, at most ``bound`` seconds more
+    (then it is killed)."""
+    deadline = None
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if signaled and deadline is None:
+                deadline = time.monotonic() + bound
+            if deadline is not None and time.monotonic() > deadline:
+                proc.kill()
 
 
 def watch_launcher(interval: float = 0.5) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
 import sys
 import time
 from typing import Any
@@ -53,9 +54,9 @@ from privacy.errors import BudgetExhaustedError
 from privacy.sampling import PoissonSampler
 from privacy.step import sample_batch
 
-from . import report
+from . import interrupts, report
 from .build import build_step, offload_metrics, resolve_privacy, resolve_sample_rate
-from .checkpoints import checkpoint_manager, savable
+from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
 from .config import RunConfig, to_toml
 from .device import run_device, to_device
 from .parallel import Parallel, resolve_parallel
@@ -99,6 +100,14 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     its source's steps ``1..start``), ``config.json`` and the checkpoint root's ``run.json`` list
     the segments. A checkpoint already at ``steps`` trains nothing, writes nothing and says so
     in ``stopped``. A step that would exceed the budget is not taken: the run stops there.
+
+    Interruptions and failures (``fsdpx train`` handles the signals, :mod:`fsdpx.train.interrupts`):
+    asked to stop, every rank stops after the same step; on SIGTERM the step reached is saved
+    (when there is a ``ckpt_dir``), on SIGINT nothing more is written; then
+    :class:`fsdpx.train.interrupts.Interrupted` is raised with the line to print and the exit
+    status. A checkpoint save that fails (in the background: it surfaces at the next save or at
+    the end) raises :class:`fsdpx.train.errors.RunFailure` naming it, its cause and the newest
+    intact checkpoint, which is kept (``tests/test_fault_injection.py``).
 
     Sharded (``comm`` given, every rank calls ``run``): the layout is resolved on the model once
     (:func:`fsdpx.train.parallel.resolve_parallel`) and every rank feeds the same global Poisson
@@ -167,15 +176,34 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
 
     history: list[dict[str, Any]] = [report.numbers(r) for r in earlier]
     saved_at = plan.start
-    stopped, torn = None, False
+    stopped, torn, signum = None, False, None
+    ckpt_dir = config.checkpoints.ckpt_dir
+    interrupts.on_grace_over(lambda: (state.step, ckpt_dir, _name(newest_checkpoint(manager))))
     loop_start = last = time.perf_counter()
     with report.open_log(run_dir / "metrics.jsonl", main, append=True) as log, \
             report.progress_bar(config, progress and main, initial=plan.start) as bar:
         while state.step < config.run.steps:
+            signum = interrupts.agreed(comm)  # every rank stops after the same step
+            if signum is not None:
+                break
             try:
                 # sampled on the host (the data stays there), moved as the step takes it
                 batch = to_device(sample_batch((inputs, targets), sampler, state.step), device)
                 state, metrics = step(state, batch)
+                # The step does not report epsilon (a PLD query is not free); on the run's coarse
+                # grid (accounting_interval) one query per step costs tens of milliseconds.
+                epsilon = state.accountant.epsilon() if main else math.nan
+                now = time.perf_counter()
+                record = {"step": state.step, **metrics, **offload_metrics(state), "epsilon": epsilon,
+                          "step_seconds": now - last, "elapsed_seconds": now - loop_start}
+                last = now
+                history.append(record)
+                report.append_jsonl(log, record)
+                report.update_bar(bar, history)
+                if manager is not None and manager.should_save(state.step):
+                    # snapshot now, write in the background; the previous save's failure stops the run here
+                    _save(manager, state, state.step)
+                    saved_at = state.step
             except BudgetExhaustedError as err:
                 stopped = str(err)
                 break
@@ -183,24 +211,22 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                 # The step updates the donated state in place: interrupted inside it, `state`
                 # may be half old, half new, so it is not saved (the last checkpoint stands).
                 stopped, torn = "interrupted", True
+                signum = interrupts.requested()  # a second Ctrl-C of `fsdpx train`: no agreeing now
                 break
-            # The step does not report epsilon (a PLD query is not free); on the run's coarse
-            # grid (accounting_interval) one query per step costs tens of milliseconds.
-            epsilon = state.accountant.epsilon() if main else math.nan
-            now = time.perf_counter()
-            record = {"step": state.step, **metrics, **offload_metrics(state), "epsilon": epsilon,
-                      "step_seconds": now - last, "elapsed_seconds": now - loop_start}
-            last = now
-            history.append(record)
-            report.append_jsonl(log, record)
-            report.update_bar(bar, history)
-            if manager is not None and manager.should_save(state.step):
-                manager.save(state.step, savable(state), blocking=False)  # snapshot now, write in the background
-                saved_at = state.step
+        else:
+            signum = interrupts.agreed(comm)  # a signal during the last step: the same answer on every rank
     if manager is not None:
-        if saved_at != state.step and not torn:
-            manager.save(state.step, savable(state), force=True, blocking=False)
-        manager.wait()
+        # SIGINT writes nothing more; SIGTERM, like the end, saves the step reached
+        if saved_at != state.step and not torn and signum != signal.SIGINT:
+            _save(manager, state, state.step, force=True)
+        try:
+            manager.wait()
+        except Exception as err:  # noqa: BLE001 - a save that failed in the background
+            raise save_failure(err, state.step, manager) from err
+    if signum is not None:
+        # the steps done are in metrics.jsonl; a resume cuts it back to the newest checkpoint
+        words = interrupts.line(state.step, ckpt_dir, _name(newest_checkpoint(manager)))
+        raise interrupts.Interrupted(words, interrupts.exit_code(signum))
 
     trained = full_params(state, comm, parallel, source)
     if main:
@@ -208,6 +234,21 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                     delta=config.privacy.delta, starts=starts)
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
                           sample=sample_text(source, trained, 100, seed=config.run.seed), files=report.FILES)
+
+
+def _name(path: Any) -> str | None:
+    return None if path is None else str(path)
+
+
+def _save(manager: Any, state: Any, step: int, *, force: bool = False) -> None:
+    """Start the checkpoint of ``step`` in the background; a save that fails, this one or the
+    previous (surfacing now), raises :func:`fsdpx.train.checkpoints.save_failure`'s
+    ``RunFailure``: the run stops at ``step``, the newest intact checkpoint named
+    (``tests/test_fault_injection.py``: a disk that fills up)."""
+    try:
+        manager.save(step, savable(state), force=force, blocking=False)
+    except Exception as err:  # noqa: BLE001 - ckpt.SaveError, or an OSError of a save that could not start
+        raise save_failure(err, step, manager) from err
 
 
 def _announce(config: RunConfig, plan: SegmentPlan) -> None:
