@@ -29,6 +29,45 @@ from privacy.errors import PrivacyError
 
 _HASH_PERSON = b"fsdpx.sample.v1"
 
+SKIP_ABOVE = 1 << 24
+"""Datasets of more examples than this (16.8 million: a token file of 1 G tokens cut into
+64-token examples) draw a step's batch by geometric skips (:func:`skip_draw`), in time and
+memory of the batch; up to it, by a uniform per example (:func:`mask_draw`), the batches every
+run has drawn so far, bit for bit (a checkpoint resumes with the same batches)."""
+
+MASK_CHUNK = 1 << 20
+"""Uniforms drawn at once by :func:`mask_draw`: 8 MiB, whatever the dataset's size."""
+
+
+def mask_draw(gen: np.random.Generator, num_examples: int, sample_rate: float) -> np.ndarray:
+    """The sorted indices ``i`` whose uniform ``u_i < sample_rate``, ``u`` drawn from ``gen`` in
+    order. Drawn in chunks of :data:`MASK_CHUNK`: ``Generator.random`` turns each 64-bit output
+    into one double, so chunks give the uniforms of one ``gen.random(num_examples)``, and the
+    same indices, without an array of the dataset's size."""
+    parts = []
+    for lo in range(0, num_examples, MASK_CHUNK):
+        u = gen.random(min(MASK_CHUNK, num_examples - lo))
+        parts.append(np.flatnonzero(u < sample_rate).astype(np.int64, copy=False) + lo)
+    return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
+
+def skip_draw(gen: np.random.Generator, num_examples: int, sample_rate: float) -> np.ndarray:
+    """Sorted indices, each of ``range(num_examples)`` in independently with probability
+    ``sample_rate``: the gaps between successive successes of Bernoulli trials are independent
+    geometric variables (support 1, 2, ...), so the included indices are the partial sums of
+    geometric gaps, minus one, below ``num_examples``. Time and memory of the batch (about
+    ``num_examples * sample_rate``), not of the dataset; numpy's geometric sampler inverts a
+    uniform, exact up to float64 rounding as :func:`mask_draw`'s comparison is."""
+    expected = num_examples * sample_rate
+    chunk = max(1024, int(expected + 6 * math.sqrt(expected) + 16))
+    parts, last = [], -1
+    while last < num_examples:
+        positions = last + np.cumsum(gen.geometric(sample_rate, size=chunk).astype(np.int64, copy=False))
+        parts.append(positions)
+        last = int(positions[-1])
+    indices = np.concatenate(parts)
+    return indices[: np.searchsorted(indices, num_examples)]
+
 
 @dataclasses.dataclass(frozen=True)
 class PoissonSampler:
@@ -45,7 +84,12 @@ class PoissonSampler:
         independently of other examples and of other steps
         (``test_empirical_inclusion_rate_matches_sample_rate``,
         ``test_different_steps_draw_different_batches``).
-      * Cost: O(num_examples) per call; nothing is cached.
+      * Cost: O(num_examples) time and O(MASK_CHUNK) memory per call up to
+        :data:`SKIP_ABOVE` examples (the mask is drawn in chunks: the same uniforms, so the same
+        indices, as one ``gen.random(num_examples)``: ``test_chunked_mask_is_the_draw_of_one_mask``);
+        above it, O(batch size) time and memory (:func:`skip_draw`: geometric gaps, the same
+        distribution, other bits: ``test_skip_draw_has_the_bernoulli_distribution``). Nothing is
+        cached.
 
     Edge cases:
       ==========================  ==============================================
@@ -90,8 +134,9 @@ class PoissonSampler:
             return torch.arange(self.num_examples, dtype=torch.int64)
         digest = hashlib.blake2b(f"{self.key}:{step}".encode(), digest_size=16, person=_HASH_PERSON).digest()
         gen = np.random.Generator(np.random.SFC64(int.from_bytes(digest, "little")))
-        included = gen.random(self.num_examples) < self.sample_rate
-        return torch.from_numpy(np.flatnonzero(included).astype(np.int64, copy=False))
+        if self.num_examples > SKIP_ABOVE:
+            return torch.from_numpy(skip_draw(gen, self.num_examples, self.sample_rate))
+        return torch.from_numpy(mask_draw(gen, self.num_examples, self.sample_rate))
 
     def batches(self, start_step: int = 0, num_steps: int | None = None) -> Iterator[tuple[int, Tensor]]:
         """Yield ``(step, indices(step))`` for ``start_step, start_step + 1, ...``; ``num_steps``

@@ -252,7 +252,8 @@ def test_token_files_npy_and_bin_are_cut_into_the_same_examples(tmp_path):
     for path, dtype in (("t.npy", "uint16"), ("t.bin", "uint16"), ("t32.bin", "int32")):
         source = build_source(RunConfig.of(data_path=str(tmp_path / path), data_dtype=dtype, block_size=16,
                                         n_layer=1, n_embd=8, n_head=2))
-        assert torch.equal(source.inputs, want[0]) and torch.equal(source.targets, want[1]), path
+        assert torch.equal(source.inputs[:], want[0]) and torch.equal(source.targets[:], want[1]), path
+        assert source.inputs.shape == want[0].shape and source.inputs.shape[0] == len(source.targets)
         assert source.vocab_size == int(ids.max()) + 1  # the built-in GPT sized to the data
     (tmp_path / "odd.bin").write_bytes(b"\x00" * 5)
     with pytest.raises(ConfigError, match="not a whole number of uint16 tokens"):

@@ -130,7 +130,10 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
     segments = record["segments"] if record else []
     wrote = owner(segments, step)
     shapes = {k: (t.param_shape or t.shape) for k, t in manifest.tensors.items()}
-    notes = check_compatible(wrote["fingerprint"] if wrote else None, new_fp, checkpoint_shapes=shapes,
+    recorded = wrote["fingerprint"] if wrote else None
+    if recorded is not None and _same_legacy_data(recorded["data"], digest):
+        recorded = {**recorded, "data": new_fp["data"]}  # written before the file was mapped: the same examples
+    notes = check_compatible(recorded, new_fp, checkpoint_shapes=shapes,
                              checkpoint_private=manifest.private, allow_new_data=config.checkpoints.allow_new_data)
     state = ckpt.load(source, mesh=manager.mesh, strategy=manager.strategy, specs=manager.specs,
                       rank=manager.coordinator.rank, private=manager.private, like=fresh)  # on the run's device
@@ -148,11 +151,19 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
         current = last.noise_multiplier if last is not None and last.sample_rate == dp.sample_rate else None
         dp = _plan_noise(config, dp, acc, current=current)
     entry = _entry(config, state.step, source, dp, new_fp, world, budget_changed_from=increased_from,
-                   new_data=wrote is not None and wrote["fingerprint"]["data"] != new_fp["data"])
+                   new_data=recorded is not None and recorded["data"] != new_fp["data"])
     resuming = config.checkpoints.resume or config.checkpoints.resume_if_present
     earlier = Path(record["run_dir"]) if record else (config.run_dir if resuming else None)
     return SegmentPlan(state, dp, state.step, source, [*lineage(segments, state.step), entry], earlier, notes,
                        segment_run)
+
+
+def _same_legacy_data(recorded: str, digest: str) -> bool:
+    """Whether a checkpoint's data digest from before token files were mapped (an int64 hash of
+    the examples) is that of the mapped examples ``digest`` describes
+    (:class:`fsdpx.train.segments.DataDigest`): computed, one pass over the file, only then."""
+    legacy = getattr(digest, "legacy", None)
+    return legacy is not None and recorded != digest and not recorded.startswith("v2:") and legacy() == recorded
 
 
 def _plan_noise(config: RunConfig, dp: DPConfig | None, spent: Any, *, current: float | None) -> DPConfig | None:

@@ -30,6 +30,8 @@ from typing import Any, Mapping, Sequence
 
 from torch import Tensor
 
+from .data import Windows
+
 RECORD = "run.json"
 
 ALLOWED_CHANGES = ("lr", "clip_norm", "clipping", "method", "batch_size", "sample_rate", "noise_multiplier",
@@ -68,8 +70,26 @@ class CheckpointNotFoundError(ResumeError):
 # --------------------------------------------------------------------------- fingerprints (pure)
 
 
-def data_digest(inputs: Tensor, targets: Tensor) -> str:
-    """SHA-256 of the examples' bytes: equal iff the run trains on the same token sequences."""
+class DataDigest(str):
+    """The digest of examples cut on demand from a mapped token file (``"v2:"`` and the SHA-256
+    of its tokens as stored, :meth:`fsdpx.train.data.Windows.digest`), with ``legacy()``: the
+    digest the same examples had as int64 tensors, computed only when a checkpoint written before
+    files were mapped is resumed (:func:`fsdpx.train.resume.plan_segment`)."""
+
+    legacy: Any
+
+    def __new__(cls, value: str, legacy: Any) -> "DataDigest":
+        digest = super().__new__(cls, value)
+        digest.legacy = legacy
+        return digest
+
+
+def data_digest(inputs: Any, targets: Any) -> str:
+    """SHA-256 of the examples' bytes: equal iff the run trains on the same token sequences.
+    Examples cut on demand (:class:`fsdpx.train.data.Windows`) give a :class:`DataDigest`: one
+    read of the file's tokens, not a hash of every example's int64 bytes."""
+    if isinstance(inputs, Windows):
+        return DataDigest(inputs.digest(), lambda: inputs.legacy_digest(targets))
     h = hashlib.sha256()
     for t in (inputs, targets):
         h.update(str(tuple(t.shape)).encode())

@@ -19,8 +19,10 @@ Data: a token stream cut into examples by :func:`fsdpx.train.data.windows` (``bl
 tokens each, the targets shifted by one), from the embedded corpus, a text file (tokenised by
 bytes or by a tokenizer from a local directory), a ``.npy`` array or raw ``.bin`` file of token
 ids, or a ``datasets`` dataset saved with ``save_to_disk`` (an ``input_ids`` column, or a text
-column whose rows are joined by newlines and tokenised like a text file). The whole stream is
-held in memory as int64.
+column whose rows are joined by newlines and tokenised like a text file). A ``.npy`` or ``.bin``
+file is memory-mapped as stored (uint16, uint32, ...): its examples are cut on demand
+(:class:`fsdpx.train.data.Windows`), only a step's batch made int64, so a file larger than memory
+trains; its vocabulary check reads it chunk by chunk. Text and datasets are held in memory as int64.
 
 Refused by name (:class:`ConfigError`), before anything runs: a path that does not exist, a
 token id the model's vocabulary does not cover (:class:`VocabularyError`), examples longer than
@@ -60,7 +62,7 @@ class Tokens(NamedTuple):
     """A token stream and how to read it. ``vocab_size``: the tokenizer's (``None`` for token
     files read without one); ``encode``/``decode``: ``None`` without a tokenizer."""
 
-    ids: Tensor  # (L,) int64
+    ids: Tensor | np.ndarray  # (L,): int64 in memory, or a token file mapped as stored (np.memmap)
     vocab_size: int | None
     encode: Encode | None
     decode: Decode | None
@@ -70,14 +72,15 @@ class Tokens(NamedTuple):
 class Source(NamedTuple):
     """What a run trains: ``model`` with its initial ``params`` (a function of the seed),
     ``loss_fn(model output, targets) -> (B,)``, the examples ``inputs``/``targets``
-    ``(N, block_size)`` int64, the tokenizer (``encode``/``decode``, or ``None``), and a line
+    ``(N, block_size)`` int64 (tensors, or for a mapped token file :class:`fsdpx.train.data.Windows`
+    cut on demand: index them by rows, as :func:`privacy.step.sample_batch` does), the tokenizer (``encode``/``decode``, or ``None``), and a line
     each describing the model and the data."""
 
     model: nn.Module
     params: dict[str, Tensor]
     loss_fn: Callable[[Any, Tensor], Tensor]
-    inputs: Tensor
-    targets: Tensor
+    inputs: Tensor | data.Windows
+    targets: Tensor | data.Windows
     encode: Encode | None
     decode: Decode | None
     model_name: str
@@ -135,16 +138,17 @@ def build_source(config: RunConfig, *, read: str = "whole") -> Source:
     if config.model.kind == "python":
         return python_source(config)
     tokens = build_tokens(config)
-    if tokens.ids.numel() and int(tokens.ids.min()) < 0:
-        raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {int(tokens.ids.min())}")
-    top = int(tokens.ids.max()) if tokens.ids.numel() else -1
+    low, top = data.id_range(tokens.ids)  # a mapped file: read chunk by chunk, never made int64 whole
+    if low < 0:
+        raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {low}")
     vocab = config.model.vocab_size or tokens.vocab_size or top + 1
     model, weights = build_model(config, vocab, read=read)
     check_vocabulary(model, top, tokens.description)
     check_positions(model, config.data.block_size)
-    inputs, targets = data.windows(tokens.ids, config.data.block_size)
+    cut = data.windows if isinstance(tokens.ids, Tensor) else data.mapped_windows
+    inputs, targets = cut(tokens.ids, config.data.block_size)
     if inputs.shape[0] < 1:
-        raise ConfigError(f"{tokens.description}: {tokens.ids.numel()} tokens give no example of block_size"
+        raise ConfigError(f"{tokens.description}: {len(tokens.ids)} tokens give no example of block_size"
                           f" {config.data.block_size} (each needs block_size + 1 tokens)")
     params = {k: v.detach() for k, v in model.named_parameters()}
     loss_fn = token_loss if isinstance(model, GPT) else lm_loss
@@ -348,8 +352,9 @@ def build_tokens(config: RunConfig) -> Tokens:
     return Tokens(ids, vocab, encode, decode, f"{kind} {path}" + (f", read by {how}" if how else ""))
 
 
-def _token_file(path: Path, kind: str, dtype: str) -> Tensor:
-    """The token ids of a ``.npy`` array (1-D, integer) or a raw ``.bin`` of ``dtype``."""
+def _token_file(path: Path, kind: str, dtype: str) -> np.ndarray:
+    """The token ids of a ``.npy`` array (1-D, integer) or a raw ``.bin`` of ``dtype``, mapped
+    read-only as stored (nothing read yet)."""
     if kind == "npy":
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -363,8 +368,9 @@ def _token_file(path: Path, kind: str, dtype: str) -> Tensor:
         itemsize = np.dtype(dtype).itemsize
         if size % itemsize:
             raise ConfigError(f"data_path {path}: {size} bytes are not a whole number of {dtype} tokens")
-        array = np.fromfile(path, dtype=np.dtype(dtype))
-    return torch.from_numpy(np.asarray(array, dtype=np.int64).copy())
+        # np.memmap cannot map an empty file; an empty stream is refused later (no example)
+        array = np.memmap(path, dtype=np.dtype(dtype), mode="r") if size else np.zeros(0, np.dtype(dtype))
+    return array
 
 
 def _dataset_tokens(config: RunConfig, path: Path) -> Tokens:
@@ -461,7 +467,7 @@ def _sample(source: Source, params: dict[str, Tensor], num_tokens: int, *, seed:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.as_tensor(list(source.encode(prompt)) if source.encode else [], dtype=torch.int64)
     if ids.numel() == 0:
-        ids = source.inputs[0, :1].clone()
+        ids = source.inputs[0, :1].clone()  # a Windows reads one row
     block = source.inputs.shape[1]
     # the model's device (its buffers'; parameters may be on meta); tokens are drawn on the host
     device = next((t.device for t in [*source.model.parameters(), *source.model.buffers()] if not t.is_meta),
