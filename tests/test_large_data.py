@@ -112,6 +112,23 @@ def test_a_mapped_digest_names_the_tokens_and_its_legacy_digest_is_the_int64_one
     assert data_digest(*data.mapped_windows(ids, 9)) != digest
 
 
+def test_the_mapped_digest_does_not_depend_on_the_threads_and_sees_every_segment(tmp_path, monkeypatch):
+    ids = _tokens(10_001)
+    ids.tofile(tmp_path / "t.bin")
+    inputs, _ = data.mapped_windows(np.memmap(tmp_path / "t.bin", np.uint16, mode="r"), 8)
+    monkeypatch.setattr(data, "DIGEST_SEGMENT", 999)
+    monkeypatch.setattr(data, "CHUNK_TOKENS", 250)
+    digests = set()
+    for threads in (1, 3, 8):
+        monkeypatch.setattr(data, "DIGEST_THREADS", threads)
+        digests.add(inputs.digest())
+    assert len(digests) == 1
+    for at in (0, 998, 999, 5000, 10_000):  # segment edges and the last token a target holds
+        other = ids.copy()
+        other[at] += 1
+        assert data.mapped_windows(other, 8)[0].digest() not in digests, at
+
+
 # --------------------------------------------------------------------------- runs
 
 
