@@ -110,18 +110,22 @@ def test_a_mapped_digest_names_the_tokens_and_its_legacy_digest_is_the_int64_one
     other[-2] += 1  # a token of the last example's target
     assert data_digest(*data.mapped_windows(other, 8)) != digest
     assert data_digest(*data.mapped_windows(ids, 9)) != digest
+    assert data_digest(*data.mapped_windows(ids[:-7], 8)) != digest  # 3995 tokens: one example fewer
+    source = build_source(RunConfig.of(data_path=str(tmp_path / "t.bin"), **TINY))
+    assert source.inputs.digest() == digest  # made by the source's one scan
 
 
 def test_the_mapped_digest_does_not_depend_on_the_threads_and_sees_every_segment(tmp_path, monkeypatch):
     ids = _tokens(10_001)
     ids.tofile(tmp_path / "t.bin")
-    inputs, _ = data.mapped_windows(np.memmap(tmp_path / "t.bin", np.uint16, mode="r"), 8)
+    mapped = np.memmap(tmp_path / "t.bin", np.uint16, mode="r")
     monkeypatch.setattr(data, "DIGEST_SEGMENT", 999)
     monkeypatch.setattr(data, "CHUNK_TOKENS", 250)
     digests = set()
     for threads in (1, 3, 8):
         monkeypatch.setattr(data, "DIGEST_THREADS", threads)
-        digests.add(inputs.digest())
+        digests.add(data.mapped_windows(mapped, 8)[0].digest())
+        assert data.scan(mapped, 10_001, "(1250, 8)") == (int(ids.min()), int(ids.max()), *digests)
     assert len(digests) == 1
     for at in (0, 998, 999, 5000, 10_000):  # segment edges and the last token a target holds
         other = ids.copy()
@@ -188,7 +192,8 @@ PEAK = textwrap.dedent("""
 def test_a_token_file_larger_than_the_run_needs_leaves_the_peak_rss_where_a_tiny_file_has_it(tmp_path):
     """128 MiB of uint16 tokens, cut into 2-token examples: 32 M examples (above the sampler's
     threshold, so the draw is by skips). Held as int64 before, with a mask of a uniform per
-    example: over 700 MiB more than a tiny file's run in the same process; now within 32 MiB."""
+    example: over 1 GiB more than a tiny file's run in the same process; now within 32 MiB and the
+    scan's read buffers."""
     big, small = tmp_path / "big.bin", tmp_path / "small.bin"
     rng = np.random.default_rng(0)
     with open(big, "wb") as f:
@@ -202,7 +207,8 @@ def test_a_token_file_larger_than_the_run_needs_leaves_the_peak_rss_where_a_tiny
     assert done.returncode == 0, done.stderr[-2000:]
     tiny, peak = map(int, done.stdout.split()[-2:])
     grew = peak - tiny
-    assert grew < 32 * 2**20, f"peak RSS grew by {grew / 2**20:.0f} MiB for a {big.stat().st_size >> 20} MiB file"
+    buffers = min(data.DIGEST_THREADS, os.cpu_count() or 1) * data.CHUNK_TOKENS * 2  # the scan's read buffers
+    assert grew < 32 * 2**20 + buffers, f"peak RSS grew by {grew / 2**20:.0f} MiB for a {big.stat().st_size >> 20} MiB file"
 
 
 # --------------------------------------------------------------------------- the Poisson draw

@@ -191,14 +191,14 @@ def windows(ids: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
 
 # --------------------------------------------------------------------------- token files larger than memory
 
-CHUNK_TOKENS = 1 << 22
+CHUNK_TOKENS = 1 << 21
 """Tokens per read of a streaming pass over a mapped file (:func:`stream_chunks`): 8 MiB of uint16."""
 
 
 DIGEST_SEGMENT = 1 << 25
 """Tokens per separately hashed segment of :meth:`Windows.digest` (64 MiB of uint16)."""
 
-DIGEST_THREADS = 4
+DIGEST_THREADS = 8
 """Threads hashing segments at once (each holds one read buffer of :data:`CHUNK_TOKENS`)."""
 
 
@@ -262,14 +262,50 @@ def read_rows(stream: Any, starts: Any, length: int) -> Any:
 
 def id_range(ids: Any) -> tuple[int, int]:
     """``(min, max)`` of a token stream (``(0, -1)`` when empty), chunk by chunk in the stream's
-    own dtype: no int64 copy of it, and a mapped file is read, not mapped, once."""
+    own dtype: no int64 copy of it, and a mapped file is read, not mapped."""
+    if hasattr(ids, "numel"):  # a tensor in memory
+        return (int(ids.min()), int(ids.max())) if ids.numel() else (0, -1)
+    low, top, _ = scan(ids, 0)
+    return low, top
+
+
+def scan(ids: Any, hashed: int, tag: str = "") -> tuple[int, int, str]:
+    """``(min, max, digest)`` of a token stream in one pass: its ids' range (``(0, -1)`` when
+    empty) and ``"v2:"`` with the SHA-256 of the dtype, ``tag``, ``hashed`` and the SHA-256 of each
+    :data:`DIGEST_SEGMENT` tokens of ``ids[:hashed]`` as stored. The segments are read (plain
+    reads, :func:`stream_chunks`) and hashed by up to :data:`DIGEST_THREADS` threads (hashlib and
+    numpy let go of the GIL); they are fixed, so the digest does not depend on the threads."""
+    import hashlib
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    length = len(ids)
+    hashed = min(hashed, length)
+
+    def segment(lo: int) -> tuple[int | None, int | None, bytes]:
+        h, low, top = hashlib.sha256(), None, None
+        for chunk in stream_chunks(ids, lo, min(lo + DIGEST_SEGMENT, length)):
+            if len(chunk):
+                a, b = int(chunk.min()), int(chunk.max())
+                low, top = (a, b) if low is None else (min(low, a), max(top, b))
+            head = chunk[: max(0, hashed - lo)]
+            lo += len(chunk)
+            if len(head):
+                h.update(memoryview(np.ascontiguousarray(head)).cast("B"))
+        return low, top, h.digest()
+
+    h = hashlib.sha256(f"fsdpx.tokens.v2:{np.dtype(ids.dtype).str}:{tag}:{hashed}".encode())
     low, top = None, None
-    for chunk in stream_chunks(ids):
-        if len(chunk):
-            lo, hi = int(chunk.min()), int(chunk.max())
-            low = lo if low is None else min(low, lo)
-            top = hi if top is None else max(top, hi)
-    return (0, -1) if low is None else (low, top)
+    starts = range(0, length, DIGEST_SEGMENT)
+    with ThreadPoolExecutor(max(1, min(DIGEST_THREADS, os.cpu_count() or 1, len(starts) or 1))) as pool:
+        for lo, (a, b, part) in zip(starts, pool.map(segment, starts)):
+            if a is not None:
+                low, top = (a, b) if low is None else (min(low, a), max(top, b))
+            if lo < hashed:
+                h.update(part)
+    return (0, -1, "v2:" + h.hexdigest()) if low is None else (low, top, "v2:" + h.hexdigest())
 
 
 class Windows:
@@ -282,16 +318,17 @@ class Windows:
     for any rows ``idx`` (an int, a slice, an index array or tensor; a ``(rows, columns)`` pair
     indexes the rows, then the columns of the result): the same int64 values, so a run on a
     mapped file takes the batches and losses of the same tokens held in memory
-    (``tests/test_large_data.py``). Only the rows asked for are read and made int64; the
-    stream is never copied whole."""
+    (``tests/test_large_data.py``). Only the rows asked for are read (:func:`read_rows`: from
+    a file, by ``preadv``) and made int64; the stream is never copied whole."""
 
-    def __init__(self, stream: Any, block_size: int, shift: int) -> None:
+    def __init__(self, stream: Any, block_size: int, shift: int, *, digest: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if shift not in (0, 1):
             raise ValueError(f"shift must be 0 (inputs) or 1 (targets), got {shift}")
         self.stream, self.block_size, self.shift = stream, block_size, shift
         self.shape = (max(len(stream) - 1, 0) // block_size, block_size)
+        self._digest = digest
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -322,31 +359,13 @@ class Windows:
         return torch.from_numpy(np.asarray(read_rows(self.stream, starts, self.block_size), dtype=np.int64))
 
     def digest(self) -> str:
-        """``"v2:"`` and the SHA-256 of the dtype, the shape and the SHA-256 of each
-        :data:`DIGEST_SEGMENT` tokens of those the examples hold (``[0, n * block_size + 1)``),
-        as stored. One read of the file, the segments hashed by up to :data:`DIGEST_THREADS`
-        threads (hashlib lets go of the GIL): a fraction of the cost of hashing every example's
-        int64 bytes, which :meth:`legacy_digest` does. The segments are fixed, so the digest does
-        not depend on the threads."""
-        import hashlib
-        import os
-        from concurrent.futures import ThreadPoolExecutor
-
-        import numpy as np
-
-        end = self.shape[0] * self.block_size + 1
-
-        def segment(lo: int) -> bytes:
-            h = hashlib.sha256()
-            for chunk in stream_chunks(self.stream, lo, min(lo + DIGEST_SEGMENT, end)):
-                h.update(memoryview(np.ascontiguousarray(chunk)).cast("B"))
-            return h.digest()
-
-        h = hashlib.sha256(f"fsdpx.tokens.v2:{self.stream.dtype.str}:{self.shape}".encode())
-        with ThreadPoolExecutor(max(1, min(DIGEST_THREADS, os.cpu_count() or 1))) as pool:
-            for part in pool.map(segment, range(0, end, DIGEST_SEGMENT)):
-                h.update(part)
-        return "v2:" + h.hexdigest()
+        """The digest of the tokens the examples hold (``[0, n * block_size + 1)``) as stored,
+        with their shape: :func:`scan`'s (given at construction when the source's scan made it).
+        One read of the file, hashed by threads: a fraction of the cost of hashing every
+        example's int64 bytes, which :meth:`legacy_digest` does."""
+        if self._digest is None:
+            self._digest = scan(self.stream, self.shape[0] * self.block_size + 1, str(self.shape))[2]
+        return self._digest
 
     def legacy_digest(self, targets: "Windows") -> str:
         """The digest :func:`fsdpx.train.segments.data_digest` gives the same examples held as
@@ -365,7 +384,7 @@ class Windows:
         return h.hexdigest()
 
 
-def mapped_windows(stream: Any, block_size: int) -> tuple[Windows, Windows]:
+def mapped_windows(stream: Any, block_size: int, *, digest: str | None = None) -> tuple[Windows, Windows]:
     """:func:`windows` of a stream held as stored (a ``np.memmap``): ``(inputs, targets)`` cut
-    on demand (:class:`Windows`)."""
-    return Windows(stream, block_size, 0), Windows(stream, block_size, 1)
+    on demand (:class:`Windows`); ``digest``: :meth:`Windows.digest`'s, when already known."""
+    return Windows(stream, block_size, 0, digest=digest), Windows(stream, block_size, 1, digest=digest)

@@ -33,6 +33,7 @@ refused by :mod:`fsdpx.train.parallel`.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
@@ -138,15 +139,21 @@ def build_source(config: RunConfig, *, read: str = "whole") -> Source:
     if config.model.kind == "python":
         return python_source(config)
     tokens = build_tokens(config)
-    low, top = data.id_range(tokens.ids)  # a mapped file: read chunk by chunk, never made int64 whole
+    block = config.data.block_size
+    if isinstance(tokens.ids, Tensor):
+        low, top = data.id_range(tokens.ids)
+        cut = data.windows
+    else:  # a mapped file: one pass of plain reads, never made int64 whole, gives its range and digest
+        shape = (max(len(tokens.ids) - 1, 0) // block, block)
+        low, top, digest = data.scan(tokens.ids, shape[0] * block + 1, str(shape))
+        cut = functools.partial(data.mapped_windows, digest=digest)
     if low < 0:
         raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {low}")
     vocab = config.model.vocab_size or tokens.vocab_size or top + 1
     model, weights = build_model(config, vocab, read=read)
     check_vocabulary(model, top, tokens.description)
     check_positions(model, config.data.block_size)
-    cut = data.windows if isinstance(tokens.ids, Tensor) else data.mapped_windows
-    inputs, targets = cut(tokens.ids, config.data.block_size)
+    inputs, targets = cut(tokens.ids, block)
     if inputs.shape[0] < 1:
         raise ConfigError(f"{tokens.description}: {len(tokens.ids)} tokens give no example of block_size"
                           f" {config.data.block_size} (each needs block_size + 1 tokens)")
