@@ -49,7 +49,8 @@ def _in_memory(monkeypatch) -> None:
 
     def build(config, **kw):
         source = real(config, **kw)
-        ids = torch.from_numpy(np.asarray(source.inputs.stream, dtype=np.int64).copy())
+        stream = source.inputs.stream
+        ids = torch.from_numpy(np.asarray(stream[0:len(stream)], dtype=np.int64).copy())
         inputs, targets = data.windows(ids, config.data.block_size)
         return source._replace(inputs=inputs, targets=targets)
 
@@ -155,6 +156,25 @@ def test_a_mapped_token_file_trains_the_batches_and_losses_of_the_tokens_in_memo
     run(config.replace(name="held"), progress=False)
     mapped, before = _rows(tmp_path / "mapped"), _rows(tmp_path / "held")
     assert len(mapped) == 4 and mapped == before
+
+
+def test_a_saved_datasets_token_column_is_read_through_arrows_map_and_trains_the_same(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    ids = _tokens(4001)
+    rows = [ids[i: i + n].tolist() for i, n in zip(range(0, 4001, 7), [7] * 572)]  # rows of 7 (the last of 3)
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(tmp_path / "ds"), max_shard_size="8KB")
+    config = RunConfig.of(data_path=str(tmp_path / "ds"), out=str(tmp_path), name="mapped", **TINY)
+    source = build_source(config)
+    stream = source.inputs.stream
+    assert isinstance(stream, data.ChunkedStream) and len(stream.pieces) > 1  # one piece per Arrow chunk
+    assert not any(p.flags.owndata for p in stream.pieces)  # views of the map, not copies
+    held = data.windows(torch.from_numpy(ids.astype(np.int64)), 8)
+    assert torch.equal(source.inputs[:], held[0]) and torch.equal(source.targets[:], held[1])
+    assert np.array_equal(stream[5:3000], ids[5:3000]) and np.array_equal(stream[[[0, 4000], [7, 8]]], ids[[[0, 4000], [7, 8]]])
+    run(config, progress=False)
+    _in_memory(monkeypatch)
+    run(config.replace(name="held"), progress=False)
+    assert _rows(tmp_path / "mapped") == _rows(tmp_path / "held")
 
 
 def test_a_checkpoint_from_before_mapping_resumes_on_the_mapped_file(tmp_path, monkeypatch):

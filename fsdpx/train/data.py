@@ -14,7 +14,7 @@ enough variety that it cannot just memorise one sentence.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -213,7 +213,7 @@ def stream_chunks(ids: Any, start: int = 0, stop: int | None = None, *, size: in
     stop = len(ids) if stop is None else min(stop, len(ids))
     filename = getattr(ids, "filename", None)
     if filename is None or not isinstance(ids, np.memmap):
-        array = ids.numpy() if hasattr(ids, "numpy") else np.asarray(ids)
+        array = ids.numpy() if hasattr(ids, "numpy") else ids  # a ChunkedStream slices a copy of the chunk only
         for lo in range(start, stop, size):
             yield array[lo: min(lo + size, stop)]
         return
@@ -231,6 +231,50 @@ def stream_chunks(ids: Any, start: int = 0, stop: int | None = None, *, size: in
                     raise EOFError(f"{filename}: the file ended at token {lo + got // dtype.itemsize}")
                 got += more
             yield buffer[:n]
+
+
+class ChunkedStream:
+    """A token stream held as pieces (1-D numpy arrays of one dtype: zero-copy views of the
+    buffers of a memory-mapped Arrow table, a saved dataset's token-ids column), indexed as the
+    one array they concatenate to: ``len``, ``dtype``, ``[lo:hi]`` (a copy of that slice only) and
+    ``[positions]`` (an integer array of any shape). Nothing is concatenated whole."""
+
+    def __init__(self, pieces: Sequence[Any]) -> None:
+        import numpy as np
+
+        self.pieces = [p for p in pieces if len(p)]
+        self.dtype = self.pieces[0].dtype if self.pieces else np.dtype(np.int64)
+        self.starts = np.cumsum([0, *(len(p) for p in self.pieces)])  # (pieces + 1,)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: Any) -> Any:
+        import numpy as np
+
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError("a ChunkedStream slices with step 1")
+            first = int(np.searchsorted(self.starts, lo, "right")) - 1
+            parts, at = [], lo
+            for i in range(max(first, 0), len(self.pieces)):
+                if at >= hi:
+                    break
+                start = int(self.starts[i])
+                parts.append(self.pieces[i][at - start: hi - start])
+                at = start + len(self.pieces[i])
+            return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+        positions = np.asarray(key, dtype=np.int64)
+        flat = positions.reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= len(self)):
+            raise IndexError(f"positions out of range for {len(self)} tokens")
+        piece = np.searchsorted(self.starts, flat, "right") - 1
+        out = np.empty(flat.shape, self.dtype)
+        for i in np.unique(piece).tolist():
+            mine = piece == i
+            out[mine] = self.pieces[i][flat[mine] - self.starts[i]]
+        return out.reshape(positions.shape)
 
 
 def read_rows(stream: Any, starts: Any, length: int) -> Any:

@@ -22,7 +22,9 @@ ids, or a ``datasets`` dataset saved with ``save_to_disk`` (an ``input_ids`` col
 column whose rows are joined by newlines and tokenised like a text file). A ``.npy`` or ``.bin``
 file is memory-mapped as stored (uint16, uint32, ...): its examples are cut on demand
 (:class:`fsdpx.train.data.Windows`), only a step's batch made int64, so a file larger than memory
-trains; its vocabulary check reads it chunk by chunk. Text and datasets are held in memory as int64.
+trains; its vocabulary check reads it chunk by chunk. A dataset's column of token ids is read the
+same way through Arrow's memory map (:class:`fsdpx.train.data.ChunkedStream`); text (a file, or a
+dataset's text column) is tokenised and held in memory as int64.
 
 Refused by name (:class:`ConfigError`), before anything runs: a path that does not exist, a
 token id the model's vocabulary does not cover (:class:`VocabularyError`), examples longer than
@@ -63,7 +65,8 @@ class Tokens(NamedTuple):
     """A token stream and how to read it. ``vocab_size``: the tokenizer's (``None`` for token
     files read without one); ``encode``/``decode``: ``None`` without a tokenizer."""
 
-    ids: Tensor | np.ndarray  # (L,): int64 in memory, or a token file mapped as stored (np.memmap)
+    ids: Tensor | np.ndarray | data.ChunkedStream  # (L,): int64 in memory, a token file mapped as stored
+    # (np.memmap), or a dataset's token-ids column in Arrow's memory map
     vocab_size: int | None
     encode: Encode | None
     decode: Decode | None
@@ -397,17 +400,43 @@ def _dataset_tokens(config: RunConfig, path: Path) -> Tokens:
     column = config.data.data_column or next((c for c in ("input_ids", "text") if c in ds.column_names), None)
     if column not in ds.column_names:
         raise ConfigError(f"{where} has columns {ds.column_names}: set data_column to the text or token ids")
-    rows = list(ds[column])
     where = f"{where}, column {column}"
+    tokenizer = config.data.tokenizer
+    pieces = _id_pieces(ds, column)
+    if pieces is not None:  # token ids read through Arrow's memory map, never listed
+        encode, decode, vocab, how = _tokenizer(tokenizer) if tokenizer else (None, None, None, None)
+        return Tokens(data.ChunkedStream(pieces), vocab, encode, decode, where + (f", read by {how}" if how else ""))
+    rows = list(ds[column])
     if all(isinstance(r, str) for r in rows):
         return _tokenize("\n".join(rows), config.data.tokenizer or "bytes", where)
     try:
         ids = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError):
         raise ConfigError(f"{where}: rows must be strings or lists of token ids") from None
-    tokenizer = config.data.tokenizer
     encode, decode, vocab, how = _tokenizer(tokenizer) if tokenizer else (None, None, None, None)
     return Tokens(ids, vocab, encode, decode, where + (f", read by {how}" if how else ""))
+
+
+def _id_pieces(ds: Any, column: str) -> list[np.ndarray] | None:
+    """The rows of a saved dataset's column of integer lists, joined, as zero-copy numpy views of
+    its memory-mapped Arrow buffers (one per record batch); ``None`` for any other column (text,
+    nulls, an indices mapping), which is read the old way."""
+    import pyarrow as pa
+
+    table = getattr(ds.data, "table", ds.data)
+    if getattr(ds, "_indices", None) is not None or not isinstance(table, pa.Table):
+        return None
+    values = table.column(column)
+    kind = values.type
+    if not ((pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_integer(kind.value_type)):
+        return None
+    pieces = []
+    for chunk in values.chunks:
+        flat = chunk.flatten()
+        if chunk.null_count or flat.null_count:
+            return None
+        pieces.append(flat.to_numpy(zero_copy_only=True))
+    return pieces
 
 
 def _tokenize(text: str, spec: str, where: str) -> Tokens:
