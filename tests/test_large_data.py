@@ -66,10 +66,10 @@ def test_windows_give_the_rows_of_the_in_memory_examples_for_any_index():
     x, y = data.mapped_windows(ids, 10)
     assert x.shape == tuple(want_x.shape) == (100, 10) and len(y) == 100
     rows = torch.tensor([0, 99, 5, 5, 42])
-    for key in (rows, rows.numpy(), [3, 1], slice(None), slice(7, 20, 3), 0, -1, 57):
+    for key in (rows, rows.numpy(), [3, 1], slice(None), slice(7, 20, 3), 0, -1, 57, np.int64(4), torch.tensor(9)):
         assert torch.equal(x[key], want_x[key]) and torch.equal(y[key], want_y[key]), key
         assert x[key].dtype == torch.int64
-    assert torch.equal(x[0, :1], want_x[0, :1]) and torch.equal(x[:1], want_x[:1])
+    assert torch.equal(x[0, :1], want_x[0, :1]) and torch.equal(x[:1], want_x[:1]) and torch.equal(x[2:5, 3], want_x[2:5, 3])
     assert torch.equal(x[torch.tensor([], dtype=torch.int64)], want_x[:0])
     for bad in (100, -101, torch.tensor([100])):
         with pytest.raises(IndexError):

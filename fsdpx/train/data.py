@@ -192,7 +192,7 @@ def windows(ids: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
 # --------------------------------------------------------------------------- token files larger than memory
 
 CHUNK_TOKENS = 1 << 21
-"""Tokens per read of a streaming pass over a mapped file (:func:`stream_chunks`): 8 MiB of uint16."""
+"""Tokens per read of a streaming pass over a mapped file (:func:`stream_chunks`): 4 MiB of uint16."""
 
 
 DIGEST_SEGMENT = 1 << 25
@@ -203,8 +203,8 @@ DIGEST_THREADS = 8
 
 
 def stream_chunks(ids: Any, start: int = 0, stop: int | None = None, *, size: int | None = None) -> Iterator[Any]:
-    """``ids[start:stop]`` as numpy arrays of at most ``size`` (:data:`CHUNK_TOKENS`) tokens each, in order, in the stream's
-    own dtype. A file-backed stream (``np.memmap``) is read with plain reads into one buffer, not
+    """``ids[start:stop]`` as numpy arrays of at most ``size`` (:data:`CHUNK_TOKENS`) tokens
+    each, in order, in the stream's own dtype. A file-backed stream (``np.memmap``) is read with plain reads into one buffer, not
     through the map: a pass over a 10 GB file must not leave 10 GB of mapped pages resident
     (counted in the process's RSS); each chunk is valid until the next is yielded."""
     import numpy as np
@@ -386,8 +386,10 @@ class Windows:
 
         if isinstance(key, tuple):
             rows, *columns = key
-            return self[rows][(slice(None), *columns)] if not isinstance(rows, int) else self[rows][tuple(columns)]
-        if isinstance(key, int):
+            picked = self[rows]
+            return picked[tuple(columns)] if picked.ndim == 1 else picked[(slice(None), *columns)]
+        if isinstance(key, (int, np.integer)) or (isinstance(key, (torch.Tensor, np.ndarray)) and key.ndim == 0):
+            key = int(key)
             if not -self.shape[0] <= key < self.shape[0]:
                 raise IndexError(f"row {key} of {self.shape[0]}")
             return self[np.array([key % self.shape[0]])][0]

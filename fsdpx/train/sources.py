@@ -77,8 +77,8 @@ class Source(NamedTuple):
     """What a run trains: ``model`` with its initial ``params`` (a function of the seed),
     ``loss_fn(model output, targets) -> (B,)``, the examples ``inputs``/``targets``
     ``(N, block_size)`` int64 (tensors, or for a mapped token file :class:`fsdpx.train.data.Windows`
-    cut on demand: index them by rows, as :func:`privacy.step.sample_batch` does), the tokenizer (``encode``/``decode``, or ``None``), and a line
-    each describing the model and the data."""
+    cut on demand: index them by rows, as :func:`privacy.step.sample_batch` does), the tokenizer
+    (``encode``/``decode``, or ``None``), and a line each describing the model and the data."""
 
     model: nn.Module
     params: dict[str, Tensor]
