@@ -8,12 +8,12 @@
 
 Formats:
 
-* a transformers model: what ``save_pretrained`` writes: ``config.json`` (the class in
-  ``architectures``, ``use_cache`` back to the class's default, ``dtype`` float32),
-  ``generation_config.json`` when the model has one, and ``model.safetensors`` holding every
-  parameter once under its ``state_dict`` name (a tied head, GPT-2's ``lm_head.weight``, is not
-  duplicated: transformers ties it on load) and the persistent buffers; fp32, as trained.
-  ``fsdpx train --model transformers --model-path OUT`` starts from it again.
+* a transformers model: what its ``save_pretrained`` writes, called on the model holding the
+  trained tensors (no copy): ``config.json`` (``use_cache`` back to the class's default, ``dtype``
+  float32), ``generation_config.json``, and ``model.safetensors`` (or shards and their index,
+  past transformers' shard size) holding every parameter once under its ``state_dict`` name (a
+  tied head, GPT-2's ``lm_head.weight``, is not duplicated: transformers ties it on load); fp32,
+  as trained. ``fsdpx train --model transformers --model-path OUT`` starts from it again.
 * the built-in GPT (``fsdpx.models.gpt``): ``model.safetensors`` of its parameters (the tied
   ``lm_head.weight`` is ``wte.weight``, stored once) and ``gpt_config.json``, the fields of its
   ``GPTConfig`` plus ``"format": "fsdpx-gpt"``; :func:`load_gpt` builds it back.
@@ -28,13 +28,14 @@ reads one parameter at a time.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -75,8 +76,8 @@ def write_export(model: nn.Module, params: Mapping[str, Tensor], out: str | Path
                  overwrite: bool = False) -> Path:
     """Write ``model`` with the values ``params`` (``{canonical parameter name: whole tensor}``,
     as ``named_parameters()`` names them) into the directory ``out`` in its format (module doc).
-    ``model``'s own parameters are not read (they may be on ``meta``); its config and persistent
-    buffers are.
+    ``model``'s own parameter values are not read (they may be on ``meta``); its config and
+    persistent buffers are; it is left as it was.
 
     Guarantees:
       * atomic: the files are written into a temporary directory beside ``out``, then renamed
@@ -123,20 +124,34 @@ def write_export(model: nn.Module, params: Mapping[str, Tensor], out: str | Path
 
 
 def _write_transformers(model: nn.Module, tensors: dict[str, Tensor], where: Path) -> None:
-    from safetensors.torch import save_file
+    """transformers' own ``save_pretrained`` of ``model`` holding ``tensors``: its key names, tied
+    keys, shards and config are transformers' (a family whose file layout differs from its
+    modules' is written as transformers writes it). Its progress bar and warnings are not shown:
+    a finished run ends in one summary."""
+    with _holding(model, tensors), contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(str(where))
 
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    config.use_cache = _default_use_cache(config)  # the run turned it off: a training forward needs no cache
-    config.dtype = torch.float32  # the tensors written, whatever the file the run started from held
-    config.save_pretrained(str(where))
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and getattr(model, "can_generate", lambda: False)():
-        generation.save_pretrained(str(where))
-    parameters = {id(p) for p in model.parameters()}
-    buffers = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict(keep_vars=True).items()
-               if id(v) not in parameters and not v.is_meta and k not in tensors}
-    save_file({**tensors, **buffers}, str(where / WEIGHTS), metadata={"format": "pt"})
+
+@contextlib.contextmanager
+def _holding(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
+    """Inside: ``model``'s parameters are ``tensors`` (no copy; tied parameters stay one) and its
+    config's ``use_cache`` is the class's default (the run turned it off: a training forward needs
+    no cache, a user's generation does); after: both as they were."""
+    new = {id(p): nn.Parameter(tensors[name], requires_grad=False) for name, p in model.named_parameters()}
+    swapped = []
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is not None and id(p) in new:
+                swapped.append((module, key, p))
+                module._parameters[key] = new[id(p)]
+    config, use_cache = model.config, getattr(model.config, "use_cache", None)
+    config.use_cache = _default_use_cache(config)
+    try:
+        yield
+    finally:
+        config.use_cache = use_cache
+        for module, key, p in swapped:
+            module._parameters[key] = p
 
 
 def _default_use_cache(config: object) -> bool:
@@ -155,8 +170,12 @@ def _write_gpt(model: GPT, tensors: dict[str, Tensor], where: Path) -> None:
 
 
 def _sync(directory: Path) -> None:
-    """The files' bytes on disk before the rename makes them the export."""
+    """The files' bytes on disk before the rename makes them the export, readable as any file the
+    user writes (safetensors creates its file private to the owner)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
     for path in directory.iterdir():
+        os.chmod(path, 0o666 & ~umask)
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -9,7 +9,8 @@ parameters on ``meta`` (nothing initialised, no weights read); each parameter is
 from the checkpoint, one at a time, whatever layout wrote it (one process, ZeRO, tensor or
 pipeline parallel): the optimizer's state is never read. Refusals, one line and exit status 2,
 nothing written: a path that is not a checkpoint, a checkpoint without its record, a model
-without a format, an ``OUT`` that exists and is not empty (without ``--overwrite``).
+without a format, an ``OUT`` that exists and is not empty (without ``--overwrite``). A write
+that fails (a full disk) is one line and exit status 1, ``OUT`` as it was.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, ckpt.CheckpointError) as err:
         print(f"{PROG}: error: {(str(err).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:  # the checkpoint was read, OUT could not be written (a full disk): nothing left there
+        print(f"{PROG}: error: {args.to} not written: {type(err).__name__}: {err}", file=sys.stderr)
+        sys.exit(1)
     print(f"{PROG}: wrote {out}", file=sys.stderr)
 
 
