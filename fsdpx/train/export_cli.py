@@ -20,14 +20,10 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-import ckpt
-from ckpt.format import MANIFEST
-
 from .errors import ConfigError
-from .export import check_target, write_export
-from .pretrained import parameters_on_meta
 
 PROG = "fsdpx export"
+MANIFEST = "manifest.json"  # ckpt.format.MANIFEST, named here so that --help imports no torch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (before torch is imported: ``--help`` and a missing ``--to`` answer at once)
+    and export; a refusal is one line and exit status 2, a failed write one line and 1."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    import ckpt
+
     try:
         out = export_checkpoint(args.checkpoint, args.to, overwrite=args.overwrite)
     except (ConfigError, ckpt.CheckpointError) as err:
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
 def find_checkpoint(path: Path) -> Path:
     """``path`` if it is a checkpoint, else the newest intact one of the root ``path``; raises
     :class:`ConfigError` naming ``path`` when it is neither."""
+    import ckpt
+
     if (path / MANIFEST).is_file():
         return path
     newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
@@ -71,6 +73,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     Guarantees: the files equal those the run would have exported at the step of the checkpoint,
     in any layout it was written in (``tests/test_export.py``). Every refusal is raised before
     anything is written."""
+    import ckpt
+
+    from .export import check_target, write_export
+    from .pretrained import parameters_on_meta
     from .resume import source_config
     from .sources import build_model
 
