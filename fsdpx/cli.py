@@ -4,7 +4,7 @@ jobs planner, dispatching each command to its own command line.
     fsdpx train ...                      # one run (fsdpx.train.cli; fsdpx train --help)
     fsdpx jobs plan examples/jobs.toml   # many jobs at once (fsdpx.jobs.cli)
     fsdpx schedule 1f1b --ranks 4 --microbatches 8   # a pipeline schedule simulated (fsdpx.train.schedule_cli)
-    fsdpx export runs/ft/ckpt --to my-model          # a checkpoint's model, loadable by transformers (fsdpx.train.export_cli)
+    fsdpx export runs/ft/ckpt --to my-model          # a checkpoint's model for transformers (fsdpx.train.export_cli)
 """
 
 from __future__ import annotations

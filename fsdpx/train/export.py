@@ -35,7 +35,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -209,7 +209,8 @@ def load_gpt(path: str | Path) -> GPT:
     return model
 
 
-def export_at_end(model: nn.Module, params: Mapping[str, Tensor], run_dir: Path, *, main: bool, comm=None) -> Path | None:
+def export_at_end(model: nn.Module, params: Mapping[str, Tensor], run_dir: Path, *, main: bool,
+                  comm: Any = None) -> Path | None:
     """The end of a run: rank 0 (``main``) writes ``run_dir/model`` (replacing an earlier
     segment's export); every rank learns whether it was written. Returns the directory, ``None``
     for a model without a format (nothing written). A write that fails raises
