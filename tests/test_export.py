@@ -211,13 +211,19 @@ def test_export_refuses_an_existing_directory_and_a_path_that_is_no_checkpoint(t
     assert sorted(p.name for p in taken.iterdir()) == ["gpt_config.json", "model.safetensors"]
 
 
-def test_an_export_that_fails_is_one_line_exit_1_and_keeps_the_metrics(tmp_path, monkeypatch, capsys):
-    """A disk that fails while the model is written: exit 1, one line naming the directory and
-    the cause; the run's metrics, plot and checkpoint are kept, no partial model is left."""
+@pytest.mark.parametrize("error", ["OSError", "SafetensorError"])
+def test_an_export_that_fails_is_one_line_exit_1_and_keeps_the_metrics(tmp_path, monkeypatch, capsys, error):
+    """A disk that fills up while the model is written (Python's error, or safetensors' own):
+    exit 1, one line naming the directory and the cause; the run's metrics, plot and checkpoint
+    are kept, no partial model is left."""
+    from safetensors import SafetensorError
+
     from fsdpx.train import export
 
     def full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        if error == "OSError":
+            raise OSError(28, "No space left on device")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr(export, "_write_gpt", full)
     with pytest.raises(SystemExit) as exit_:

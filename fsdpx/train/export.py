@@ -224,7 +224,7 @@ def export_at_end(model: nn.Module, params: Mapping[str, Tensor], run_dir: Path,
     if main:
         try:
             write_export(model, params, out, overwrite=True)
-        except (OSError, ValueError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001 - an OSError, safetensors' own error on a full disk, ...: one line
             failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
     if comm is not None:
         failed = next((f for f in comm.all_gather_object(failed) if f is not None), None)

@@ -41,13 +41,14 @@ def main(argv: list[str] | None = None) -> None:
     and export; a refusal is one line and exit status 2, a failed write one line and 1."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     import ckpt
+    from safetensors import SafetensorError
 
     try:
         out = export_checkpoint(args.checkpoint, args.to, overwrite=args.overwrite)
     except (ConfigError, ckpt.CheckpointError) as err:
         print(f"{PROG}: error: {(str(err).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(2)
-    except OSError as err:  # the checkpoint was read, OUT could not be written (a full disk): nothing left there
+    except (OSError, SafetensorError) as err:  # OUT could not be written (a full disk): nothing left there
         print(f"{PROG}: error: {args.to} not written: {type(err).__name__}: {err}", file=sys.stderr)
         sys.exit(1)
     print(f"{PROG}: wrote {out}", file=sys.stderr)
