@@ -3,7 +3,8 @@
 - ``save(directory, state, *, mesh, strategy, coordinator, blocking)`` -> ``SaveHandle``: every
   rank writes its own blocks; rank 0 commits atomically once all are durable.
 - ``load(directory, *, mesh, strategy, rank)`` -> that rank's local state, in any mesh and
-  strategy, reading only the byte ranges it needs.
+  strategy, reading only the byte ranges it needs;
+  ``read_whole(directory, "params")``: each parameter whole, one at a time (an export).
 - ``save_ranks`` / ``load_ranks``: the same on a simulated mesh (lists of per-rank states).
 - ``CheckpointManager``: periodic saves, retention, ``latest()`` / ``restore()``.
 - ``verify(directory)``: full integrity check. Coordinators: ``SingleProcess``, ``ThreadGroup``,
@@ -30,7 +31,7 @@ from .errors import (
 )
 from .flatten import flatten, register_type, unflatten
 from .format import FORMAT_VERSION, Manifest
-from .loading import load, load_ranks, read_manifest
+from .loading import load, load_ranks, read_manifest, read_whole
 from .manager import CheckpointManager, CorruptCheckpointWarning
 from .reader import ReadStats
 from .rules import make_rule, strategy_rule
@@ -67,6 +68,7 @@ __all__ = [
     "load_ranks",
     "make_rule",
     "read_manifest",
+    "read_whole",
     "register_type",
     "save",
     "save_ranks",

@@ -30,7 +30,8 @@ Guarantees:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
+from urllib.parse import unquote
 
 from fsdpx.sharding import Mesh
 from fsdpx.sharding.layout import local_box
@@ -157,6 +158,31 @@ def _prune(tree: Any, tensors: Mapping[str, Any]) -> Any:
                               if not (isinstance(v, dict) and set(v) == {"$tensor"} and v["$tensor"] not in tensors)]}
         return {k: _prune(v, tensors) for k, v in tree.items()}
     return tree
+
+
+def read_whole(directory: str | Path, under: str, *, verify: bool = True) -> Iterator[tuple[str, Any]]:
+    """Each tensor of the checkpoint ``directory`` below the dict ``under`` of the state (e.g.
+    ``"params"``), whole, one at a time: ``(its key in that dict, the tensor)``, in the view of the
+    parameter it was saved from (``param_shape``), on the CPU. Reads the tensors' bytes and
+    nothing else (no other part of the state, e.g. no optimizer moment), whatever layout wrote
+    them; every stored box is read whole, so checked against its checksum.
+
+    Guarantees: each tensor equals the global tensor that was saved, bit for bit, in any saving
+    layout (``tests/test_export.py``, which exports a ZeRO-3 and a tensor-parallel checkpoint)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_files_present(directory, manifest)
+    files = Files(directory, {name: f.size for name, f in manifest.files.items()})
+    stats = ReadStats()
+    try:
+        for path, rec in manifest.tensors.items():
+            top, _, key = path.partition("/")
+            if top != under or not key or "/" in key:
+                continue
+            whole = read_box(rec, tuple((0, n) for n in rec.shape), files, stats, verify=verify)
+            yield unquote(key), whole.reshape(rec.param_shape) if rec.param_shape is not None else whole
+    finally:
+        files.close()
 
 
 def load_ranks(directory: str | Path, *, mesh: Mesh, strategy: Layouts, specs: Specs = None,

@@ -1,6 +1,6 @@
 """The packages form layers and every import points down (or sideways within a layer).
 
-    4  fsdpx.cli  fsdpx.__main__         the ``fsdpx`` front door: dispatches train, jobs, schedule
+    4  fsdpx.cli  fsdpx.__main__         the ``fsdpx`` front door: dispatches train, jobs, schedule, export
     3  fsdpx.train  fsdpx.jobs           the job, its data, CLI, launcher; the multi-job planner
     2  fsdpx.runtime                     the sharded step, gathering, comm backends
     1  privacy  offload  ckpt            DP-SGD, selective offload, checkpoints

@@ -170,7 +170,7 @@ def test_an_existing_run_directory_is_refused_without_overwrite(ws, sharded):
     300 lines -> 3, the plot replaced)."""
     plot = (ws / "runs/private/plot.png").read_bytes()
     assert_refused(ws, "--name private: runs/private already holds a run (config.json, config.toml, metrics.jsonl,"
-                       " plot.png); pass --overwrite to replace it, --resume to continue it, or give another"
+                       " model, ...); pass --overwrite to replace it, --resume to continue it, or give another"
                        " --name", "--steps", "3", *(SHARDED if sharded else []))
     assert (ws / "runs/private/plot.png").read_bytes() == plot
 

@@ -2,8 +2,9 @@
 sections; ``layout.py``: the parallel layout), what it trains (``sources.py``), the step built
 (``build.py``) on the layout resolved once (``parallel.py``), the loop (``loop.py``), its segments
 and checkpoints (``resume.py``, ``segments.py``, ``checkpoints.py``), the checks made before
-anything is written (``preflight.py``), what it reports (``report.py``), the ``fsdpx train``
-command line (``cli.py``) and the torchrun launcher (``launch.py``).
+anything is written (``preflight.py``), what it reports (``report.py``), the trained model for
+transformers (``export.py``; ``fsdpx export``: ``export_cli.py``), the ``fsdpx train`` command
+line (``cli.py``) and the torchrun launcher (``launch.py``).
 
 The names below load on first use, as the ``fsdpx`` facade's do: ``fsdpx train --help`` imports
 the command line, its configuration and nothing that loads torch (``tests/test_fast_feedback.py``).
@@ -15,7 +16,7 @@ import importlib
 from typing import Any
 
 _PUBLIC = {"ConfigError": "errors", "Layout": "layout", "RunConfig": "config", "build_step": "build",
-           "format_summary": "report", "run": "loop"}
+           "export_checkpoint": "export_cli", "format_summary": "report", "load_gpt": "export", "run": "loop"}
 
 __all__ = sorted(_PUBLIC)
 

@@ -122,6 +122,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--overwrite", action="store_true",
                      help="replace the files of an existing run directory DIR/NAME (refused without it, unless the"
                           " run continues into it with --resume)")
+    run.add_argument("--export", action=argparse.BooleanOptionalAction, default=d.export,
+                     help="at the end, write the trained model to DIR/NAME/model, a directory transformers'"
+                          " from_pretrained loads (the built-in GPT: fsdpx.train.export.load_gpt); default on;"
+                          " later, from any checkpoint: fsdpx export CKPT --to OUT")
     run.add_argument("--seed", type=int, metavar="N", default=d.seed,
                      help="seed of init, sampling and noise (default %(default)s)")
     run.add_argument("--corpus-chars", type=_positive_int, metavar="N", default=d.corpus_chars,
@@ -274,8 +278,9 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdpx", description=__doc__.splitlines()[0],
-        epilog="also: 'fsdpx jobs plan|run ...' (many jobs at once; fsdpx jobs --help) and 'fsdpx schedule KIND"
-               " --ranks P --microbatches M' (a pipeline schedule simulated and drawn; fsdpx schedule --help)")
+        epilog="also: 'fsdpx jobs plan|run ...' (many jobs at once; fsdpx jobs --help), 'fsdpx schedule KIND"
+               " --ranks P --microbatches M' (a pipeline schedule simulated and drawn; fsdpx schedule --help) and"
+               " 'fsdpx export CKPT --to OUT' (a checkpoint's model for transformers; fsdpx export --help)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser("train", help="train a model privately (default: the small GPT on the embedded"
                                 " corpus)", description="Train a model with DP-SGD: the small GPT on the embedded"

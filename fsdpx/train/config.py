@@ -284,11 +284,13 @@ class CheckpointSettings:
 class LoggingSettings:
     """``[logging]``: the run directory ``<out>/<name>``. One that holds files is refused
     (:mod:`fsdpx.train.preflight`) unless ``overwrite`` (its run files are replaced) or the run
-    continues into it (``resume`` into the directory its checkpoints record, ``resume_if_present``)."""
+    continues into it (``resume`` into the directory its checkpoints record, ``resume_if_present``).
+    ``export``: at the end, the trained model into ``<out>/<name>/model`` (:mod:`fsdpx.train.export`)."""
 
     name: str = "private"
     out: str = "runs"
     overwrite: bool = False
+    export: bool = True
 
 
 SECTION_TYPES: dict[str, type] = {

@@ -35,6 +35,9 @@ Files written to ``<out>/<name>/``:
   - ``--offload``: ``offload_host_wait_seconds``, ``offload_host_loop_seconds``,
     ``offload_d2h_bytes``, ``offload_h2d_bytes`` (the last step's host work and traffic).
 * ``plot.png``: loss and epsilon against step.
+* ``model/``: the trained model, a directory transformers' ``from_pretrained`` loads (the
+  built-in GPT: :func:`fsdpx.train.export.load_gpt`); ``--no-export`` skips it
+  (:mod:`fsdpx.train.export`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from .build import build_step, offload_metrics, resolve_privacy, resolve_sample_
 from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
 from .config import RunConfig, to_toml
 from .device import run_device, to_device
+from .export import export_at_end
 from .parallel import Parallel, resolve_parallel
 from .preflight import check_before_writing
 from .resume import SegmentPlan, plan_segment
@@ -232,8 +236,11 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     if main:
         report.plot(history, run_dir / "plot.png", title=report.plot_title(config, dp, source),
                     delta=config.privacy.delta, starts=starts)
+    # the last file: a failure to write it is one line (RunFailure) and keeps everything above
+    exported = export_at_end(source.model, trained, run_dir, main=main, comm=comm) if config.logging.export else None
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
-                          sample=sample_text(source, trained, 100, seed=config.run.seed), files=report.FILES)
+                          sample=sample_text(source, trained, 100, seed=config.run.seed),
+                          files=report.FILES + ((exported.name,) if exported else ()))
 
 
 def _name(path: Any) -> str | None:
