@@ -29,6 +29,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -224,16 +225,36 @@ def workers(launcher: int) -> dict[int, int]:
     return found
 
 
-def fill(directory: Path) -> Path:
-    """Write ``directory/filler`` until the file system is full; returns it."""
-    filler = directory / "filler"
-    with open(filler, "wb", buffering=0) as f:
+class Filler:
+    """Another writer that fills ``directory``'s file system and keeps it full until
+    :meth:`stop`: space a run frees (its retention deleting an old checkpoint) is taken again at
+    once, so the run's next save cannot fit into it. (Filled only once, a save could reuse the
+    space its retention had just freed, and the run finished with exit 0: a flaky test.)"""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / "filler"
+        self._file = open(self.path, "wb", buffering=0)
+        self._stop = threading.Event()
+        self._fill()  # full before the run's next write
+        self._thread = threading.Thread(target=self._keep_full, daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
         try:
             while True:
-                f.write(b"\0" * 65536)
+                self._file.write(b"\0" * 65536)
         except OSError as e:
             assert e.errno == 28, e
-    return filler
+
+    def _keep_full(self) -> None:
+        while not self._stop.wait(0.002):
+            self._fill()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._file.close()
+        self.path.unlink()
 
 
 def where(ck: str, newest_step: int | None) -> str:
@@ -329,10 +350,12 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, steps
                 assert (code, last_line(err)) == (143 if kind == "term" else 130, want), (log, code, err)
                 assert err.count("interrupted") == 1 and "Traceback" not in err, err
             else:  # the disk fills up: the next save fails, the run stops with one line
-                filler = fill(ck)
+                filler = Filler(ck)
                 full_at = last_step(metrics)
-                code, err = finish(proc)
-                filler.unlink()
+                try:
+                    code, err = finish(proc)
+                finally:
+                    filler.stop()
                 pattern = (r"fsdpx train: error: checkpoint ck/step_\d+ not saved: .*No space left on device;"
                            rf" stopped at step (\d+); {re.escape(where('ck', newest(ck)))}")
                 found = re.fullmatch(pattern, last_line(err))
