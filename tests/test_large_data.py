@@ -20,17 +20,12 @@ from fsdpx.train.segments import DataChangeError, data_digest
 from fsdpx.train.sources import build_source
 from privacy.sampling import PoissonSampler
 from privacy.step import sample_batch
+from support.threads import one_thread  # noqa: F401 - autouse fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_layer=1, n_embd=8, n_head=1, block_size=8, batch_size=16.0, target_epsilon=4.0, steps=4)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _tokens(n: int = 4001, seed: int = 0) -> np.ndarray:

@@ -29,6 +29,7 @@ from fsdpx.train import RunConfig, cli, run
 from fsdpx.train.preflight import (CheckpointDirInUseError, DirectoryUnusableError, NothingToResumeError,
                                    RunDirExistsError, check_directory)
 from fsdpx.train.segments import read_record
+from support.threads import one_thread  # noqa: F401 - autouse fixture
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--block-size", "8", "--corpus-chars", "4000",
@@ -37,12 +38,6 @@ SHARDED = ["--strategy", "zero2", "--nproc", "2"]
 PREFIX = "fsdpx train: error: "
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _in(directory: Path, argv: list[str]) -> None:
