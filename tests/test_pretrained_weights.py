@@ -282,6 +282,23 @@ def test_read_blocks_equal_blocks_of_the_whole_tensor(tmp_path, dtype):
         assert torch.equal(got, view[slice(*groups), slice(*within), 1:5].float())
 
 
+def test_a_block_owns_its_bytes_and_not_the_file_s(tmp_path):
+    """A block read from the file (a rank's slice, or a whole tensor) holds exactly its own
+    bytes, not a view into the file's memory map: a rank's resident state is its blocks, and a
+    file rewritten (here: truncated to nothing) after the read changes nothing it read."""
+    from safetensors.torch import save_file
+
+    whole = torch.randn(64, 32)
+    path = tmp_path / "model.safetensors"
+    save_file({"w": whole}, str(path))
+    weights = find_weights(tmp_path)
+    block, full = read_block(weights, "w", ((8, 16), (0, 32))), read_block(weights, "w")
+    for t in (block, full):
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    path.write_bytes(b"")
+    assert torch.equal(block, whole[8:16]) and torch.equal(full, whole)
+
+
 class Rank:
     """The part of a communicator ``init_sharded`` reads."""
 

@@ -200,20 +200,24 @@ def read_block(weights: Weights, name: str, box: Box | None = None, *, dtype: to
     and the block has the view's dims: one read per group the box spans.
 
     Guarantees: equals ``whole.view(view_shape)[box].to(dtype)`` bit for bit
-    (``tests/test_pretrained_weights.py::test_read_blocks_equal_blocks_of_the_whole_tensor``).
-    An empty box gives an empty tensor of the block's shape."""
+    (``tests/test_pretrained_weights.py::test_read_blocks_equal_blocks_of_the_whole_tensor``),
+    and owns its bytes and no more: safetensors hands out views into the file's memory map, which
+    would keep a rank's block tied to the whole tensor's mapping (resident bytes the rank does
+    not hold, and weights that change or fault if the file is rewritten while the run goes on;
+    ``test_a_block_owns_its_bytes_and_not_the_file_s``). An empty box gives an empty tensor of
+    the block's shape."""
     from safetensors import safe_open
 
     shape = weights.shapes[name]
     with safe_open(str(weights.files[name]), framework="pt") as f:
         part = f.get_slice(name)
         if box is None:
-            return part[tuple(slice(0, n) for n in shape)].to(dtype) if shape else f.get_tensor(name).to(dtype)
+            return _owned(part[tuple(slice(0, n) for n in shape)] if shape else f.get_tensor(name), dtype)
         out = torch.empty([b - a for a, b in box], dtype=dtype)
         if out.numel() == 0:  # an empty block (a trailing rank's chunk): nothing to read
             return out
         if fused is None:
-            return part[tuple(slice(a, b) for a, b in box)].to(dtype)
+            return _owned(part[tuple(slice(a, b) for a, b in box)], dtype)
         d, groups = fused
         within = shape[d] // groups
         (g0, g1), (w0, w1) = box[d], box[d + 1]
@@ -222,6 +226,12 @@ def read_block(weights: Weights, name: str, box: Box | None = None, *, dtype: to
             index = tuple(slice(a, b) for a, b in box[:d]) + (rows,) + tuple(slice(a, b) for a, b in box[d + 2:])
             out.select(d, g - g0).copy_(part[index])
         return out
+
+
+def _owned(block: Tensor, dtype: torch.dtype) -> Tensor:
+    """``block`` cast to ``dtype`` in memory of its own (a copy when the cast makes none)."""
+    cast = block.to(dtype)
+    return cast.clone() if cast.data_ptr() == block.data_ptr() else cast
 
 
 def load_into(model: nn.Module, weights: Weights) -> None:
