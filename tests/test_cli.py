@@ -276,3 +276,26 @@ def test_your_own_package_imports_from_the_directory_you_run_in(tmp_path):
                               timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
         assert len((tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--stepz", "3"], "fsdpx train: error: unknown flag --stepz (did you mean --steps?)"),
+    (["train", "--resume-f", "x"], "fsdpx train: error: unknown flag --resume-f (did you mean --resume-from?)"),
+    (["train", "--steps", "x"], "fsdpx train: error: argument --steps: invalid integer value: 'x'"),
+    (["train", "extra"], "fsdpx train: error: unexpected argument 'extra'"),
+    (["jobs", "plan", "--devics", "3"], "fsdpx jobs plan: error: unknown flag --devics (did you mean --devices?)"),
+    (["schedule", "1f1b", "--ranks", "2", "--microbatches", "2", "--virt", "2"],
+     "fsdpx schedule: error: unknown flag --virt (did you mean --virtual?)"),
+    (["export", "ckpt", "--to", "out", "--overwrit"], "fsdpx export: error: unknown flag --overwrit"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_mistyped_flag_is_one_line_naming_it(tmp_path, capsys, argv, says):
+    """Every command refuses a flag it does not know (or an abbreviation of one) with one line
+    naming it and the closest real flag, exit 2, before anything runs or is written."""
+    from fsdpx import cli as front
+
+    with pytest.raises(SystemExit) as exit_info:
+        front.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(says), err
+    assert "--help lists the flags" in err and "usage:" not in err

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Mapping
 
 # Only light modules here: the parser answers (``--help``, a bad flag) before the jobs' models
 # (torch) and the solver (scipy) are imported, in main() once the arguments parse.
+from fsdpx.train.flags import FlagParser
+
 from . import techniques
 from .devices import local_devices
 from .plan import Options, Plan, PlanError
@@ -39,12 +41,13 @@ if TYPE_CHECKING:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fsdpx jobs", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="fsdpx jobs", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan the jobs of a jobs file (or a synthetic instance) on G devices")
     plan.add_argument("file", nargs="?", type=Path, help="jobs.toml")
     plan.add_argument("--synthetic", type=int, metavar="J", help="plan J synthetic jobs instead of a file")
     _common(plan)
+    plan.set_defaults(command_parser=plan)  # a mistyped flag is refused naming plan's closest
     plan.add_argument("--simulate", action="store_true", help="run the plan in the event simulation")
     plan.add_argument("--fail", action="append", default=[], metavar="JOB@T", help="simulate: JOB fails at T s")
     plan.add_argument("--drift", action="append", default=[], metavar="JOB@T:F",
@@ -55,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="plan the jobs of a jobs file and execute the plan here")
     run.add_argument("file", type=Path, help="jobs.toml")
     _common(run)
+    run.set_defaults(command_parser=run)
     run.add_argument("--out", type=Path, default=Path("runs/jobs"), help="job directories (default %(default)s)")
     run.add_argument("--retries", type=int, default=0, help="restarts of a failed job from its last checkpoint")
     run.add_argument("--no-replan", action="store_true", help="keep the first plan (a failed job is not replaced)")

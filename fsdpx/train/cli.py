@@ -33,6 +33,7 @@ from typing import Any, Callable, NoReturn
 # well under a second: ``tests/test_fast_feedback.py``).
 from .config import DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, TOKEN_DTYPES, RunConfig, merge, read_file
 from .errors import ConfigError
+from .flags import FlagParser
 from .layout import SCHEDULES, STRATEGIES
 
 _DEFAULTS = SimpleNamespace(**RunConfig().flat())  # the flags' defaults, by flat name
@@ -276,7 +277,7 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="fsdpx", description=__doc__.splitlines()[0],
         epilog="also: 'fsdpx jobs plan|run ...' (many jobs at once; fsdpx jobs --help), 'fsdpx schedule KIND"
                " --ranks P --microbatches M' (a pipeline schedule simulated and drawn; fsdpx schedule --help) and"

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import ConfigError
+from .flags import FlagParser
 
 PROG = "fsdpx export"
 MANIFEST = "manifest.json"  # ckpt.format.MANIFEST, named here so that --help imports no torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Write the model of a checkpoint as a directory that"
+    p = FlagParser(prog=PROG, description="Write the model of a checkpoint as a directory that"
                                 " transformers (or fsdpx.train.export.load_gpt, for the built-in GPT) loads.")
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint (step_<N>) or a checkpoint root (its newest"
                    " intact checkpoint)")

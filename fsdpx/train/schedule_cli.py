@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 # Only light modules here: the parser answers (``--help``, a bad flag) before the sharding
 # package (torch) is imported, in the functions that simulate.
+from .flags import FlagParser
 from .layout import SCHEDULES
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def parse_costs(spec: str) -> dict[str, Fraction]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fsdpx schedule", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="fsdpx schedule", description=__doc__.splitlines()[0])
     p.add_argument("kind", choices=SCHEDULES, help="the schedule")
     p.add_argument("--ranks", type=int, required=True, metavar="P", help="pipeline ranks (stages per round)")
     p.add_argument("--microbatches", type=int, required=True, metavar="M")
