@@ -24,7 +24,6 @@ from .errors import ConfigError
 from .flags import FlagParser
 
 PROG = "fsdpx export"
-MANIFEST = "manifest.json"  # ckpt.format.MANIFEST, named here so that --help imports no torch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,29 +43,17 @@ def main(argv: list[str] | None = None) -> None:
     import ckpt
     from safetensors import SafetensorError
 
+    from .segments import ResumeError
+
     try:
         out = export_checkpoint(args.checkpoint, args.to, overwrite=args.overwrite)
-    except (ConfigError, ckpt.CheckpointError) as err:
+    except (ConfigError, ResumeError, ckpt.CheckpointError) as err:
         print(f"{PROG}: error: {(str(err).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(2)
     except (OSError, SafetensorError) as err:  # OUT could not be written (a full disk): nothing left there
         print(f"{PROG}: error: {args.to} not written: {type(err).__name__}: {err}", file=sys.stderr)
         sys.exit(1)
     print(f"{PROG}: wrote {out}", file=sys.stderr)
-
-
-def find_checkpoint(path: Path) -> Path:
-    """``path`` if it is a checkpoint, else the newest intact one of the root ``path``; raises
-    :class:`ConfigError` naming ``path`` when it is neither."""
-    import ckpt
-
-    if (path / MANIFEST).is_file():
-        return path
-    newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
-    if newest is None:
-        raise ConfigError(f"{path} is neither a checkpoint (step_<N> with a {MANIFEST}) nor a directory holding an"
-                          " intact one")
-    return newest
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
@@ -79,7 +66,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
 
     from .export import check_target, write_export
     from .pretrained import parameters_on_meta
-    from .resume import source_config
+    from .resume import find_checkpoint, source_config
     from .sources import build_model
 
     path, out = find_checkpoint(Path(checkpoint)), Path(out)

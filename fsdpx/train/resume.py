@@ -61,18 +61,7 @@ def find_source(config: RunConfig, manager: Any) -> Path | None:
     checkpoints all fail verification: the preflight saw their manifests only)."""
     c = config.checkpoints
     if c.resume_from is not None:
-        path = Path(c.resume_from)
-        if (path / MANIFEST).is_file():
-            try:
-                ckpt.verify(path)
-            except ckpt.CorruptCheckpointError as e:
-                raise CheckpointNotFoundError(f"{path} is not an intact checkpoint: {e}") from None
-            return path
-        newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
-        if newest is None:
-            raise CheckpointNotFoundError(f"{path} is neither a checkpoint (step_<N> with a {MANIFEST}) nor a"
-                                          " directory holding an intact one")
-        return newest
+        return find_checkpoint(c.resume_from)
     if not (c.resume or c.resume_if_present) or manager is None:
         return None
     coordinator = manager.coordinator
@@ -243,17 +232,36 @@ def segment_config(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
     return merge_overrides(base, {**PER_SEGMENT, **branch, **overrides})
 
 
+def find_checkpoint(path: str | Path, *, verify: bool = True) -> Path:
+    """The checkpoint ``path`` names: ``path`` itself when it is one (a ``step_<N>`` directory
+    holding a manifest; checked against its checksums unless ``verify`` is False), else the
+    newest intact checkpoint of the root ``path``. Raises :class:`CheckpointNotFoundError`
+    naming ``path`` when it is neither, or when the checkpoint it names is corrupt
+    (``tests/test_export.py::test_export_refuses_an_existing_directory_and_a_path_that_is_no_checkpoint``,
+    ``tests/test_ckpt_resume.py``)."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        if verify:
+            try:
+                ckpt.verify(path)
+            except ckpt.CorruptCheckpointError as e:
+                raise CheckpointNotFoundError(f"{path} is not an intact checkpoint: {e}") from None
+        return path
+    newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
+    if newest is None:
+        raise CheckpointNotFoundError(f"{path} is neither a checkpoint (step_<N> with a {MANIFEST}) nor a directory"
+                                      " holding an intact one")
+    return newest
+
+
 def source_config(path: str | Path) -> RunConfig | None:
     """The ``RunConfig`` of the segment that wrote the checkpoint ``path`` (a ``step_<N>``
     directory or a root: its newest intact one), from its root's ``run.json``; ``None`` when the
     root has no record."""
-    path = Path(path)
     try:
-        if not (path / MANIFEST).is_file():
-            newest = ckpt.CheckpointManager(path).latest() if path.is_dir() else None
-            if newest is None:
-                return None
-            path = newest
+        path = find_checkpoint(path, verify=False)
+    except CheckpointNotFoundError:
+        return None
     except PermissionError:  # a root that cannot be read: the preflight refuses it, naming the flag
         return None
     record = read_record(path.parent)
