@@ -35,8 +35,9 @@ from privacy.tape import LossFn, Params, record
 from privacy.validate import check_model
 
 METHODS = ("auto", "ghost", "vmap")
-CLIPPINGS = ("flat", "automatic")
+CLIPPINGS = ("flat", "automatic", "opacus_flat")
 AUTOMATIC_STABILITY = 0.01  # gamma of automatic clipping (Bu et al.): factor C / (norm + gamma)
+OPACUS_STABILITY = 1e-6  # what Opacus adds to each norm in its flat clipping factor
 
 
 def clip_factors(norms: Tensor, clip_norm: float, clipping: str = "flat") -> Tensor:
@@ -44,7 +45,9 @@ def clip_factors(norms: Tensor, clip_norm: float, clipping: str = "flat") -> Ten
 
     Guarantees (``property_tests/test_clipping_properties.py::test_every_clipped_contribution_is_within_clip_norm``):
     ``"flat"``: ``c_i = min(1, clip_norm / norm_i)``; ``"automatic"``: ``c_i = clip_norm /
-    (norm_i + 0.01)``. Both give ``c_i * norm_i <= clip_norm``.
+    (norm_i + 0.01)``; ``"opacus_flat"``: Opacus' flat clipping, ``c_i = min(1, clip_norm /
+    (norm_i + 1e-6))`` (its entry, :mod:`privacy.opacus`, gives Opacus' parameters bit for bit
+    in float64 up to summation order). All give ``c_i * norm_i <= clip_norm``.
 
     Edge cases: ``norm_i == 0`` -> ``c_i = 1`` (flat) or ``clip_norm / 0.01`` (automatic; the
     contribution is 0 anyway); ``clip_norm == inf`` -> ``c_i = 1`` (flat: no clipping; automatic
@@ -54,6 +57,8 @@ def clip_factors(norms: Tensor, clip_norm: float, clipping: str = "flat") -> Ten
         return clip_norm / (norms + AUTOMATIC_STABILITY)
     if math.isinf(clip_norm):
         return torch.ones_like(norms)
+    if clipping == "opacus_flat":
+        return torch.clamp(clip_norm / (norms + OPACUS_STABILITY), max=1.0)
     return torch.clamp(clip_norm / norms, max=1.0)
 
 

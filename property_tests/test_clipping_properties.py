@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from privacy.clipping import clip_factors, clipped_grad
+from privacy.clipping import CLIPPINGS, clip_factors, clipped_grad
 from privacy.per_sample import per_sample_grads
 
 from support.random_models import Case, any_cases, supported_cases
@@ -26,7 +26,7 @@ def test_clipped_grad_with_infinite_clip_norm_is_the_batch_gradient(case: Case, 
         torch.testing.assert_close(grads[name], torch.zeros_like(p) if r is None else r, rtol=1e-10, atol=1e-12)
 
 
-@given(supported_cases(), clip_norms, st.sampled_from(["flat", "automatic"]))
+@given(supported_cases(), clip_norms, st.sampled_from(list(CLIPPINGS)))
 def test_ghost_clipped_sum_equals_sum_of_clipped_vmap_grads(case: Case, clip_norm: float, clipping: str):
     ghost, norms = clipped_grad(case.model, case.params, case.batch, case.loss_fn, clip_norm=clip_norm,
                                 method="ghost", clipping=clipping)
@@ -38,7 +38,7 @@ def test_ghost_clipped_sum_equals_sum_of_clipped_vmap_grads(case: Case, clip_nor
     torch.testing.assert_close(norms, ref_norms, rtol=1e-8, atol=1e-12)
 
 
-@given(any_cases(), clip_norms, st.sampled_from(["flat", "automatic"]))
+@given(any_cases(), clip_norms, st.sampled_from(list(CLIPPINGS)))
 def test_every_clipped_contribution_is_within_clip_norm(case: Case, clip_norm: float, clipping: str):
     """Clipping each example alone (batch of one) bounds its contribution: the sensitivity."""
     x, y = case.batch

@@ -1,0 +1,112 @@
+"""``PrivacyEngine``: Opacus' entry, over fsdpx's functional core (:mod:`privacy.opacus`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from privacy.accounting import Accountant, noise_multiplier as calibrated_sigma
+from privacy.errors import PrivacyError
+
+from .capture import PrivateModule
+from .loader import poisson_loader
+from .optimizer import DPOptimizer
+
+ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}  # Opacus' name -> fsdpx's accountant of that kind
+MODES = {"hooks": "vmap", "functorch": "vmap", "ew": "vmap", "ghost": "ghost"}
+
+
+def _refuse(what: str, why: str) -> None:
+    raise PrivacyError(f"privacy.opacus: {what} is not supported: {why}")
+
+
+class PrivacyEngine:
+    """Opacus' ``PrivacyEngine``: :meth:`make_private`, :meth:`make_private_with_epsilon`,
+    :meth:`get_epsilon`. ``accountant``: "rdp", or "prv" / "pld" (fsdpx's PLD accountant, an
+    upper bound of the same kind as Opacus' PRV). What Opacus offers and this entry does not
+    (``secure_mode``, the "gdp" accountant, per-layer or adaptive clipping, ``ghost_fsdp``, ...)
+    raises :class:`PrivacyError` naming it; nothing is ignored."""
+
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False) -> None:
+        if accountant not in ACCOUNTANTS:
+            _refuse(f"accountant={accountant!r}", f"use one of {sorted(ACCOUNTANTS)}")
+        if secure_mode:
+            _refuse("secure_mode=True", "fsdpx's noise is a pure function of (key, step, parameter, element), drawn"
+                    " from a seeded generator, not a cryptographically secure one")
+        self.kind = ACCOUNTANTS[accountant]
+        self.accountant = Accountant(accountant=self.kind, delta=1e-5)
+
+    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
+                     noise_multiplier: float, max_grad_norm: float, criterion: Any = None, batch_first: bool = True,
+                     loss_reduction: str = "mean", poisson_sampling: bool = True, clipping: str = "flat",
+                     noise_generator: Any = None, grad_sample_mode: str = "hooks", wrap_model: bool = True,
+                     rand_on_empty: bool = False, key: int = 0, **kwargs: Any) -> tuple:
+        """Opacus' ``make_private``: returns ``(model, optimizer, data_loader)``, or with
+        ``grad_sample_mode="ghost"`` ``(model, optimizer, criterion, data_loader)``; ``criterion``
+        (default ``nn.CrossEntropyLoss()``) is returned as it is: the model records the backward
+        of any criterion. ``key`` (fsdpx's, in place of ``noise_generator``) seeds the noise and
+        the Poisson batches. Guarantee: with ``noise_multiplier=0`` the parameters after each step
+        equal Opacus' (``tests/test_opacus_entry.py``)."""
+        _check_supported(batch_first, loss_reduction, clipping, noise_generator, grad_sample_mode, wrap_model,
+                         rand_on_empty, max_grad_norm, kwargs)
+        _check_same_parameters(module, optimizer)
+        sample_rate = 1.0 / len(data_loader)
+        expected = int(len(data_loader.dataset) * sample_rate)
+        model = PrivateModule(module, method=MODES[grad_sample_mode], loss_reduction=loss_reduction)
+        private = DPOptimizer(optimizer, model, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                              expected_batch_size=expected, loss_reduction=loss_reduction, key=key)
+        private.attach_step_hook(lambda _: self._record(noise_multiplier, sample_rate))
+        loader = poisson_loader(data_loader, key=key) if poisson_sampling else data_loader
+        if grad_sample_mode == "ghost":
+            return model, private, criterion if criterion is not None else nn.CrossEntropyLoss(), loader
+        return model, private, loader
+
+    def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                                  data_loader: DataLoader, target_epsilon: float, target_delta: float, epochs: int,
+                                  max_grad_norm: float, **kwargs: Any) -> tuple:
+        """``make_private`` with the smallest noise multiplier whose epsilon after ``epochs``
+        epochs (``epochs * len(data_loader)`` steps) at ``target_delta`` is at most
+        ``target_epsilon``, by this engine's accountant."""
+        sample_rate = 1.0 / len(data_loader)
+        sigma = calibrated_sigma(target_epsilon, target_delta, sample_rate, epochs * len(data_loader),
+                                 accountant=self.kind)
+        return self.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
+                                 noise_multiplier=sigma, max_grad_norm=max_grad_norm, **kwargs)
+
+    def _record(self, sigma: float, sample_rate: float) -> None:
+        self.accountant = self.accountant.record(sigma, sample_rate)
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon spent by every step taken so far, at ``delta``."""
+        return self.accountant.epsilon(delta)
+
+
+def _check_supported(batch_first: bool, loss_reduction: str, clipping: str, noise_generator: Any, mode: str,
+                     wrap_model: bool, rand_on_empty: bool, max_grad_norm: Any, extra: dict) -> None:
+    if extra:
+        _refuse(f"argument {sorted(extra)[0]!r}", "this entry takes Opacus' make_private arguments only")
+    if mode not in MODES:
+        why = ("sharded private training runs through fsdpx itself (fsdpx train --strategy zero3)"
+               if mode == "ghost_fsdp" else f"use one of {sorted(MODES)}")
+        _refuse(f"grad_sample_mode={mode!r}", why)
+    if not batch_first:
+        _refuse("batch_first=False", "the examples are the first dimension of every input")
+    if loss_reduction not in ("mean", "sum"):
+        _refuse(f"loss_reduction={loss_reduction!r}", "use 'mean' or 'sum'")
+    if clipping != "flat" or isinstance(max_grad_norm, (list, tuple)):
+        _refuse(f"clipping={clipping!r}", "only flat clipping (one max_grad_norm over all parameters)")
+    if noise_generator is not None:
+        _refuse("noise_generator", "the noise is a pure function of key= (an int), step and parameter")
+    if not wrap_model:
+        _refuse("wrap_model=False", "use the returned model")
+    if rand_on_empty:
+        _refuse("rand_on_empty=True", "an empty Poisson batch is taken as it is (zero gradient, the step counts)")
+
+
+def _check_same_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    own = {id(p) for p in module.parameters()}
+    if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+        raise PrivacyError("privacy.opacus: the optimizer holds parameters that are not the module's")
