@@ -33,8 +33,12 @@ Files written to ``<out>/<name>/``:
   - sharded runs: ``comm_bytes`` (bytes rank 0 moved this step, by collective kind) and
     ``resident_bytes`` (rank 0's parameters, gradients and optimizer state at rest);
   - ``--offload``: ``offload_host_wait_seconds``, ``offload_host_loop_seconds``,
-    ``offload_d2h_bytes``, ``offload_h2d_bytes`` (the last step's host work and traffic).
-* ``plot.png``: loss and epsilon against step.
+    ``offload_d2h_bytes``, ``offload_h2d_bytes`` (the last step's host work and traffic);
+  - ``--eval-data``, on the steps evaluated (multiples of ``--eval-every`` and the last):
+    ``eval_loss`` (the mean token loss on the held-out examples, nats), ``eval_ppl`` (its
+    exponential, the perplexity) and ``eval_seconds`` (:mod:`fsdpx.train.evaluation`; no
+    privacy budget spent).
+* ``plot.png``: loss (and the held-out loss) and epsilon against step.
 * ``model/``: the trained model, a directory transformers' ``from_pretrained`` loads (the
   built-in GPT: :func:`fsdpx.train.export.load_gpt`); ``--no-export`` skips it
   (:mod:`fsdpx.train.export`).
@@ -62,6 +66,7 @@ from .build import build_step, offload_metrics, resolve_privacy, resolve_sample_
 from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
 from .config import RunConfig, to_toml
 from .device import run_device, to_device
+from .evaluation import EvalSet, build_eval_set, eval_batch_size, eval_loss, eval_metrics, same_file_warning
 from .export import export_at_end
 from .parallel import Parallel, resolve_parallel
 from .preflight import check_before_writing
@@ -71,11 +76,13 @@ from .sources import Source, build_source, read_mode, sample_text
 
 METRICS = ("step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
            "elapsed_seconds", "comm_bytes", "resident_bytes", "offload_host_wait_seconds",
-           "offload_host_loop_seconds", "offload_d2h_bytes", "offload_h2d_bytes")
+           "offload_host_loop_seconds", "offload_d2h_bytes", "offload_h2d_bytes", "eval_loss", "eval_ppl",
+           "eval_seconds")
 """Every key a line of ``metrics.jsonl`` may hold (see the module doc): every line has ``step``,
 ``loss``, ``epsilon``, ``batch_size``, ``step_seconds`` and ``elapsed_seconds``; a private run's
 (and a one-process plain run's) ``clipped_fraction`` and ``mean_norm``, a sharded run's
-``comm_bytes`` and ``resident_bytes``, an offloaded run's the four ``offload_`` keys
+``comm_bytes`` and ``resident_bytes``, an offloaded run's the four ``offload_`` keys, an
+evaluated step's ``eval_loss``, ``eval_ppl`` and ``eval_seconds``
 (``tests/test_cli.py::test_private_run_writes_metrics_plot_config_and_summary``)."""
 
 
@@ -129,6 +136,8 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     sample_rate = resolve_sample_rate(config, num_examples)
     dp = resolve_privacy(config, sample_rate)
     parallel = resolve_parallel(config.parallelism, model, comm.mesh, inputs[:1]) if comm is not None else None
+    # refused (EvalDataError) before anything is written, like the training data
+    held = build_eval_set(config, source, batch_size=eval_batch_size(config, num_examples))
     build = dict(num_examples=num_examples, comm=comm, parallel=parallel, loss_fn=source.loss_fn,
                  weights=source.weights)
     state, step = build_step(config, model, params, dp, **build)
@@ -149,6 +158,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         else []
     if main:
         _announce(config, plan)
+        warning = same_file_warning(config)
+        if warning is not None:
+            print(f"fsdpx train: warning: {warning}", file=sys.stderr)
     starts = [s["start_step"] for s in plan.segments if s["start_step"] > 0]
     if plan.start >= config.run.steps:
         stopped = (f"nothing to do: the checkpoint {plan.source} is at step {plan.start} and --steps is"
@@ -197,9 +209,10 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                 # The step does not report epsilon (a PLD query is not free); on the run's coarse
                 # grid (accounting_interval) one query per step costs tens of milliseconds.
                 epsilon = state.accountant.epsilon() if main else math.nan
+                evaluated = _evaluate(config, state, comm, parallel, source, held)  # every rank, the same steps
                 now = time.perf_counter()
                 record = {"step": state.step, **metrics, **offload_metrics(state), "epsilon": epsilon,
-                          "step_seconds": now - last, "elapsed_seconds": now - loop_start}
+                          **evaluated, "step_seconds": now - last, "elapsed_seconds": now - loop_start}
                 last = now
                 history.append(record)
                 report.append_jsonl(log, record)
@@ -241,6 +254,18 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
                           sample=sample_text(source, trained, 100, seed=config.run.seed),
                           files=report.FILES + ((exported.name,) if exported else ()))
+
+
+def _evaluate(config: RunConfig, state: Any, comm: Comm | None, parallel: Parallel | None, source: Source,
+              held: EvalSet | None) -> dict[str, float]:
+    """The held-out metrics of the step ``state`` reached when it is due (``EvalSettings.due``),
+    else ``{}``: the whole parameters gathered (every rank), evaluated forward only
+    (:mod:`fsdpx.train.evaluation`: no budget spent)."""
+    if held is None or not config.eval.due(state.step, config.run.steps):
+        return {}
+    began = time.perf_counter()
+    loss = eval_loss(source, full_params(state, comm, parallel, source), held, comm=comm)
+    return eval_metrics(loss, time.perf_counter() - began)
 
 
 def _name(path: Any) -> str | None:
