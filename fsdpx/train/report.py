@@ -86,7 +86,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"steps        {s['steps']}{segment}" + (f"  (stopped early: {s['stopped']})" if s["stopped"] else ""),
         f"loss         {s['initial_loss']:.3f} {first} -> {s['final_loss']:.3f} (mean of the last {SMOOTHING} steps)",
-        *([f"held-out     {eval_text({'step': s['eval_step'], 'eval_loss': s['eval_loss'], 'eval_ppl': s['eval_ppl']})}"]
+        *([f"held-out     {eval_text({'step': s['eval_step'], **{k: s[k] for k in ('eval_loss', 'eval_ppl')}})}"]
           if s.get("eval_step") is not None else []),
         f"privacy      {privacy}",
         f"wall time    {s['seconds']:.1f} s",
