@@ -585,4 +585,6 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",
              "transformers": f"transformers {m.model_class or m.model_path}"}[m.kind]
     data = config.data.data_fn or config.data.data_path or "the embedded corpus"
+    if config.eval.enabled:
+        data += f" (held out: {config.eval.eval_data}, evaluated every {config.eval.eval_every} steps and at the last)"
     return f"fsdpx train: {config.run.steps} steps, {model} on {data}, {privacy}{where} -> {config.run_dir}"
