@@ -281,7 +281,7 @@ def test_a_sharded_run_refuses_a_missing_eval_file_before_writing(tmp_path):
 
 def test_the_config_file_holds_an_eval_section(tmp_path):
     """``[eval] data/every/batches/batch_size`` are the flags' settings; ``every`` without ``data``
-    is refused as the flag is."""
+    is refused as the flag is, and so is evaluation of ``model = "python"``."""
     (tmp_path / "run.toml").write_text('[eval]\ndata = "held.txt"\nevery = 5\nbatches = 2\nbatch_size = 4\n')
     config = RunConfig.of(**read_file(tmp_path / "run.toml"))
     assert (config.eval.eval_data, config.eval.eval_every, config.eval.eval_batches, config.eval.eval_batch_size) \
@@ -290,6 +290,8 @@ def test_the_config_file_holds_an_eval_section(tmp_path):
     (tmp_path / "bad.toml").write_text("[eval]\nevery = 5\n")
     with pytest.raises(ConfigError, match="eval_every needs eval_data"):
         RunConfig.of(**read_file(tmp_path / "bad.toml"))
+    with pytest.raises(ConfigError, match="drop eval_data"):  # your own data_fn has no file kind nor tokenizer
+        RunConfig.of(model="python", model_fn="m:f", data_fn="m:g", loss_fn="m:h", eval_data="held.txt", eval_every=1)
 
 
 # --------------------------------------------------------------------------- resume, progress, plot
