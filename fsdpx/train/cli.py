@@ -237,7 +237,7 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
     """The config file, and what the run trains (``fsdpx.train.sources``)."""
     d = _DEFAULTS
     p.add_argument("--config", metavar="FILE", default=None,
-                   help="a TOML file of the run's settings (sections run, model, data, privacy, parallelism,"
+                   help="a TOML file of the run's settings (sections run, model, data, eval, privacy, parallelism,"
                         " offload, checkpoints, logging; every key is also a flag, and flags override it)")
     model = p.add_argument_group("your own model (default: the built-in GPT above)")
     model.add_argument("--model", choices=MODEL_KINDS, default=d.model,
@@ -272,6 +272,20 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
                         help="a dataset's column of text or token ids (default: input_ids, else text)")
     source.add_argument("--data-split", metavar="NAME", default=d.data_split,
                         help="a saved DatasetDict's split (default %(default)s)")
+    held = p.add_argument_group("held-out evaluation (no privacy budget spent)")
+    held.add_argument("--eval-data", metavar="PATH", default=None,
+                      help="a file held out from training, read like --data-path (same kind, tokenizer and"
+                           " --block-size): its mean token loss and perplexity go into metrics.jsonl (eval_loss,"
+                           " eval_ppl), the progress bar, the summary and plot.png. Forward only: no gradient, noise"
+                           " or accountant, so it spends no privacy budget; it must not be training data (the"
+                           " training file itself is warned about)")
+    held.add_argument("--eval-every", type=_positive_int, metavar="N", default=None,
+                      help="with --eval-data: evaluate every N steps and at the last step")
+    held.add_argument("--eval-batches", type=_positive_int, metavar="K", default=d.eval_batches,
+                      help="batches evaluated each time, the same evenly spaced examples every time and in every"
+                           " layout (default %(default)s)")
+    held.add_argument("--eval-batch-size", type=_positive_int, metavar="B", default=None,
+                      help="examples per evaluated batch (default: the expected --batch-size)")
     p.add_argument("--accounting-interval", type=_positive_float, metavar="X", default=d.accounting_interval,
                    help="PLD discretization: coarser is faster and still an upper bound (default %(default)g)")
 
@@ -572,4 +586,6 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",
              "transformers": f"transformers {m.model_class or m.model_path}"}[m.kind]
     data = config.data.data_fn or config.data.data_path or "the embedded corpus"
+    if config.eval.enabled:
+        data += f" (held out: {config.eval.eval_data}, evaluated every {config.eval.eval_every} steps and at the last)"
     return f"fsdpx train: {config.run.steps} steps, {model} on {data}, {privacy}{where} -> {config.run_dir}"

@@ -6,7 +6,7 @@
     values = read_file("run.toml")                             # {field: value}, checked
     print(to_toml(config))                                     # the resolved file, loadable again
 
-The tree mirrors the config file: ``config.run`` (``[run]``), ``.model``, ``.data``,
+The tree mirrors the config file: ``config.run`` (``[run]``), ``.model``, ``.data``, ``.eval``,
 ``.privacy``, ``.parallelism`` (a :class:`fsdpx.train.layout.Layout`, the one parallel layout
 value of the project), ``.offload``, ``.checkpoints``, ``.logging``. Every setting also has a
 flat name, unique across the tree, which is its flag (``--offload-topk`` is ``offload_topk``) and
@@ -181,6 +181,49 @@ class DataSettings:
 
 
 @dataclass(frozen=True)
+class EvalSettings:
+    """``[eval]``: held-out evaluation (:mod:`fsdpx.train.evaluation`). Every ``eval_every``
+    steps and at the run's last step (``--steps``), the model's mean token loss and its
+    exponential, the perplexity, on ``eval_batches`` batches of ``eval_batch_size`` examples
+    (default: the training's expected batch size) of ``eval_data``: a file read as the training
+    data is (its kind, tokenizer, ``block_size``, memory-mapped alike), the same examples at
+    every evaluation and in every layout (``min(eval_batches * eval_batch_size, N)`` of its ``N``
+    examples, evenly spaced). Forward only: no gradient, no noise, no accountant call, so it
+    spends no privacy budget; its numbers are computed from the eval examples, which the
+    guarantee does not cover (they must be disjoint from the training data: the training file
+    given again is warned about). ``eval_data`` and ``eval_every`` go together."""
+
+    eval_data: str | None = None
+    eval_every: int | None = None
+    eval_batches: int = 8
+    eval_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.eval_every is not None and self.eval_data is None:
+            raise ConfigError("eval_every needs eval_data, the held-out file to evaluate on")
+        if self.eval_data is not None and self.eval_every is None:
+            raise ConfigError("eval_data needs eval_every, the steps between evaluations (the last step is"
+                              " evaluated too)")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise ConfigError(f"eval_every must be >= 1, got {self.eval_every}")
+        if self.eval_batches < 1:
+            raise ConfigError(f"eval_batches must be >= 1, got {self.eval_batches}")
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ConfigError(f"eval_batch_size must be >= 1, got {self.eval_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run evaluates (``eval_data`` given)."""
+        return self.eval_data is not None
+
+    def due(self, step: int, last: int) -> bool:
+        """Whether step ``step`` (1-based) is evaluated: a multiple of ``eval_every``, or ``last``
+        (the run's ``--steps``); never when evaluation is off. A resumed run keeps the schedule:
+        it depends on the step alone."""
+        return self.enabled and (step % self.eval_every == 0 or step == last)
+
+
+@dataclass(frozen=True)
 class PrivacySettings:
     """``[privacy]``: the guarantee and how it is kept. Noise: ``noise_multiplier`` when given,
     otherwise the smallest one that spends at most ``target_epsilon`` over the run's steps.
@@ -294,7 +337,8 @@ class LoggingSettings:
 
 
 SECTION_TYPES: dict[str, type] = {
-    "run": RunSettings, "model": ModelSettings, "data": DataSettings, "privacy": PrivacySettings,
+    "run": RunSettings, "model": ModelSettings, "data": DataSettings, "eval": EvalSettings,
+    "privacy": PrivacySettings,
     "parallelism": Layout, "offload": OffloadSettings, "checkpoints": CheckpointSettings, "logging": LoggingSettings,
 }
 """The sections of a run, in the order of the config file: the attribute, the TOML table and the
@@ -324,6 +368,7 @@ class RunConfig:
     run: RunSettings = RunSettings()
     model: ModelSettings = ModelSettings()
     data: DataSettings = DataSettings()
+    eval: EvalSettings = EvalSettings()
     privacy: PrivacySettings = PrivacySettings()
     parallelism: Layout = Layout()
     offload: OffloadSettings = OffloadSettings()
@@ -340,6 +385,9 @@ class RunConfig:
             ckpt_dir = str(Path(self.logging.out) / self.logging.name / "ckpt")
             _set(self, checkpoints=dataclasses.replace(self.checkpoints, ckpt_dir=ckpt_dir))
         _check_sources(model, self.data, layout)
+        if self.eval.enabled and model.kind == "python":
+            raise ConfigError("eval_data is read like data_path (a token file or text); model = \"python\" reads"
+                              " its examples from data_fn: drop eval_data")
         if layout.tp > 1 and model.kind == "gpt" and model.n_head % layout.tp:
             raise ConfigError(f"n_head={model.n_head} does not divide by tp={layout.tp}: a rank holds whole heads")
         if layout.tp > 1 and offload != "none":

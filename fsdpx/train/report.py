@@ -36,6 +36,7 @@ def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DP
     """The summary :func:`fsdpx.train.run` returns (its keys are documented there); ``files``:
     what the segment wrote into ``run_dir`` (none when it had nothing to do)."""
     rows = [r for r in history if r.get("loss") is not None and math.isfinite(r["loss"])]
+    held = last_eval(history)
     return {
         "steps": state.step,
         "start_step": start_step,
@@ -52,7 +53,23 @@ def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DP
         "sample": sample,
         "segment_starts": starts,
         "stopped": stopped,
+        "eval_loss": held["eval_loss"] if held else None,
+        "eval_ppl": held["eval_ppl"] if held else None,
+        "eval_step": held["step"] if held else None,
     }
+
+
+def last_eval(history: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latest record holding a held-out evaluation (``eval_loss``, finite or not), or None."""
+    return next((r for r in reversed(history) if "eval_loss" in r), None)
+
+
+def eval_text(record: dict[str, Any]) -> str:
+    """``eval loss 2.345 (perplexity 10.4) at step 20``: a record's held-out evaluation."""
+    loss, ppl = record.get("eval_loss"), record.get("eval_ppl")
+    loss = math.nan if loss is None else loss
+    ppl = math.inf if ppl is None else ppl
+    return f"eval loss {loss:.3f} (perplexity {ppl:.4g}) at step {record['step']}"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -69,6 +86,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"steps        {s['steps']}{segment}" + (f"  (stopped early: {s['stopped']})" if s["stopped"] else ""),
         f"loss         {s['initial_loss']:.3f} {first} -> {s['final_loss']:.3f} (mean of the last {SMOOTHING} steps)",
+        *([f"held-out     {eval_text({'step': s['eval_step'], **{k: s[k] for k in ('eval_loss', 'eval_ppl')}})}"]
+          if s.get("eval_step") is not None else []),
         f"privacy      {privacy}",
         f"wall time    {s['seconds']:.1f} s",
         f"sample       {s['sample']!r}",
@@ -129,13 +148,16 @@ def progress_bar(config: RunConfig, enabled: bool, initial: int = 0) -> tqdm:
 
 def bar_text(history: list[dict[str, Any]]) -> str:
     """The progress bar's words after the latest step: the loss as what it is, the mean of the
-    last ``SMOOTHING`` steps' batch losses (fewer at the start), and epsilon so far
-    (``tests/test_cli.py::test_the_progress_bar_says_what_its_loss_is``)."""
+    last ``SMOOTHING`` steps' batch losses (fewer at the start), epsilon so far
+    (``tests/test_cli.py::test_the_progress_bar_says_what_its_loss_is``) and the latest
+    held-out evaluation, when the run evaluates (``tests/test_eval.py``)."""
     recent = [r["loss"] for r in history[-SMOOTHING:] if math.isfinite(r["loss"])]
     eps = history[-1]["epsilon"]
     steps = f"last {len(recent)} steps" if len(recent) != 1 else "last step"
-    return f"loss {mean(recent):.3f} (mean of {steps}), epsilon {eps:.2f}" if math.isfinite(eps) else \
+    text = f"loss {mean(recent):.3f} (mean of {steps}), epsilon {eps:.2f}" if math.isfinite(eps) else \
         f"loss {mean(recent):.3f} (mean of {steps}), non-private"
+    held = last_eval(history)
+    return text if held is None else f"{text}, {eval_text(held)}"
 
 
 def update_bar(bar: tqdm, history: list[dict[str, Any]]) -> None:
@@ -152,8 +174,9 @@ def plot_title(config: RunConfig, dp: DPConfig | None, source: Source) -> str:
 
 
 def plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float, starts: Sequence[int] = ()) -> None:
-    """``plot.png``: the loss per step and its trend above, epsilon below, a dashed line where
-    each resumed or branched segment began."""
+    """``plot.png``: the loss per step and its trend above, with the held-out loss of the steps
+    evaluated (``--eval-data``) as a second curve, epsilon below, a dashed line where each
+    resumed or branched segment began."""
     import matplotlib  # imported here: it is slow to import and the backend must be set first
 
     matplotlib.use("Agg")
@@ -166,6 +189,10 @@ def plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float,
     fig, (ax_loss, ax_eps) = plt.subplots(2, 1, sharex=True, figsize=(8, 6), height_ratios=(2, 1))
     ax_loss.plot(steps, losses, color="tab:blue", alpha=0.3, linewidth=1, label="loss (batch)")
     ax_loss.plot(steps, trend, color="tab:blue", linewidth=2, label=f"loss ({SMOOTHING}-step mean)")
+    held = [(r["step"], r["eval_loss"]) for r in history if r.get("eval_loss") is not None]
+    if held:
+        ax_loss.plot(*zip(*held), color="tab:orange", linewidth=2, marker="o", markersize=4,
+                     label="eval loss (held-out)")
     ax_loss.set_ylabel("loss (nats / token)")
     ax_loss.legend(loc="upper right")
     ax_loss.grid(alpha=0.3)
