@@ -248,6 +248,9 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
                        help="transformers: a config or causal-LM class, e.g. GPT2Config or LlamaForCausalLM")
     model.add_argument("--model-fields", type=_table, metavar="TABLE", default=None,
                        help="transformers: config fields, e.g. 'n_embd = 32, n_layer = 2' (over --model-path's)")
+    model.add_argument("--lora", type=_table, metavar="TABLE", default=None,
+                       help="transformers: train LoRA adapters only, e.g. 'r = 8, alpha = 16, targets = [\"q_proj\","
+                            " \"v_proj\"]' (keys r, alpha, targets, dropout = 0, merge: export the merged model)")
     model.add_argument("--vocab-size", type=_positive_int, metavar="N", default=None,
                        help="the built-in GPT's vocabulary (default: the data's)")
     model.add_argument("--model-fn", metavar="MODULE:NAME", default=None,
