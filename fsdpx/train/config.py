@@ -459,8 +459,8 @@ def _check_lora(config: RunConfig) -> None:
     schedule of its own (the base weights are frozen by ``lora`` itself)."""
     layout = config.parallelism
     if config.model.kind != "transformers":
-        raise ConfigError(f"lora trains peft adapters on a transformers model (model = \"transformers\"), not on"
-                          f" model = {config.model.kind!r}")
+        what = {"gpt": "the built-in GPT", "python": "your own model"}[config.model.kind]
+        raise ConfigError(f"lora puts peft adapters on a transformers model (model = \"transformers\"), not on {what}")
     if layout.tp > 1 or layout.pp > 1:
         raise ConfigError(f"lora with tensor or pipeline parallelism (tp={layout.tp}, pp={layout.pp}) is not"
                           " supported: the plans cut the base layers peft wraps; use a data-parallel strategy")

@@ -39,6 +39,11 @@ DEFAULTS: dict[str, Any] = {"r": 8, "alpha": 8, "targets": None, "dropout": 0.0,
 ``alpha``; ``targets`` ``None``: peft's default modules for the model's type)."""
 
 
+PEFT_NAMES = {"rank": "r", "lora_r": "r", "lora_alpha": "alpha", "target_modules": "targets",
+              "lora_dropout": "dropout"}
+"""peft's ``LoraConfig`` names (and "rank") -> the key here: named in the error for a table that uses them."""
+
+
 def lora_settings(value: Mapping[str, Any]) -> dict[str, Any]:
     """The LoRA table ``value`` checked, with every key of :data:`DEFAULTS` filled in.
 
@@ -51,7 +56,8 @@ def lora_settings(value: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"lora must be a table such as 'r = 8, alpha = 16, targets = [\"q_proj\"]', got {value!r}")
     unknown = [k for k in value if k not in DEFAULTS]
     if unknown:
-        close = difflib.get_close_matches(unknown[0], list(DEFAULTS), n=1, cutoff=0.5)
+        close = [PEFT_NAMES[unknown[0]]] if unknown[0] in PEFT_NAMES else \
+            difflib.get_close_matches(unknown[0], list(DEFAULTS), n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]}?" if close else f" (known: {', '.join(DEFAULTS)})"
         raise ConfigError(f"lora has no key {unknown[0]!r}{hint}")
     out = {**DEFAULTS, **value}
