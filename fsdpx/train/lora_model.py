@@ -81,13 +81,16 @@ def inject_lora(model: nn.Module, lora: Mapping[str, Any], *, base: str | None) 
         kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
         raise ConfigError(f"lora has no default targets for model type {kind!r}: give targets = [...] (its modules"
                           f" include {shown})")
-    modules = [n for n, _ in model.named_modules()]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in modules)]
+    modules = dict(model.named_modules())
+    hit = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in targets}
+    missing = [t for t, found in hit.items() if not found]
     if missing:
         raise ConfigError(f"lora targets {missing} match no module of {type(model).__name__} (its modules include"
                           f" {shown})")
+    # transformers' Conv1D (GPT-2's c_attn) stores its weight (in, out): peft's fan_in_fan_out
+    transposed = any(type(m).__name__ == "Conv1D" for found in hit.values() for m in found)
     config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=list(targets), lora_dropout=0.0,
-                             base_model_name_or_path=base, task_type="CAUSAL_LM")
+                             fan_in_fan_out=transposed, base_model_name_or_path=base, task_type="CAUSAL_LM")
     try:
         return peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # a targeted module of a kind peft has no LoRA layer for
