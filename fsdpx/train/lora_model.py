@@ -92,9 +92,12 @@ def inject_lora(model: nn.Module, lora: Mapping[str, Any], *, base: str | None) 
     config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=list(targets), lora_dropout=0.0,
                              fan_in_fan_out=transposed, base_model_name_or_path=base, task_type="CAUSAL_LM")
     try:
-        return peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        peft.inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # a targeted module of a kind peft has no LoRA layer for
         raise ConfigError(f"lora targets {list(targets)}: {(str(e).splitlines() or [''])[0]}") from None
+    for p in model.parameters():  # peft turned the base's off; the run's Freezing decides (sharding plans
+        p.requires_grad_(True)    # cover the parameters that require grad: the base is sharded too)
+    return model
 
 
 def is_lora(model: nn.Module) -> bool:
