@@ -231,6 +231,8 @@ REFUSALS = {
     "offload": ["--model", "transformers", "--model-path", "{base}", "--lora", QV, "--offload", "zero"],
     "tensor parallel": ["--model", "transformers", "--model-path", "{base}", "--lora", QV, "--strategy", "zero2",
                         "--tp", "2", "--nproc", "2"],
+    "pipeline": ["--model", "transformers", "--model-path", "{base}", "--lora", QV, "--strategy", "zero2",
+                 "--pp", "2", "--nproc", "2"],
     "dropout": ["--model", "transformers", "--model-path", "{base}", "--lora", "r = 4, dropout = 0.1"],
     "unknown key": ["--model", "transformers", "--model-path", "{base}", "--lora", "r = 4, alhpa = 8"],
     "peft's name": ["--model", "transformers", "--model-path", "{base}", "--lora", "lora_alpha = 8"],

@@ -573,5 +573,7 @@ def _plan_line(config: RunConfig, comm=None) -> str:
         where += f", on {comm.device if comm is not None else config.run.device}"
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",
              "transformers": f"transformers {m.model_class or m.model_path}"}[m.kind]
+    if m.lora is not None:
+        model += f" (LoRA adapters of rank {m.lora['r']} alone)"
     data = config.data.data_fn or config.data.data_path or "the embedded corpus"
     return f"fsdpx train: {config.run.steps} steps, {model} on {data}, {privacy}{where} -> {config.run_dir}"
