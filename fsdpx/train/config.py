@@ -468,7 +468,7 @@ def _check_lora(config: RunConfig) -> None:
         raise ConfigError(f"lora with offload = {config.offload.kind!r} is not supported: the adapters' optimizer"
                           " state is small, keep it on the device (offload = \"none\")")
     if config.run.freeze:
-        raise ConfigError("lora freezes every base weight itself; drop freeze")
+        raise ConfigError(f"lora freezes every base weight itself; drop freeze = {config.run.freeze!r}")
 
 
 def _is_ref(value: Any) -> bool:
