@@ -15,8 +15,11 @@ What trains: the adapters alone. The base weights are frozen by a :class:`Freezi
 (:mod:`fsdpx.optim.freezing`): no gradient, no per-example norm, no noise, no update, in one process
 and sharded. They stay part of the run's state (sharded, checkpointed, with an optimizer state
 that is allocated and never touched) so every layout, checkpoint and resume works as for a whole
-model; the cost is the base's optimizer memory (2 floats per base weight with AdamW) and its bytes
-in each checkpoint. (A state holding the adapters alone would save both; not done yet.)
+model. The cost: the base's optimizer memory (2 floats per base weight with AdamW) and its bytes
+in each checkpoint. The gain: ZeRO-3 shards the frozen base like any weight, 3/N of the base per
+rank (weight and two moments) where a base kept beside the state would be whole on every rank;
+for N >= 3 ranks that is less. (A state holding the adapters alone, the base sharded outside it,
+would save both; not done yet.)
 """
 
 from __future__ import annotations
