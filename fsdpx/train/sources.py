@@ -53,6 +53,8 @@ from .config import RunConfig
 from .errors import ConfigError
 from .pretrained import Weights, check_keys, find_weights, load_buffers, load_into, parameters_on_meta
 
+LORA_STREAM = 1 << 20  # lora_A's seed is the run's plus this: draws of their own, a function of the seed
+
 Encode = Callable[[str], Sequence[int]]
 Decode = Callable[[Sequence[int]], str]
 
@@ -223,15 +225,15 @@ def build_model(config: RunConfig, vocab_size: int, *, read: str = "whole") -> t
     entries, or the transformers causal LM it names. Pretrained weights (:func:`build_source`'s
     ``read``) are checked key by key before anything is read (``WeightKeysError``). With
     ``lora``, peft's adapters are put on the model once its base weights are loaded
-    (:func:`fsdpx.train.lora_model.inject_lora`, ``lora_A`` drawn from the seed, ``lora_B`` zero:
-    step 0 computes what the base model does)."""
+    (:func:`fsdpx.train.lora_model.inject_lora`, ``lora_A`` drawn from ``seed + LORA_STREAM``,
+    ``lora_B`` zero: step 0 computes what the base model does)."""
     model, weights = _base_model(config, vocab_size, read=read)
     lora = config.model.lora
     if lora is not None:
         from .lora_model import inject_lora
 
         path = config.model.model_path
-        with seeded(config.run.seed):
+        with seeded(config.run.seed + LORA_STREAM):  # not the draws a base initialised from the seed began with
             inject_lora(model, lora, base=str(Path(path).resolve()) if path else config.model.model_class)
     return model, weights
 
