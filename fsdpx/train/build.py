@@ -156,9 +156,14 @@ def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
 
 
 def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:
-    """The run's freezing schedule (``config.run.freeze`` parsed), every name in it resolved
-    against ``model``'s parameters now; ``None`` without one. Raises :class:`ConfigError` naming
-    a name that matches no parameter, before any step or file."""
+    """The run's freezing schedule (``config.run.freeze`` parsed, or under ``lora`` every base
+    weight frozen from step 0), every name in it resolved against ``model``'s parameters now;
+    ``None`` without one. Raises :class:`ConfigError` naming a name that matches no parameter,
+    before any step or file."""
+    if config.model.lora is not None:  # the base weights, frozen for the whole run
+        from .lora_model import frozen_base
+
+        return frozen_base(model)
     spec = config.run.freeze
     if not spec:
         return None

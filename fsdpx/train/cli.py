@@ -249,6 +249,9 @@ def _add_source_arguments(p: argparse.ArgumentParser) -> None:
                        help="transformers: a config or causal-LM class, e.g. GPT2Config or LlamaForCausalLM")
     model.add_argument("--model-fields", type=_table, metavar="TABLE", default=None,
                        help="transformers: config fields, e.g. 'n_embd = 32, n_layer = 2' (over --model-path's)")
+    model.add_argument("--lora", type=_table, metavar="TABLE", default=None,
+                       help="transformers: train LoRA adapters only, e.g. 'r = 8, alpha = 16, targets = [\"q_proj\","
+                            " \"v_proj\"]' (keys r, alpha, targets, dropout = 0, merge: export the merged model)")
     model.add_argument("--vocab-size", type=_positive_int, metavar="N", default=None,
                        help="the built-in GPT's vocabulary (default: the data's)")
     model.add_argument("--model-fn", metavar="MODULE:NAME", default=None,
@@ -585,6 +588,8 @@ def _plan_line(config: RunConfig, comm=None) -> str:
         where += f", on {comm.device if comm is not None else config.run.device}"
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",
              "transformers": f"transformers {m.model_class or m.model_path}"}[m.kind]
+    if m.lora is not None:
+        model += f" (LoRA adapters of rank {m.lora['r']} alone)"
     data = config.data.data_fn or config.data.data_path or "the embedded corpus"
     if config.eval.enabled:
         data += f" (held out: {config.eval.eval_data}, evaluated every {config.eval.eval_every} steps and at the last)"

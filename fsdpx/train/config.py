@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from . import data
 from .errors import ConfigError
 from .layout import Layout
+from .lora import lora_settings
 
 if TYPE_CHECKING:
     from fsdpx.models.gpt import GPTConfig
@@ -121,7 +122,9 @@ class ModelSettings:
     named "module:qualname" (:mod:`fsdpx.train.refs`) and imported by every process:
     ``model_fn(hparams) -> nn.Module`` (called with the torch RNG seeded by ``seed``) and
     ``loss_fn(model output, targets) -> (B,)`` per-example losses; ``hparams`` (a table of JSON
-    values) is passed to them and to ``data_fn``."""
+    values) is passed to them and to ``data_fn``. ``lora`` (``--lora 'r = 8, alpha = 16, targets =
+    ["q_proj", "v_proj"]'``, ``[model.lora]``; :mod:`fsdpx.train.lora`): a transformers model
+    trains LoRA adapters only, its base weights frozen (:mod:`fsdpx.train.lora_model`)."""
 
     kind: str = "gpt"
     model_path: str | None = None
@@ -134,8 +137,11 @@ class ModelSettings:
     model_fn: str | None = None
     loss_fn: str | None = None
     hparams: dict | None = dataclasses.field(default=None, hash=False)
+    lora: dict | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        if self.lora is not None:
+            _set(self, lora=lora_settings(self.lora))
         if self.kind not in MODEL_KINDS:
             raise ConfigError(f"model must be one of {MODEL_KINDS}, got {self.kind!r}")
         if min(self.n_layer, self.n_head, self.n_embd) < 1:
@@ -394,6 +400,8 @@ class RunConfig:
             raise ConfigError("offload with tensor parallelism is not supported yet")
         if layout.pp > 1 and offload != "none":
             raise ConfigError("offload with pipeline parallelism is not supported yet")
+        if model.lora is not None:
+            _check_lora(self)
         if layout.strategy is not None and self.privacy.private and self.privacy.method == "vmap":
             raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 
@@ -491,6 +499,24 @@ def _check_sources(model: ModelSettings, data_: DataSettings, layout: Layout) ->
             raise ConfigError("sequence_parallel is for the built-in GPT")
     elif data_.kind == "python":
         raise ConfigError("data = \"python\" is data_fn's, with model = \"python\"")
+
+
+def _check_lora(config: RunConfig) -> None:
+    """The checks that read ``lora`` with the rest of the run: adapters go on a transformers model
+    (peft's), in one process or data-parallel (ddp, ZeRO, HSDP), without offload or a freezing
+    schedule of its own (the base weights are frozen by ``lora`` itself)."""
+    layout = config.parallelism
+    if config.model.kind != "transformers":
+        what = {"gpt": "the built-in GPT", "python": "your own model"}[config.model.kind]
+        raise ConfigError(f"lora puts peft adapters on a transformers model (model = \"transformers\"), not on {what}")
+    if layout.tp > 1 or layout.pp > 1:
+        raise ConfigError(f"lora with tensor or pipeline parallelism (tp={layout.tp}, pp={layout.pp}) is not"
+                          " supported: the plans cut the base layers peft wraps; use a data-parallel strategy")
+    if config.offload.kind != "none":
+        raise ConfigError(f"lora with offload = {config.offload.kind!r} is not supported: the adapters' optimizer"
+                          " state is small, keep it on the device (offload = \"none\")")
+    if config.run.freeze:
+        raise ConfigError(f"lora freezes every base weight itself; drop freeze = {config.run.freeze!r}")
 
 
 def _is_ref(value: Any) -> bool:

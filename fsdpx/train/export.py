@@ -17,6 +17,11 @@ Formats:
 * the built-in GPT (``fsdpx.models.gpt``): ``model.safetensors`` of its parameters (the tied
   ``lm_head.weight`` is ``wte.weight``, stored once) and ``gpt_config.json``, the fields of its
   ``GPTConfig`` plus ``"format": "fsdpx-gpt"``; :func:`load_gpt` builds it back.
+* a transformers model with LoRA adapters (``--lora``, :mod:`fsdpx.train.lora_model`): the
+  adapter as ``PeftModel.save_pretrained`` writes it (``adapter_config.json``, naming the base
+  model's path, and ``adapter_model.safetensors``), loadable by ``peft.PeftModel.from_pretrained(base,
+  OUT)``; with ``merge`` (``[model.lora] merge = true``, ``fsdpx export --merge``) the base model
+  with the adapters merged into its weights, in the transformers format above.
 * your own model (``model = "python"``): no format; not exported at the end of a run, and
   ``fsdpx export`` refuses it by name (:class:`NotExportableError`).
 
@@ -43,6 +48,7 @@ from torch import Tensor, nn
 from fsdpx.models.gpt import GPT, GPTConfig
 
 from .errors import ConfigError, RunFailure
+from .lora_model import is_lora, merged_model, write_adapter
 
 MODEL_DIR = "model"  # beside metrics.jsonl in the run directory
 WEIGHTS = "model.safetensors"
@@ -73,7 +79,7 @@ def check_target(out: Path, *, overwrite: bool) -> None:
 
 
 def write_export(model: nn.Module, params: Mapping[str, Tensor], out: str | Path, *,
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, merge: bool = False) -> Path:
     """Write ``model`` with the values ``params`` (``{canonical parameter name: whole tensor}``,
     as ``named_parameters()`` names them) into the directory ``out`` in its format (module doc).
     ``model``'s own parameter values are not read (they may be on ``meta``); its config and
@@ -86,12 +92,19 @@ def write_export(model: nn.Module, params: Mapping[str, Tensor], out: str | Path
       * a non-empty ``out`` without ``overwrite`` raises :class:`ExportExistsError` before anything
         is written; a model without a format :class:`NotExportableError`;
       * the stored tensors equal ``params`` bit for bit, fp32 as trained
-        (``tests/test_export.py::test_a_run_at_lr_0_exports_exactly_the_weights_it_loaded``).
+        (``tests/test_export.py::test_a_run_at_lr_0_exports_exactly_the_weights_it_loaded``);
+      * a model with LoRA adapters (``lora``, :mod:`fsdpx.train.lora_model`) is written as its
+        adapter in peft's format, or with ``merge`` as the merged transformers model; ``merge``
+        for a model without adapters is a :class:`ConfigError` before anything is written.
     """
     out = Path(out)
     if not exportable(model):
         raise NotExportableError(f"{type(model).__name__} is not a transformers model nor the built-in GPT: fsdpx has"
                                  " no format to export it in (its parameters are the checkpoint's params/ tensors)")
+    lora = is_lora(model)
+    if merge and not lora:
+        raise ConfigError(f"--merge merges LoRA adapters into their base model; this {type(model).__name__} has none"
+                          " (its export is already the whole model)")
     check_target(out, overwrite=overwrite)
     names = [n for n, _ in model.named_parameters()]
     missing = [n for n in names if n not in params]
@@ -106,6 +119,10 @@ def write_export(model: nn.Module, params: Mapping[str, Tensor], out: str | Path
         tmp.mkdir()
         if isinstance(model, GPT):
             _write_gpt(model, tensors, tmp)
+        elif lora and not merge:
+            write_adapter(model, tensors, tmp)
+        elif lora:
+            _write_transformers(*merged_model(model, tensors), tmp)
         else:
             _write_transformers(model, tensors, tmp)
         _sync(tmp)
@@ -210,9 +227,10 @@ def load_gpt(path: str | Path) -> GPT:
 
 
 def export_at_end(model: nn.Module, params: Mapping[str, Tensor], run_dir: Path, *, main: bool,
-                  comm: Any = None) -> Path | None:
+                  comm: Any = None, merge: bool = False) -> Path | None:
     """The end of a run: rank 0 (``main``) writes ``run_dir/model`` (replacing an earlier
-    segment's export); every rank learns whether it was written. Returns the directory, ``None``
+    segment's export; ``merge``: a LoRA model's merged model, not its adapter); every rank learns
+    whether it was written. Returns the directory, ``None``
     for a model without a format (nothing written). A write that fails raises
     :class:`fsdpx.train.errors.RunFailure` on every rank, one line naming the directory, the
     cause and how to export later; everything else the run wrote (metrics, plot, checkpoints)
@@ -223,7 +241,7 @@ def export_at_end(model: nn.Module, params: Mapping[str, Tensor], run_dir: Path,
     failed = None
     if main:
         try:
-            write_export(model, params, out, overwrite=True)
+            write_export(model, params, out, overwrite=True, merge=merge)
         except Exception as err:  # noqa: BLE001 - an OSError, safetensors' own error on a full disk, ...: one line
             failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"
     if comm is not None:

@@ -3,6 +3,7 @@ fsdpx (:mod:`fsdpx.train.export` says the formats).
 
     fsdpx export runs/ft/ckpt/step_20 --to my-model          # or the root: its newest intact checkpoint
     fsdpx export runs/ft/ckpt --to my-model --overwrite
+    fsdpx export runs/lora/ckpt --to merged --merge            # a LoRA run: the merged model, not the adapter
 
 The model is the one the checkpoint's run record (``run.json`` beside it) names, built with its
 parameters on ``meta`` (nothing initialised, no weights read); each parameter is then read whole
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    " intact checkpoint)")
     p.add_argument("--to", metavar="OUT", required=True, help="the directory to write (must not hold files)")
     p.add_argument("--overwrite", action="store_true", help="replace what OUT holds")
+    p.add_argument("--merge", action="store_true", help="a LoRA run's checkpoint: write the base model with the"
+                   " adapters merged (for from_pretrained), not the adapter (for peft.PeftModel.from_pretrained)")
     return p
 
 
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     from .segments import ResumeError
 
     try:
-        out = export_checkpoint(args.checkpoint, args.to, overwrite=args.overwrite)
+        out = export_checkpoint(args.checkpoint, args.to, overwrite=args.overwrite, merge=args.merge)
     except (ConfigError, ResumeError, ckpt.CheckpointError) as err:
         print(f"{PROG}: error: {(str(err).splitlines() or [''])[0]}", file=sys.stderr)
         sys.exit(2)
@@ -56,12 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{PROG}: wrote {out}", file=sys.stderr)
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False,
+                      merge: bool = False) -> Path:
     """Export the model of ``checkpoint`` into ``out`` (see the module doc); returns ``out``.
 
     Guarantees: the files equal those the run would have exported at the step of the checkpoint,
-    in any layout it was written in (``tests/test_export.py``). Every refusal is raised before
-    anything is written."""
+    in any layout it was written in (``tests/test_export.py``); a LoRA run's checkpoint gives its
+    adapter, or with ``merge`` the merged model (``tests/test_lora_cli.py``). Every refusal is
+    raised before anything is written."""
     import ckpt
 
     from .export import check_target, write_export
@@ -88,7 +93,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     if missing:
         raise ConfigError(f"{path}: the checkpoint has no params/{missing[0]} ({len(missing)} of the model's"
                           " parameters missing)")
-    return write_export(model, params, out, overwrite=overwrite)
+    return write_export(model, params, out, overwrite=overwrite, merge=merge)
 
 
 def _checked(tensors: Iterator, shapes: dict[str, tuple[int, ...]], path: Path) -> Iterator:

@@ -253,7 +253,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         report.plot(history, run_dir / "plot.png", title=report.plot_title(config, dp, source),
                     delta=config.privacy.delta, starts=starts)
     # the last file: a failure to write it is one line (RunFailure) and keeps everything above
-    exported = export_at_end(source.model, trained, run_dir, main=main, comm=comm) if config.logging.export else None
+    merge = bool((config.model.lora or {}).get("merge"))
+    exported = (export_at_end(source.model, trained, run_dir, main=main, comm=comm, merge=merge)
+                if config.logging.export else None)
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
                           sample=sample_text(source, trained, 100, seed=config.run.seed),
                           files=report.FILES + ((exported.name,) if exported else ()))

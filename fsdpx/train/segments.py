@@ -16,8 +16,9 @@ norm and clipping, batch size / sample rate, noise and target (a larger budget o
 ``allow_budget_increase``, see :mod:`fsdpx.train.budget`), steps, checkpoint cadence and
 directory, and the sharding strategy and process count (the checkpoint reshards). What may not,
 each a named error before anything runs (:func:`check_compatible`): the model's shape
-(:class:`ModelChangeError`), the data (:class:`DataChangeError`, unless ``allow_new_data``) and
-private <-> non-private (:class:`PrivacyModeChangeError`).
+(:class:`ModelChangeError`), the LoRA adapters (:class:`LoraChangeError`), the data
+(:class:`DataChangeError`, unless ``allow_new_data``) and private <-> non-private
+(:class:`PrivacyModeChangeError`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Mapping, Sequence
 from torch import Tensor
 
 from .data import Windows
+from .lora import lora_text
 
 RECORD = "run.json"
 
@@ -49,6 +51,10 @@ class ResumeError(ValueError):
 
 class ModelChangeError(ResumeError):
     """The configured model's parameters do not have the checkpoint's shapes."""
+
+
+class LoraChangeError(ResumeError):
+    """The run's LoRA adapters (``--lora``) differ from those the checkpoint trained."""
 
 
 class DataChangeError(ResumeError):
@@ -98,11 +104,11 @@ def data_digest(inputs: Any, targets: Any) -> str:
 
 
 def fingerprint(config: Any, params: Mapping[str, Tensor], digest: str, *, data: str | None = None) -> dict[str, Any]:
-    """What a resume must keep: parameter shapes, the data's digest, private or not (the offload
-    and ``data``, the data's description, are recorded, not checked)."""
+    """What a resume must keep: parameter shapes, the data's digest, private or not, the LoRA
+    adapters (the offload and ``data``, the data's description, are recorded, not checked)."""
     return {"params": {k: list(v.shape) for k, v in params.items()}, "data": digest,
             "corpus_chars": config.data.corpus_chars, "data_source": data, "private": config.privacy.private,
-            "offload": config.offload.kind}
+            "offload": config.offload.kind, "lora": config.model.lora}
 
 
 def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any], *,
@@ -121,6 +127,10 @@ def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any],
         was, now = ("private", "non-private") if checkpoint_private else ("non-private", "private")
         raise PrivacyModeChangeError(f"the checkpoint is of a {was} run; it cannot be resumed as a {now} run"
                                      " (its accountant and guarantee would not hold)")
+    if recorded is not None and recorded.get("lora") != new.get("lora"):
+        raise LoraChangeError(f"the checkpoint was trained with --lora {_lora_words(recorded.get('lora'))}, this run"
+                              f" asks for --lora {_lora_words(new.get('lora'))}: the adapters cannot change on resume"
+                              " (give the checkpoint's --lora, or none: a resume keeps it)")
     for name, shape in new["params"].items():
         got = checkpoint_shapes.get(f"params/{name}")
         if got is None or list(got) != list(shape):
@@ -140,6 +150,10 @@ def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any],
                                   " counts)")
         notes.append("training on new data (allowed by --allow-new-data)")
     return notes
+
+
+def _lora_words(lora: Mapping[str, Any] | None) -> str:
+    return f"'{lora_text(lora)}'" if lora else "(none: the whole model)"
 
 
 # --------------------------------------------------------------------------- the record

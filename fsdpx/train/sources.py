@@ -53,6 +53,8 @@ from .config import RunConfig
 from .errors import ConfigError
 from .pretrained import Weights, check_keys, find_weights, load_buffers, load_into, parameters_on_meta
 
+LORA_STREAM = 1 << 20  # lora_A's seed is the run's plus this: draws of their own, a function of the seed
+
 Encode = Callable[[str], Sequence[int]]
 Decode = Callable[[Sequence[int]], str]
 
@@ -120,8 +122,10 @@ class Source(NamedTuple):
 def read_mode(config: RunConfig, sharded: bool) -> str:
     """How a process reads a model's pretrained weights (:func:`build_source`'s ``read``): one
     process reads them whole; a sharded rank reads only its blocks (``"blocks"``), except in a
-    pipeline, whose stages are checked against the whole model on the ranks (``"whole"``)."""
-    return "blocks" if sharded and config.parallelism.pp == 1 else "whole"
+    pipeline, whose stages are checked against the whole model on the ranks, and under ``lora``,
+    whose layers rename the base weights (``"whole"``: each rank reads the base once, then keeps
+    its shard)."""
+    return "blocks" if sharded and config.parallelism.pp == 1 and config.model.lora is None else "whole"
 
 
 def build_source(config: RunConfig, *, read: str = "whole") -> Source:
@@ -219,7 +223,22 @@ def build_model(config: RunConfig, vocab_size: int, *, read: str = "whole") -> t
     """The model of ``config`` and the pretrained weights it starts from (``None``: initialised
     from ``config.run.seed``, the global RNG restored): the built-in GPT with ``vocab_size``
     entries, or the transformers causal LM it names. Pretrained weights (:func:`build_source`'s
-    ``read``) are checked key by key before anything is read (``WeightKeysError``)."""
+    ``read``) are checked key by key before anything is read (``WeightKeysError``). With
+    ``lora``, peft's adapters are put on the model once its base weights are loaded
+    (:func:`fsdpx.train.lora_model.inject_lora`, ``lora_A`` drawn from ``seed + LORA_STREAM``,
+    ``lora_B`` zero: step 0 computes what the base model does)."""
+    model, weights = _base_model(config, vocab_size, read=read)
+    lora = config.model.lora
+    if lora is not None:
+        from .lora_model import inject_lora
+
+        path = config.model.model_path
+        with seeded(config.run.seed + LORA_STREAM):  # not the draws a base initialised from the seed began with
+            inject_lora(model, lora, base=str(Path(path).resolve()) if path else config.model.model_class)
+    return model, weights
+
+
+def _base_model(config: RunConfig, vocab_size: int, *, read: str) -> tuple[nn.Module, Weights | None]:
     with seeded(config.run.seed):
         if config.model.kind == "gpt":
             m = config.model
