@@ -17,8 +17,8 @@ contributions the clipped sum adds up.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+import threading
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,42 +29,37 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
 
 REDUCED = (torch.bfloat16, torch.float16)
 
-_MARK = "_fsdpx_compute_dtype"  # set on the wrapper: the dtype it computes in, and the forward it wraps
+_DTYPE = "_fsdpx_compute_dtype"  # on the model: the dtype its forward computes in (None: fp32)
+_HOOKED = "_fsdpx_precision_hooked"  # on the model: the hooks below are registered
+_open = threading.local()  # per thread, the autocast contexts of the forwards under way
 
 
 def compute_in(model: nn.Module, precision: str) -> nn.Module:
-    """``model``, its ``forward`` now running under ``torch.autocast`` to ``precision``'s dtype
-    on the device of its first tensor input, its floating outputs cast back to fp32. Returns
-    ``model`` (the same object). Idempotent: a second call replaces the first's wrapper, and
-    ``"fp32"`` restores the forward as it was. Parameters, buffers and the state dict are not
-    touched. Raises ``ValueError`` for a precision not in :data:`PRECISIONS`.
+    """``model``, its forward now running under ``torch.autocast`` to ``precision``'s dtype on
+    the device of its first tensor input, its floating outputs cast back to fp32; ``"fp32"``
+    turns that off. Returns ``model`` (the same object). The switch is a pair of forward hooks
+    on the root module (registered once; ``copy.deepcopy`` keeps them, as the simulated ranks
+    copy the model) that read the dtype at each call; the post-hook runs even when the forward
+    raises (a pipeline stage ends its forward so), so autocast never stays on. Parameters,
+    buffers and the state dict are not touched. Raises ``ValueError`` for a precision not in
+    :data:`PRECISIONS`.
 
-    Guarantee (``tests/test_precision.py::test_bf16_forward_runs_in_bf16_and_masters_stay_fp32``):
-    a Linear inside the forward returns bf16; the parameters' gradients are fp32."""
+    Guarantee (``tests/test_precision.py::test_bf16_forward_runs_in_bf16_and_the_state_stays_fp32``):
+    a Linear inside the forward returns bf16; the parameters' gradients, the parameters and the
+    optimizer's moments after a step are fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    inner = model.__dict__.get("forward")
-    if inner is not None and hasattr(inner, _MARK):
-        inner = getattr(inner, _MARK)[1]
-        if inner is None:
-            del model.forward
-        else:
-            model.forward = inner
-    dtype = PRECISIONS[precision]
-    if dtype is None:
-        return model
-    original = model.__dict__.get("forward")
-    wrapped = _autocast_forward(model.forward, dtype)
-    setattr(wrapped, _MARK, (dtype, original))
-    model.forward = wrapped
+    setattr(model, _DTYPE, PRECISIONS[precision])
+    if PRECISIONS[precision] is not None and not getattr(model, _HOOKED, False):
+        model.register_forward_pre_hook(_enter, with_kwargs=True)
+        model.register_forward_hook(_leave, always_call=True)
+        setattr(model, _HOOKED, True)
     return model
 
 
 def compute_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype :func:`compute_in` set ``model``'s forward to compute in; ``None`` for fp32."""
-    forward = model.__dict__.get("forward")
-    mark = getattr(forward, _MARK, None)
-    return mark[0] if mark is not None else None
+    return getattr(model, _DTYPE, None)
 
 
 def exact(t: Any) -> Any:
@@ -80,14 +75,20 @@ def exact_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in REDUCED else dtype
 
 
-def _autocast_forward(forward: Callable, dtype: torch.dtype) -> Callable:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(_device_type(args, kwargs), dtype=dtype):
-            out = forward(*args, **kwargs)
-        return tree_map(exact, out)
+def _enter(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    dtype = getattr(model, _DTYPE, None)
+    context = torch.autocast(_device_type(args, kwargs), dtype=dtype) if dtype is not None else None
+    if context is not None:
+        context.__enter__()
+    _open.__dict__.setdefault("stack", []).append(context)
 
-    return run
+
+def _leave(model: nn.Module, args: tuple, output: Any) -> Any:
+    context = _open.stack.pop()
+    if context is None:
+        return None
+    context.__exit__(None, None, None)
+    return tree_map(exact, output)
 
 
 def _device_type(args: tuple, kwargs: dict) -> str:
