@@ -59,6 +59,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.double() - b.double()).abs() / b.double().abs()
 
 
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_bf16_forward_runs_in_bf16_and_the_state_stays_fp32():
     """A Linear inside the forward returns bf16 (the hook sees it), the loss the step reports is
     finite, and after two private AdamW steps (donated, as the job runs them) every parameter
@@ -186,7 +190,8 @@ def test_fp16_is_refused_by_name_before_anything_is_written(tmp_path, capsys):
 def test_a_config_file_sets_precision_and_the_resolved_file_shows_it(tmp_path):
     """``[run] precision = "bf16"`` in a config file; one process, the built-in GPT, 2 steps; the
     run directory's config.toml says ``precision = "bf16"``; a resume with the same precision
-    continues to step 3."""
+    continues to step 3, and one with ``--precision fp32`` (the checkpoint is fp32 either way)
+    to step 4, its config.toml saying fp32."""
     toml = tmp_path / "run.toml"
     toml.write_text('steps = 2\nprecision = "bf16"\n')
     run = ["--config", str(toml), "--out", str(tmp_path / "runs"), "--name", "b", "--ckpt-dir",
@@ -194,12 +199,10 @@ def test_a_config_file_sets_precision_and_the_resolved_file_shows_it(tmp_path):
     main(["train", *run])
     assert 'precision = "bf16"' in (tmp_path / "runs" / "b" / "config.toml").read_text()
     main(["train", *run, "--steps", "3", "--resume"])
-    lines = (tmp_path / "runs" / "b" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
-
-
-def metrics_of(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics_of(tmp_path / "runs" / "b")] == [1, 2, 3]
+    main(["train", *run, "--steps", "4", "--resume", "--precision", "fp32"])  # a resume may change it
+    assert [m["step"] for m in metrics_of(tmp_path / "runs" / "b")] == [1, 2, 3, 4]
+    assert 'precision = "fp32"' in (tmp_path / "runs" / "b" / "config.toml").read_text()
 
 
 @pytest.mark.parametrize("offload", ["zero", "zenflow"])
