@@ -49,8 +49,10 @@ def compute_in(model: nn.Module, precision: str) -> nn.Module:
     optimizer's moments after a step are fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if PRECISIONS[precision] is None and not getattr(model, _HOOKED, False):
+        return model  # fp32 on a model never switched: left exactly as it was
     setattr(model, _DTYPE, PRECISIONS[precision])
-    if PRECISIONS[precision] is not None and not getattr(model, _HOOKED, False):
+    if not getattr(model, _HOOKED, False):
         model.register_forward_pre_hook(_enter, with_kwargs=True)
         model.register_forward_hook(_leave, always_call=True)
         setattr(model, _HOOKED, True)

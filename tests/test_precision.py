@@ -188,12 +188,12 @@ def test_fp16_is_refused_by_name_before_anything_is_written(tmp_path, capsys):
 
 
 def test_a_config_file_sets_precision_and_the_resolved_file_shows_it(tmp_path):
-    """``[run] precision = "bf16"`` in a config file; one process, the built-in GPT, 2 steps; the
+    """``[run] precision = "bf16"`` in a config file (a fixed noise multiplier); one process, the built-in GPT, 2 steps; the
     run directory's config.toml says ``precision = "bf16"``; a resume with the same precision
     continues to step 3, and one with ``--precision fp32`` (the checkpoint is fp32 either way)
     to step 4, its config.toml saying fp32."""
     toml = tmp_path / "run.toml"
-    toml.write_text('steps = 2\nprecision = "bf16"\n')
+    toml.write_text('steps = 2\nprecision = "bf16"\n[privacy]\nnoise_multiplier = 1.0\n')  # no budget to outgrow
     run = ["--config", str(toml), "--out", str(tmp_path / "runs"), "--name", "b", "--ckpt-dir",
            str(tmp_path / "ckpt"), "--ckpt-every", "1", *SMALL]
     main(["train", *run])
