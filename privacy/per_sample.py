@@ -41,9 +41,10 @@ def per_sample_grads(
 
     Edge case: a forward that vmap refuses (``.item()``, a Python ``if`` on a tensor, an
     output of data-dependent shape) runs example by example; the model is remembered, so later
-    calls loop at once. A model whose forward computes in bf16 (:func:`privacy.precision.compute_in`)
-    also runs example by example: autocast does not run under vmap. Layers must treat examples independently (no BatchNorm in training
-    mode: :func:`privacy.validate.check_model`). A transformers model with activation
+    calls loop at once. A model whose forward computes in bf16
+    (:func:`privacy.precision.compute_in`) also runs example by example: autocast does not run
+    under vmap. Layers must treat examples independently (no BatchNorm in training mode:
+    :func:`privacy.validate.check_model`). A transformers model with activation
     checkpointing on is refused (``PrivacyError``): ``torch.func`` transforms cannot run through
     ``torch.utils.checkpoint``; ghost clipping can (``tests/test_hf_families.py``)."""
     if getattr(model, "is_activation_checkpointing", False):

@@ -179,7 +179,9 @@ def fill_grads(calls: list[Call], root: Tensor, grad_root: Tensor | None = None,
     ``grad_root``) to every recorded call output and to ``inputs``; each call gets its output
     gradients (zeros where none flowed; ``flowed`` False when none did at all) and drops its
     edges. Returns the gradients of
-    ``inputs`` (``None`` where none flowed)."""
+    ``inputs`` (``None`` where none flowed). Captured bf16 or fp16 inputs and output gradients
+    (a forward under :func:`privacy.precision.compute_in`) are kept upcast to fp32, so every
+    norm and clipped sum is formed in fp32 (``tests/test_precision.py``)."""
     wanted = [t for c in calls for t in c.outputs]
     targets = [*inputs, *wanted]
     grads = torch.autograd.grad(root, targets, grad_root, allow_unused=True) if targets else ()
