@@ -130,7 +130,8 @@ def test_ghost_norms_under_bf16_are_fp32_norms_of_the_captured_bf16_tensors():
 
     every = params_of(model32)
     ghost = per_sample_norms(model16, every, b, token_loss, method="ghost")
-    autograd = sum(g.double().flatten(1).square().sum(1) for g in per_sample_grads(model16, every, b, token_loss).values())
+    grads = per_sample_grads(model16, every, b, token_loss)
+    autograd = sum(g.double().flatten(1).square().sum(1) for g in grads.values())
     assert relative(ghost, autograd.sqrt()).max() < 1e-3
     assert relative(ghost, per_sample_norms(model32, every, b, token_loss, method="ghost")).max() < 1e-2
 
@@ -188,10 +189,10 @@ def test_fp16_is_refused_by_name_before_anything_is_written(tmp_path, capsys):
 
 
 def test_a_config_file_sets_precision_and_the_resolved_file_shows_it(tmp_path):
-    """``[run] precision = "bf16"`` in a config file (a fixed noise multiplier); one process, the built-in GPT, 2 steps; the
-    run directory's config.toml says ``precision = "bf16"``; a resume with the same precision
-    continues to step 3, and one with ``--precision fp32`` (the checkpoint is fp32 either way)
-    to step 4, its config.toml saying fp32."""
+    """``[run] precision = "bf16"`` in a config file (a fixed noise multiplier); one process,
+    the built-in GPT, 2 steps; the run directory's config.toml says ``precision = "bf16"``; a
+    resume with the same precision continues to step 3, and one with ``--precision fp32`` (the
+    checkpoint is fp32 either way) to step 4, its config.toml saying fp32."""
     toml = tmp_path / "run.toml"
     toml.write_text('steps = 2\nprecision = "bf16"\n[privacy]\nnoise_multiplier = 1.0\n')  # no budget to outgrow
     run = ["--config", str(toml), "--out", str(tmp_path / "runs"), "--name", "b", "--ckpt-dir",
@@ -255,4 +256,5 @@ def test_bf16_through_the_cli_one_process_and_zero3_on_two_processes(tmp_path, m
     one, zero3 = metrics_of(runs / "one"), metrics_of(runs / "zero3")
     assert len(one) == len(zero3) == 3
     for a, b in zip(one, zero3):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["mean_norm"] == pytest.approx(a["mean_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["mean_norm"] == pytest.approx(a["mean_norm"], rel=1e-5)
