@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privacy.batch import split_inputs, unpack
 from privacy.errors import PrivacyError
+from privacy.precision import compute_dtype
 from privacy.tape import LossFn, Params
 
 _UNVMAPPABLE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -40,8 +41,10 @@ def per_sample_grads(
 
     Edge case: a forward that vmap refuses (``.item()``, a Python ``if`` on a tensor, an
     output of data-dependent shape) runs example by example; the model is remembered, so later
-    calls loop at once. Layers must treat examples independently (no BatchNorm in training
-    mode: :func:`privacy.validate.check_model`). A transformers model with activation
+    calls loop at once. A model whose forward computes in bf16
+    (:func:`privacy.precision.compute_in`) also runs example by example: autocast does not run
+    under vmap. Layers must treat examples independently (no BatchNorm in training mode:
+    :func:`privacy.validate.check_model`). A transformers model with activation
     checkpointing on is refused (``PrivacyError``): ``torch.func`` transforms cannot run through
     ``torch.utils.checkpoint``; ghost clipping can (``tests/test_hf_families.py``)."""
     if getattr(model, "is_activation_checkpointing", False):
@@ -64,7 +67,9 @@ def per_sample_grads(
         return loss_fn(out, target.unsqueeze(0)).sum()
 
     example_grad = grad(example_loss)
-    if model not in _UNVMAPPABLE:
+    # torch.autocast does not run under vmap(grad) (torch 2.13: a dtype mismatch in the
+    # backward): a model computing in bf16 (privacy.precision) runs the same grad per example
+    if model not in _UNVMAPPABLE and compute_dtype(model) is None:
         try:
             # "different": dropout (a transformers model is built in training mode) draws its own
             # mask per example, as in a batch; the default "error" refuses any random op

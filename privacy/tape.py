@@ -28,6 +28,7 @@ from privacy.batch import split_inputs, unpack
 from privacy.errors import PerExampleError
 from privacy.example_rows import Known, example_rows
 from privacy.layers import ROW_WISE, rule_for
+from privacy.precision import exact, exact_dtype
 
 Params = dict[str, Tensor]
 LossFn = Callable[[Any, Tensor], Tensor]
@@ -178,7 +179,9 @@ def fill_grads(calls: list[Call], root: Tensor, grad_root: Tensor | None = None,
     ``grad_root``) to every recorded call output and to ``inputs``; each call gets its output
     gradients (zeros where none flowed; ``flowed`` False when none did at all) and drops its
     edges. Returns the gradients of
-    ``inputs`` (``None`` where none flowed)."""
+    ``inputs`` (``None`` where none flowed). Captured bf16 or fp16 inputs and output gradients
+    (a forward under :func:`privacy.precision.compute_in`) are kept upcast to fp32, so every
+    norm and clipped sum is formed in fp32 (``tests/test_precision.py``)."""
     wanted = [t for c in calls for t in c.outputs]
     targets = [*inputs, *wanted]
     grads = torch.autograd.grad(root, targets, grad_root, allow_unused=True) if targets else ()
@@ -186,10 +189,14 @@ def fill_grads(calls: list[Call], root: Tensor, grad_root: Tensor | None = None,
     for c in calls:
         got = [next(it) for _ in c.shapes]
         c.flowed = any(g is not None for g in got)
-        c.grads = [g if g is not None else torch.zeros(s, dtype=d, device=v) for (s, d, v), g in zip(c.shapes, got)]
+        # a forward under bf16 (privacy.precision) captured bf16 tensors: norms and clipped sums
+        # are formed from them upcast to fp32, never in bf16
+        c.grads = [exact(g) if g is not None else torch.zeros(s, dtype=exact_dtype(d), device=v)
+                   for (s, d, v), g in zip(c.shapes, got)]
         if c.rows > 1:  # rows of examples -> [B, k, ...], as the call's inputs were recorded
             c.grads = [g.reshape(g.shape[0] // c.rows, c.rows, *g.shape[1:]) for g in c.grads]
-        c.args = tuple(a.detach() if isinstance(a, Tensor) else a for a in c.args)
+        c.args = tuple(exact(a.detach()) if isinstance(a, Tensor) else a for a in c.args)
+        c.kwargs = {k: exact(v) for k, v in c.kwargs.items()}
         c.outputs = []
     return tuple(grads[:len(inputs)])
 

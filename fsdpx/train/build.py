@@ -24,6 +24,7 @@ from fsdpx.optim.freezing import Freezing, Trainable, bind
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding.comm import Comm
 from privacy.accounting import Accountant, noise_multiplier
+from privacy.precision import compute_in
 from privacy.step import DPConfig, TrainState, init_state, make_private_step
 
 from .config import RunConfig
@@ -95,9 +96,12 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     ``loss_fn(model output, targets) -> (B,)``: the source's
     (:attr:`fsdpx.train.sources.Source.loss_fn`). ``weights``: the pretrained weights of a
     sharded rank whose ``params`` are on ``meta`` (:func:`fsdpx.train.sources.read_mode`): each
-    rank reads only the blocks it holds (:func:`rank_reader`)."""
+    rank reads only the blocks it holds (:func:`rank_reader`). ``config.run.precision`` "bf16":
+    ``model``'s forward computes in bf16 from now on (:func:`privacy.precision.compute_in`), in
+    every layout; the state stays fp32 (``tests/test_precision.py``)."""
     optimizer = make_optimizer(config, comm)
     trainable = freezing(config, model, params)
+    compute_in(model, config.run.precision)  # every layout's forward runs through the model's own forward
     p = config.privacy
     accountant = Accountant(accountant=p.accountant, delta=p.delta, epsilon_budget=p.budget,
                             value_discretization_interval=p.accounting_interval)

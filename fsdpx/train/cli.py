@@ -31,7 +31,7 @@ from typing import Any, Callable, NoReturn
 # Only light modules here: the parser and its defaults come before torch, the privacy core and
 # the runtime, which main() imports once the arguments parse (``--help`` and a bad flag answer in
 # well under a second: ``tests/test_fast_feedback.py``).
-from .config import DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, TOKEN_DTYPES, RunConfig, merge, read_file
+from .config import DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, PRECISIONS, TOKEN_DTYPES, RunConfig, merge, read_file
 from .errors import ConfigError
 from .flags import FlagParser
 from .layout import SCHEDULES, STRATEGIES
@@ -142,6 +142,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                      help="where the model, optimizer state and batches live: cpu, cuda (one GPU per process,"
                           " cuda:LOCAL_RANK, NCCL between processes) or auto (cuda when there is a GPU for every"
                           " process); a resume asks anew (default %(default)s)")
+    run.add_argument("--precision", choices=PRECISIONS + ("fp16",), default=d.precision,
+                     help="what the forward and backward compute in: fp32, or bf16 (autocast; master weights,"
+                          " AdamW moments, per-example norms, clipping and noise stay fp32); fp16 is refused"
+                          " (default %(default)s)")
 
     model = p.add_argument_group("model and optimizer")
     model.add_argument("--n-layer", type=_positive_int, metavar="N", default=d.n_layer, help="(default %(default)s)")

@@ -63,6 +63,7 @@ DATA_KINDS = ("auto", "corpus", "text", "npy", "bin", "dataset", "python")
 TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
 DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_KINDS = ("none", "zenflow", "zero")
+PRECISIONS = ("fp32", "bf16")  # privacy.precision.PRECISIONS, named here without torch
 
 MAX_NOISE_MULTIPLIER = 10.0
 """Default largest noise multiplier a segment may be given (``--max-noise-multiplier``,
@@ -87,19 +88,29 @@ class RunSettings:
     GPU resumes on the CPU and back. ``freeze`` (:meth:`fsdpx.optim.Freezing.parse`):
     ``"wte,wpe@0-100;lm_head@50-"`` freezes names (parameters, tied aliases or modules) for steps
     ``start <= t < stop``; frozen ones get no gradient, norm, noise or update, and their optimizer
-    state is kept as it is."""
+    state is kept as it is. ``precision`` (:mod:`privacy.precision`): "fp32", or "bf16": the
+    model's forward (and so its backward) computes in bf16 under autocast; master weights,
+    optimizer moments, per-example norms, clip factors, clipped sums and noise stay fp32. "fp16"
+    is refused by name (it would need dynamic loss scaling, not built). A resume may change it:
+    the checkpoint holds fp32 either way."""
 
     steps: int = 300
     seed: int = 0
     lr: float = 1e-2
     freeze: str | None = None
     device: str = "cpu"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ConfigError(f"steps must be >= 1, got {self.steps}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.precision == "fp16":
+            raise ConfigError("precision fp16 is not supported: fp16 needs dynamic loss scaling (a skipped overflow "
+                              "step would still spend privacy), which is not built; bf16 needs no loss scaling")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not self.lr >= 0:  # 0: the model's loss on the run's batches, its weights kept (a loaded model checked)
             raise ConfigError(f"lr must be >= 0, got {self.lr}")
         if self.freeze:

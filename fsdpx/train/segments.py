@@ -39,7 +39,8 @@ RECORD = "run.json"
 ALLOWED_CHANGES = ("lr", "clip_norm", "clipping", "method", "batch_size", "sample_rate", "noise_multiplier",
                    "target_epsilon", "epsilon_budget", "max_noise_multiplier", "delta", "accountant",
                    "accounting_interval", "steps", "seed", "ckpt_every", "ckpt_dir", "strategy", "tp",
-                   "sequence_parallel", "pp", "schedule", "microbatches", "virtual_stages", "name", "out", "freeze")
+                   "sequence_parallel", "pp", "schedule", "microbatches", "virtual_stages", "name", "out", "freeze",
+                   "precision")
 """``RunConfig`` fields a resumed or branched segment may set to new values (``delta`` and a
 larger budget only with ``allow_budget_increase``). ``seed`` re-seeds the Poisson sampler of
 the remaining steps; the noise key travels in the checkpoint."""
