@@ -13,46 +13,15 @@ export of a checkpoint must be the end-of-run export's bytes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from fsdpx.cli import main
+from support.finetune import cli, final_logits, hf_logits, saved, tensors, tiny, tokens, train
 
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 80  # the embedded corpus's alphabet (69) fits
-SMALL = ["--corpus-chars", "2000", "--block-size", "8", "--batch-size", "8", "--no-progress"]
 GPT_SMALL = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2"]
-
-
-def tiny(family: str):
-    import transformers
-
-    torch.manual_seed(1)
-    if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                      bos_token_id=1, eos_token_id=2)
-    return transformers.LlamaForCausalLM(config)
-
-
-def saved(model, path: Path) -> Path:
-    model.save_pretrained(str(path))
-    return path
-
-
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "model.safetensors"))
 
 
 def assert_same_files(a: Path, b: Path) -> None:
@@ -62,51 +31,6 @@ def assert_same_files(a: Path, b: Path) -> None:
     assert sorted(ta) == sorted(tb)
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
-
-
-def last_checkpoint(ckpt_dir: Path) -> Path:
-    return max(ckpt_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-
-
-def final_logits(ckpt_dir: Path, x: torch.Tensor) -> torch.Tensor:
-    """The logits of fsdpx's final parameters (the run's last checkpoint, restored in one process
-    by ``resume_from``) on ``x``, through the model fsdpx built."""
-    from torch.func import functional_call
-
-    from fsdpx.train.resume import resume_from, source_config
-    from fsdpx.train.sources import build_source
-
-    last = last_checkpoint(ckpt_dir)
-    state, _ = resume_from(last)
-    source = build_source(source_config(last))
-    with torch.no_grad():
-        out = functional_call(source.model, state.params, (x,))
-    return out if isinstance(out, torch.Tensor) else out.logits
-
-
-def hf_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(x).logits
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(0))
-
-
-def cli(args: list[str], nproc: int | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    extra = ["--nproc", str(nproc)] if nproc else []
-    return subprocess.run([sys.executable, "-m", "fsdpx", *args, *extra], env=env, capture_output=True, text=True,
-                          timeout=600)
-
-
-def train(tmp_path: Path, name: str, *args: str) -> list[str]:
-    return ["train", "--out", str(tmp_path / "runs"), "--name", name, "--ckpt-dir", str(tmp_path / name), *SMALL,
-            *args]
 
 
 def test_a_one_process_run_exports_what_transformers_loads_with_its_final_logits(tmp_path):

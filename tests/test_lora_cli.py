@@ -12,9 +12,6 @@ are compared bit for bit with the saved file.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,66 +23,15 @@ peft = pytest.importorskip("peft")
 from support.threads import one_thread  # noqa: E402,F401
 
 from fsdpx.cli import main  # noqa: E402
+from support import finetune  # noqa: E402
+from support.finetune import (checkpoint_params, cli, final_logits, hf_logits, last_checkpoint, tensors,  # noqa: E402
+                              tiny, tokens, train)
 
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 80  # the embedded corpus's alphabet (69) fits
-SMALL = ["--corpus-chars", "2000", "--block-size", "8", "--batch-size", "8", "--no-progress"]
 QV = 'r = 4, alpha = 8, targets = ["q_proj", "v_proj"]'
 
 
-def tiny(family: str):
-    import transformers
-
-    torch.manual_seed(1)
-    if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                      bos_token_id=1, eos_token_id=2)
-    return transformers.LlamaForCausalLM(config)
-
-
 def saved(family: str, path: Path) -> Path:
-    tiny(family).save_pretrained(str(path))
-    return path
-
-
-def safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-def train(tmp_path: Path, name: str, *args: str) -> list[str]:
-    return ["train", "--out", str(tmp_path / "runs"), "--name", name, "--ckpt-dir", str(tmp_path / name), *SMALL,
-            *args]
-
-
-def last_checkpoint(ckpt_dir: Path) -> Path:
-    return max(ckpt_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-
-
-def checkpoint(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """The parameters of the run's last checkpoint, whole, whatever layout wrote them."""
-    import ckpt
-
-    return dict(ckpt.read_whole(last_checkpoint(ckpt_dir), "params"))
-
-
-def final_logits(ckpt_dir: Path, x: torch.Tensor) -> torch.Tensor:
-    """The logits on ``x`` of the model fsdpx built (the run's recorded configuration) holding
-    the parameters of the run's last checkpoint."""
-    from torch.func import functional_call
-
-    from fsdpx.train.resume import source_config
-    from fsdpx.train.sources import build_source
-
-    source = build_source(source_config(last_checkpoint(ckpt_dir)))
-    with torch.no_grad():
-        return functional_call(source.model.eval(), checkpoint(ckpt_dir), (x,)).logits
+    return finetune.saved(tiny(family), path)
 
 
 def peft_logits(base: Path, adapter: Path, x: torch.Tensor) -> torch.Tensor:
@@ -97,28 +43,9 @@ def peft_logits(base: Path, adapter: Path, x: torch.Tensor) -> torch.Tensor:
         return model(x).logits
 
 
-def hf_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32)
-    with torch.no_grad():
-        return model.eval()(x).logits
-
-
 def errors(capsys) -> list[str]:
     """The error lines the CLI printed (the run's announcement line aside)."""
     return [line for line in capsys.readouterr().err.splitlines() if line.startswith("fsdpx train: error")]
-
-
-def tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(0))
-
-
-def cli(args: list[str], nproc: int | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    extra = ["--nproc", str(nproc)] if nproc else []
-    return subprocess.run([sys.executable, "-m", "fsdpx", *args, *extra], env=env, capture_output=True, text=True,
-                          timeout=600)
 
 
 def test_a_private_lora_run_trains_the_adapters_alone_and_exports_them(tmp_path):
@@ -130,10 +57,10 @@ def test_a_private_lora_run_trains_the_adapters_alone_and_exports_them(tmp_path)
     main(train(tmp_path, "a", "--model", "transformers", "--model-path", str(base), "--lora", QV, "--steps", "3"))
     from fsdpx.train.resume import resume_from
 
-    params, mu = checkpoint(tmp_path / "a"), resume_from(last_checkpoint(tmp_path / "a"))[0].opt_state["mu"]
+    params, mu = checkpoint_params(tmp_path / "a"), resume_from(last_checkpoint(tmp_path / "a"))[0].opt_state["mu"]
     adapters = sorted(n for n in params if ".lora_" in n)
     assert len(adapters) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
-    original = safetensors(base / "model.safetensors")
+    original = tensors(base / "model.safetensors")
     bases = {n: n.replace(".base_layer.", ".") for n in params if n not in adapters}
     assert sorted(bases.values()) == sorted(original)
     for name, saved_name in bases.items():
@@ -164,12 +91,12 @@ def test_the_merged_export_loads_with_from_pretrained_and_gives_the_same_logits(
                "--lora", "r = 2, alpha = 4, merge = true", "--steps", "2"))
     out = tmp_path / "runs" / "m" / "model"
     assert "model.safetensors" in {p.name for p in out.iterdir()}
-    merged = safetensors(out / "model.safetensors")
-    assert sorted(merged) == sorted(safetensors(base / "model.safetensors"))  # the base's names, no adapter
+    merged = tensors(out / "model.safetensors")
+    assert sorted(merged) == sorted(tensors(base / "model.safetensors"))  # the base's names, no adapter
     x = tokens()
     torch.testing.assert_close(hf_logits(out, x), final_logits(tmp_path / "m", x), rtol=0, atol=1e-5)
     main(["export", str(tmp_path / "m"), "--to", str(tmp_path / "again"), "--merge"])
-    again = safetensors(tmp_path / "again" / "model.safetensors")
+    again = tensors(tmp_path / "again" / "model.safetensors")
     assert sorted(again) == sorted(merged) and all(torch.equal(again[k], merged[k]) for k in merged)
     main(train(tmp_path, "w", "--model", "transformers", "--model-path", str(base), "--steps", "1", "--no-export"))
     capsys.readouterr()
@@ -197,7 +124,7 @@ def test_a_resume_keeps_the_adapters_and_refuses_another_lora(tmp_path, capsys):
     main([*start, "--steps", "3", "--resume"])
     assert last_checkpoint(tmp_path / "r").name == "step_3"
     assert (tmp_path / "runs" / "r" / "model" / "adapter_model.safetensors").is_file()
-    params = checkpoint(tmp_path / "r")
+    params = checkpoint_params(tmp_path / "r")
     assert sum(".lora_" in n for n in params) == 2 * 2  # 2 layers x c_attn x (A, B), rank 2
     assert all(v.shape[0] == 2 for n, v in params.items() if ".lora_A." in n)
 
@@ -213,13 +140,13 @@ def test_a_sharded_lora_run_equals_one_process(tmp_path, strategy):
     one = cli(train(tmp_path, "one", *run))
     two = cli(train(tmp_path, "two", *run, "--strategy", strategy), nproc=2)
     assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-3000:])
-    a = safetensors(tmp_path / "runs" / "one" / "model" / "adapter_model.safetensors")
-    b = safetensors(tmp_path / "runs" / "two" / "model" / "adapter_model.safetensors")
+    a = tensors(tmp_path / "runs" / "one" / "model" / "adapter_model.safetensors")
+    b = tensors(tmp_path / "runs" / "two" / "model" / "adapter_model.safetensors")
     assert sorted(a) == sorted(b) and len(a) == 8
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
-    original = safetensors(base / "model.safetensors")
-    params = checkpoint(tmp_path / "two")
+    original = tensors(base / "model.safetensors")
+    params = checkpoint_params(tmp_path / "two")
     for name, tensor in params.items():
         if ".lora_" not in name:
             assert torch.equal(tensor, original[name.replace(".base_layer.", ".")]), name
