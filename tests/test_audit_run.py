@@ -78,13 +78,14 @@ def test_the_real_mechanism_stays_below_its_claim():
 
 
 def test_poisson_sampled_run_stays_below_and_noise_off_exceeds():
-    """Sampling rate 0.5 over 8 steps: the sampler's batches go through the audit too."""
-    meant = DPConfig(clip_norm=1.0, noise_multiplier=2.0, sample_rate=0.5)
+    """Sampling rate 0.5 over 8 steps (claimed epsilon 2.11): the sampler's batches go through
+    the audit too; with the noise off, a canary never sampled scores like an absent one."""
+    meant = DPConfig(clip_norm=1.0, noise_multiplier=3.0, sample_rate=0.5)
     real = audit_private_step(meant, steps=8, seed=11)
     assert real.verdict == "consistent"
     broken = audit_private_step(DPConfig(clip_norm=1.0, noise_multiplier=0.0, sample_rate=0.5), steps=8,
                                 claimed=meant, seed=11)
-    assert broken.verdict == "exceeds", (real, broken)
+    assert broken.verdict == "exceeds" and broken.epsilon_lower > broken.claimed_epsilon + 1, (real, broken)
 
 
 def test_report_is_one_line_naming_both_epsilons():
