@@ -76,7 +76,7 @@ def test_bound_is_monotone_in_correct_and_delta():
     assert all(a <= b for a, b in zip(bounds, bounds[1:]))
     assert bounds[r] > 4.0  # every guess right proves a lot ...
     assert bounds[r // 2] == 0.0  # ... a coin's half right proves nothing
-    by_delta = [epsilon_lower_bound(r, 170, canaries=m, delta=d, confidence=0.95) for d in (0.0, 1e-6, 1e-4, 1e-3)]
+    by_delta = [epsilon_lower_bound(r, 170, canaries=m, delta=d, confidence=0.95) for d in (0.0, 1e-6, 1e-4, 5e-4)]
     assert all(a >= b for a, b in zip(by_delta, by_delta[1:])) and by_delta[0] > by_delta[-1]
     by_confidence = [epsilon_lower_bound(r, 170, canaries=m, delta=1e-5, confidence=c) for c in (0.5, 0.9, 0.99)]
     assert by_confidence[0] > by_confidence[1] > by_confidence[2] > 0
@@ -121,6 +121,7 @@ def test_guesses_count_the_right_ones():
     lambda: epsilon_lower_bound(30, 10, canaries=20, delta=1e-5, confidence=0.95),
     lambda: epsilon_lower_bound(10, 8, canaries=20, delta=1e-5, confidence=1.0),
     lambda: epsilon_lower_bound(10, 8, canaries=20, delta=1.0, confidence=0.95),
+    lambda: epsilon_lower_bound(10, 8, canaries=1000, delta=1e-3, confidence=0.95),  # 2 m delta = 2
     lambda: epsilon_lower_bound(10.0, 8, canaries=20, delta=1e-5, confidence=0.95),
     lambda: correct_guess_p_value(10, 8, canaries=20, epsilon=-1.0, delta=0.0),
     lambda: guess_membership(np.zeros(4), np.zeros(4, bool), top=3, bottom=2),

@@ -38,6 +38,7 @@ def test_a_step_broken_on_purpose_exceeds_the_claim_and_exits_1(capsys, broken):
     (["--noise-multplier", "4"], "unknown flag --noise-multplier (did you mean --noise-multiplier?)"),
     (["--noise-multiplier", "4", "--guesses", "2000"], "--guesses 2000 must be in [1, --canaries 1000]"),
     (["--noise-multiplier", "4", "--steps", "0"], "--steps 0 must be >= 1"),
+    (["--noise-multiplier", "4", "--delta", "1e-3"], "--canaries 1000 with --delta 0.001: the one-run bound needs"),
     (["--noise-multiplier", "4", "--sample-rate", "1.5"], "--sample-rate 1.5 must be in (0, 1]"),
     (["--noise-multiplier", "4", "--confidence", "1"], "--confidence 1.0 must be in (0, 1)"),
     (["--noise-multiplier", "0", "--break", "noise"], "--break noise needs a --noise-multiplier > 0"),

@@ -35,7 +35,10 @@ def correct_guess_p_value(guesses: int, correct: int, *, canaries: int, epsilon:
     Formal Guarantees: equals ``f(v) + 2 m delta max_i (f(v-i) - f(v)) / i`` with binomial tails
     computed by ``scipy.stats.binom.sf`` (``tests/test_audit_bound.py::
     test_p_value_equals_the_theorem_computed_with_exact_fractions``); non-decreasing in
-    ``epsilon`` and in ``delta``, non-increasing in ``correct``.
+    ``delta``; when ``2 m delta <= 1`` also non-decreasing in ``epsilon`` and non-increasing in
+    ``correct`` (it is ``max_i (1 - c/i) f(v) + (c/i) f(v-i)`` with ``c = 2 m delta``: for
+    ``i >= c`` both weights are >= 0 and every tail grows with epsilon), which is what makes the
+    test of :func:`epsilon_lower_bound` one root with a stated level.
 
     Edge cases: ``correct == 0`` -> 1; ``delta == 0`` -> the binomial tail alone (pure DP);
     ``epsilon == inf`` -> 1 when ``correct <= guesses``; counts out of order
@@ -73,13 +76,16 @@ def epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta: flo
 
     Edge cases: ``correct == 0`` -> 0.0; ``correct <= guesses / 2`` (no better than a coin) ->
     0.0 at any ``confidence >= 1/2`` (a coin gets that many right with probability >= 1/2); every guess right -> finite (``r`` guesses cannot prove more than
-    about ``log(r / log(1/(1-confidence)))``); ``confidence`` outside (0, 1) or ``delta`` outside
-    [0, 1) -> :class:`PrivacyError` naming it."""
+    about ``log(r / log(1/(1-confidence)))``); ``confidence`` outside (0, 1), ``delta`` outside
+    [0, 1), or ``2 * canaries * delta > 1`` -> :class:`PrivacyError` naming it."""
     _check_counts(guesses, correct, canaries)
     if not 0 < confidence < 1:
         raise PrivacyError(f"confidence must be in (0, 1), got confidence={confidence}")
     if not 0 <= delta < 1:
         raise PrivacyError(f"delta must be in [0, 1), got delta={delta}")
+    if 2 * canaries * delta > 1:
+        raise PrivacyError(f"2 * canaries * delta must be <= 1 for the one-run bound (its p-value is monotone "
+                           f"only then), got canaries={canaries}, delta={delta}: take fewer canaries or a smaller delta")
     level = 1 - confidence
 
     def excess(eps: float) -> float:  # > 0 where eps is NOT rejected
