@@ -102,3 +102,12 @@ def test_the_audit_is_deterministic():
 def test_bad_audit_settings_are_named_errors(kwargs):
     with pytest.raises(PrivacyError):
         audit_private_step(MEANT, **kwargs)
+
+
+def test_an_accountant_told_a_smaller_sample_rate_is_caught():
+    """The accounting side: a full-batch run (sigma 1, 4 steps) claimed as if sampled at rate
+    0.02 (epsilon 0.62): the audit proves more than that."""
+    run = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=1.0)
+    told = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.02)
+    report = audit_private_step(run, steps=STEPS, claimed=told, seed=0)
+    assert report.verdict == "exceeds" and report.epsilon_lower > 2 * report.claimed_epsilon, report

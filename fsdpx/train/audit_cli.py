@@ -58,7 +58,8 @@ def refusal(args: argparse.Namespace) -> str | None:
     if args.canaries < 2:
         return f"--canaries {args.canaries} must be >= 2"
     if 2 * args.canaries * args.delta > 1:
-        return f"--canaries {args.canaries} with --delta {args.delta}: the one-run bound needs 2 * canaries * delta <= 1"
+        return (f"--canaries {args.canaries} with --delta {args.delta}: "
+                "the one-run bound needs 2 * canaries * delta <= 1")
     if not 1 <= args.guesses <= args.canaries:
         return f"--guesses {args.guesses} must be in [1, --canaries {args.canaries}]"
     if not 0 < args.confidence < 1:

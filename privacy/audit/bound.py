@@ -55,6 +55,7 @@ def correct_guess_p_value(guesses: int, correct: int, *, canaries: int, epsilon:
     tail = float(stats.binom.sf(correct - 1, guesses, right))  # f(v) = P[Bin >= v]
     if delta == 0:
         return tail
+    # the theorem's max runs over i = 1..m; past i = v, f(v - i) = 1 and the ratio only falls
     shifts = np.arange(1, correct + 1)
     gains = (stats.binom.sf(correct - shifts - 1, guesses, right) - tail) / shifts  # (f(v-i) - f(v)) / i
     return min(1.0, tail + 2 * canaries * delta * float(np.max(gains)))
@@ -75,8 +76,9 @@ def epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta: flo
     (``test_randomized_response_bound_stays_below_its_epsilon``).
 
     Edge cases: ``correct == 0`` -> 0.0; ``correct <= guesses / 2`` (no better than a coin) ->
-    0.0 at any ``confidence >= 1/2`` (a coin gets that many right with probability >= 1/2); every guess right -> finite (``r`` guesses cannot prove more than
-    about ``log(r / log(1/(1-confidence)))``); ``confidence`` outside (0, 1), ``delta`` outside
+    0.0 at any ``confidence >= 1/2`` (a coin gets that many right with probability >= 1/2);
+    every guess right -> finite (``r`` guesses cannot prove more than about
+    ``log(r / log(1/(1-confidence)))``); ``confidence`` outside (0, 1), ``delta`` outside
     [0, 1), or ``2 * canaries * delta > 1`` -> :class:`PrivacyError` naming it."""
     _check_counts(guesses, correct, canaries)
     if not 0 < confidence < 1:
@@ -85,7 +87,8 @@ def epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta: flo
         raise PrivacyError(f"delta must be in [0, 1), got delta={delta}")
     if 2 * canaries * delta > 1:
         raise PrivacyError(f"2 * canaries * delta must be <= 1 for the one-run bound (its p-value is monotone "
-                           f"only then), got canaries={canaries}, delta={delta}: take fewer canaries or a smaller delta")
+                           f"only then), got canaries={canaries}, delta={delta}: "
+                           "take fewer canaries or a smaller delta")
     level = 1 - confidence
 
     def excess(eps: float) -> float:  # > 0 where eps is NOT rejected
