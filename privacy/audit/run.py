@@ -10,6 +10,7 @@ off, clipping out of reach) can be held against the claim of the run that was me
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fsdpx.optim import sgd
@@ -66,7 +67,8 @@ def audit_private_step(
     return AuditReport(lower, confidence, counted.guesses, counted.correct, claim, verdict_of(lower, claim), canaries)
 
 
-def _train(run: DPConfig, data: tuple[torch.Tensor, torch.Tensor], *, canaries: int, steps: int, seed: int):
+def _train(run: DPConfig, data: tuple[torch.Tensor, torch.Tensor], *, canaries: int, steps: int, seed: int
+           ) -> np.ndarray:
     """The canaries' scores after ``steps`` steps of ``run`` from a zero weight (SGD, lr 1:
     the scale of the scores does not change which are highest)."""
     model, optimizer = canary_model(canaries), sgd(1.0)
