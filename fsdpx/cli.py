@@ -5,6 +5,7 @@ jobs planner, dispatching each command to its own command line.
     fsdpx jobs plan examples/jobs.toml   # many jobs at once (fsdpx.jobs.cli)
     fsdpx schedule 1f1b --ranks 4 --microbatches 8   # a pipeline schedule simulated (fsdpx.train.schedule_cli)
     fsdpx export runs/ft/ckpt --to my-model          # a checkpoint's model for transformers (fsdpx.train.export_cli)
+    fsdpx audit --noise-multiplier 4 --steps 4       # one-run privacy audit of the private step (fsdpx.train.audit_cli)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> None:
     """Run the command ``argv`` names (default ``sys.argv[1:]``); anything that is not ``jobs``,
-    ``schedule`` or ``export`` goes to ``fsdpx train``'s parser, which also answers ``--help`` and a missing or
+    ``schedule``, ``export`` or ``audit`` goes to ``fsdpx train``'s parser, which also answers ``--help`` and a missing or
     unknown command (exit 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     importable_from_here()
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> None:
         from fsdpx.train.export_cli import main as export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["audit"]:  # the private step's privacy measured from one run of canaries
+        from fsdpx.train.audit_cli import main as audit_main
+
+        return audit_main(argv[1:])
     from fsdpx.train.cli import main as train_main
 
     return train_main(argv)

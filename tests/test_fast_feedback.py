@@ -56,6 +56,8 @@ def imported_by(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess
     (["jobs", "plan", "--devices", "x"], 2, "invalid int value"),
     (["schedule", "--help"], 0, "--microbatches"),
     (["schedule", "looped", "--ranks", "2", "--microbatches", "2"], 2, "invalid choice: 'looped'"),
+    (["audit", "--help"], 0, "--noise-multiplier"),
+    (["audit", "--noise-multiplier", "4", "--guesses", "0"], 2, "--guesses 0 must be in [1, --canaries 1000]"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_help_and_argument_errors_import_nothing_heavy(tmp_path, argv, code, says):
     done, names = imported_by(argv, tmp_path)
