@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 import offload
+from offload.schedule import select_interval_steps, steps_per_epoch
 from fsdpx.models.gpt import token_loss
 from fsdpx.optim import Optimizer, adamw
 from fsdpx.optim.freezing import Freezing, Trainable, bind
@@ -96,7 +97,7 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     (:attr:`fsdpx.train.sources.Source.loss_fn`). ``weights``: the pretrained weights of a
     sharded rank whose ``params`` are on ``meta`` (:func:`fsdpx.train.sources.read_mode`): each
     rank reads only the blocks it holds (:func:`rank_reader`)."""
-    optimizer = make_optimizer(config, comm)
+    optimizer = make_optimizer(config, comm, resolve_sample_rate(config, num_examples))
     trainable = freezing(config, model, params)
     p = config.privacy
     accountant = Accountant(accountant=p.accountant, delta=p.delta, epsilon_budget=p.budget,
@@ -136,10 +137,13 @@ def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weig
     return read
 
 
-def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
+def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.0) -> Optimizer:
     """AdamW, wrapped by the configured offload. In a sharded run ZenFlow scores columns over
     the rows of every rank (one all-reduce of ``in`` floats per weight), so all ranks select
-    what one unsharded run would."""
+    what one unsharded run would. ZenFlow's knobs (``config.offload``) are resolved by
+    :mod:`offload.schedule`, an epoch being ``steps_per_epoch(sample_rate)`` steps; a
+    combination it refuses is a :class:`ConfigError` naming the settings, raised before any
+    step or file."""
     inner = adamw(config.run.lr)
     off = config.offload
     if off.kind == "zero":
@@ -150,9 +154,14 @@ def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
     if comm is not None:
         rows = config.parallelism.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
         combine = offload.sharded_scores(comm, rows) if rows else None
-    interval = off.offload_interval
-    return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=interval,
-                           select_interval=interval * max(1, 100 // interval), combine_scores=combine)
+    try:
+        select = select_interval_steps(off.offload_select_strategy, off.offload_select_interval, off.offload_interval,
+                                       steps_per_epoch(sample_rate))
+    except ValueError as err:
+        raise ConfigError(f"offload_select_strategy {off.offload_select_strategy!r}: {err}") from None
+    return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=off.offload_interval,
+                           select_interval=select, overlap=off.offload_overlap_step,
+                           full_warm_up_rounds=off.offload_full_warm_up_rounds, combine_scores=combine)
 
 
 def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:
