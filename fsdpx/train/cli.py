@@ -600,6 +600,10 @@ def _communicator(config: RunConfig):
     return init_from_env(config.parallelism.mesh(int(os.environ["WORLD_SIZE"])), device=device)
 
 
+def _window_words(interval: int | str) -> str:
+    return "when a window's gradient is coherent" if interval == "auto" else f"every {interval} steps"
+
+
 def _warm_up_words(off: Any) -> str:
     """The header's words for ZenFlow's knobs beyond the top-k and the window, when not the defaults."""
     words = [f"after {off.offload_full_warm_up_rounds} steps of plain AdamW"] if off.offload_full_warm_up_rounds else []
@@ -624,7 +628,7 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     off = config.offload
     where += {"none": "", "zero": ", ZeRO-Offload (the optimizer on the host)",
               "zenflow": f", ZenFlow offload (the top {off.offload_topk:.0%} of columns each step, the rest on the host"
-                         f" every {off.offload_interval} steps{_warm_up_words(off)})"}[off.kind]
+                         f" {_window_words(off.offload_interval)}{_warm_up_words(off)})"}[off.kind]
     if config.run.device != "cpu":
         where += f", on {comm.device if comm is not None else config.run.device}"
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",
