@@ -45,7 +45,7 @@ def imported_by(argv: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess
 @pytest.mark.parametrize("argv, code, says", [
     (["train", "--help"], 0, "--data-path"),
     (["train", "--steps", "0"], 2, "--steps: must be an integer >= 1"),
-    (["train", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["train", "--bogus"], 2, "unknown flag --bogus"),
     (["train", "--strategy", "zero4"], 2, "invalid choice: 'zero4'"),
     (["train", "--nproc", "2"], 2, "--nproc needs --strategy"),
     (["train", "--n-embd", "30", "--n-head", "4"], 2, "--n-embd=30 must be divisible by --n-head=4"),
