@@ -93,14 +93,16 @@ def main() -> None:
     lines = [f"| run ({args.steps} steps from scratch) | train loss (last 10) | held-out loss | vs none |",
              "|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['train_loss']:.4f} | {r['held_out']:.4f} | {100 * (r['held_out'] - ref) / ref:+.2f}% |")
+        rel = 100 * (r["held_out"] - ref) / ref
+        lines.append(f"| {name} | {r['train_loss']:.4f} | {r['held_out']:.4f} | {rel:+.2f}% |")
     load = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": {**CONFIG, "steps": args.steps, "zenflow": zenflow}, "runs": results,
                                "load": load}, indent=1))
     print("\n".join(lines))
-    print(f"load average before {load_before[0]:.1f}, after {load['after'][0]:.1f} ({os.cpu_count()} cpus); JSON in {out}")
+    print(f"load average before {load_before[0]:.1f}, after {load['after'][0]:.1f} ({os.cpu_count()} cpus);"
+          f" JSON in {out}")
 
 
 if __name__ == "__main__":

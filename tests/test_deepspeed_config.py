@@ -111,7 +111,8 @@ def test_overlap_step_does_not_change_a_bit(tmp_path):
 @pytest.mark.parametrize("zenflow, optimizer, words", [
     ({**ZENFLOW, "auto_ratio": 0.9, "pt_reserved_cores_perc": 0.5}, None,
      "fsdpx does not read zero_optimization.zenflow.auto_ratio, zero_optimization.zenflow.pt_reserved_cores_perc"),
-    (ZENFLOW, {"device": "cpu", "nvme_path": "/nvme"}, "fsdpx does not read zero_optimization.offload_optimizer.nvme_path"),
+    (ZENFLOW, {"device": "cpu", "nvme_path": "/nvme"},
+     "fsdpx does not read zero_optimization.offload_optimizer.nvme_path"),
     (ZENFLOW, {"device": "nvme"}, "offload_optimizer.device: fsdpx offloads to \"cpu\""),
     (ZENFLOW, {"device": "cpu", "pin_memory": False}, "offload_optimizer.pin_memory"),
     ({"select_strategy": "auto", "select_interval": 3}, None, "zenflow.select_strategy \"auto\" reselects every epoch"),

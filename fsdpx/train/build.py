@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 import offload
-from offload.schedule import select_interval_steps, steps_per_epoch
 from fsdpx.models.gpt import token_loss
 from fsdpx.optim import Optimizer, adamw
 from fsdpx.optim.freezing import Freezing, Trainable, bind
@@ -155,8 +154,9 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
         rows = config.parallelism.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
         combine = offload.sharded_scores(comm, rows) if rows else None
     try:
-        select = select_interval_steps(off.offload_select_strategy, off.offload_select_interval, off.offload_interval,
-                                       steps_per_epoch(sample_rate))
+        epoch = offload.steps_per_epoch(sample_rate)
+        select = offload.select_interval_steps(off.offload_select_strategy, off.offload_select_interval,
+                                               off.offload_interval, epoch)
     except ValueError as err:
         raise ConfigError(f"offload_select_strategy {off.offload_select_strategy!r}: {err}") from None
     return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=off.offload_interval,

@@ -95,8 +95,9 @@ def read_deepspeed(path: str | Path) -> DeepSpeedFile:
     unknown = [f"zero_optimization.zenflow.{k}" for k in (zenflow or {}) if k not in ZENFLOW_KEYS]
     unknown += [f"zero_optimization.offload_optimizer.{k}" for k in (device or {}) if k not in OFFLOAD_OPTIMIZER_KEYS]
     if unknown:
-        raise ConfigFileError(f"{FLAG} {path}: fsdpx does not read {', '.join(unknown)}: remove"
-                              f" {'it' if len(unknown) == 1 else 'them'} (fsdpx.train.deepspeed lists the keys it maps)")
+        them = "it" if len(unknown) == 1 else "them"
+        raise ConfigFileError(f"{FLAG} {path}: fsdpx does not read {', '.join(unknown)}: remove {them}"
+                              " (fsdpx.train.deepspeed lists the keys it maps)")
     return DeepSpeedFile({**_offload_kind(zenflow, device, path), **_zenflow_values(zenflow, path)}, unread)
 
 
