@@ -20,7 +20,10 @@ Semantics
   the first selection, the rest on the device. No column is selected and no window is open
   during warm-up; ZenFlow's schedule (first selection, windows, reselections) starts at step
   ``N + 1`` as it starts at step 1 without warm-up, with every count at ``N``
-  (``tests/test_zenflow_knobs.py::test_warm_up_rounds_equal_plain_adamw_bit_for_bit``).
+  (``tests/test_zenflow_knobs.py::test_warm_up_rounds_equal_plain_adamw_bit_for_bit``). The
+  2-D weights' warm-up runs ``inner`` on the host, so with a GPU its bits are those of ``inner``
+  on the host (as ZeRO-Offload's are), not of ``inner`` on the GPU; each warm-up step moves the
+  whole 2-D gradient down and the 2-D weights up, synchronously.
 * **Windows.** A window closes after ``update_interval`` steps (or by the ``"auto"`` rule of
   ``offload.auto``). The host update of window ``w`` reads the state left by window ``w-1``.
 * **delay** alone fixes what the parameters hold. ``delay=0``: window ``w``'s host result is in
