@@ -7,12 +7,15 @@
 - ``materialize``, ``element_state``, ``master_params``: read a ZenFlow state (waiting for its
   in-flight host window, if any).
 - ``AutoConfig``: thresholds of the ``"auto"`` intervals (``offload.auto``).
+- ``select_interval_steps``, ``steps_per_epoch``: DeepSpeed's ``select_strategy`` (step, epoch,
+  auto) as the steps ``zenflow`` counts (``offload.schedule``).
 - ``sharded_scores(comm, axes)``: ZenFlow on ZeRO-2/3 row shards, selecting as one unsharded
   run does (``offload.sharded``).
 """
 
 from offload.auto import AutoConfig
 from offload.columns import column_scores, select_columns
+from offload.schedule import select_interval_steps, steps_per_epoch
 from offload.sharded import sharded_scores
 from offload.zenflow import element_state, master_params, materialize, zenflow
 from offload.zero_offload import zero_offload
@@ -24,7 +27,9 @@ __all__ = [
     "master_params",
     "materialize",
     "select_columns",
+    "select_interval_steps",
     "sharded_scores",
+    "steps_per_epoch",
     "zenflow",
     "zero_offload",
 ]

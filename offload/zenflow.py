@@ -14,6 +14,16 @@ Semantics
   The selected columns' share lives on the device, the rest on the host; moving a column hands
   its state over, never resets it. Bias correction uses the column's own count: the number of
   updates actually applied to it (one per device step while selected, one per window while not).
+* **Warm-up.** With ``full_warm_up_rounds=N`` the first ``N`` steps apply ``inner`` to every
+  element with that step's gradient, as plain ``inner`` does (DeepSpeed's
+  ``full_warm_up_rounds``): the 2-D weights on the host, where their whole state lives until
+  the first selection, the rest on the device. No column is selected and no window is open
+  during warm-up; ZenFlow's schedule (first selection, windows, reselections) starts at step
+  ``N + 1`` as it starts at step 1 without warm-up, with every count at ``N``
+  (``tests/test_zenflow_knobs.py::test_warm_up_rounds_equal_plain_adamw_bit_for_bit``). The
+  2-D weights' warm-up runs ``inner`` on the host, so with a GPU its bits are those of ``inner``
+  on the host (as ZeRO-Offload's are), not of ``inner`` on the GPU; each warm-up step moves the
+  whole 2-D gradient down and the 2-D weights up, synchronously.
 * **Windows.** A window closes after ``update_interval`` steps (or by the ``"auto"`` rule of
   ``offload.auto``). The host update of window ``w`` reads the state left by window ``w-1``.
 * **delay** alone fixes what the parameters hold. ``delay=0``: window ``w``'s host result is in
@@ -28,8 +38,9 @@ Semantics
   ``update_interval``); with ``update_interval="auto"`` at the first window end at least
   ``select_interval`` steps after the previous selection; with ``select_interval="auto"`` per
   weight by the coverage rule of ``offload.auto``. The new selection is the top-k of the column
-  scores of that step's gradient. The first selection is made at step 1 from step 1's gradient,
-  before step 1's update.
+  scores of that step's gradient. The first selection is made at step 1 (``N + 1`` after a
+  warm-up of ``N`` steps) from that step's gradient, before its update; every interval counts
+  from there.
 * **A column entering the selection while its host update would be in flight** (``delay=1``)
   gets that update (of the window just closed) computed and applied at once, before the device
   touches the column; columns staying unselected keep ``delay=1``. It is the only exception to
@@ -365,6 +376,41 @@ def _check_inner_state(inner_state: dict, params: Params) -> list[str]:
     return slot_names
 
 
+def _device_step(inner: Optimizer, slot_names: list[str], d: dict, grad: Tensor, p: Tensor) -> tuple[dict, Tensor]:
+    """``inner`` on a parameter whose whole state ``d`` (master, slots, int ``count``) lives on
+    the device: ``(new state, new parameter)``, the parameter a copy of the master in its dtype."""
+    g = grad.to(d["master"].dtype)
+    slots = {s: t for s, t in d.items() if s not in ("master", "count")}
+    master, slots = _inner_step(inner, slot_names, d["master"], g, slots, d["count"])
+    return {"master": master, **slots, "count": d["count"] + 1}, master.to(p.dtype, copy=True)
+
+
+def _warm_up_step(inner: Optimizer, grads: Params, state: State, params: Params, *,
+                  inplace: bool) -> tuple[Params, State]:
+    """A warm-up step: ``inner`` on every element with this step's gradient, the 2-D weights'
+    whole state on the host (every column has the same count, ``state["step"]``), the others on
+    the device. The same operations on the same operands as plain ``inner``, hence its bits.
+    ``inplace`` (a donated state): the host state and the parameters are written in place."""
+    slot_names: list[str] = state["slots"]
+    metrics = {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
+    host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)
+    count = state["step"]
+    for k, p in params.items():
+        if k not in host:
+            device[k], new_params[k] = _device_step(inner, slot_names, device[k], grads[k], p)
+            continue
+        h = host[k]
+        g = to_host(grads[k]).to(h["master"].dtype)
+        metrics["d2h_bytes"] += nbytes(g)
+        slots = {s: t for s, t in h.items() if s not in ("master", "count")}
+        master, slots = _timed(metrics, _inner_step, inner, slot_names, h["master"], g, slots, count, inplace)
+        host[k] = {"master": master, **slots, "count": h["count"].add_(1) if inplace else h["count"] + 1}
+        value = to_device(master, p.device).to(p.dtype)
+        metrics["h2d_bytes"] += nbytes(value)
+        new_params[k] = p.copy_(value) if inplace else (value if value is not master else master.clone())
+    return new_params, {**state, "step": state["step"] + 1, "host": host, "device": device, "metrics": metrics}
+
+
 # --- the optimizer ---------------------------------------------------------------------------
 
 
@@ -379,6 +425,7 @@ def zenflow(
     reduce: str = "mean",
     auto: AutoConfig = AutoConfig(),
     combine_scores: CombineScores | None = None,
+    full_warm_up_rounds: int = 0,
 ) -> Optimizer:
     """ZenFlow selective update around the elementwise optimizer ``inner`` (default
     ``adamw(lr=1e-3)``); semantics in the module docstring.
@@ -390,6 +437,9 @@ def zenflow(
       - Every step equals a column-by-column sequential reference of the semantics above, for
         both delays, any ratio, intervals and reselections (``test_matches_sequential_reference``).
       - ``overlap=True`` and ``overlap=False`` give the same bits, run after run.
+      - ``full_warm_up_rounds=N``: the first ``N`` steps equal ``inner`` bit for bit (parameters
+        and every element's master, slots and count); after them the run continues as ZenFlow
+        started from that state (``tests/test_zenflow_knobs.py``).
       - ``init`` leaves the weights as they are: ``master_params(init(p))`` is ``p``.
       - A column leaving and re-entering the selection keeps its moments and count.
       - Selected columns are read only from the fp32 master, never from low-precision ``params``
@@ -406,7 +456,8 @@ def zenflow(
 
     Edge cases: ``topk_ratio`` outside ``[0, 1]``, ``delay`` not in ``{0, 1}``, ``reduce`` not
     ``"mean"``/``"sum"``, intervals below 1 or a fixed ``select_interval`` that is not a multiple
-    of a fixed ``update_interval`` raise ``ValueError``; an ``inner`` whose state is not
+    of a fixed ``update_interval`` raise ``ValueError``, as does a ``full_warm_up_rounds`` that
+    is not an int >= 0; an ``inner`` whose state is not
     ``{"count": 0, slot: {name: tensor like the parameter}}`` raises ``TypeError`` at ``init``.
     A weight with every column selected never touches the host; with none selected, never the
     device optimizer."""
@@ -423,6 +474,9 @@ def zenflow(
         raise ValueError(f"select_interval ({select_interval}) must be a multiple of update_interval "
                          f"({update_interval}) so that every reselection falls on a window end")
     check_config(auto)
+    if not (isinstance(full_warm_up_rounds, int) and not isinstance(full_warm_up_rounds, bool)
+            and full_warm_up_rounds >= 0):
+        raise ValueError(f"full_warm_up_rounds must be an int >= 0, got {full_warm_up_rounds!r}")
 
     def init(params: Params) -> State:
         masters = {k: p.detach().to(dtype=master_dtype(p.dtype), copy=True) for k, p in params.items()}
@@ -466,6 +520,8 @@ def zenflow(
 
     def step(grads: Params, state: State, params: Params, *, inplace: bool) -> tuple[Params, State]:
         check_same_keys(grads, params)
+        if state["step"] < full_warm_up_rounds:
+            return _warm_up_step(inner, grads, state, params, inplace=inplace)
         slot_names: list[str] = state["slots"]
         metrics = {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
         host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)
@@ -484,11 +540,7 @@ def zenflow(
         for k, p in params.items():
             d = device[k]
             if k not in host:
-                g = grads[k].to(d["master"].dtype)
-                slots = {s: t for s, t in d.items() if s not in ("master", "count")}
-                master, slots = _inner_step(inner, slot_names, d["master"], g, slots, d["count"])
-                device[k] = {"master": master, **slots, "count": d["count"] + 1}
-                new_params[k] = master.to(p.dtype, copy=True)
+                device[k], new_params[k] = _device_step(inner, slot_names, d, grads[k], p)
             elif selected[k].numel():
                 sel, idx = selected[k], selected[k].to(p.device)
                 g = gather_columns(grads[k], idx).to(d["master"].dtype)

@@ -85,6 +85,8 @@ CHECKED = {
     "fsdpx train --ckpt-dir ck --resume-if-present": _ONE_FLAG + ": tests/test_train_elastic.py",
     "fsdpx train --name private --overwrite": _ONE_FLAG + ": tests/test_newcomer_refusals.py",
     "fsdpx train --offload zenflow": _ONE_FLAG + ": tests/test_cli.py",
+    "fsdpx train --offload zenflow --offload-full-warm-up-rounds 20": _ONE_FLAG + ": tests/test_deepspeed_config.py",
+    "fsdpx train --deepspeed-config examples/ds_zenflow.json": _ONE_FLAG + ": tests/test_deepspeed_config.py",
     "fsdpx train --noise-multiplier 1.0 --batch-size 256 --clip-norm 0.5 --epsilon-budget 4": _ONE_FLAG
         + ": tests/test_budget.py",
     "fsdpx train --freeze 'wte,wpe@0-100'": _ONE_FLAG + ": tests/test_train_freeze.py",

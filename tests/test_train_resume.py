@@ -49,7 +49,9 @@ ZENFLOW = ["--offload", "zenflow", "--offload-interval", "2", "--offload-topk", 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload, steps, save_at", [([], 4, 2), (ZENFLOW, 6, 3)], ids=["plain", "zenflow"])
+@pytest.mark.parametrize("offload, steps, save_at", [
+    ([], 4, 2), (ZENFLOW, 6, 3), ([*ZENFLOW, "--offload-full-warm-up-rounds", "3"], 6, 2),
+], ids=["plain", "zenflow", "zenflow_inside_its_warm_up"])
 def test_sharded_zero3_run_resumes_bit_for_bit(tmp_path, offload, steps, save_at):
     """ZeRO-3 on 2 gloo processes. With ZenFlow the checkpoint at step 3 falls inside a window:
     each rank's host and device blocks of a weight's rows are saved as that weight's row shards

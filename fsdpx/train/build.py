@@ -99,7 +99,7 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     rank reads only the blocks it holds (:func:`rank_reader`). ``config.run.precision`` "bf16":
     ``model``'s forward computes in bf16 from now on (:func:`privacy.precision.compute_in`), in
     every layout; the state stays fp32 (``tests/test_precision.py``)."""
-    optimizer = make_optimizer(config, comm)
+    optimizer = make_optimizer(config, comm, resolve_sample_rate(config, num_examples))
     trainable = freezing(config, model, params)
     compute_in(model, config.run.precision)  # every layout's forward runs through the model's own forward
     p = config.privacy
@@ -140,10 +140,13 @@ def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weig
     return read
 
 
-def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
+def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.0) -> Optimizer:
     """AdamW, wrapped by the configured offload. In a sharded run ZenFlow scores columns over
     the rows of every rank (one all-reduce of ``in`` floats per weight), so all ranks select
-    what one unsharded run would."""
+    what one unsharded run would. ZenFlow's knobs (``config.offload``) are resolved by
+    :mod:`offload.schedule`, an epoch being ``steps_per_epoch(sample_rate)`` steps; a
+    combination it refuses is a :class:`ConfigError` naming the settings, raised before any
+    step or file."""
     inner = adamw(config.run.lr)
     off = config.offload
     if off.kind == "zero":
@@ -154,9 +157,15 @@ def make_optimizer(config: RunConfig, comm: Comm | None) -> Optimizer:
     if comm is not None:
         rows = config.parallelism.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
         combine = offload.sharded_scores(comm, rows) if rows else None
-    interval = off.offload_interval
-    return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=interval,
-                           select_interval=interval * max(1, 100 // interval), combine_scores=combine)
+    try:
+        epoch = offload.steps_per_epoch(sample_rate)
+        select = offload.select_interval_steps(off.offload_select_strategy, off.offload_select_interval,
+                                               off.offload_interval, epoch)
+    except ValueError as err:
+        raise ConfigError(f"offload_select_strategy {off.offload_select_strategy!r}: {err}") from None
+    return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=off.offload_interval,
+                           select_interval=select, overlap=off.offload_overlap_step,
+                           full_warm_up_rounds=off.offload_full_warm_up_rounds, combine_scores=combine)
 
 
 def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:

@@ -31,7 +31,9 @@ from typing import Any, Callable, NoReturn
 # Only light modules here: the parser and its defaults come before torch, the privacy core and
 # the runtime, which main() imports once the arguments parse (``--help`` and a bad flag answer in
 # well under a second: ``tests/test_fast_feedback.py``).
-from .config import DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, PRECISIONS, TOKEN_DTYPES, RunConfig, merge, read_file
+from .config import (DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, PRECISIONS, SELECT_STRATEGIES, TOKEN_DTYPES,
+                     RunConfig, merge, read_file)
+from .deepspeed import read_deepspeed
 from .errors import ConfigError
 from .flags import FlagParser
 from .layout import SCHEDULES, STRATEGIES
@@ -84,12 +86,27 @@ def _half_open_unit(text: str) -> float:
     return value
 
 
+def _interval(text: str) -> int | str:
+    """``--offload-interval``, ``--offload-select-interval``: an integer >= 1 or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or auto, got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or auto, got {text}")
+    return value
+
+
 # argparse names the type function in its message when it raises ValueError ("invalid
 # _positive_int value"); these names read better.
 _positive_int.__name__ = _non_negative_int.__name__ = "integer"
 for _f in (_positive_float, _non_negative_float, _open_unit, _half_open_unit):
     _f.__name__ = "number"
-_VALUE_CHECKS = (_positive_int, _non_negative_int, _positive_float, _non_negative_float, _open_unit, _half_open_unit)
+_interval.__name__ = "interval"
+_VALUE_CHECKS = (_positive_int, _non_negative_int, _positive_float, _non_negative_float, _open_unit, _half_open_unit,
+                 _interval)
 
 
 def _table(text: str) -> dict[str, Any]:
@@ -210,8 +227,25 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                      help="zenflow: top columns on the device each step, the rest on the host (default %(default)s)")
     off.add_argument("--offload-topk", type=_half_open_unit, metavar="X", default=d.offload_topk,
                      help="ZenFlow: fraction of columns updated every step (default %(default)s)")
-    off.add_argument("--offload-interval", type=_positive_int, metavar="N", default=d.offload_interval,
-                     help="ZenFlow: steps between host updates (default %(default)s)")
+    off.add_argument("--offload-interval", type=_interval, metavar="N|auto", default=d.offload_interval,
+                     help="ZenFlow: steps between host updates, or auto (when the window's gradient is coherent;"
+                          " DeepSpeed's update_interval) (default %(default)s)")
+    off.add_argument("--offload-select-strategy", choices=SELECT_STRATEGIES, default=d.offload_select_strategy,
+                     help="ZenFlow: reselect columns every --offload-select-interval steps (step) or epochs (epoch),"
+                          " or every epoch (auto, DeepSpeed's default) (default %(default)s)")
+    off.add_argument("--offload-select-interval", type=_interval, metavar="N|auto", default=None,
+                     help="ZenFlow: steps (step) or epochs (epoch) between reselections; auto with step: when the"
+                          " selection holds under 90%% of the best columns' mass (default: step 100, epoch 1)")
+    off.add_argument("--offload-full-warm-up-rounds", type=_non_negative_int, metavar="N",
+                     default=d.offload_full_warm_up_rounds,
+                     help="ZenFlow: the first N steps update every parameter, as plain AdamW (for training from"
+                          " scratch) (default %(default)s)")
+    off.add_argument("--offload-overlap-step", action=argparse.BooleanOptionalAction, default=d.offload_overlap_step,
+                     help="ZenFlow: run the host window beside the next steps (the same bits either way)"
+                          " (default %(default)s)")
+    off.add_argument("--deepspeed-config", metavar="DS.JSON", default=None,
+                     help="a DeepSpeed config: its zero_optimization.zenflow and offload_optimizer blocks set the"
+                          " offload flags above (flags typed and config-file keys win over it)")
 
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--ckpt-dir", metavar="DIR", default=None, help="save checkpoints here (atomic, async)")
@@ -317,7 +351,9 @@ def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
                      file: dict[str, Any] | None = None) -> RunConfig:
     """The :class:`RunConfig` the parsed flags describe: the flags in ``explicit`` (those typed on
     the command line; all of them when ``None``) over the config file's ``file`` values
-    (:func:`fsdpx.train.config.merge`), defaults from ``RunConfig``.
+    (:func:`fsdpx.train.config.merge`), and both over what a ``deepspeed_config`` file sets
+    (:mod:`fsdpx.train.deepspeed`: ``--deepspeed-config ds.json --offload-topk 0.2`` takes
+    every ZenFlow key from the file but the top-k), defaults from ``RunConfig``.
 
     With ``resume`` or ``resume_from`` and a checkpoint whose root records its run
     (``run.json``), what the flags and the file set overrides the configuration that wrote the
@@ -332,6 +368,8 @@ def config_from_args(args: argparse.Namespace, explicit: set[str] | None = None,
     if args.config is not None:
         flags["config_file"] = str(Path(args.config).resolve())
     values = merge({k: v for k, v in (file or {}).items() if k in fields}, flags)
+    if values.get("deepspeed_config"):  # under the flags and the file's keys
+        values = {**read_deepspeed(values["deepspeed_config"]).values, **values}
     resuming = values.get("resume") or values.get("resume_if_present")
     source = values.get("resume_from") or (values.get("ckpt_dir") if resuming else None)
     if source is not None and explicit is not None:
@@ -419,6 +457,7 @@ def _main(argv: list[str] | None) -> None:
                 nproc = nproc or 2 * layout.tp * layout.pp
                 check_layout(config, nproc)  # what cannot run here, before any process starts
             check_before_writing(config)  # then what would touch the user's files
+            _note_unread_deepspeed(config)
             if layout.sharded:
                 _stop_if_asked(config)  # a Ctrl-C while the checks ran: start nothing
                 sys.exit(_launch(argv, nproc, max_restarts))  # re-run this very command on N processes
@@ -482,6 +521,15 @@ def _end(err: BaseException, args: argparse.Namespace, explicit: set[str], file:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def _note_unread_deepspeed(config: RunConfig) -> None:
+    """One line on stderr naming what the run's DeepSpeed file holds and fsdpx does not read."""
+    path = config.offload.deepspeed_config
+    unread = read_deepspeed(path).unread if path else []
+    if unread:
+        print(f"fsdpx train: --deepspeed-config {path}: not read (fsdpx's own settings apply): {', '.join(unread)}",
+              file=sys.stderr)
 
 
 def _stop_if_asked(config: RunConfig) -> None:
@@ -573,6 +621,20 @@ def _communicator(config: RunConfig):
     return init_from_env(config.parallelism.mesh(int(os.environ["WORLD_SIZE"])), device=device)
 
 
+def _window_words(interval: int | str) -> str:
+    return "when a window's gradient is coherent" if interval == "auto" else f"every {interval} steps"
+
+
+def _warm_up_words(off: Any) -> str:
+    """The header's words for ZenFlow's knobs beyond the top-k and the window, when not the defaults."""
+    words = [f"after {off.offload_full_warm_up_rounds} steps of plain AdamW"] if off.offload_full_warm_up_rounds else []
+    if off.offload_select_strategy != "step" or off.offload_select_interval is not None:
+        every = off.offload_select_interval or (1 if off.offload_select_strategy != "step" else 100)
+        unit = "steps" if off.offload_select_strategy == "step" else "epoch(s)"
+        words.append(f"reselecting every {every} {unit}" if every != "auto" else "reselecting by coverage")
+    return "".join(f", {w}" for w in words)
+
+
 def _plan_line(config: RunConfig, comm=None) -> str:
     """The run's header on stderr: steps, model, data, privacy, layout, offload, device and where
     it writes (``tests/test_cli.py::test_the_run_header_names_the_offload``)."""
@@ -587,7 +649,7 @@ def _plan_line(config: RunConfig, comm=None) -> str:
     off = config.offload
     where += {"none": "", "zero": ", ZeRO-Offload (the optimizer on the host)",
               "zenflow": f", ZenFlow offload (the top {off.offload_topk:.0%} of columns each step, the rest on the host"
-                         f" every {off.offload_interval} steps)"}[off.kind]
+                         f" {_window_words(off.offload_interval)}{_warm_up_words(off)})"}[off.kind]
     if config.run.device != "cpu":
         where += f", on {comm.device if comm is not None else config.run.device}"
     model = {"gpt": f"GPT {m.n_layer} layers x {m.n_embd}", "python": f"{m.model_fn}",

@@ -64,6 +64,7 @@ TOKEN_DTYPES = ("uint8", "uint16", "uint32", "int16", "int32", "int64")
 DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_KINDS = ("none", "zenflow", "zero")
 PRECISIONS = ("fp32", "bf16")  # privacy.precision.PRECISIONS, named here without torch
+SELECT_STRATEGIES = ("step", "epoch", "auto")
 
 MAX_NOISE_MULTIPLIER = 10.0
 """Default largest noise multiplier a segment may be given (``--max-noise-multiplier``,
@@ -297,15 +298,59 @@ class PrivacySettings:
 class OffloadSettings:
     """``[offload]``: the optimizer's offload. ``kind``: "none", "zenflow" (selected columns
     every step, the rest on the host every ``offload_interval`` steps, ``offload_topk`` of the
-    columns selected) or "zero" (ZeRO-Offload: all optimizer state on the host)."""
+    columns selected) or "zero" (ZeRO-Offload: all optimizer state on the host).
+
+    ZenFlow's knobs are DeepSpeed's (``zero_optimization.zenflow``; :mod:`offload.schedule`
+    resolves them): ``offload_interval`` (DeepSpeed's ``update_interval``: steps per host
+    window, or "auto": :mod:`offload.auto`'s coherence rule); ``offload_select_strategy``
+    "step" (reselect every ``offload_select_interval`` steps, or "auto": the coverage rule of
+    :mod:`offload.auto`; unset: every multiple of the window nearest below 100 steps, fsdpx's
+    default), "epoch" (every ``offload_select_interval`` epochs, default 1) or "auto"
+    (DeepSpeed's: every epoch; ``offload_select_interval`` unset or "auto");
+    ``offload_full_warm_up_rounds`` (the first N steps update every parameter, as plain AdamW);
+    ``offload_overlap_step`` (the host window runs beside the next steps, or inline: the same
+    bits either way). ``deepspeed_config``: a DeepSpeed JSON whose ``zenflow`` and
+    ``offload_optimizer`` blocks set these (:mod:`fsdpx.train.deepspeed`); any of them set by a
+    flag or in this file wins over it."""
 
     kind: str = "none"
     offload_topk: float = 0.1
-    offload_interval: int = 4
+    offload_interval: int | str = 4
+    offload_select_strategy: str = "step"
+    offload_select_interval: int | str | None = None
+    offload_full_warm_up_rounds: int = 0
+    offload_overlap_step: bool = True
+    deepspeed_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in OFFLOAD_KINDS:
             raise ConfigError(f"offload must be none, zenflow or zero, got {self.kind!r}")
+        if not 0 <= self.offload_topk <= 1:
+            raise ConfigError(f"offload_topk must be in [0, 1], got {self.offload_topk}")
+        for name in ("offload_interval", "offload_select_interval"):
+            value = getattr(self, name)
+            if value is not None and value != "auto" and not (_is_int(value) and value >= 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or \"auto\", got {value!r}")
+        if self.offload_select_strategy not in SELECT_STRATEGIES:
+            raise ConfigError(f"offload_select_strategy must be one of {', '.join(SELECT_STRATEGIES)},"
+                              f" got {self.offload_select_strategy!r}")
+        if self.offload_select_strategy == "auto" and _is_int(self.offload_select_interval):
+            raise ConfigError("offload_select_strategy \"auto\" reselects every epoch: drop offload_select_interval"
+                              " or choose offload_select_strategy \"step\" or \"epoch\"")
+        if self.offload_select_strategy == "epoch" and self.offload_select_interval == "auto":
+            raise ConfigError("offload_select_interval \"auto\" (the coverage rule) is for offload_select_strategy"
+                              " \"step\"; with \"epoch\" give a number of epochs")
+        if (self.offload_select_strategy == "step" and _is_int(self.offload_select_interval)
+                and _is_int(self.offload_interval) and self.offload_select_interval % self.offload_interval):
+            raise ConfigError(f"offload_select_interval={self.offload_select_interval} must be a multiple of"
+                              f" offload_interval={self.offload_interval}: a reselection falls on a window end")
+        if not (_is_int(self.offload_full_warm_up_rounds) and self.offload_full_warm_up_rounds >= 0):
+            raise ConfigError(f"offload_full_warm_up_rounds must be an integer >= 0,"
+                              f" got {self.offload_full_warm_up_rounds!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
