@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fsdpx.cli import main
-from support.finetune import cli, final_logits, hf_logits, saved, tensors, tiny, tokens, train
+from support.finetune import cli, final_logits, hf_logits, last_checkpoint, saved, tensors, tiny, tokens, train
 
 GPT_SMALL = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2"]
 
