@@ -1,7 +1,7 @@
 """Checkpoint I/O benchmark: fsdpx ``ckpt`` against torch.save, safetensors, DCP and raw disk.
 
-    .venv/bin/python benchmarks/ckpt_io.py                 # 1 GiB fp32 state (the issue's setting)
-    .venv/bin/python benchmarks/ckpt_io.py --size-mib 32   # smoke run
+    .venv/bin/python benchmarks/ckpt_io.py                            # 1 GiB fp32 state, 5 rounds
+    .venv/bin/python benchmarks/ckpt_io.py --size-mib 32 --rounds 2   # smoke run
 
 Everything in one run, one fp32 state of 8 tensors ``[rows, 1024]`` totalling ``--size-mib``:
 
@@ -13,11 +13,18 @@ Everything in one run, one fp32 state of 8 tensors ``[rows, 1024]`` totalling ``
   (``/proc/self/io`` ``rchar``: everything the process read, metadata included) over bytes needed;
 * how long ``ckpt.save(..., blocking=False)`` blocks the caller, per GiB.
 
+Interleaved: each of ``--rounds`` rounds runs every method once (a save, then a cold load), the
+methods of each group in an order rotated by one every round: the 2-process saves and loads
+(fresh gloo workers each round), the 2->1 resharding loads, the 1-process methods, ``dd``, the
+async save. A burst of load from other processes thus falls on one round of every method rather
+than on all repeats of one. Reported: each method's median throughput over the rounds, and the
+targets' ratios per round (fsdpx against its anchor in the same round) with their median: on a
+shared machine the same-round ratios are the figures that hold, not the absolute times.
+
 Fairness rules: every save ends durable (fsync of each file written: torch.save and safetensors
 get an explicit fsync, DCP its own ``sync_files``), and before every load the files' pages are
 dropped from the page cache with ``posix_fadvise(DONTNEED)`` (only our files, nobody else's), so
-loads read the disk. Each number is the best of ``--repeat`` runs. 2-process runs are gloo
-processes started by this script (``--worker``).
+loads read the disk. 2-process runs are gloo processes started by this script (``--worker``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,28 +95,29 @@ def rchar() -> tuple[int, int]:
     return int(fields["rchar"]), int(fields["read_bytes"])
 
 
-def best_of(repeat: int, setup, run) -> float:
-    """Fastest of ``repeat`` timed ``run(arg)`` calls, ``arg = setup()`` untimed before each."""
-    best = float("inf")
-    for _ in range(repeat):
-        arg = setup()
-        t0 = time.perf_counter()
-        run(arg)
-        best = min(best, time.perf_counter() - t0)
-    return best
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def fresh(work: Path, name: str) -> Path:
     p = work / name
-    shutil.rmtree(p, ignore_errors=True)
+    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return p
+
+
+def rotated(names: list[str], rnd: int) -> list[str]:
+    """``names`` started at position ``rnd`` (mod its length): round ``r``'s order."""
+    k = rnd % len(names)
+    return names[k:] + names[:k]
 
 
 # ---- one-process methods -------------------------------------------------------------------------
 
 
-def bench_single(state, work: Path, repeat: int) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
+def single_methods(state) -> dict[str, tuple]:
+    """name -> (save(path), load(path), file name): the one-process methods."""
 
     def torch_save(p):
         torch.save(state, p)
@@ -145,56 +154,57 @@ def bench_single(state, work: Path, repeat: int) -> dict[str, dict[str, float]]:
         target = {"params": {k: torch.empty_like(v) for k, v in state.items()}}
         dcp.load(target, checkpoint_id=str(p), no_dist=True)
 
-    methods = {
+    return {
         "torch.save/load": (torch_save, torch_load, "t.pt"),
         "safetensors": (st_save, st_load, "t.safetensors"),
         "fsdpx (1 proc)": (fsdpx_save, fsdpx_load, "fsdpx"),
         "dcp (1 proc)": (dcp_save, dcp_load, "dcp"),
     }
-    for name, (save, load, fname) in methods.items():
-        path = work / fname
-        out[name] = {"save_s": best_of(repeat, lambda: fresh(work, fname), save)}
-        save(fresh(work, fname)) if not path.exists() else None
-        out[name]["load_s"] = best_of(repeat, lambda: (drop_cache(path), path)[1], load)
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def single_round(state, work: Path, rnd: int) -> dict[str, dict[str, float]]:
+    """One save and one cold load of every one-process method, in round ``rnd``'s order."""
+    methods, out = single_methods(state), {}
+    for name in rotated(list(single_methods(state)), rnd):
+        save, load, fname = methods[name]
+        path = fresh(work, fname)
+        out[name] = {"save_s": timed(lambda: save(path))}
+        drop_cache(path)
+        out[name]["load_s"] = timed(lambda: load(path))
+        fresh(work, fname)
     return out
 
 
-def bench_dd(size: int, work: Path, repeat: int) -> dict[str, float]:
-    path = work / "dd.bin"
+def dd_round(size: int, work: Path) -> dict[str, float]:
+    """``dd`` writing ``size`` bytes durably, then reading them cold."""
+    path = fresh(work, "dd.bin")
     count = max(1, size // MiB)
-
-    def write(_):
-        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync"],
-                       check=True, capture_output=True)
-
-    def read(_):
-        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
-
-    out = {"save_s": best_of(repeat, lambda: path.unlink(missing_ok=True), write)}
-    out["load_s"] = best_of(repeat, lambda: drop_cache(path), read)
+    write = ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={count}", "conv=fdatasync"]
+    out = {"save_s": timed(lambda: subprocess.run(write, check=True, capture_output=True))}
+    drop_cache(path)
+    read = ["dd", f"if={path}", "of=/dev/null", "bs=4M"]
+    out["load_s"] = timed(lambda: subprocess.run(read, check=True, capture_output=True))
     path.unlink(missing_ok=True)
     return out
 
 
-def bench_async(state, work: Path, repeat: int) -> float:
+def async_round(state, work: Path) -> float:
     """Seconds ``save(blocking=False)`` blocks the caller (snapshot + hand-off)."""
-    best = float("inf")
-    for i in range(repeat):
-        p = fresh(work, f"async{i}")
-        t0 = time.perf_counter()
-        h = ckpt.save(p, {"params": state}, mesh=Mesh(), strategy=None, blocking=False)
-        best = min(best, time.perf_counter() - t0)
-        h.wait()
-        shutil.rmtree(p)
-    return best
+    p = fresh(work, "async")
+    t0 = time.perf_counter()
+    h = ckpt.save(p, {"params": state}, mesh=Mesh(), strategy=None, blocking=False)
+    blocked = time.perf_counter() - t0
+    h.wait()
+    shutil.rmtree(p)
+    return blocked
 
 
 # ---- two-process methods (gloo workers) ------------------------------------------------------------
 
 
 def worker(args) -> None:
-    """One gloo rank: save its Shard(0) halves (fsdpx and DCP), then time the loads."""
+    """One gloo rank, one round: save its Shard(0) halves (fsdpx and DCP, order rotated by
+    ``--round``), then load them back as Shard(0) and as Shard(1), timed, in the same order."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -209,57 +219,51 @@ def worker(args) -> None:
     work = Path(args.work)
     res: dict[str, float] = {}
 
-    def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(args.repeat):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            dist.barrier()
-            best = min(best, time.perf_counter() - t0)
-        return best
+    def barrier_timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
 
     def fsdpx_save():
-        if rank == 0:
-            fresh(work, "fsdpx2")
-        dist.barrier()
         ckpt.save(work / "fsdpx2", {"params": local}, mesh=Mesh(dp=2), strategy=strategies.zero3(), coordinator=coord)
 
     def dcp_save():
-        if rank == 0:
-            fresh(work, "dcp2")
-        dist.barrier()
         dtensors = {k: DTensor.from_local(v, dmesh, [Shard(0)], run_check=False) for k, v in local.items()}
         dcp.save({"params": dtensors}, checkpoint_id=str(work / "dcp2"))
 
-    res["fsdpx_save_s"] = timed(fsdpx_save)
-    res["dcp_save_s"] = timed(dcp_save)
-
     def measured_load(path: Path, fn) -> tuple[float, int]:
-        best, read = float("inf"), 0
-        for _ in range(args.repeat):
-            if rank == 0:
-                drop_cache(path)
-            dist.barrier()
-            r0, t0 = rchar(), time.perf_counter()
-            fn()
-            r1 = rchar()
-            dt, read = time.perf_counter() - t0, max(r1[0] - r0[0], r1[1] - r0[1])
-            dist.barrier()
-            best = min(best, dt)
-        return best, read
+        if rank == 0:
+            drop_cache(path)
+        dist.barrier()
+        r0, t0 = rchar(), time.perf_counter()
+        fn()
+        r1 = rchar()
+        dt, read = time.perf_counter() - t0, max(r1[0] - r0[0], r1[1] - r0[1])
+        dist.barrier()
+        return dt, read
 
     zero3, col = strategies.zero3(), (lambda path, ndim: Spec(None, "dp"))
-    res["fsdpx_load_s"], res["fsdpx_load_read"] = measured_load(
-        work / "fsdpx2", lambda: ckpt.load(work / "fsdpx2", mesh=Mesh(dp=2), strategy=zero3, rank=rank))
-    res["fsdpx_s1_s"], res["fsdpx_s1_read"] = measured_load(
-        work / "fsdpx2", lambda: ckpt.load(work / "fsdpx2", mesh=Mesh(dp=2), strategy=None, specs=col, rank=rank))
     target0 = {"params": {k: distribute_tensor(torch.empty_like(v), dmesh, [Shard(0)]) for k, v in state.items()}}
     target1 = {"params": {k: distribute_tensor(torch.empty_like(v), dmesh, [Shard(1)]) for k, v in state.items()}}
-    res["dcp_load_s"], res["dcp_load_read"] = measured_load(
-        work / "dcp2", lambda: dcp.load(target0, checkpoint_id=str(work / "dcp2")))
-    res["dcp_s1_s"], res["dcp_s1_read"] = measured_load(
-        work / "dcp2", lambda: dcp.load(target1, checkpoint_id=str(work / "dcp2")))
+    saves = {"fsdpx": ("fsdpx2", fsdpx_save), "dcp": ("dcp2", dcp_save)}
+    loads = {
+        "fsdpx": (lambda: ckpt.load(work / "fsdpx2", mesh=Mesh(dp=2), strategy=zero3, rank=rank),
+                  lambda: ckpt.load(work / "fsdpx2", mesh=Mesh(dp=2), strategy=None, specs=col, rank=rank)),
+        "dcp": (lambda: dcp.load(target0, checkpoint_id=str(work / "dcp2")),
+                lambda: dcp.load(target1, checkpoint_id=str(work / "dcp2"))),
+    }
+    order = rotated(["fsdpx", "dcp"], args.round)
+    for name in order:
+        dirname, save = saves[name]
+        if rank == 0:
+            fresh(work, dirname)
+        res[f"{name}_save_s"] = barrier_timed(save)
+    for name in order:
+        res[f"{name}_load_s"], res[f"{name}_load_read"] = measured_load(work / saves[name][0], loads[name][0])
+    for name in order:
+        res[f"{name}_s1_s"], res[f"{name}_s1_read"] = measured_load(work / saves[name][0], loads[name][1])
     ok = all(torch.equal(target1["params"][k].to_local(), state[k].chunk(world, 1)[rank]) for k in state)
     res["dcp_s1_ok"] = float(ok)
     dist.barrier()
@@ -267,12 +271,13 @@ def worker(args) -> None:
     print(json.dumps(res), flush=True)
 
 
-def run_workers(args, work: Path) -> list[dict[str, float]]:
+def run_workers(args, work: Path, rnd: int) -> list[dict[str, float]]:
+    """Round ``rnd`` of the two gloo ranks; each rank's results."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--port", str(port),
-                               "--work", str(work), "--size-mib", str(args.size_mib), "--repeat", str(args.repeat)],
+                               "--work", str(work), "--size-mib", str(args.size_mib), "--round", str(rnd)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = []
     for p in procs:
@@ -283,84 +288,119 @@ def run_workers(args, work: Path) -> list[dict[str, float]]:
     return outs
 
 
-def reshard_2_to_1(state, work: Path, repeat: int) -> dict[str, tuple[float, int]]:
-    """Load the 2-rank Shard(0) checkpoints whole in this one process."""
+def reshard_2_to_1(state, work: Path, rnd: int) -> dict[str, tuple[float, int]]:
+    """Load the 2-rank Shard(0) checkpoints whole in this one process, once each, in round
+    ``rnd``'s order: name -> (seconds, bytes read)."""
     import torch.distributed.checkpoint as dcp
 
     def dcp_load():
         target = {"params": {k: torch.empty_like(v) for k, v in state.items()}}
         dcp.load(target, checkpoint_id=str(work / "dcp2"), no_dist=True)
 
+    loads = {"fsdpx": (work / "fsdpx2", lambda: ckpt.load(work / "fsdpx2", mesh=Mesh(), strategy=None)),
+             "dcp": (work / "dcp2", dcp_load)}
     out = {}
-    for name, path, fn in (("fsdpx", work / "fsdpx2", lambda: ckpt.load(work / "fsdpx2", mesh=Mesh(), strategy=None)),
-                           ("dcp", work / "dcp2", dcp_load)):
-        best, read = float("inf"), 0
-        for _ in range(repeat):
-            drop_cache(path)
-            r0, t0 = rchar(), time.perf_counter()
-            fn()
-            r1 = rchar()
-            best, read = min(best, time.perf_counter() - t0), max(r1[0] - r0[0], r1[1] - r0[1])
-        out[name] = (best, read)
+    for name in rotated(list(loads), rnd):
+        path, fn = loads[name]
+        drop_cache(path)
+        r0, t0 = rchar(), time.perf_counter()
+        fn()
+        r1 = rchar()
+        out[name] = (time.perf_counter() - t0, max(r1[0] - r0[0], r1[1] - r0[1]))
     return out
+
+
+def one_round(args, state, work: Path, rnd: int) -> dict:
+    """Every method once, groups in a fixed order, methods within a group rotated by ``rnd``."""
+    w = run_workers(args, work, rnd)
+    r21 = reshard_2_to_1(state, work, rnd)
+    single = single_round(state, work, rnd)
+    single["raw disk (dd)"] = dd_round(nbytes(state), work)
+    single["fsdpx (2 procs)"] = {"save_s": max(r["fsdpx_save_s"] for r in w), "load_s": max(r["fsdpx_load_s"] for r in w)}
+    single["dcp (2 procs)"] = {"save_s": max(r["dcp_save_s"] for r in w), "load_s": max(r["dcp_load_s"] for r in w)}
+    return {"methods": single, "async_s": async_round(state, work), "workers": w,
+            "reshard_2_to_1": {k: {"s": t, "read": r} for k, (t, r) in r21.items()},
+            "load_1min": os.getloadavg()[0]}
 
 
 # ---- report --------------------------------------------------------------------------------------------
 
 
+def round_ratios(r: dict, size: int) -> dict[str, float]:
+    """The targets' measures in one round: anchor time over fsdpx time (> 1: fsdpx faster)."""
+    m, w = r["methods"], r["workers"]
+    f_save = m["fsdpx (1 proc)"]["save_s"]
+    s1 = {k: max(x[f"{k}_s1_s"] for x in w) for k in ("fsdpx", "dcp")}
+    return {
+        "save vs torch.save": m["torch.save/load"]["save_s"] / f_save,
+        "save vs DCP": m["dcp (1 proc)"]["save_s"] / f_save,
+        "save vs DCP, 2 procs": m["dcp (2 procs)"]["save_s"] / m["fsdpx (2 procs)"]["save_s"],
+        "2->1 load vs DCP": r["reshard_2_to_1"]["dcp"]["s"] / r["reshard_2_to_1"]["fsdpx"]["s"],
+        "Shard(0)->Shard(1) vs DCP": s1["dcp"] / s1["fsdpx"],
+        "disk floor (DCP Shard(1) / dd read)": s1["dcp"] / m["raw disk (dd)"]["load_s"],
+        "async blocks, s per GiB": r["async_s"] / (size / (1 << 30)),
+    }
+
+
+def report(rounds: list[dict], size: int) -> str:
+    mib, lines = size / MiB, []
+    lines.append(f"state: {NUM_TENSORS} fp32 tensors, {mib:.0f} MiB; {len(rounds)} interleaved rounds; "
+                 "saves fsynced, loads cache-cold; 1-minute load per round: "
+                 + " ".join(f"{r['load_1min']:.1f}" for r in rounds))
+    lines.append("\n| method | save MiB/s, median [min-max] | load MiB/s, median [min-max] |\n|---|---:|---:|")
+    for name in rounds[0]["methods"]:
+        cells = []
+        for kind in ("save_s", "load_s"):
+            v = [mib / r["methods"][name][kind] for r in rounds]
+            cells.append(f"{statistics.median(v):.0f} [{min(v):.0f}-{max(v):.0f}]")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    per = [round_ratios(r, size) for r in rounds]
+    names = list(per[0])
+    lines.append("\n| round | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    for i, p in enumerate(per):
+        lines.append(f"| {i} | " + " | ".join(f"{p[n]:.2f}" for n in names) + " |")
+    lines.append("| median | " + " | ".join(f"**{statistics.median(p[n] for p in per):.2f}**" for n in names) + " |")
+    last = rounds[-1]
+    f21, d21 = (last["reshard_2_to_1"][k]["read"] / size for k in ("fsdpx", "dcp"))
+    f_rank = [x["fsdpx_s1_read"] / (size / 2) for x in last["workers"]]
+    f_sum, d_sum = (sum(x[f"{k}_s1_read"] for x in last["workers"]) / size for k in ("fsdpx", "dcp"))
+    lines.append(f"\nread / need (last round): 2 -> 1 fsdpx {f21:.3f}, DCP {d21:.3f}; Shard(0) -> Shard(1) both "
+                 f"ranks together fsdpx {f_sum:.3f}, DCP {d_sum:.3f} (fsdpx per rank "
+                 + " / ".join(f"{v:.3f}" for v in f_rank) + ")")
+    ok = all(x["dcp_s1_ok"] for r in rounds for x in r["workers"])
+    lines.append(f"DCP's Shard(1) load equals the state's Shard(1) halves in every round: {ok}")
+    lines.append("targets: save vs torch.save >= 0.9, vs DCP >= 1.5; resharding load vs DCP >= 3; "
+                 "async <= 0.3 s per GiB; read / need <= 1.05")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, each method once per round")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--out", default=None, help="write every round's numbers to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--work", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
 
     state = make_state(args.size_mib)
-    size = nbytes(state)
     work = Path(tempfile.mkdtemp(prefix="ckpt_io_", dir=args.dir))
+    rounds = []
     try:
-        single = bench_single(state, work, args.repeat)
-        single["raw disk (dd)"] = bench_dd(size, work, args.repeat)
-        blocking = bench_async(state, work, args.repeat)
-        w = run_workers(args, work)
-        two = {"fsdpx (2 procs)": {"save_s": max(r["fsdpx_save_s"] for r in w), "load_s": max(r["fsdpx_load_s"] for r in w)},
-               "dcp (2 procs)": {"save_s": max(r["dcp_save_s"] for r in w), "load_s": max(r["dcp_load_s"] for r in w)}}
-        r21 = reshard_2_to_1(state, work, args.repeat)
+        for rnd in range(args.rounds):
+            rounds.append(one_round(args, state, work, rnd))
+            print(f"[ckpt_io {time.strftime('%H:%M:%S')}] round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-    mib = size / MiB
-    print(f"\nstate: {NUM_TENSORS} fp32 tensors, {mib:.0f} MiB; best of {args.repeat}; saves fsynced, loads cache-cold\n")
-    print(f"{'method':<18}{'save MiB/s':>12}{'load MiB/s':>12}")
-    for name, r in {**single, **two}.items():
-        print(f"{name:<18}{mib / r['save_s']:>12.0f}{mib / r['load_s']:>12.0f}")
-    half = size / 2
-    print(f"\n{'reshard load':<30}{'fsdpx s':>9}{'read/need':>10}{'dcp s':>9}{'read/need':>10}{'speedup':>9}")
-    f_t, f_r = r21["fsdpx"]
-    d_t, d_r = r21["dcp"]
-    print(f"{'2 -> 1 rank (whole)':<30}{f_t:>9.3f}{f_r / size:>10.3f}{d_t:>9.3f}{d_r / size:>10.3f}{d_t / f_t:>9.2f}")
-    f_t, d_t = max(r["fsdpx_s1_s"] for r in w), max(r["dcp_s1_s"] for r in w)
-    f_r, d_r = max(r["fsdpx_s1_read"] for r in w), max(r["dcp_s1_read"] for r in w)
-    print(f"{'Shard(0) -> Shard(1), 2 ranks':<30}{f_t:>9.3f}{f_r / half:>10.3f}{d_t:>9.3f}{d_r / half:>10.3f}{d_t / f_t:>9.2f}")
-    f_sum, d_sum = sum(r["fsdpx_s1_read"] for r in w), sum(r["dcp_s1_read"] for r in w)
-    print(f"  both ranks together read {f_sum / size:.3f} (fsdpx) and {d_sum / size:.3f} (DCP) of the {mib:.0f} MiB "
-          "they need between them")
-    # Each rank needs half of every 4 KiB row, so every page of both files must come from the
-    # disk once whoever asks: no reader can beat the disk's read time for the whole state.
-    floor = single["raw disk (dd)"]["load_s"]  # dd read the same number of bytes cold
-    print(f"  disk floor: reading all {mib:.0f} MiB cold at dd's {mib / floor:.0f} MiB/s "
-          f"takes {floor:.3f} s, so no reader can beat DCP by more than {d_t / floor:.2f}x here")
-    per_gib = blocking / (size / (1 << 30))
-    t_save, d_save = single["torch.save/load"]["save_s"], single["dcp (1 proc)"]["save_s"]
-    f_save = single["fsdpx (1 proc)"]["save_s"]
-    print(f"\nasync save blocks the caller {blocking:.3f} s ({per_gib:.3f} s per GiB; target <= 0.3)")
-    print(f"fsdpx save vs torch.save: {t_save / f_save:.2f}x (target >= 0.9); vs DCP: {d_save / f_save:.2f}x (target >= 1.5)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"size": nbytes(state), "rounds": rounds}, indent=1))
+    print(report(rounds, nbytes(state)))
 
 
 if __name__ == "__main__":

@@ -319,11 +319,22 @@ def worker(mode: str, cfg: dict) -> None:
 # ---- the driver ------------------------------------------------------------------------------
 
 
+# DeepSpeed JIT-compiles these C++ ops (into ~/.cache/torch_extensions) the first time a worker
+# needs them: minutes on a loaded 2-core host. A build stopped half-way leaves its directory and
+# `lock` file behind, and every later worker then fails to load the op; building them here, once,
+# keeps the compile out of the timing runs.
+DS_OPS = ("deepspeed.ops.op_builder.cpu.CPUAdamBuilder", "deepspeed.ops.op_builder.cpu.ShareMemCommBuilder")
+
+
 def setup_deepspeed() -> None:
-    """Create ``.bench-venv`` with torch and DeepSpeed (pinned); the project's venv is untouched."""
+    """Create ``.bench-venv`` with torch and DeepSpeed (pinned) and build the CPU ops its worker
+    loads (``DS_OPS``); the project's venv is untouched."""
     if not (BENCH_VENV / "bin" / "python").exists():
         subprocess.run([sys.executable, "-m", "venv", str(BENCH_VENV)], check=True)
     subprocess.run([str(BENCH_VENV / "bin" / "pip"), "install", *DEEPSPEED], check=True)
+    build = "; ".join(f"from {m.rsplit('.', 1)[0]} import {m.rsplit('.', 1)[1]}; {m.rsplit('.', 1)[1]}().load()"
+                      for m in DS_OPS)
+    subprocess.run([str(BENCH_VENV / "bin" / "python"), "-c", build], check=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
 
 
 def skip_reason(mode: str, device: str) -> str | None:
