@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from privacy import PoissonSampler
@@ -126,6 +126,60 @@ def test_virtual_steps_equal_one_step_on_the_logical_batch():
         assert torch.allclose(a, b, rtol=0, atol=1e-12), float((a - b).abs().max())
 
 
+@pytest.mark.parametrize("batch_size, physical", [(16, 5), (16, 4), (12, 8)])
+def test_batch_memory_manager_cuts_and_counts_as_opacus_s(batch_size, physical):
+    """Fixed batches (no Poisson sampling): the physical batches have Opacus' sizes
+    (``np.array_split``) and ``len()`` is Opacus' ``len()``; on a Poisson loader ``len()`` is the
+    expected count, as Opacus'."""
+    def physical_sizes(engine_class, manager_class, poisson: bool) -> tuple[list[int], int]:
+        model = mlp()
+        _, optimizer, loader = engine_class().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data(), batch_size=batch_size), noise_multiplier=1.0, max_grad_norm=1.0,
+            poisson_sampling=poisson)
+        with manager_class(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
+            return ([len(y) for _, y in batches] if not poisson else []), len(batches)
+
+    from opacus.utils.batch_memory_manager import BatchMemoryManager as OpacusManager
+    assert physical_sizes(PrivacyEngine, BatchMemoryManager, False) == physical_sizes(
+        opacus.PrivacyEngine, OpacusManager, False)
+    assert physical_sizes(PrivacyEngine, BatchMemoryManager, True)[1] == physical_sizes(
+        opacus.PrivacyEngine, OpacusManager, True)[1]
+
+
+def test_unkeyed_runs_take_their_randomness_from_torch_seeds_as_opacus_does():
+    """Without ``key``: two runs differ (noise and batches are not a fixed default), equal
+    ``torch.manual_seed`` before the loop gives equal runs, a seeded ``noise_generator`` and a
+    seeded loader ``generator`` give equal runs whatever the global seed; an int ``key`` is
+    fsdpx's (equal keys, equal runs)."""
+    def run(seed: int | None = None, noise_seed: int | None = None, data_seed: int | None = None,
+            key: int | None = None) -> Tensor:
+        model = nn.Linear(6, 3).double()
+        nn.init.zeros_(model.weight), nn.init.zeros_(model.bias)
+        generator = torch.Generator().manual_seed(data_seed) if data_seed is not None else None
+        noise = torch.Generator().manual_seed(noise_seed) if noise_seed is not None else None
+        private, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(data(), batch_size=16, generator=generator), noise_multiplier=1.0,
+            max_grad_norm=1.0, noise_generator=noise, key=key)
+        if seed is not None:
+            torch.manual_seed(seed)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(private(x), y).backward()
+            optimizer.step()
+        return model.weight.detach().clone()
+
+    assert not torch.equal(run(), run())
+    assert torch.equal(run(seed=5), run(seed=5))
+    torch.manual_seed(1)
+    first = run(noise_seed=17, data_seed=96)
+    torch.manual_seed(2)
+    assert torch.equal(first, run(noise_seed=17, data_seed=96))
+    assert torch.equal(run(key=3), run(key=3))
+    assert not torch.equal(run(noise_seed=17, data_seed=96), run(noise_seed=18, data_seed=96))
+
+
 def test_evaluation_under_no_grad_is_not_recorded_and_a_forward_without_backward_is_dropped():
     model = mlp()
     private, optimizer, loader = PrivacyEngine().make_private(
@@ -144,7 +198,6 @@ def test_evaluation_under_no_grad_is_not_recorded_and_a_forward_without_backward
 @pytest.mark.parametrize("argument, says", [
     ({"grad_sample_mode": "ghost_fsdp"}, "grad_sample_mode='ghost_fsdp' is not supported"),
     ({"clipping": "per_layer"}, "clipping='per_layer' is not supported"),
-    ({"noise_generator": torch.Generator()}, "noise_generator is not supported"),
     ({"batch_first": False}, "batch_first=False is not supported"),
     ({"loss_reduction": "none"}, "loss_reduction='none' is not supported"),
     ({"poisson": True}, "argument 'poisson' is not supported"),

@@ -24,6 +24,7 @@ from privacy.clipping import clipped_grad
 from privacy.noise import gaussian_noise
 
 from .capture import PrivateModule, surrogate_loss
+from .loader import draw_key
 
 
 class DPOptimizer:
@@ -33,7 +34,7 @@ class DPOptimizer:
     (the engine's accountant records it there)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: PrivateModule, *, noise_multiplier: float,
-                 max_grad_norm: float, expected_batch_size: int, loss_reduction: str, key: int) -> None:
+                 max_grad_norm: float, expected_batch_size: int, loss_reduction: str, key: int | None) -> None:
         self.original_optimizer = optimizer
         self.module = module
         self.noise_multiplier, self.max_grad_norm = noise_multiplier, max_grad_norm
@@ -43,6 +44,14 @@ class DPOptimizer:
         self._skip_next = False
         self._summed: dict[str, Tensor] | None = None
         self._names = {id(p): n for n, p in module.module.named_parameters()}
+
+    @property
+    def noise_key(self) -> int:
+        """The key of the noise; a ``None`` key is drawn from torch's global generator at the
+        first step (once), so ``torch.manual_seed`` chooses it as it chooses Opacus' noise."""
+        if self.key is None:
+            self.key = draw_key(None)
+        return self.key
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["original_optimizer"], name)
@@ -93,7 +102,8 @@ class DPOptimizer:
         trained = self._trained()
         summed = self._summed or {n: torch.zeros_like(p) for n, p in trained.items()}
         std = self.noise_multiplier * self.max_grad_norm
-        noise = gaussian_noise(summed, key=self.key, step=self.steps, std=std) if std > 0 else None
+        key = self.noise_key
+        noise = gaussian_noise(summed, key=key, step=self.steps, std=std) if std > 0 else None
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
         for n, p in trained.items():
             g = summed[n] if noise is None else summed[n] + noise[n]
