@@ -255,3 +255,45 @@ def test_an_untied_gpt2_steps_as_with_opacus(mode):
     ours, theirs = run(PrivacyEngine), run(opacus.PrivacyEngine)
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-5), (name, float((a - b).abs().max()))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_bert_classifier_steps_as_with_opacus(mode):
+    """transformers' BertForSequenceClassification from a tiny config (dropout 0), the user's loop
+    on ``.logits``, float32: three clipping-only SGD steps within 1e-5 of Opacus' (hooks, and
+    ghost with the criterion ``make_private`` returns). ``position_ids`` per example, as Opacus
+    needs (see the GPT-2 test), and ``position_ids`` and ``token_type_ids`` contiguous: Opacus'
+    ghost norm of an embedding calls ``.view`` on its indices, which fails on transformers'
+    default expanded ``token_type_ids`` (fsdpx takes the defaults)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=3,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0)
+    g = torch.Generator().manual_seed(4)
+    dataset = TensorDataset(torch.randint(0, 40, (24, 8), generator=g), torch.randint(0, 3, (24,), generator=g))
+
+    def run(engine_class, defaults: bool = False) -> nn.Module:
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        out = engine_class().make_private(
+            module=model, optimizer=optimizer, data_loader=DataLoader(dataset, batch_size=8), noise_multiplier=0.0,
+            max_grad_norm=0.1, poisson_sampling=False, grad_sample_mode=mode, criterion=nn.CrossEntropyLoss())
+        private, optimizer, loader = (out[0], out[1], out[3]) if mode == "ghost" else out
+        criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
+        for x, y in loader:
+            optimizer.zero_grad()
+            positions = torch.arange(x.shape[1]).repeat(x.shape[0], 1)  # contiguous: Opacus' ghost views them
+            given = {} if defaults else {"position_ids": positions, "token_type_ids": torch.zeros_like(x)}
+            criterion(private(input_ids=x, **given).logits, y).backward()
+            optimizer.step()
+        return model
+
+    ours, theirs = run(PrivacyEngine), run(opacus.PrivacyEngine)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-5), (name, float((a - b).abs().max()))
+    for a, b in zip(ours.parameters(), run(PrivacyEngine, defaults=True).parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)  # fsdpx takes transformers' default positions too
+    torch.manual_seed(0)
+    start = transformers.BertForSequenceClassification(config)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), start.parameters())) > 1e-3
