@@ -12,6 +12,7 @@ from privacy.accounting import Accountant, noise_multiplier as calibrated_sigma
 from privacy.errors import PrivacyError
 
 from .capture import PrivateModule
+from .criterion import SequenceCriterion
 from .loader import draw_key, poisson_loader
 from .optimizer import DPOptimizer
 
@@ -46,8 +47,9 @@ class PrivacyEngine:
                      rand_on_empty: bool = False, key: int | None = None, **kwargs: Any) -> tuple:
         """Opacus' ``make_private``: returns ``(model, optimizer, data_loader)``, or with
         ``grad_sample_mode="ghost"`` ``(model, optimizer, criterion, data_loader)``; ``criterion``
-        (default ``nn.CrossEntropyLoss()``) is returned as it is: the model records the backward
-        of any criterion. Randomness: ``key`` (an int: fsdpx's key, the same noise and batches as
+        (default ``nn.CrossEntropyLoss()``) comes back taking Opacus' ``shape=`` for sequence
+        losses (:class:`~privacy.opacus.criterion.SequenceCriterion`); the model records the
+        backward of any criterion. Randomness: ``key`` (an int: fsdpx's key, the same noise and batches as
         ``fsdpx train`` with that key) chooses the noise and the Poisson batches; without it, as
         in Opacus, the noise key comes from ``noise_generator`` (a seeded ``torch.Generator``) or
         else from torch's global generator at the first step, and the batches' key from the data
@@ -66,7 +68,8 @@ class PrivacyEngine:
         private.attach_step_hook(lambda _: self._record(noise_multiplier, sample_rate))
         loader = poisson_loader(data_loader, key=key) if poisson_sampling else data_loader
         if grad_sample_mode == "ghost":
-            return model, private, criterion if criterion is not None else nn.CrossEntropyLoss(), loader
+            loss = SequenceCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), loss_reduction)
+            return model, private, loss, loader
         return model, private, loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
