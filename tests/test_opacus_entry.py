@@ -297,3 +297,36 @@ def test_a_bert_classifier_steps_as_with_opacus(mode):
     torch.manual_seed(0)
     start = transformers.BertForSequenceClassification(config)
     assert max(float((a - b).abs().max()) for a, b in zip(ours.parameters(), start.parameters())) > 1e-3
+
+
+def test_ghost_sequence_loss_with_shape_steps_as_with_opacus():
+    """Opacus' language-model loop under ghost clipping: ``criterion(logits.flatten(0, 1),
+    targets.flatten(), shape=logits.shape)``, the privacy unit a sequence, padding targets
+    ``-100`` (different counts per sequence, so the per-sequence mean differs from the flat
+    mean): transformers' GPT-2 (untied), float32, three clipping-only steps within 1e-5."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 40, (24, 9), generator=g)
+    targets = ids[:, 1:].clone()
+    targets[torch.arange(8).unsqueeze(0) >= torch.randint(2, 9, (24, 1), generator=g)] = -100
+    dataset = TensorDataset(ids[:, :-1].contiguous(), targets)
+
+    def run(engine_class) -> nn.Module:
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config)
+        private, optimizer, criterion, loader = engine_class().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(dataset, batch_size=8), noise_multiplier=0.0, max_grad_norm=0.1,
+            poisson_sampling=False, grad_sample_mode="ghost")
+        for x, y in loader:
+            optimizer.zero_grad()
+            logits = private(input_ids=x, position_ids=torch.arange(x.shape[1]).repeat(x.shape[0], 1)).logits
+            criterion(logits.flatten(0, 1), y.flatten(), shape=logits.shape).backward()
+            optimizer.step()
+        return model
+
+    ours, theirs = run(PrivacyEngine), run(opacus.PrivacyEngine)
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-5), (name, float((a - b).abs().max()))
