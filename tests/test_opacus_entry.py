@@ -83,6 +83,7 @@ def test_epsilon_agrees_with_opacus_accountant_of_the_same_kind(accountant):
             optimizer.step()
     a, b = ours.get_epsilon(1e-5), theirs.get_epsilon(1e-5)
     assert a > 0 and abs(a - b) <= 0.01 * b, (a, b)
+    assert ours.accountant.history == [tuple(h) for h in theirs.accountant.history] == [(1.1, 1 / 6, 6)]
 
 
 def test_batches_are_the_poisson_sampler_s():
