@@ -181,6 +181,31 @@ def test_unkeyed_runs_take_their_randomness_from_torch_seeds_as_opacus_does():
     assert not torch.equal(run(noise_seed=17, data_seed=96), run(noise_seed=18, data_seed=96))
 
 
+def test_pre_step_then_the_original_step_is_step():
+    """Opacus users who drive the two halves (``optimizer.pre_step()`` then
+    ``optimizer.original_optimizer.step()``) get what ``step()`` gives, noise included; the
+    engine's accountant counts the step either way."""
+    def run(split: bool) -> tuple[nn.Module, PrivacyEngine]:
+        model, engine = mlp(), PrivacyEngine(accountant="rdp")
+        private, optimizer, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(data(), batch_size=16), noise_multiplier=0.7, max_grad_norm=0.5, key=2)
+        for x, y in loader:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(private(x), y).backward()
+            if split:
+                assert optimizer.pre_step()
+                optimizer.original_optimizer.step()
+            else:
+                optimizer.step()
+        return model, engine
+
+    (a, ea), (b, eb) = run(False), run(True)
+    assert ea.accountant.history == eb.accountant.history == [(0.7, 1 / 3, 3)]
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_evaluation_under_no_grad_is_not_recorded_and_a_forward_without_backward_is_dropped():
     model = mlp()
     private, optimizer, loader = PrivacyEngine().make_private(

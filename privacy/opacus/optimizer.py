@@ -87,18 +87,20 @@ class DPOptimizer:
                 for n, g in grads.items():
                     self._summed[n] += g
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Accumulate; unless this step is skipped, set each parameter's ``.grad`` to the noisy
-        clipped sum (over the expected batch size for a "mean" loss) and step the optimizer.
-        Returns the closure's value (evaluated first, with gradients on), else ``None``."""
-        value = None
+    def pre_step(self, closure: Callable[[], Any] | None = None) -> bool:
+        """Opacus' ``pre_step``: accumulate; unless this step is skipped, set each parameter's
+        ``.grad`` to the noisy clipped sum (over the expected batch size for a "mean" loss),
+        count the step and call the step hooks (the accountant). Returns whether the original
+        optimizer should step now (False for a skipped step). ``step()`` is ``pre_step()`` and
+        then the original optimizer's ``step()``
+        (``tests/test_opacus_entry.py::test_pre_step_then_the_original_step_is_step``)."""
         if closure is not None:
             with torch.enable_grad():
-                value = closure()
+                closure()
         self.accumulate()
         if self._skip_next:
             self._skip_next = False
-            return value
+            return False
         trained = self._trained()
         summed = self._summed or {n: torch.zeros_like(p) for n, p in trained.items()}
         std = self.noise_multiplier * self.max_grad_norm
@@ -108,9 +110,19 @@ class DPOptimizer:
         for n, p in trained.items():
             g = summed[n] if noise is None else summed[n] + noise[n]
             p.grad = (g * scale).to(p.dtype)
-        self.original_optimizer.step()
         self._summed = None
         self.steps += 1
         for hook in self.step_hooks:
             hook(self)
+        return True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """:meth:`pre_step`, then the original optimizer's step unless this step is skipped.
+        Returns the closure's value (evaluated first, with gradients on), else ``None``."""
+        value = None
+        if closure is not None:
+            with torch.enable_grad():
+                value = closure()
+        if self.pre_step():
+            self.original_optimizer.step()
         return value
