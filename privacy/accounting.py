@@ -401,6 +401,13 @@ class Accountant:
         """A new ledger with ``steps`` more steps of ``(noise_multiplier, sample_rate)``."""
         return dataclasses.replace(self, events=self.events + (_check_event(noise_multiplier, sample_rate, steps),))
 
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """The events as Opacus' accountants keep them: ``(noise_multiplier, sample_rate, steps)``
+        per run of equal consecutive steps, oldest first (``tests/test_opacus_entry.py::
+        test_epsilon_agrees_with_opacus_accountant_of_the_same_kind``)."""
+        return [tuple(e) for e in self.events]
+
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (default: ``self.delta``)."""
         delta = self.delta if delta is None else _check_delta(delta)

@@ -12,7 +12,8 @@ from privacy.accounting import Accountant, noise_multiplier as calibrated_sigma
 from privacy.errors import PrivacyError
 
 from .capture import PrivateModule
-from .loader import poisson_loader
+from .criterion import SequenceCriterion
+from .loader import draw_key, poisson_loader
 from .optimizer import DPOptimizer
 
 ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}  # Opacus' name -> fsdpx's accountant of that kind
@@ -43,25 +44,32 @@ class PrivacyEngine:
                      noise_multiplier: float, max_grad_norm: float, criterion: Any = None, batch_first: bool = True,
                      loss_reduction: str = "mean", poisson_sampling: bool = True, clipping: str = "flat",
                      noise_generator: Any = None, grad_sample_mode: str = "hooks", wrap_model: bool = True,
-                     rand_on_empty: bool = False, key: int = 0, **kwargs: Any) -> tuple:
+                     rand_on_empty: bool = False, key: int | None = None, **kwargs: Any) -> tuple:
         """Opacus' ``make_private``: returns ``(model, optimizer, data_loader)``, or with
         ``grad_sample_mode="ghost"`` ``(model, optimizer, criterion, data_loader)``; ``criterion``
-        (default ``nn.CrossEntropyLoss()``) is returned as it is: the model records the backward
-        of any criterion. ``key`` (fsdpx's, in place of ``noise_generator``) seeds the noise and
-        the Poisson batches. Guarantee: with ``noise_multiplier=0`` the parameters after each step
+        (default ``nn.CrossEntropyLoss()``) comes back taking Opacus' ``shape=`` for sequence
+        losses (:class:`~privacy.opacus.criterion.SequenceCriterion`); the model records the
+        backward of any criterion. Randomness: ``key`` (an int: fsdpx's key, the same noise and batches as
+        ``fsdpx train`` with that key) chooses the noise and the Poisson batches; without it, as
+        in Opacus, the noise key comes from ``noise_generator`` (a seeded ``torch.Generator``) or
+        else from torch's global generator at the first step, and the batches' key from the data
+        loader's ``generator`` or else the global generator (two unseeded runs differ;
+        ``torch.manual_seed`` reproduces one). Guarantee: with ``noise_multiplier=0`` the parameters after each step
         equal Opacus' (``tests/test_opacus_entry.py``)."""
-        _check_supported(batch_first, loss_reduction, clipping, noise_generator, grad_sample_mode, wrap_model,
-                         rand_on_empty, max_grad_norm, kwargs)
+        _check_supported(batch_first, loss_reduction, clipping, grad_sample_mode, wrap_model, rand_on_empty,
+                         max_grad_norm, kwargs)
         _check_same_parameters(module, optimizer)
         sample_rate = 1.0 / len(data_loader)
         expected = int(len(data_loader.dataset) * sample_rate)
         model = PrivateModule(module, method=MODES[grad_sample_mode], loss_reduction=loss_reduction)
         private = DPOptimizer(optimizer, model, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                              expected_batch_size=expected, loss_reduction=loss_reduction, key=key)
+                              expected_batch_size=expected, loss_reduction=loss_reduction,
+                              key=key if key is not None or noise_generator is None else draw_key(noise_generator))
         private.attach_step_hook(lambda _: self._record(noise_multiplier, sample_rate))
         loader = poisson_loader(data_loader, key=key) if poisson_sampling else data_loader
         if grad_sample_mode == "ghost":
-            return model, private, criterion if criterion is not None else nn.CrossEntropyLoss(), loader
+            loss = SequenceCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), loss_reduction)
+            return model, private, loss, loader
         return model, private, loader
 
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -84,8 +92,8 @@ class PrivacyEngine:
         return self.accountant.epsilon(delta)
 
 
-def _check_supported(batch_first: bool, loss_reduction: str, clipping: str, noise_generator: Any, mode: str,
-                     wrap_model: bool, rand_on_empty: bool, max_grad_norm: Any, extra: dict) -> None:
+def _check_supported(batch_first: bool, loss_reduction: str, clipping: str, mode: str, wrap_model: bool,
+                     rand_on_empty: bool, max_grad_norm: Any, extra: dict) -> None:
     if extra:
         _refuse(f"argument {sorted(extra)[0]!r}", "this entry takes Opacus' make_private arguments only")
     if mode not in MODES:
@@ -98,8 +106,6 @@ def _check_supported(batch_first: bool, loss_reduction: str, clipping: str, nois
         _refuse(f"loss_reduction={loss_reduction!r}", "use 'mean' or 'sum'")
     if clipping != "flat" or isinstance(max_grad_norm, (list, tuple)):
         _refuse(f"clipping={clipping!r}", "only flat clipping (one max_grad_norm over all parameters)")
-    if noise_generator is not None:
-        _refuse("noise_generator", "the noise is a pure function of key= (an int), step and parameter")
     if not wrap_model:
         _refuse("wrap_model=False", "use the returned model")
     if rand_on_empty:

@@ -21,19 +21,36 @@ from privacy.sampling import PoissonSampler
 
 
 class PoissonBatches(Sampler[list[int]]):
-    """``steps`` batches of indices per epoch, each drawn by ``sampler`` at the run's next step."""
+    """``steps`` batches of indices per epoch, each drawn by ``sampler`` at the run's next step;
+    ``expected_batch_size``: ``sample_rate * examples`` (what ``BatchMemoryManager``'s ``len()``
+    reads)."""
 
-    def __init__(self, sampler: PoissonSampler, steps: int) -> None:
-        self.sampler, self.steps, self.epoch = sampler, steps, 0
+    def __init__(self, examples: int, steps: int, key: int | None) -> None:
+        self.examples, self.steps, self.epoch, self.key = examples, steps, 0, key
+        self.expected_batch_size = examples / steps
+
+    @property
+    def sampler(self) -> PoissonSampler:
+        """The run's sampler; a ``None`` key is drawn from torch's global generator now (once)."""
+        if self.key is None:
+            self.key = draw_key(None)
+        return PoissonSampler(self.examples, 1.0 / self.steps, key=self.key)
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
-        first = self.epoch * self.steps
+        first, sampler = self.epoch * self.steps, self.sampler
         self.epoch += 1
         for t in range(first, first + self.steps):
-            yield self.sampler.indices(t).tolist()
+            yield sampler.indices(t).tolist()
+
+
+def draw_key(generator: torch.Generator | None) -> int:
+    """A 62-bit key drawn from ``generator``, or from torch's global generator for ``None``: how
+    a seeded ``torch.Generator`` or ``torch.manual_seed`` chooses fsdpx's pure-function
+    randomness, as they choose Opacus' (two unseeded runs differ; equal seeds give equal keys)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator, dtype=torch.int64))
 
 
 def _empty_aware(collate: Callable[[list], Any], dataset: Any) -> Callable[[list], Any]:
@@ -45,14 +62,18 @@ def _empty_aware(collate: Callable[[list], Any], dataset: Any) -> Callable[[list
     return collate_batch
 
 
-def poisson_loader(loader: DataLoader, *, key: int) -> DataLoader:
+def poisson_loader(loader: DataLoader, *, key: int | None) -> DataLoader:
     """A ``DataLoader`` over ``loader``'s dataset whose batches are Poisson samples with rate
     ``1 / len(loader)`` (module doc); ``len()`` is ``len(loader)``. Guarantee: the batch of step
     ``t`` is ``PoissonSampler(len(dataset), 1 / len(loader), key=key).indices(t)``
-    (``tests/test_opacus_entry.py::test_batches_are_the_poisson_sampler_s``)."""
+    (``tests/test_opacus_entry.py::test_batches_are_the_poisson_sampler_s``). ``key=None``: drawn
+    from ``loader.generator`` now if it has one, else from torch's global generator when the
+    first epoch starts (Opacus' behaviour: ``tests/test_opacus_entry.py::
+    test_unkeyed_runs_take_their_randomness_from_torch_seeds_as_opacus_does``)."""
     dataset = loader.dataset
-    sampler = PoissonSampler(len(dataset), 1.0 / len(loader), key=key)
-    return DataLoader(dataset, batch_sampler=PoissonBatches(sampler, len(loader)),
+    if key is None and loader.generator is not None:
+        key = draw_key(loader.generator)
+    return DataLoader(dataset, batch_sampler=PoissonBatches(len(dataset), len(loader), key),
                       collate_fn=_empty_aware(loader.collate_fn or default_collate, dataset),
                       num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                       worker_init_fn=loader.worker_init_fn, generator=loader.generator)

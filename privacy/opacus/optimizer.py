@@ -24,6 +24,7 @@ from privacy.clipping import clipped_grad
 from privacy.noise import gaussian_noise
 
 from .capture import PrivateModule, surrogate_loss
+from .loader import draw_key
 
 
 class DPOptimizer:
@@ -33,7 +34,7 @@ class DPOptimizer:
     (the engine's accountant records it there)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: PrivateModule, *, noise_multiplier: float,
-                 max_grad_norm: float, expected_batch_size: int, loss_reduction: str, key: int) -> None:
+                 max_grad_norm: float, expected_batch_size: int, loss_reduction: str, key: int | None) -> None:
         self.original_optimizer = optimizer
         self.module = module
         self.noise_multiplier, self.max_grad_norm = noise_multiplier, max_grad_norm
@@ -43,6 +44,14 @@ class DPOptimizer:
         self._skip_next = False
         self._summed: dict[str, Tensor] | None = None
         self._names = {id(p): n for n, p in module.module.named_parameters()}
+
+    @property
+    def noise_key(self) -> int:
+        """The key of the noise; a ``None`` key is drawn from torch's global generator at the
+        first step (once), so ``torch.manual_seed`` chooses it as it chooses Opacus' noise."""
+        if self.key is None:
+            self.key = draw_key(None)
+        return self.key
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["original_optimizer"], name)
@@ -78,29 +87,42 @@ class DPOptimizer:
                 for n, g in grads.items():
                     self._summed[n] += g
 
+    def pre_step(self, closure: Callable[[], Any] | None = None) -> bool:
+        """Opacus' ``pre_step``: accumulate; unless this step is skipped, set each parameter's
+        ``.grad`` to the noisy clipped sum (over the expected batch size for a "mean" loss),
+        count the step and call the step hooks (the accountant). Returns whether the original
+        optimizer should step now (False for a skipped step). ``step()`` is ``pre_step()`` and
+        then the original optimizer's ``step()``
+        (``tests/test_opacus_entry.py::test_pre_step_then_the_original_step_is_step``)."""
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self.accumulate()
+        if self._skip_next:
+            self._skip_next = False
+            return False
+        trained = self._trained()
+        summed = self._summed or {n: torch.zeros_like(p) for n, p in trained.items()}
+        std = self.noise_multiplier * self.max_grad_norm
+        key = self.noise_key
+        noise = gaussian_noise(summed, key=key, step=self.steps, std=std) if std > 0 else None
+        scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
+        for n, p in trained.items():
+            g = summed[n] if noise is None else summed[n] + noise[n]
+            p.grad = (g * scale).to(p.dtype)
+        self._summed = None
+        self.steps += 1
+        for hook in self.step_hooks:
+            hook(self)
+        return True
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Accumulate; unless this step is skipped, set each parameter's ``.grad`` to the noisy
-        clipped sum (over the expected batch size for a "mean" loss) and step the optimizer.
+        """:meth:`pre_step`, then the original optimizer's step unless this step is skipped.
         Returns the closure's value (evaluated first, with gradients on), else ``None``."""
         value = None
         if closure is not None:
             with torch.enable_grad():
                 value = closure()
-        self.accumulate()
-        if self._skip_next:
-            self._skip_next = False
-            return value
-        trained = self._trained()
-        summed = self._summed or {n: torch.zeros_like(p) for n, p in trained.items()}
-        std = self.noise_multiplier * self.max_grad_norm
-        noise = gaussian_noise(summed, key=self.key, step=self.steps, std=std) if std > 0 else None
-        scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
-        for n, p in trained.items():
-            g = summed[n] if noise is None else summed[n] + noise[n]
-            p.grad = (g * scale).to(p.dtype)
-        self.original_optimizer.step()
-        self._summed = None
-        self.steps += 1
-        for hook in self.step_hooks:
-            hook(self)
+        if self.pre_step():
+            self.original_optimizer.step()
         return value
