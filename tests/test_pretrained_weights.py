@@ -29,24 +29,7 @@ from fsdpx.train.parallel import resolve_plan
 from fsdpx.train.pretrained import (PickleWeightsError, WeightKeysError, find_weights, parameters_on_meta,
                                     read_block)
 
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 80  # the embedded corpus's character alphabet (69) fits
-SMALL = ["--corpus-chars", "2000", "--block-size", "8", "--batch-size", "8", "--no-progress"]
-
-
-def tiny(family: str):
-    import transformers
-
-    torch.manual_seed(1)
-    if family == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                         bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # HF's model evaluates
-        return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                      bos_token_id=1, eos_token_id=2)
-    return transformers.LlamaForCausalLM(config)
+from support.finetune import ROOT, SMALL, tiny  # a tiny tied GPT-2 and a Llama
 
 
 def save(model, path: Path, **kwargs) -> Path:
