@@ -171,11 +171,12 @@ def _rows(metrics: Path) -> list[dict]:
     return out
 
 
-def reach(proc: subprocess.Popen, metrics: Path, step: int) -> None:
+def reach(proc: subprocess.Popen, metrics: Path, step: int, old: int | None) -> None:
     """Wait until ``proc`` has logged ``step`` (in a ``metrics.jsonl`` of its own: each segment
-    replaces the file, cut back to its start, before its first step)."""
+    replaces the file, cut back to its start, before its first step). ``old``: the file's inode
+    read BEFORE ``proc`` started (read after, a process forked from the zygote may already have
+    replaced the file: then its own file would look old and the wait would outlast the run)."""
     deadline = time.monotonic() + DEADLINE
-    old = _inode(metrics)
     while _inode(metrics) == old or last_step(metrics) < step:
         if proc.poll() is not None:
             pytest.fail(f"ended (status {proc.returncode}) before step {step}: {proc.stderr.read()[-3000:]}")
@@ -325,10 +326,10 @@ def run_chain(ws: Path, kinds: list[str], rng: random.Random, *extra: str, steps
         if start_step >= steps - 5:
             break
         at = start_step + rng.randint(1, 3)
-        before = checkpoints(ck)
+        before, old = checkpoints(ck), _inode(metrics)
         proc = start(ws, "--ckpt-dir", "ck", *resume(ck), *extra, zygote=zygote)
         try:
-            reach(proc, metrics, at)
+            reach(proc, metrics, at, old)
             log.append(f"{kind}@{at}")
             t0 = time.monotonic()
             if kind == "kill" and "--nproc" in extra:
@@ -457,9 +458,10 @@ def test_a_stop_that_outlasts_the_grace_period_ends_it_there(tmp_path, zygote):
     newest checkpoint intact (an abandoned save leaves nothing under its name)."""
     ws = workspace(tmp_path)
     metrics = ws / "runs" / "private" / "metrics.jsonl"
+    old = _inode(metrics)
     proc = start(ws, "--ckpt-dir", "ck", "--n-layer", "2", "--n-embd", "64", "--n-head", "2", zygote=zygote,
                  env={"FSDPX_GRACE_SECONDS": "0.001"})
-    reach(proc, metrics, 4)
+    reach(proc, metrics, 4, old)
     proc.send_signal(signal.SIGTERM)
     code, err = finish(proc, timeout=30)
     pattern = (r"fsdpx train: interrupted at step (\d+) \(grace period over: FSDPX_GRACE_SECONDS=0.001\);"
