@@ -7,24 +7,36 @@ each rank calls ``noise_slice`` on its own range therefore adds exactly the nois
 unsharded run adds, bit for bit (``test_noise_slices_concatenate_to_the_full_draw``).
 
 Layout: the flat index space of a parameter is cut into blocks of ``BLOCK`` elements. Block
-``b`` is the standard normal stream of :mod:`privacy.ziggurat` (an SFC64 generator, a 256-strip
-ziggurat) started from a 192-bit BLAKE2b hash of ``(key, step, b, name)``; element ``i`` is
-draw number ``i - b * BLOCK`` of that stream. A slice draws only the blocks it overlaps, and
-only up to its own end, because a stream's first ``k`` draws do not depend on how many more are
-drawn afterwards.
+``b`` has a 160-bit seed, a BLAKE2b hash of ``(key, step, b, name)``; element ``i`` is the
+standard normal at offset ``i - b * BLOCK`` of that block (:mod:`privacy.ziggurat`): a 256-strip
+ziggurat over the Philox4x32-10 words of counter ``(offset + n * 2^16, seed words 0-2)``, key
+``(seed words 3-4)``, for its calls ``n = 0, 1, ...``. Every element is a pure function of its
+seed and its offset: a slice draws exactly its own elements, on the host (a numba loop,
+:mod:`privacy.ziggurat`) for a CPU tensor, or in torch ops on the device for a tensor that lives
+on one (:mod:`privacy.ziggurat_ops`; nothing but the seeds is copied from the host). The two
+compute the same bits (``tests/test_ziggurat.py::test_torch_ops_equal_the_host_sampler_bit_for_bit``,
+``tests/test_noise.py::test_device_formulation_equals_the_host_slices``).
+
+Scheme ``v3`` (``_HASH_PERSON``; the bits changed, the guarantees did not). ``v2`` drew element
+``i`` as draw number ``i - b * BLOCK`` of a sequential SFC64 stream: draw ``k`` needed every
+draw before it, and the ziggurat's rejections consume a variable number of words, so no device
+could draw elements in parallel and a GPU run drew on the host and copied the noise (652 MB a
+step for GPT-2 small). ``v3`` replaces the stream by a counter-based generator, so any element
+is computable alone, and the ziggurat's ``exp``/``log`` by :mod:`privacy.exact_math` (only
+``+ - * /``), so the host's libm and a device's math library cannot disagree in the last ulp.
+Noise is drawn afresh every step from ``(key, step)``, and no checkpoint records the scheme: a
+run resumed across the change draws ``v3`` noise from then on, an equally valid Gaussian draw
+(the privacy guarantee needs independence and the right std, not particular bits), but not the
+bits an uninterrupted ``v2`` run would have drawn.
 
 Why not ``torch.Generator``: torch's CPU generator keeps only the low 32 bits of its seed
 (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` give the same stream). A run draws one
 seed per block per step, so 32-bit seeds collide within a run by the birthday bound, and a
 collision means two blocks of noise are identical rather than independent. Seeding with
-192 bits makes collisions negligible (about ``n**2 / 2**193`` for ``n`` seeds). Its
-``normal_`` also cuts the float32 tail at about ``5.8 sigma`` (Box-Muller on 24-bit uniforms);
-the ziggurat's tail reaches past ``13 sigma``.
-
-Why not numpy's ``Generator.standard_normal`` (the sampler until this file's ``v2`` scheme): it
-calls its bit generator through a function pointer per draw; on the benchmark GPTs its noise
-cost 0.11x of a whole non-private step, the compiled loop's 0.06-0.07x
-(``benchmarks/privacy_step.py --phases``).
+160 bits makes collisions negligible (about ``n**2 / 2**161`` for ``n`` seeds); and Philox is a
+bijection of its counter for each key, so distinct seeds never share a word. Its ``normal_``
+also cuts the float32 tail at about ``5.8 sigma`` (Box-Muller on 24-bit uniforms); the
+ziggurat's tail reaches past ``13 sigma``.
 """
 
 from __future__ import annotations
@@ -41,12 +53,13 @@ import torch
 from torch import Tensor
 
 from privacy.ziggurat import add_scaled_normals, fill_normals
+from privacy.ziggurat_ops import block_normals
 
 BLOCK = 2**16
 """Elements per independently seeded block. A slice draws at most ``BLOCK - 1`` elements
 it does not return (the part of its first block before ``start``)."""
 
-_HASH_PERSON = b"fsdpx.noise.v2"
+_HASH_PERSON = b"fsdpx.noise.v3"  # see the module docstring: v3 is counter-based
 _BLOCKS_PER_WORKER = 8  # below this a thread pool costs more than it saves
 
 # Half types are drawn in float32 and rounded; float32 is the float64 draw rounded.
@@ -58,13 +71,12 @@ _DRAW_DTYPE = {
 }
 
 
-def _block_state(key: int, step: int, name: str, block: int) -> tuple[int, int, int]:
-    """The 192-bit SFC64 starting state ``(a, b, c)`` of one block's stream."""
+def _block_seed(key: int, step: int, name: str, block: int) -> tuple[int, int, int, int, int]:
+    """The 160-bit seed of one block, five 32-bit words (:mod:`privacy.ziggurat`)."""
     # Decimal integers joined by ':' with the name last: distinct tuples give distinct messages.
     message = f"{key}:{step}:{block}:".encode() + name.encode("utf-8", "surrogatepass")
-    digest = hashlib.blake2b(message, digest_size=24, person=_HASH_PERSON).digest()
-    a, b, c = (int.from_bytes(digest[i:i + 8], "little") for i in (0, 8, 16))
-    return a, b, c
+    digest = hashlib.blake2b(message, digest_size=20, person=_HASH_PERSON).digest()
+    return tuple(int.from_bytes(digest[i:i + 4], "little") for i in range(0, 20, 4))
 
 
 def _check_std(std: float) -> float:
@@ -86,6 +98,7 @@ def noise_slice(
     step: int,
     std: float,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
 ) -> Tensor:
     """Gaussian noise ``N(0, std**2)`` for flat elements ``[start, stop)`` of parameter ``name``.
 
@@ -96,9 +109,12 @@ def noise_slice(
       key: the run's secret noise key. step: the training step.
       std: the standard deviation (noise multiplier times clip norm).
       dtype: float16, bfloat16, float32 or float64.
+      device: where to draw and return it (default CPU). Off the CPU the draw is made there in
+        torch ops (:mod:`privacy.ziggurat_ops`): only the block seeds travel from the host.
 
     Returns:
-      A 1-D CPU tensor of ``stop - start`` elements of ``dtype``.
+      A 1-D tensor of ``stop - start`` elements of ``dtype`` on ``device``, the same bits on
+      every device (``test_device_formulation_equals_the_host_slices``).
 
     Formal Guarantees:
       * Pure: equal arguments give equal bits (``test_noise_is_a_pure_function_of_its_arguments``).
@@ -111,17 +127,19 @@ def noise_slice(
         computed in that draw dtype and then rounded to ``dtype``; so half types are the rounding
         of the float32 draw (``test_std_scales_the_unit_draw_exactly``,
         ``test_half_precision_noise_is_the_rounded_float32_noise``).
-      * Distinct ``(key, step, name)`` and distinct blocks use distinct 192-bit seeds
+      * Distinct ``(key, step, name)`` and distinct blocks use distinct 160-bit seeds
         (``test_distinct_key_step_or_name_give_distinct_noise``).
-      * Cost: draws ``stop - BLOCK * (start // BLOCK)`` normals, i.e. O(stop - start + BLOCK),
-        never O(numel) (``test_slice_draws_only_the_blocks_it_overlaps_however_large_the_parameter``).
+      * Cost: on the host, draws exactly ``stop - start`` normals, hashing one seed per block
+        overlapped, never O(numel)
+        (``test_slice_draws_only_the_blocks_it_overlaps_however_large_the_parameter``); on a
+        device, whole blocks (at most ``2 * BLOCK`` more).
         Draws of at least ``2 * _BLOCKS_PER_WORKER`` blocks are spread over up to
         ``torch.get_num_threads()`` threads (the sampler releases the GIL); the bits do
         not depend on the thread count (``test_threaded_and_serial_draws_give_the_same_bits``).
         :func:`gaussian_noise` runs the blocks of all its parameters in one pool.
-      * Bits depend only on this file, :mod:`privacy.ziggurat` and the platform's ``exp``/``log``
-        (1.5% of draws use them): ranks of one run on one platform agree
-        (``test_noise_bits_match_the_recorded_reference``). Moments:
+      * Bits depend only on this file, :mod:`privacy.ziggurat`, :mod:`privacy.philox` and
+        :mod:`privacy.exact_math` (IEEE ``+ - * /`` only, no platform ``exp``/``log``): ranks of
+        one run agree whatever device they draw on (``test_noise_bits_match_the_recorded_reference``). Moments:
         ``test_noise_moments_match_the_requested_gaussian``; distribution:
         ``tests/test_ziggurat.py::test_draws_pass_a_kolmogorov_smirnov_test_and_reach_the_tail``.
 
@@ -136,29 +154,50 @@ def noise_slice(
       non-integer key/step/bounds     ``TypeError``
       ==============================  ==========================================
     """
+    if _on_device(device):
+        numel, start, stop, key, step, std = _validate(name, numel, start, stop, key=key, step=step, std=std,
+                                                       dtype=dtype)
+        return _device_noise(name, start, stop, key=key, step=step, std=std, dtype=dtype, device=torch.device(device))
     out, tasks, std = _prepare(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)
     _run(tasks)
     return _finish(out, std, dtype, stop - start)
 
 
+def _on_device(device: torch.device | str | None) -> bool:
+    """Whether noise for ``device`` is drawn there in torch ops (anything but the CPU)."""
+    return device is not None and torch.device(device).type != "cpu"
+
+
+def _device_noise(name: str, start: int, stop: int, *, key: int, step: int, std: float, dtype: torch.dtype,
+                  device: torch.device) -> Tensor:
+    """``noise_slice`` of validated arguments, drawn on ``device`` in torch ops: the unit draw
+    in float64, rounded to the draw dtype, scaled there and rounded to ``dtype`` (the host's
+    operations, so the host's bits)."""
+    if start == stop or std == 0.0:
+        return torch.zeros(stop - start, dtype=dtype, device=device)
+    first, last = start // BLOCK, (stop - 1) // BLOCK
+    seeds = torch.tensor([_block_seed(key, step, name, b) for b in range(first, last + 1)], dtype=torch.int64)
+    noise = block_normals(seeds.to(device), first, start, stop, BLOCK).to(_DRAW_DTYPE[dtype])
+    if std != 1.0:
+        noise.mul_(std)
+    return noise.to(dtype)
+
+
 def _prepare(name: str, numel: int, start: int, stop: int, *, key: int, step: int, std: float,
-             dtype: torch.dtype, pin: bool = False) -> tuple[Tensor | None, list[Callable[[], None]], float]:
-    """Validate one slice's arguments; returns its output buffer (``None`` when nothing is
-    drawn; page-locked when ``pin``, so a copy to an accelerator can be asynchronous), one task
-    per block that fills its part of the buffer, and the checked ``std``."""
+             dtype: torch.dtype) -> tuple[Tensor | None, list[Callable[[], None]], float]:
+    """Validate one slice's arguments; returns its host output buffer (``None`` when nothing is
+    drawn), one task per block that fills its part of the buffer, and the checked ``std``."""
     numel, start, stop, key, step, std = _validate(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)
     if start == stop or std == 0.0:
         return None, [], std
-    # the tensor itself is returned, not a view of it: the allocator of pinned memory keeps a
-    # block from reuse until an asynchronous copy out of it ends only when it sees the tensor
-    out = torch.empty(stop - start, dtype=_DRAW_DTYPE[dtype], pin_memory=pin)
+    out = torch.empty(stop - start, dtype=_DRAW_DTYPE[dtype])
     array = out.numpy()
 
     def draw(block: int) -> None:
         block_start = block * BLOCK
         lo, hi = max(start, block_start), min(stop, block_start + BLOCK)
-        # a slice that begins inside this block skips the block's first draws
-        fill_normals(_block_state(key, step, name, block), lo - block_start, array[lo - start : hi - start])
+        # every offset is drawn on its own: a slice beginning inside the block draws nothing before it
+        fill_normals(_block_seed(key, step, name, block), lo - block_start, array[lo - start : hi - start])
 
     return out, [partial(draw, b) for b in range(start // BLOCK, (stop - 1) // BLOCK + 1)], std
 
@@ -200,28 +239,26 @@ def _run_serially(tasks: list[Callable[[], None]]) -> None:
         task()
 
 
-def _finish(out: Tensor | None, std: float, dtype: torch.dtype, n: int, device: torch.device | None = None) -> Tensor:
-    """The drawn buffer scaled by ``std`` in the draw dtype, rounded to ``dtype``, on ``device``
-    (default CPU). Off the CPU the unit draw is copied first (asynchronously from a pinned
-    buffer) and scaled there: IEEE multiplication and rounding give the CPU's bits."""
+def _finish(out: Tensor | None, std: float, dtype: torch.dtype, n: int) -> Tensor:
+    """The drawn host buffer scaled by ``std`` in the draw dtype and rounded to ``dtype``."""
     if out is None:
-        return torch.zeros(n, dtype=dtype, device=device)
-    noise = out
-    if device is not None and torch.device(device).type != "cpu":
-        noise = noise.to(device, non_blocking=noise.is_pinned())
+        return torch.zeros(n, dtype=dtype)
     if std != 1.0:
-        noise.mul_(std)
-    return noise.to(dtype)
+        out.mul_(std)
+    return out.to(dtype)
 
 
-def _pin(device: torch.device) -> bool:
-    """Draw into page-locked memory when the noise goes to a CUDA device."""
-    return device.type == "cuda" and torch.cuda.is_available()
+def _full_draw(name: str, t: Tensor, *, key: int, step: int, std: float) -> Tensor:
+    """The whole of ``t``'s noise, drawn on ``t``'s device (in torch ops) and shaped like it."""
+    numel, _, _, key, step, std = _validate(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
+    return _device_noise(name, 0, numel, key=key, step=step, std=std, dtype=t.dtype, device=t.device).view(t.shape)
 
 
 def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
     """Noise shaped like ``params_like``: for each ``name``, the full draw of ``noise_slice``
-    reshaped to the tensor's shape, with its dtype and on its device.
+    reshaped to the tensor's shape, with its dtype and on its device (drawn there: a tensor
+    off the CPU gets its noise from torch ops on its own device, nothing copied from the host
+    but the block seeds).
 
     Formal Guarantees:
       * ``gaussian_noise(p, ...)[name].flatten()[a:b]`` equals ``noise_slice(name, numel, a, b,
@@ -232,12 +269,13 @@ def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: 
     Edge cases: an empty dict gives an empty dict; a zero-element tensor gives an empty tensor of
     its shape; a non-float tensor raises ``ValueError`` naming ``dtype``.
     """
-    prepared = {name: _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype,
-                               pin=_pin(t.device))
-                for name, t in params_like.items()}
+    on_host = {name: t for name, t in params_like.items() if not _on_device(t.device)}
+    prepared = {name: _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
+                for name, t in on_host.items()}
     _run([task for _, tasks, _ in prepared.values() for task in tasks])  # one pool for every block
-    return {name: _finish(out, s, t.dtype, t.numel(), t.device).reshape(t.shape)
-            for (name, t), (out, _, s) in zip(params_like.items(), prepared.values())}
+    return {name: _finish(prepared[name][0], prepared[name][2], t.dtype, t.numel()).reshape(t.shape) if name in prepared
+            else _full_draw(name, t, key=key, step=step, std=std)
+            for name, t in params_like.items()}
 
 
 class DrawnNoise(NamedTuple):
@@ -257,18 +295,18 @@ def _in_place(t: Tensor) -> bool:
 
 
 def draw_ahead(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> DrawnNoise:
-    """The draws :func:`add_gaussian_noise_` would make for those of ``params_like`` it cannot
-    draw into in place (off the CPU, half precision, not contiguous), made now: the noise does
-    not depend on the gradient, so a step can draw it on the host while an accelerator runs the
-    forward and backward (``privacy.step``). Reads names, shapes, dtypes and devices only;
-    buffers bound for a CUDA device are pinned."""
+    """The host draws :func:`add_gaussian_noise_` would make for those CPU tensors of
+    ``params_like`` it cannot draw into in place (half precision, not contiguous), made now: the
+    noise does not depend on the gradient, so a step can draw it while the forward and backward
+    run (``privacy.step``). Tensors on a device get no buffer: their noise is drawn on the device
+    when it is added. Reads names, shapes, dtypes and devices only."""
     buffers = {}
     tasks: list[Callable[[], None]] = []
     for name, t in params_like.items():
-        if _in_place(t):
+        if _in_place(t) or _on_device(t.device):
             continue
         out, block_tasks, checked = _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std,
-                                             dtype=t.dtype, pin=_pin(t.device))
+                                             dtype=t.dtype)
         buffers[name] = (out, checked, t.numel(), t.dtype)
         tasks.extend(block_tasks)
     _run(tasks)
@@ -297,9 +335,11 @@ def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std:
         drawn and added to its slice in one compiled pass
         (:func:`privacy.ziggurat.add_scaled_normals`), so a step allocates (and the kernel faults
         in) nothing for its noise and reads each gradient once.
-      * Other tensors (on an accelerator, half precision, not contiguous) get the unit draw in a
-        host buffer (pinned for CUDA, copied asynchronously), scaled, rounded and added on their
-        device; every block of every tensor is drawn in one pool.
+      * A tensor on a device (CUDA) gets its noise drawn on that device in torch ops
+        (:mod:`privacy.ziggurat_ops`), scaled, rounded and added there: no noise crosses from
+        the host (``test_noise_on_cuda_has_the_cpu_bits``).
+      * Other CPU tensors (half precision, not contiguous) get the unit draw in a host buffer,
+        scaled, rounded and added; every block of every host tensor is drawn in one pool.
     ``drawn``: the result of :func:`draw_ahead` for the same ``key``, ``step`` and ``std``; the
     tensors it holds a buffer for are not drawn again.
 
@@ -309,6 +349,9 @@ def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std:
     tasks: list[Callable[[], None]] = []
     allocated: dict[str, tuple[Tensor | None, float]] = {}
     for name, t in tensors.items():
+        if _on_device(t.device):
+            t.add_(_full_draw(name, t, key=key, step=step, std=std))
+            continue
         if not _in_place(t):
             if drawn is not None and name in drawn.buffers:
                 out, checked, numel, dtype = drawn.buffers[name]
@@ -317,7 +360,7 @@ def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std:
                 allocated[name] = (out, checked)
                 continue
             out, block_tasks, checked = _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std,
-                                                 dtype=t.dtype, pin=_pin(t.device))
+                                                 dtype=t.dtype)
             allocated[name] = (out, checked)
             tasks.extend(block_tasks)
             continue
@@ -330,7 +373,7 @@ def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std:
     _run(tasks)  # one pool for every block, in place or not
     for name, (out, checked) in allocated.items():
         t = tensors[name]
-        t.add_(_finish(out, checked, t.dtype, t.numel(), t.device).view(t.shape))
+        t.add_(_finish(out, checked, t.dtype, t.numel()).view(t.shape))
     return tensors
 
 
@@ -338,4 +381,4 @@ def _add_block(flat: Tensor, name: str, block: int, key: int, step: int, std: fl
     """``flat[block] += draw * std`` in ``flat``'s precision, drawn and added in one compiled
     pass: the operations (and so the bits) of ``_finish`` followed by ``add_``."""
     lo, hi = block * BLOCK, min(flat.numel(), (block + 1) * BLOCK)
-    add_scaled_normals(_block_state(key, step, name, block), flat[lo:hi].detach().numpy(), std)
+    add_scaled_normals(_block_seed(key, step, name, block), flat[lo:hi].detach().numpy(), std)

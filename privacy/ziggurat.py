@@ -1,26 +1,36 @@
-"""Standard normal draws from a seeded SFC64 stream: a 256-strip ziggurat compiled by numba.
+"""Standard normal draws addressed by element: a 256-strip ziggurat over Philox4x32-10 words,
+compiled by numba.
 
-This is the sampler under :mod:`privacy.noise`; it knows nothing about keys, steps or names. A
-stream is the SFC64 generator (Chris Doty-Humphrey's Small Fast Chaotic PRNG, 64-bit) started
-from a 192-bit state; :func:`fill_normals` turns its words into standard normals by the
-ziggurat method of Marsaglia and Tsang (2000), and only ever reads the stream forward, so the
-first ``k`` draws of a stream do not depend on how many are drawn after them.
+This is the host sampler under :mod:`privacy.noise`; it knows nothing about keys, steps or
+names. A block's *seed* is five 32-bit words ``(c1, c2, c3, k0, k1)``. The normal at offset
+``i`` of the block (``0 <= i < 2^16``) is a function of the seed and ``i`` alone: its ``n``-th
+Philox call (``n = 0, 1, ...``) is counter ``(i + n * 2^16, c1, c2, c3)``, key ``(k0, k1)``
+(:mod:`privacy.philox`), giving two 64-bit words ``W0 = y1:y0`` and ``W1 = y3:y2``. The
+ziggurat of Marsaglia and Tsang (2000) turns them into a normal:
 
-The ziggurat covers the half-normal density ``f(x) = exp(-x^2 / 2)`` with 256 strips of equal
+* call ``n``: ``W0`` gives a strip (its low 8 bits), a sign (bit 8) and a 52-bit position
+  ``u = W0 >> 12``; in 98.5% of draws ``u`` lies inside the strip's inner rectangle and
+  ``x = u * scale[strip]`` is the draw, at call 0;
+* otherwise, in strips 1-255 the wedge is tested with ``W1``'s top 53 bits as the height
+  uniform against ``exp(-x^2/2)``; a rejection starts over with call ``n + 1``;
+* in strip 0 the tail beyond ``r`` is drawn by Marsaglia's exponential method, each trial one
+  more call (``t`` from ``W0``, ``e`` from ``W1``, ``t = -log(U) / r``), which reaches past
+  ``13 sigma`` (a ``log`` of a 53-bit uniform), so the tail is not cut where DP analysis cares.
+
+The sign of the accepted call's ``W0`` is the draw's. ``exp`` and ``log`` are those of
+:mod:`privacy.exact_math` (``+ - * /`` only), so the device implementation
+(:mod:`privacy.ziggurat_ops`), which makes the same calls for the same element, gets the same
+bits (``tests/test_ziggurat.py::test_torch_ops_equal_the_host_sampler_bit_for_bit``). An element
+makes more than ``2^16`` calls with probability below ``0.03^65535``: the counter then wraps
+into other offsets' counters of the same block (documented, never observed).
+
+The strips cover the half-normal density ``f(x) = exp(-x^2 / 2)`` with 256 strips of equal
 area ``v``: strip ``i`` is the rectangle ``[0, x_i] x [f(x_i), f(x_{i+1})]`` (strip 0 is the
 rectangle under ``f(r)`` plus the tail beyond ``r = x_1``, drawn with the virtual width
-``x_0 = v / f(r)``). One 64-bit word gives a strip (8 bits), a sign (1 bit) and a uniform
-position (52 bits); in 98.5% of draws the point lies inside the curve's inner rectangle and
-is returned at once. Otherwise the wedge is tested against ``exp`` with one more word, or, in
-strip 0, the tail beyond ``r`` is drawn by Marsaglia's exponential method, which reaches past
-``13 sigma`` (a ``log`` of a 53-bit uniform), so the tail is not cut where DP analysis cares.
+``x_0 = v / f(r)``). The tables are those of the SFC64 sampler this replaced (scheme v2).
 
-Why compiled: numpy's ``Generator.standard_normal`` calls its bit generator through a function
-pointer per draw; this loop keeps the generator state in registers. ``benchmarks/privacy_step.py
---phases`` (2 threads, wall) measured 10.1 ns per normal with numpy and 5.3 ns with this loop on
-the small GPT's 7.4M parameters (8.0 and 6.6 ns on the large one's 27.4M). The bits depend only
-on this file and on the platform's ``exp``/``log`` (used by the wedge and tail tests, in 1.5% of
-draws); ``tests/test_noise.py::test_noise_bits_match_the_recorded_reference`` pins them.
+Cost: ``benchmarks/noise_draw.py`` (ns per normal on the host, this scheme beside the v2
+SFC64 stream it replaced) and ``benchmarks/privacy_step.py --phases``.
 """
 
 from __future__ import annotations
@@ -30,10 +40,13 @@ import math
 import numba
 import numpy as np
 
+from privacy.exact_math import exp_host, log_host
+from privacy.philox import philox_host
+
 STRIPS = 256
 TAIL_START = 3.6541528853610088  # r for 256 strips: the strips then exactly tile the density
 STRIP_AREA = 4.92867323399e-3  # v: the area of every strip, the tail included in strip 0
-_WARMUP = 12  # SFC64's reference seeding discards its first 12 outputs
+COUNTER_SHIFT = 16  # call n of offset i is counter word i + (n << 16): offsets are below 2^16
 _U53 = 2.0**-53
 
 
@@ -63,68 +76,81 @@ def _tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 ACCEPT, SCALE, HEIGHT = _tables()
 
-_1 = np.uint64(1)
-_3 = np.uint64(3)
 _8 = np.uint64(8)
 _11 = np.uint64(11)
 _12 = np.uint64(12)
-_24 = np.uint64(24)
-_40 = np.uint64(40)
+_20 = np.uint64(20)
+_21 = np.uint64(21)
+_32 = np.uint64(32)
+_1 = np.uint64(1)
+_SHIFT = np.uint64(COUNTER_SHIFT)
 _STRIP_MASK = np.uint64(STRIPS - 1)
 
 
 @numba.njit(inline="always")
-def _sfc64(a, b, c, w):  # noqa: ANN001, ANN202 - numba infers uint64 throughout
-    """One SFC64 step: ``(output, a, b, c, w)``."""
-    out = a + b + w
-    return out, b ^ (b >> _11), c + (c << _3), ((c << _24) | (c >> _40)) + out, w + _1
+def _normal(c1, c2, c3, k0, k1, offset, accept, scale, height):  # noqa: ANN001, ANN202, PLR0913
+    """The standard normal at ``offset`` of the block with seed ``(c1, c2, c3, k0, k1)``."""
+    n = np.uint64(0)
+    while True:
+        y0, y1, y2, y3 = philox_host(offset + (n << _SHIFT), c1, c2, c3, k0, k1)
+        n += _1
+        strip = y0 & _STRIP_MASK
+        negative = (y0 >> _8) & _1
+        u = (y1 << _20) | (y0 >> _12)  # W0 >> 12: 52 bits
+        x = np.float64(np.int64(u)) * scale[strip]  # exact either way; the signed conversion is one instruction
+        if u < accept[strip]:
+            break
+        if strip == 0:  # the tail beyond r
+            while True:
+                t0, t1, t2, t3 = philox_host(offset + (n << _SHIFT), c1, c2, c3, k0, k1)
+                n += _1
+                t = -log_host((np.float64(np.int64((t1 << _21) | (t0 >> _11))) + 1.0) * _U53) / TAIL_START
+                e = -log_host((np.float64(np.int64((t3 << _21) | (t2 >> _11))) + 1.0) * _U53)
+                if e + e > t * t:
+                    break
+            x = TAIL_START + t
+            break
+        # the wedge between the inner rectangle and the strip's top
+        y = height[strip] + (height[strip + 1] - height[strip]) * (np.float64(np.int64((y3 << _21) | (y2 >> _11))) * _U53)
+        if y < exp_host(-0.5 * x * x):
+            break
+    return -x if negative else x
 
 
 _STORE, _ADD32, _ADD64 = 0, 1, 2  # what the kernel does with draw j
 
 
 @numba.njit(nogil=True, cache=True)
-def _kernel(a, b, c, skip, out, mode, std, accept, scale, height):  # noqa: ANN001, ANN202, C901
-    """Draws ``skip + len(out)`` normals; draw ``skip + j`` is stored into ``out[j]`` (mode
-    ``_STORE``) or scaled and added to it in float32 (``_ADD32``) or float64 (``_ADD64``)."""
-    w = _1
-    for _ in range(_WARMUP):
-        _, a, b, c, w = _sfc64(a, b, c, w)
+def _kernel(c1, c2, c3, k0, k1, first, out, mode, std, accept, scale, height):  # noqa: ANN001, ANN202, PLR0913
+    """The normals at offsets ``first .. first + len(out)``: stored into ``out`` (mode
+    ``_STORE``) or scaled and added to it in float32 (``_ADD32``) or float64 (``_ADD64``).
+
+    Two passes: the first computes call 0's ``W0`` for every offset in a loop without branches
+    (the compiler vectorises Philox's 32x32-bit multiplies: 1.6 ns a call instead of 20), the
+    second turns it into a normal, and finishes the 1.5% that call 0 does not settle with the
+    scalar :func:`_normal` (which recomputes their call 0)."""
+    n = out.shape[0]
+    w0 = np.empty(n, dtype=np.uint64)
+    for j in range(n):  # straight-line uint64 code: vectorised
+        y0, y1, _, _ = philox_host(np.uint64(first + j), c1, c2, c3, k0, k1)
+        w0[j] = y0 | (y1 << _32)
     std32 = np.float32(std)
-    n = skip + out.shape[0]
-    i = 0
-    while i < n:
-        word, a, b, c, w = _sfc64(a, b, c, w)
-        strip = word & _STRIP_MASK
-        negative = (word >> _8) & _1
-        u = word >> _12  # 52 bits
-        x = np.float64(np.int64(u)) * scale[strip]  # exact either way; the signed conversion is one instruction
-        if u >= accept[strip]:
-            if strip == 0:  # the tail beyond r
-                while True:
-                    word, a, b, c, w = _sfc64(a, b, c, w)
-                    t = -math.log((np.float64(word >> _11) + 1.0) * _U53) / TAIL_START
-                    word, a, b, c, w = _sfc64(a, b, c, w)
-                    e = -math.log((np.float64(word >> _11) + 1.0) * _U53)
-                    if e + e > t * t:
-                        break
-                x = TAIL_START + t
-            else:  # the wedge between the inner rectangle and the strip's top
-                word, a, b, c, w = _sfc64(a, b, c, w)
-                y = height[strip] + (height[strip + 1] - height[strip]) * (np.float64(word >> _11) * _U53)
-                if y >= math.exp(-0.5 * x * x):
-                    continue  # rejected: a fresh draw for the same element
-        if i >= skip:
-            if negative:  # a branch, not a multiply by -1: it predicts well and frees the FPU
+    for j in range(n):
+        w = w0[j]
+        strip = w & _STRIP_MASK
+        u = w >> _12
+        if u < accept[strip]:
+            x = np.float64(np.int64(u)) * scale[strip]
+            if (w >> _8) & _1:
                 x = -x
-            j = i - skip
-            if mode == _STORE:
-                out[j] = x
-            elif mode == _ADD32:
-                out[j] = out[j] + np.float32(np.float32(x) * std32)
-            else:
-                out[j] = out[j] + x * std
-        i += 1
+        else:
+            x = _normal(c1, c2, c3, k0, k1, np.uint64(first + j), accept, scale, height)
+        if mode == _STORE:
+            out[j] = x
+        elif mode == _ADD32:
+            out[j] = out[j] + np.float32(np.float32(x) * std32)
+        else:
+            out[j] = out[j] + x * std
 
 
 def _check_out(out: np.ndarray) -> None:
@@ -132,33 +158,39 @@ def _check_out(out: np.ndarray) -> None:
         raise ValueError(f"out must be a contiguous 1-D float32 or float64 array, got {out.dtype} {out.shape}")
 
 
-def fill_normals(state: tuple[int, int, int], skip: int, out: np.ndarray) -> None:
-    """Fill ``out`` (1-D, float32 or float64, contiguous) with draws ``skip .. skip + len(out)``
-    of the standard normal stream started from the SFC64 ``state`` ``(a, b, c)``.
+def _check(seed: tuple[int, ...], first: int, n: int) -> None:
+    if len(seed) != 5 or not all(0 <= w <= 0xFFFFFFFF for w in seed):
+        raise ValueError(f"seed must be five 32-bit words, got {seed!r}")
+    if first < 0 or first + n > 1 << COUNTER_SHIFT:
+        raise ValueError(f"offsets must lie in [0, 2^{COUNTER_SHIFT}), got first={first}, n={n}")
+
+
+def fill_normals(seed: tuple[int, ...], first: int, out: np.ndarray) -> None:
+    """Fill ``out`` (1-D, float32 or float64, contiguous) with the normals at offsets ``first ..
+    first + len(out)`` of the block with ``seed`` (five 32-bit words).
 
     Formal Guarantees:
-      * Draw ``k`` of a stream is the same whatever ``skip`` and ``len(out)`` are
-        (``tests/test_ziggurat.py::test_a_stream_prefix_does_not_depend_on_its_length``); float32
+      * The normal at an offset does not depend on ``first`` or ``len(out)``
+        (``tests/test_ziggurat.py::test_an_offsets_draw_does_not_depend_on_the_range``); float32
         output is the float64 draw rounded to nearest.
       * Releases the GIL: threads filling different buffers run in parallel.
-    Edge cases: an empty ``out`` draws nothing; ``skip < 0`` raises ``ValueError``."""
-    if skip < 0:
-        raise ValueError(f"skip must be >= 0, got {skip}")
+    Edge cases: an empty ``out`` draws nothing; ``first < 0``, offsets past ``2^16`` or a seed
+    that is not five 32-bit words raise ``ValueError``."""
     _check_out(out)
+    _check(seed, first, out.shape[0])
     if out.shape[0]:
-        a, b, c = (np.uint64(v) for v in state)
-        _kernel(a, b, c, skip, out, _STORE, 1.0, ACCEPT, SCALE, HEIGHT)
+        _kernel(*(np.uint64(w) for w in seed), first, out, _STORE, 1.0, ACCEPT, SCALE, HEIGHT)
 
 
-def add_scaled_normals(state: tuple[int, int, int], out: np.ndarray, std: float) -> None:
-    """``out += round(draw) * std`` for the stream's first ``len(out)`` draws, in ``out``'s
+def add_scaled_normals(seed: tuple[int, ...], out: np.ndarray, std: float) -> None:
+    """``out += round(draw) * std`` for the block's offsets ``0 .. len(out)``, in ``out``'s
     precision: for float32, ``out[j] + float32(float32(z_j) * float32(std))``, i.e. exactly what
     filling a float32 buffer, multiplying it by ``std`` and adding it does with torch.
 
     Guarantee: ``tests/test_ziggurat.py::test_adding_scaled_draws_is_filling_scaling_and_adding``.
     Releases the GIL."""
     _check_out(out)
+    _check(seed, 0, out.shape[0])
     if out.shape[0]:
-        a, b, c = (np.uint64(v) for v in state)
         mode = _ADD32 if out.dtype == np.float32 else _ADD64
-        _kernel(a, b, c, 0, out, mode, float(std), ACCEPT, SCALE, HEIGHT)
+        _kernel(*(np.uint64(w) for w in seed), 0, out, mode, float(std), ACCEPT, SCALE, HEIGHT)

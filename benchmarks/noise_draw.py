@@ -1,0 +1,91 @@
+"""Nanoseconds per standard normal of the noise sampler on the host, beside a baseline.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/noise_draw.py                      # baseline: v2 at 55e9461
+    PYTHONPATH=. .venv/bin/python benchmarks/noise_draw.py --baseline-commit REV --rounds 20
+
+Times ``privacy.ziggurat.fill_normals`` of this tree (scheme v3: Philox4x32-10 words, element
+addressable) and the ``fill_normals`` of ``privacy/ziggurat.py`` at ``--baseline-commit`` (loaded
+from git into a module of its own; v2 was an SFC64 stream seeded by three 64-bit words), on one
+thread, block after block of 65536 normals into a float64 buffer, the two interleaved round
+after round; prints the median ns per normal of each and their ratio. With ``--ops`` it also
+times the torch-ops formulation (``privacy.ziggurat_ops.block_normals``) on the CPU, for
+information: it is the device path, on the CPU only in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 65536
+
+
+def _baseline(commit: str):  # noqa: ANN202 - a module
+    source = subprocess.run(["git", "show", f"{commit}:privacy/ziggurat.py"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "ziggurat_baseline.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("ziggurat_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ns_per_normal(fill, seed: tuple[int, ...], blocks: int) -> float:
+    out = np.empty(BLOCK)
+    start = time.perf_counter()
+    for b in range(blocks):
+        fill(seed[:-1] + (seed[-1] + b,), 0, out)
+    return (time.perf_counter() - start) / (blocks * BLOCK) * 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline-commit", default="55e9461")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--blocks", type=int, default=60, help="blocks of 65536 normals per round and sampler")
+    ap.add_argument("--ops", action="store_true", help="also time the torch-ops formulation on the CPU")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    from privacy.ziggurat import fill_normals
+    from privacy.ziggurat_ops import block_normals
+
+    base = _baseline(args.baseline_commit)
+    samplers = {"v3 (this tree)": (fill_normals, (1, 2, 3, 4, 5)),
+                f"baseline ({args.baseline_commit})": (base.fill_normals, (1, 2, 3))}
+    for fill, seed in samplers.values():
+        _ns_per_normal(fill, seed, 2)  # compile
+    times: dict[str, list[float]] = {k: [] for k in samplers}
+    for _ in range(args.rounds):
+        for name, (fill, seed) in samplers.items():
+            times[name].append(_ns_per_normal(fill, seed, args.blocks))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, v in med.items():
+        print(f"{k}: {v:.2f} ns per normal (median of {args.rounds} rounds; min {min(times[k]):.2f}, "
+              f"max {max(times[k]):.2f})")
+    v3, v2 = med["v3 (this tree)"], med[f"baseline ({args.baseline_commit})"]
+    print(f"ratio v3 / baseline: {v3 / v2:.2f}x (1 thread, {args.blocks} blocks of {BLOCK} per round)")
+    if args.ops:
+        seeds = torch.tensor([[1, 2, 3, 4, 5 + b] for b in range(16)], dtype=torch.int64)
+        block_normals(seeds, 0, 0, BLOCK, BLOCK)
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            block_normals(seeds, 0, 0, 16 * BLOCK, BLOCK)
+            runs.append((time.perf_counter() - start) / (16 * BLOCK) * 1e9)
+        print(f"torch ops on the CPU: {statistics.median(runs):.1f} ns per normal (1 thread, median of 3)")
+
+
+if __name__ == "__main__":
+    main()
