@@ -24,7 +24,7 @@ from privacy.philox import philox_torch
 from privacy.ziggurat import ACCEPT, COUNTER_SHIFT, HEIGHT, SCALE, TAIL_START
 
 _U53 = 2.0**-53
-_CHUNK_ELEMENTS = {"cpu": 1 << 20, "cuda": 1 << 24}  # grid size per batch: bounds the temporaries
+_CHUNK_ELEMENTS = {"cpu": 1 << 16, "cuda": 1 << 24}  # grid size per batch: bounds the temporaries
 _TABLES: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
 
 

@@ -89,13 +89,13 @@ def test_gaussian_noise_reads_no_values():
 
 def test_slice_draws_only_the_blocks_it_overlaps_however_large_the_parameter(monkeypatch):
     seen = []
-    real = noise._block_state
+    real = noise._block_seed
 
     def counting(key, step, name, block):
         seen.append(block)
         return real(key, step, name, block)
 
-    monkeypatch.setattr(noise, "_block_state", counting)
+    monkeypatch.setattr(noise, "_block_seed", counting)
     numel = 10**15
     start, stop = 7 * BLOCK + 123, 9 * BLOCK + 5
     x = noise_slice("huge", numel, start, stop, **KW)
@@ -120,16 +120,18 @@ def test_threaded_and_serial_draws_give_the_same_bits(monkeypatch):
 
 
 def test_noise_bits_match_the_recorded_reference():
-    # Pins the seeding scheme, SFC64 and the ziggurat (privacy/ziggurat.py), and the platform's
-    # exp/log through the 1.5% of draws that use them. If it fails after editing either file, the
-    # scheme changed: runs resumed across the change draw different (still valid) noise, so bump
+    # Pins the seeding scheme, Philox4x32-10 (privacy/philox.py), the ziggurat (privacy/ziggurat.py)
+    # and its exp/log (privacy/exact_math.py). If it fails after editing any of them, the scheme
+    # changed: runs resumed across the change draw different (still valid) noise, so bump
     # noise._HASH_PERSON and record the new digest only after deciding that is acceptable.
     x = noise_slice("layer.weight", 3 * BLOCK, BLOCK - 10, BLOCK + 10, key=2024, step=17, std=1.0)
     digest = hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16]
     assert digest == REFERENCE_DIGEST, digest
 
 
-REFERENCE_DIGEST = "ce3ddb323c2a18a7"  # scheme v2 (numba ziggurat), recorded when it was written
+# scheme v3: recorded at its introduction (branch i30-noise) by running this call on the host
+# sampler and, separately, through the torch-ops one (noise._device_noise on the CPU): both gave it
+REFERENCE_DIGEST = "4dbcf8ea4a592d45"
 
 
 def test_noise_bits_through_the_wedge_and_the_tail_match_the_recorded_reference():
@@ -140,7 +142,7 @@ def test_noise_bits_through_the_wedge_and_the_tail_match_the_recorded_reference(
     assert hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16] == LONG_REFERENCE_DIGEST
 
 
-LONG_REFERENCE_DIGEST = "32f4561f611e073e"  # scheme v2, recorded from the session 3 kernel before its sign tweak
+LONG_REFERENCE_DIGEST = "df26836b92ef55e4"  # scheme v3, recorded as REFERENCE_DIGEST was (host and torch ops agree)
 
 
 def test_gaussian_noise_pools_every_parameters_blocks_with_the_serial_bits(monkeypatch):
@@ -236,8 +238,8 @@ def test_noise_drawn_ahead_gives_the_same_bits(std):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_noise_on_cuda_has_the_cpu_bits():
-    """On a CUDA device (pinned host draw, asynchronous copy, scaled and added there), drawn
-    ahead or not, the noise is the CPU's bit for bit."""
+    """On a CUDA device (drawn there in torch ops, scaled and added there), drawn ahead or not,
+    the noise is the CPU's bit for bit; a slice drawn on the device is the host's slice."""
     from privacy.noise import add_gaussian_noise_, draw_ahead
 
     expected = add_gaussian_noise_(_mixed_tensors(), key=3, step=9, std=0.37)
@@ -249,3 +251,49 @@ def test_noise_on_cuda_has_the_cpu_bits():
             assert torch.equal(got[k].cpu(), expected[k]), k
     for k, t in _mixed_tensors().items():
         assert torch.equal(drawn[k].cpu(), gaussian_noise({k: t}, key=3, step=9, std=0.37)[k]), k
+    for start, stop in [(5, 3 * BLOCK + 1), (BLOCK - 1, BLOCK + 1)]:
+        on_device = noise_slice("w", 4 * BLOCK, start, stop, key=1, step=2, std=0.5, device="cuda")
+        assert on_device.device.type == "cuda"
+        assert torch.equal(on_device.cpu(), noise_slice("w", 4 * BLOCK, start, stop, key=1, step=2, std=0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_device_formulation_equals_the_host_slices(dtype):
+    """The draw a device makes (``privacy.ziggurat_ops`` in torch ops, here run on the CPU) is
+    the host sampler's, bit for bit: several keys, steps and names, slices at odd offsets
+    across block edges, scaled by a std that is not 1; about 1M elements in float32."""
+    cases = [("layer.weight", 2024, 17, 0, 6 * BLOCK + 3), ("h.0.attn.c_attn.bias", -(2**70), 10**9, 12345, 4 * BLOCK + 999),
+             ("\u00e9", 0, 0, BLOCK - 1, BLOCK + 2), ("w", 5, 6, 3, 3)]
+    if dtype != torch.float32:
+        cases = cases[1:]
+    for name, key, step, start, stop in cases:
+        host = noise_slice(name, 10 * BLOCK, start, stop, key=key, step=step, std=0.37, dtype=dtype)
+        ops = noise._device_noise(name, start, stop, key=key, step=step, std=0.37, dtype=dtype,
+                                  device=torch.device("cpu"))
+        assert ops.dtype == dtype and torch.equal(host, ops), name
+        assert torch.equal(torch.signbit(host), torch.signbit(ops))
+
+
+def test_cuda_tensors_draw_on_their_device_with_nothing_from_the_host(monkeypatch):
+    """A tensor on a device is noised from torch ops on that device, never from the host
+    sampler: ``gaussian_noise``, ``add_gaussian_noise_`` and ``draw_ahead`` route a non-CPU
+    tensor to ``_device_noise`` (the ``meta`` device stands in for CUDA here: no values, so
+    only the routing and the shapes are checked; the bits are proven by the test above)."""
+    from privacy.noise import add_gaussian_noise_, draw_ahead
+
+    def no_host(*args, **kwargs):
+        raise AssertionError("the host sampler was called for a device tensor")
+
+    monkeypatch.setattr(noise, "fill_normals", no_host)
+    monkeypatch.setattr(noise, "add_scaled_normals", no_host)
+    seen = []
+    monkeypatch.setattr(noise, "_device_noise", lambda name, start, stop, **kw: seen.append((name, kw["device"].type))
+                        or torch.zeros(stop - start, dtype=kw["dtype"], device=kw["device"]))
+    t = {"w": torch.empty(3, BLOCK, device="meta"), "b": torch.empty(7, dtype=torch.bfloat16, device="meta")}
+    out = gaussian_noise(t, key=1, step=2, std=0.5)
+    assert {k: (v.shape, v.dtype, v.device.type) for k, v in out.items()} == {
+        "w": ((3, BLOCK), torch.float32, "meta"), "b": ((7,), torch.bfloat16, "meta")}
+    assert draw_ahead(t, key=1, step=2, std=0.5).buffers == {}
+    add_gaussian_noise_(t, key=1, step=2, std=0.5)
+    assert noise_slice("w", 10, 2, 9, key=1, step=2, std=0.5, device="meta").shape == (7,)
+    assert seen == [("w", "meta"), ("b", "meta")] * 2 + [("w", "meta")]

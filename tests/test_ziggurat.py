@@ -1,5 +1,6 @@
-"""Unit tests of privacy.ziggurat: the tables tile the density, streams are prefix-stable, and
-the draws are standard normal (moments, tails, a Kolmogorov-Smirnov test)."""
+"""Unit tests of privacy.ziggurat: the tables tile the density, each offset's draw stands alone,
+the torch-ops formulation (privacy.ziggurat_ops) has the host's bits, and the draws are standard
+normal (moments, tails, a Kolmogorov-Smirnov test)."""
 
 import math
 
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from privacy.ziggurat import STRIP_AREA, STRIPS, TAIL_START, fill_normals, strip_edges
+from privacy.ziggurat import COUNTER_SHIFT, STRIP_AREA, STRIPS, TAIL_START, fill_normals, strip_edges
+
+BLOCK = 1 << COUNTER_SHIFT  # the offsets of one seed
 
 
 def _f(x):
@@ -24,26 +27,87 @@ def test_every_strip_has_the_same_area_and_the_strips_reach_the_top():
     assert all(a > b for a, b in zip(x[1:], x[2:]))  # edges decrease to the top strip
 
 
-def test_a_stream_prefix_does_not_depend_on_its_length():
+SEED = (1, 2, 3, 0xFFFFFFFF, 5)  # five 32-bit words
+
+
+def test_an_offsets_draw_does_not_depend_on_the_range():
     whole = np.empty(5000)
-    fill_normals((1, 2, 3), 0, whole)
-    for skip, n in [(0, 1), (0, 4999), (17, 100), (4000, 1000), (1234, 0)]:
+    fill_normals(SEED, 0, whole)
+    for first, n in [(0, 1), (0, 4999), (17, 100), (4000, 1000), (1234, 0)]:
         part = np.empty(n)
-        fill_normals((1, 2, 3), skip, part)
-        assert np.array_equal(part, whole[skip:skip + n])
+        fill_normals(SEED, first, part)
+        assert np.array_equal(part, whole[first:first + n])
 
 
 def test_float32_draws_are_the_float64_draws_rounded():
-    d64, d32 = np.empty(70_000), np.empty(70_000, np.float32)
-    fill_normals((9, 8, 7), 5, d64)
-    fill_normals((9, 8, 7), 5, d32)
+    d64, d32 = np.empty(60_000), np.empty(60_000, np.float32)
+    fill_normals((9, 8, 7, 6, 5), 5, d64)
+    fill_normals((9, 8, 7, 6, 5), 5, d32)
     assert np.array_equal(d32, d64.astype(np.float32))
+
+
+def _host_blocks(seeds: list[tuple[int, ...]], dtype=np.float64) -> np.ndarray:
+    out = np.empty(len(seeds) * BLOCK, dtype)
+    for b, seed in enumerate(seeds):
+        fill_normals(seed, 0, out[b * BLOCK:(b + 1) * BLOCK])
+    return out
+
+
+def _call0_candidates(seeds: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per element: call 0's unsigned candidate ``x`` and its strip, from the Philox words
+    alone (an element whose draw is not +-candidate needed more calls)."""
+    from privacy.philox import philox_torch
+    from privacy.ziggurat import SCALE
+
+    s = torch.tensor(seeds, dtype=torch.int64)
+    c1, c2, c3, k0, k1 = (s[:, j:j + 1] for j in range(5))
+    y0, y1, _, _ = philox_torch(torch.arange(BLOCK).unsqueeze(0), c1, c2, c3, k0, k1)
+    strip = (y0 & 0xFF).reshape(-1)
+    u = ((y1 << 20) | (y0 >> 12)).reshape(-1)
+    return (u.double() * torch.from_numpy(SCALE)[strip]).numpy(), strip.numpy()
+
+
+def test_torch_ops_equal_the_host_sampler_bit_for_bit():
+    """``ziggurat_ops.block_normals`` (the device formulation, here on the CPU) == the numba
+    host sampler over 1M elements of 16 blocks of assorted seeds, in float64 (1M more in float32
+    through ``privacy.noise``: ``tests/test_noise.py``); among them draws
+    that went to the tail (beyond r, found by scanning) and wedge rejections (elements whose
+    call 0 did not settle in a strip above 0), each compared on its own as well."""
+    from privacy.ziggurat_ops import block_normals
+
+    g = np.random.default_rng(5)
+    seeds = [tuple(int(w) for w in g.integers(0, 2**32, 5)) for _ in range(14)] + [(0,) * 5, (2**32 - 1,) * 5]
+    host = _host_blocks(seeds)
+    ops = block_normals(torch.tensor(seeds, dtype=torch.int64), 0, 0, len(seeds) * BLOCK, BLOCK).numpy()
+    assert np.array_equal(host.view(np.int64), ops.view(np.int64))
+    tail = np.flatnonzero(np.abs(host) > TAIL_START)
+    assert len(tail) > 150  # P(|x| > r) = 2.6e-4: about 270 expected
+    assert np.array_equal(host[tail], ops[tail]) and np.all(np.abs(ops[tail]) > TAIL_START)
+    candidate, strip = _call0_candidates(seeds)
+    redrawn = np.flatnonzero((np.abs(host) != candidate) & (strip != 0))  # wedge rejected at call 0
+    assert len(redrawn) > 1000  # wedge rejections: several thousand
+    assert np.array_equal(host[redrawn], ops[redrawn])
+
+
+def test_torch_ops_slices_at_odd_offsets_equal_the_host_slices():
+    """Slices that start and end inside blocks, across block edges and inside one block."""
+    from privacy.ziggurat_ops import block_normals
+
+    seeds = [(7, 7, 7, 7, b) for b in range(3)]
+    host = _host_blocks(seeds)
+    table = torch.tensor(seeds, dtype=torch.int64)
+    for start, stop in [(1, 2), (BLOCK - 3, BLOCK + 5), (12345, 2 * BLOCK + 7), (2 * BLOCK, 3 * BLOCK), (77, 77)]:
+        first = start // BLOCK
+        got = block_normals(table[first:], first, start, stop, BLOCK).numpy()
+        assert np.array_equal(got, host[start:stop]), (start, stop)
 
 
 def test_draws_pass_a_kolmogorov_smirnov_test_and_reach_the_tail():
     n = 2_000_000
     x = np.empty(n)
-    fill_normals((2024, 17, 3), 0, x)
+    fill_normals((2024, 17, 3, 4, 5), 0, x[:BLOCK])
+    for b in range(1, n // BLOCK + 1):  # an offset is below 2^16: one block per 65536 draws
+        fill_normals((2024, 17, 3, 4, 5 + b), 0, x[b * BLOCK:(b + 1) * BLOCK])
     xs = np.sort(x)
     cdf = 0.5 * torch.special.erfc(torch.from_numpy(-xs / math.sqrt(2))).numpy()
     ks = max(np.max(np.arange(1, n + 1) / n - cdf), np.max(cdf - np.arange(n) / n))
@@ -57,21 +121,27 @@ def test_draws_pass_a_kolmogorov_smirnov_test_and_reach_the_tail():
 
 def test_different_states_give_unrelated_streams():
     a, b = np.empty(1000), np.empty(1000)
-    fill_normals((1, 2, 3), 0, a)
-    fill_normals((1, 2, 4), 0, b)
+    fill_normals((1, 2, 3, 4, 5), 0, a)
+    fill_normals((1, 2, 3, 4, 6), 0, b)
     assert not np.isin(a, b).any()
 
 
 def test_bad_arguments_raise_value_error():
-    with pytest.raises(ValueError, match="skip"):
-        fill_normals((1, 2, 3), -1, np.empty(3))
+    with pytest.raises(ValueError, match="offsets"):
+        fill_normals(SEED, -1, np.empty(3))
+    with pytest.raises(ValueError, match="offsets"):
+        fill_normals(SEED, BLOCK - 2, np.empty(3))
+    with pytest.raises(ValueError, match="seed"):
+        fill_normals((1, 2, 3), 0, np.empty(3))
+    with pytest.raises(ValueError, match="seed"):
+        fill_normals((1, 2, 3, 4, 2**32), 0, np.empty(3))
     with pytest.raises(ValueError, match="out"):
-        fill_normals((1, 2, 3), 0, np.empty(3, np.int64))
+        fill_normals(SEED, 0, np.empty(3, np.int64))
     with pytest.raises(ValueError, match="out"):
-        fill_normals((1, 2, 3), 0, np.empty((2, 2)))
+        fill_normals(SEED, 0, np.empty((2, 2)))
     with pytest.raises(ValueError, match="out"):
-        fill_normals((1, 2, 3), 0, np.empty(6)[::2])
-    fill_normals((1, 2, 3), 0, np.empty(0))  # nothing to draw
+        fill_normals(SEED, 0, np.empty(6)[::2])
+    fill_normals(SEED, 0, np.empty(0))  # nothing to draw
 
 
 
@@ -83,8 +153,8 @@ def test_adding_scaled_draws_is_filling_scaling_and_adding(dtype, std):
 
     base = np.random.default_rng(0).standard_normal(20_000).astype(dtype)
     draw = np.empty(20_000, dtype)
-    fill_normals((4, 5, 6), 0, draw)
+    fill_normals((4, 5, 6, 7, 8), 0, draw)
     expected = torch.from_numpy(base.copy()).add_(torch.from_numpy(draw).mul_(std))
     out = base.copy()
-    add_scaled_normals((4, 5, 6), out, std)
+    add_scaled_normals((4, 5, 6, 7, 8), out, std)
     assert np.array_equal(out, expected.numpy())
