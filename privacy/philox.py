@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+import torch
 from torch import Tensor
 
 M0, M1 = 0xD2511F53, 0xCD9E8D57  # the round multipliers
@@ -68,5 +69,14 @@ def philox_torch(x0: Tensor, x1: Tensor, x2: Tensor, x3: Tensor, k0: Tensor,
             k1 = (k1 + W1) & MASK32
         p0 = x0 * M0  # < 2^64: wraps in int64, the low 64 bits are the uint64 product's
         p1 = x2 * M1
-        x0, x1, x2, x3 = ((p1 >> 32) & MASK32) ^ x1 ^ k0, p1 & MASK32, ((p0 >> 32) & MASK32) ^ x3 ^ k1, p0 & MASK32
+        hi1 = (p1 >> 32).bitwise_and_(MASK32)
+        hi0 = (p0 >> 32).bitwise_and_(MASK32)
+        # in place where the shapes allow it (after the first round every word has the full shape)
+        x0 = hi1.bitwise_xor_(x1).bitwise_xor_(k0) if hi1.shape == _shape(hi1, x1, k0) else hi1 ^ x1 ^ k0
+        x2 = hi0.bitwise_xor_(x3).bitwise_xor_(k1) if hi0.shape == _shape(hi0, x3, k1) else hi0 ^ x3 ^ k1
+        x1, x3 = p1.bitwise_and_(MASK32), p0.bitwise_and_(MASK32)
     return x0, x1, x2, x3
+
+
+def _shape(*tensors: Tensor) -> tuple[int, ...]:
+    return tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
