@@ -12,7 +12,7 @@ tensors (``torch.cuda.max_memory_allocated() > 0``). Then prints loss and epsilo
 step by step.
 
 What to expect: epsilon and every step's Poisson batch size are EQUAL on CPU and CUDA (sampling
-and accounting run on the host; the noise is drawn on the host and copied, the same bits).
+and accounting run on the host; the noise is drawn on each device, the same bits).
 Losses are not bitwise equal: cuBLAS sums matrix products in another order than the CPU
 (TF32 stays off: ``torch.backends.cuda.matmul.allow_tf32`` is False by default and is not set),
 and a few CUDA backward kernels accumulate with atomics (not even run to run equal). In float32

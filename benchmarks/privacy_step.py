@@ -20,8 +20,8 @@ finite, every parameter tensor changed) on its first warm-up step, before anythi
 
 Devices: ``--device cpu`` (default) or ``--device cuda``: models, batch, per-example norms,
 clipping, optimizers and Opacus all on the GPU; fsdpx's noise (a pure function of key, step,
-parameter and element, drawn by the host sampler) is drawn on the host while the GPU runs the
-forward and backward, then copied and added there (``privacy.noise.draw_ahead``). Configs: small
+parameter and element) is drawn on the GPU in torch ops (``privacy.ziggurat_ops``; until scheme
+v3 it was drawn on the host and copied). Configs: small
 and large (the CPU's), gpu (GPT-2 small's shape, the default on cuda), smoke (tiny, for
 ``--smoke``: one warm-up step, one round, one memory step, on either device).
 

@@ -7,8 +7,8 @@
 
 The step composes: budget check -> clipped_grad -> Gaussian noise of std
 ``noise_multiplier * clip_norm``, the draw of :func:`privacy.noise.gaussian_noise` from (key, step,
-name, element), added in place by ``add_gaussian_noise_`` (same bits; for parameters on an
-accelerator it is drawn on the host while the forward and backward run) -> divide by the EXPECTED
+name, element), added in place by ``add_gaussian_noise_`` (same bits; for parameters on a CUDA
+device it is drawn there, in torch ops, nothing copied from the host) -> divide by the EXPECTED
 batch size ``q N`` (the Poisson batch size is random; a fixed divisor keeps the sensitivity
 fixed) -> optimizer update -> accountant record.
 """
@@ -28,7 +28,7 @@ from privacy.accounting import Accountant, max_steps
 from privacy.batch import real_count
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
-from privacy.noise import add_gaussian_noise_, draw_ahead_async
+from privacy.noise import add_gaussian_noise_
 from privacy.sampling import PoissonSampler
 from privacy.tape import LossFn, Params
 from privacy.validate import check_model
@@ -141,17 +141,12 @@ def make_private_step(
         if not bound:
             bound.append(bind(trainable, model, state.params))
         train, frozen = bound[0].split(state.params, state.step) if bound[0] else (state.params, {})
-        # noise bound for an accelerator is drawn on the host while the accelerator runs the
-        # forward and backward (it depends on no gradient); CPU tensors get it in place below
-        ahead = (draw_ahead_async(train, key=state.key, step=state.step, std=config.noise_std)
-                 if any(p.device.type != "cpu" for p in train.values()) else None)
         with values_in(model, frozen):  # the forward reads the frozen ones' current values
             clipped = clip_and_sum(model, train, batch, loss_fn, clip_norm=config.clip_norm,
                                    method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
         # in place on the fresh clipped sums: the bits of (g + gaussian_noise(...)) / qN, and on
-        # the CPU no parameter-sized noise tensor is ever allocated
-        noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std,
-                                     drawn=ahead.result() if ahead is not None else None)
+        # the CPU no parameter-sized noise tensor is ever allocated; on a CUDA device it is drawn there
+        noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)
         noised = {k: g.div_(expected_batch) for k, g in noised.items()}
         if bound[0] is not None:  # per-parameter counts once there is a schedule
             params, opt_state = update_trainable(update, noised, state.opt_state, state.params)

@@ -45,7 +45,8 @@ def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, 
                 device: torch.device | str = "cpu") -> Tensor:
     """The unsharded run's noise for the elements of ``box`` of parameter ``name``, shaped like
     the box: ``noise_slice`` of each of the box's flat runs, concatenated, on ``device``. It is
-    drawn on the host (the sampler is a CPU kernel) and copied: the same bits on any device.
+    drawn where it goes (on a CUDA device in torch ops, nothing copied from the host but the
+    block seeds): the same bits on any device.
 
     Runs closer than ``privacy.noise.BLOCK`` are drawn as one covering slice and cut out of it
     (partition invariance makes the bits the same): a column block of a row-parallel weight is
@@ -55,12 +56,12 @@ def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, 
     numel = math.prod(shape)
     parts = []
     for lo, hi, runs in _clusters(flat_runs(shape, box), BLOCK):
-        drawn = noise_slice(name, numel, lo, hi, key=key, step=step, std=std, dtype=dtype)
+        drawn = noise_slice(name, numel, lo, hi, key=key, step=step, std=std, dtype=dtype, device=device)
         parts += [drawn] if len(runs) == 1 else [drawn[a - lo:b - lo] for a, b in runs]
     size = tuple(b - a for a, b in box)
     if not parts:
         return torch.zeros(size, dtype=dtype, device=device)
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]).view(size).to(device)
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).view(size)
 
 
 def _clusters(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
