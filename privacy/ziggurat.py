@@ -3,26 +3,34 @@ compiled by numba.
 
 This is the host sampler under :mod:`privacy.noise`; it knows nothing about keys, steps or
 names. A block's *seed* is five 32-bit words ``(c1, c2, c3, k0, k1)``. The normal at offset
-``i`` of the block (``0 <= i < 2^16``) is a function of the seed and ``i`` alone: its ``n``-th
-Philox call (``n = 0, 1, ...``) is counter ``(i + n * 2^16, c1, c2, c3)``, key ``(k0, k1)``
-(:mod:`privacy.philox`), giving two 64-bit words ``W0 = y1:y0`` and ``W1 = y3:y2``. The
-ziggurat of Marsaglia and Tsang (2000) turns them into a normal:
+``i`` of the block (``0 <= i < 2^16``) is a function of the seed and ``i`` alone, drawn from a
+sequence of 64-bit words of Philox4x32-10 (:mod:`privacy.philox`; key ``(k0, k1)``, counter
+``(x0, c1, c2, c3)``; a call gives ``W0 = y1:y0`` and ``W1 = y3:y2``):
 
-* call ``n``: ``W0`` gives a strip (its low 8 bits), a sign (bit 8) and a 52-bit position
-  ``u = W0 >> 12``; in 98.5% of draws ``u`` lies inside the strip's inner rectangle and
-  ``x = u * scale[strip]`` is the draw, at call 0;
-* otherwise, in strips 1-255 the wedge is tested with ``W1``'s top 53 bits as the height
-  uniform against ``exp(-x^2/2)``; a rejection starts over with call ``n + 1``;
-* in strip 0 the tail beyond ``r`` is drawn by Marsaglia's exponential method, each trial one
-  more call (``t`` from ``W0``, ``e`` from ``W1``, ``t = -log(U) / r``), which reaches past
-  ``13 sigma`` (a ``log`` of a 53-bit uniform), so the tail is not cut where DP analysis cares.
+* word 0, the *pair call*: ``x0 = i >> 1``, and offset ``i`` takes ``W0`` if ``i`` is even,
+  ``W1`` if odd (one call serves two neighbours: 98.5% of draws need nothing else, and the
+  call is the sampler's main cost);
+* call ``n >= 1``: ``x0 = i + n * 2^16`` (at least ``2^16``, so never a pair counter; for
+  ``n < 2^16`` distinct offsets and calls never share a counter).
 
-The sign of the accepted call's ``W0`` is the draw's. ``exp`` and ``log`` are those of
+The ziggurat of Marsaglia and Tsang (2000) turns them into a normal. A *position word* gives a
+strip (its low 8 bits), a sign (bit 8) and a 52-bit position ``u = word >> 12``; if ``u`` lies
+inside the strip's inner rectangle, ``x = u * scale[strip]`` is the draw. The first position
+word is the pair call's. Otherwise:
+
+* in strips 1-255, the wedge: the next call's ``W0`` (top 53 bits) is the height uniform,
+  tested against ``exp(-x^2/2)``; a rejection takes the next call's ``W0`` as a fresh position
+  word;
+* in strip 0, the tail beyond ``r`` by Marsaglia's exponential method, one call per trial
+  (``t = -log(U) / r`` from ``W0``, ``e`` from ``W1``), which reaches past ``13 sigma`` (a
+  ``log`` of a 53-bit uniform), so the tail is not cut where DP analysis cares.
+
+The sign is that of the accepted position word. ``exp`` and ``log`` are those of
 :mod:`privacy.exact_math` (``+ - * /`` only), so the device implementation
-(:mod:`privacy.ziggurat_ops`), which makes the same calls for the same element, gets the same
+(:mod:`privacy.ziggurat_ops`), which reads the same words for the same element, gets the same
 bits (``tests/test_ziggurat.py::test_torch_ops_equal_the_host_sampler_bit_for_bit``). An element
-makes more than ``2^16`` calls with probability below ``0.03^65535``: the counter then wraps
-into other offsets' counters of the same block (documented, never observed).
+needs ``2^16`` calls with probability below ``0.03^65535`` (never observed); the counter would
+then wrap into other offsets' counters of the same block.
 
 The strips cover the half-normal density ``f(x) = exp(-x^2 / 2)`` with 256 strips of equal
 area ``v``: strip ``i`` is the rectangle ``[0, x_i] x [f(x_i), f(x_{i+1})]`` (strip 0 is the
@@ -88,19 +96,26 @@ _STRIP_MASK = np.uint64(STRIPS - 1)
 
 
 @numba.njit(inline="always")
+def _word(c1, c2, c3, k0, k1, counter):  # noqa: ANN001, ANN202
+    """``W0`` (words 1:0) of one Philox call."""
+    y0, y1, _, _ = philox_host(counter, c1, c2, c3, k0, k1)
+    return y0 | (y1 << _32)
+
+
+@numba.njit(inline="always")
 def _normal(c1, c2, c3, k0, k1, offset, accept, scale, height):  # noqa: ANN001, ANN202, PLR0913
     """The standard normal at ``offset`` of the block with seed ``(c1, c2, c3, k0, k1)``."""
-    n = np.uint64(0)
+    y0, y1, y2, y3 = philox_host(offset >> _1, c1, c2, c3, k0, k1)  # the pair call
+    p = (y2 | (y3 << _32)) if offset & _1 else (y0 | (y1 << _32))
+    n = np.uint64(1)
     while True:
-        y0, y1, y2, y3 = philox_host(offset + (n << _SHIFT), c1, c2, c3, k0, k1)
-        n += _1
-        strip = y0 & _STRIP_MASK
-        negative = (y0 >> _8) & _1
-        u = (y1 << _20) | (y0 >> _12)  # W0 >> 12: 52 bits
+        strip = p & _STRIP_MASK
+        negative = (p >> _8) & _1
+        u = p >> _12  # 52 bits
         x = np.float64(np.int64(u)) * scale[strip]  # exact either way; the signed conversion is one instruction
         if u < accept[strip]:
             break
-        if strip == 0:  # the tail beyond r
+        if strip == 0:  # the tail beyond r: one call per trial
             while True:
                 t0, t1, t2, t3 = philox_host(offset + (n << _SHIFT), c1, c2, c3, k0, k1)
                 n += _1
@@ -110,15 +125,19 @@ def _normal(c1, c2, c3, k0, k1, offset, accept, scale, height):  # noqa: ANN001,
                     break
             x = TAIL_START + t
             break
-        # the wedge between the inner rectangle and the strip's top
-        y = height[strip] + (height[strip + 1] - height[strip]) * (np.float64(np.int64((y3 << _21) | (y2 >> _11))) * _U53)
+        # the wedge between the inner rectangle and the strip's top: the next word is the height
+        v = _word(c1, c2, c3, k0, k1, offset + (n << _SHIFT))
+        n += _1
+        y = height[strip] + (height[strip + 1] - height[strip]) * (np.float64(np.int64(v >> _11)) * _U53)
         if y < exp_host(-0.5 * x * x):
             break
+        p = _word(c1, c2, c3, k0, k1, offset + (n << _SHIFT))  # rejected: the next word starts over
+        n += _1
     return -x if negative else x
 
 
 _STORE, _ADD32, _ADD64 = 0, 1, 2  # what the kernel does with draw j
-_CHUNK = 1024
+_CHUNK = 1024  # even
 
 
 @numba.njit(nogil=True, cache=True)
@@ -132,7 +151,7 @@ def _kernel(c1, c2, c3, k0, k1, first, out, mode, std, accept, scale, height):  
     a candidate, the scalar :func:`_normal` settles the 1.5% call 0 leaves (recomputing their
     call 0), and the last stores or adds."""
     n = out.shape[0]
-    words = np.empty(_CHUNK, dtype=np.uint64)
+    words = np.empty(_CHUNK + 2, dtype=np.uint64)
     xs = np.empty(_CHUNK, dtype=np.float64)
     unsettled = np.empty(_CHUNK, dtype=np.uint8)
     accept_signed = accept.view(np.int64)  # thresholds below 2^52: the same order signed
@@ -140,11 +159,14 @@ def _kernel(c1, c2, c3, k0, k1, first, out, mode, std, accept, scale, height):  
     for c0 in range(0, n, _CHUNK):
         m = min(_CHUNK, n - c0)
         base = first + c0
-        for j in range(m):  # straight-line uint64 code alone in its loop: vectorised
-            y0, y1, _, _ = philox_host(np.uint64(base + j), c1, c2, c3, k0, k1)
-            words[j] = y0 | (y1 << _32)
+        pair0 = base >> 1
+        for q in range(((base + m - 1) >> 1) - pair0 + 1):  # straight-line uint64 code: vectorised
+            y0, y1, y2, y3 = philox_host(np.uint64(pair0 + q), c1, c2, c3, k0, k1)
+            words[2 * q] = y0 | (y1 << _32)
+            words[2 * q + 1] = y2 | (y3 << _32)
+        shift = base - 2 * pair0  # 1 when the chunk starts at an odd offset
         for j in range(m):
-            w = words[j]
+            w = words[j + shift]
             strip = np.int64(w & _STRIP_MASK)
             u = np.int64(w >> _12)
             x = np.float64(u) * scale[strip]

@@ -2,10 +2,10 @@
 device where the tensor they go to lives.
 
 Every element's draw is a pure function of its block's seed and its offset
-(:mod:`privacy.ziggurat`), so all elements are drawn at once: call 0 of every element is one
-batch of Philox rounds over a ``(blocks, BLOCK)`` grid (the seeds broadcast along rows), and only
-the elements it does not settle (about 1.5%: wedge rejections and the tail) are gathered and
-re-drawn with their next calls, batch after batch, until none remain. The float work is the
+(:mod:`privacy.ziggurat`), so all elements are drawn at once: the pair calls of every element
+are one batch of Philox rounds over a ``(blocks, BLOCK / 2)`` grid (the seeds broadcast along
+rows), and only the elements they do not settle (about 1.5%: wedges and the tail) are gathered
+and finished with their next calls, round after round, until none remain. The float work is the
 host's operations in the host's order (``privacy.exact_math``'s ``exp`` and ``log``), so the
 bits are the host sampler's: ``tests/test_ziggurat.py::test_torch_ops_equal_the_host_sampler_bit_for_bit``.
 
@@ -59,66 +59,76 @@ def block_normals(seeds: Tensor, first_block: int, start: int, stop: int, block:
 def _grid_normals(seeds: Tensor, block: int) -> Tensor:
     """The normals of every offset of every block in ``seeds``, flattened row by row."""
     c1, c2, c3, k0, k1 = (seeds[:, j:j + 1] for j in range(5))  # (g, 1): broadcast along the row
-    offsets = torch.arange(block, dtype=torch.int64, device=seeds.device).unsqueeze(0)  # (1, block)
-    words = [w.expand(seeds.shape[0], block).reshape(-1) for w in philox_torch(offsets, c1, c2, c3, k0, k1)]
-    x, negative, settled = _call(words)
+    pairs = torch.arange(block // 2, dtype=torch.int64, device=seeds.device).unsqueeze(0)  # (1, block / 2)
+    y0, y1, y2, y3 = philox_torch(pairs, c1, c2, c3, k0, k1)
+    # offset 2q takes W0 of pair call q, offset 2q + 1 its W1
+    words = torch.stack([y0 | (y1 << 32), y2 | (y3 << 32)], -1).reshape(-1)
+    x, negative, settled = _position(words)
     pending = torch.nonzero(~settled).squeeze(1)
     if pending.numel():
-        row = pending // block
-        x[pending], negative[pending] = _redraw(pending % block, seeds[row], x[pending], negative[pending],
-                                                [w[pending] for w in words])
+        x[pending], negative[pending] = _settle(pending % block, seeds[pending // block], words[pending])
     return torch.where(negative, -x, x)
 
 
-def _call(words: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """One call's candidate ``x`` (unsigned), its sign, and whether it settles the element:
-    inside the inner rectangle, or in a wedge and under the curve. Tail candidates (strip 0,
-    outside) are not settled."""
-    y0, y1, y2, y3 = words
-    accept, scale, height = _tables(y0.device)
-    strip = y0 & 0xFF
-    negative = ((y0 >> 8) & 1).bool()
-    u = (y1 << 20) | (y0 >> 12)
-    x = u.to(torch.float64) * scale[strip]
-    settled = u < accept[strip]
-    wedge = torch.nonzero(~settled & (strip != 0)).squeeze(1)
-    if wedge.numel():
-        s, xw = strip[wedge], x[wedge]
-        v = ((y3[wedge] << 21) | (y2[wedge] >> 11)).to(torch.float64) * _U53
-        y = height[s] + (height[s + 1] - height[s]) * v
-        settled[wedge] = y < exp_torch(-0.5 * xw * xw)
-    return x, negative, settled
+def _lsr(word: Tensor, bits: int) -> Tensor:
+    """``word >> bits`` as uint64 would shift it (int64 shifts copy the sign bit)."""
+    return (word >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _redraw(offsets: Tensor, seeds: Tensor, x: Tensor, negative: Tensor,
-            words: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """The draws of the elements call 0 left unsettled (``x``, ``negative`` and ``words`` are
-    their call 0's): tail trials for those in strip 0, fresh calls for wedge rejections, call
-    ``n`` for every element in the batch that has made ``n`` calls, as the host loop does."""
+def _position(words: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For 64-bit position words: the candidate ``x`` (unsigned), the sign, and whether it lies
+    inside its strip's inner rectangle (settled at once)."""
+    accept, scale, _ = _tables(words.device)
+    strip = words & 0xFF
+    u = _lsr(words, 12)
+    return u.to(torch.float64) * scale[strip], ((words >> 8) & 1).bool(), u < accept[strip]
+
+
+def _word(offsets: Tensor, calls: Tensor, seeds: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Call ``calls`` (``>= 1``) of each offset: the four 32-bit words."""
     c1, c2, c3, k0, k1 = seeds.unbind(1)
+    return philox_torch(offsets + (calls << COUNTER_SHIFT), c1, c2, c3, k0, k1)
+
+
+def _settle(offsets: Tensor, seeds: Tensor, words: Tensor) -> tuple[Tensor, Tensor]:
+    """The draws (unsigned ``x``, sign) of the offsets whose first position word ``words`` did
+    not settle: wedge tests and fresh position words, tail trials, in the host's order of
+    calls, round after round on the elements still open."""
+    _, _, height = _tables(words.device)
+    x, negative, _ = _position(words)
     calls = torch.ones_like(offsets)
-    tail = (words[0] & 0xFF) == 0  # strip 0 and unsettled: the tail
-    todo = torch.ones_like(tail)  # still to draw
-    while True:
-        idx = torch.nonzero(todo).squeeze(1)
-        if not idx.numel():
-            return x, negative
-        w = philox_torch(offsets[idx] + (calls[idx] << COUNTER_SHIFT), c1[idx], c2[idx], c3[idx], k0[idx], k1[idx])
-        calls[idx] += 1
-        in_tail = tail[idx]
-        # tail trials: t from W0, e from W1
-        t = -log_torch((((w[1] << 21) | (w[0] >> 11)).to(torch.float64) + 1.0) * _U53) / TAIL_START
-        e = -log_torch((((w[3] << 21) | (w[2] >> 11)).to(torch.float64) + 1.0) * _U53)
-        ends = in_tail & (e + e > t * t)
-        x[idx[ends]] = TAIL_START + t[ends]
-        # fresh calls for the wedge rejections
-        fresh = ~in_tail
-        cx, cneg, csettled = _call([v[fresh] for v in w])
-        f = idx[fresh]
-        x[f], negative[f] = cx, cneg
-        cstrip0 = (w[0][fresh] & 0xFF) == 0
-        tail[f] = ~csettled & cstrip0
-        done = torch.zeros_like(todo)
-        done[idx[ends]] = True
-        done[f] = csettled
-        todo = todo & ~done
+    tail = (words & 0xFF) == 0  # unsettled in strip 0: the tail; else the wedge
+    todo = torch.arange(offsets.numel(), device=offsets.device)
+    while todo.numel():
+        done = torch.zeros(todo.numel(), dtype=torch.bool, device=todo.device)
+        t_idx, w_idx = torch.nonzero(tail[todo]).squeeze(1), torch.nonzero(~tail[todo]).squeeze(1)
+        if t_idx.numel():  # one tail trial each: t from W0, e from W1
+            el = todo[t_idx]
+            y0, y1, y2, y3 = _word(offsets[el], calls[el], seeds[el])
+            calls[el] += 1
+            t = -log_torch((((y1 << 21) | (y0 >> 11)).to(torch.float64) + 1.0) * _U53) / TAIL_START
+            e = -log_torch((((y3 << 21) | (y2 >> 11)).to(torch.float64) + 1.0) * _U53)
+            ends = e + e > t * t
+            x[el[ends]] = TAIL_START + t[ends]
+            done[t_idx[ends]] = True
+        if w_idx.numel():  # the wedge: the next call's W0 is the height uniform
+            el = todo[w_idx]
+            y0, y1, _, _ = _word(offsets[el], calls[el], seeds[el])
+            calls[el] += 1
+            strip = words[el] & 0xFF
+            v = ((y1 << 21) | (y0 >> 11)).to(torch.float64) * _U53
+            y = height[strip] + (height[strip + 1] - height[strip]) * v
+            under = y < exp_torch(-0.5 * x[el] * x[el])
+            done[w_idx[under]] = True
+            # rejected: the next call's W0 is a fresh position word
+            rej = el[~under]
+            if rej.numel():
+                y0, y1, _, _ = _word(offsets[rej], calls[rej], seeds[rej])
+                calls[rej] += 1
+                fresh = y0 | (y1 << 32)
+                words[rej] = fresh
+                x[rej], negative[rej], settled = _position(fresh)
+                tail[rej] = ~settled & ((fresh & 0xFF) == 0)
+                done[w_idx[~under][settled]] = True
+        todo = todo[~done]
+    return x, negative
