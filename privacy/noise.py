@@ -9,9 +9,9 @@ unsharded run adds, bit for bit (``test_noise_slices_concatenate_to_the_full_dra
 Layout: the flat index space of a parameter is cut into blocks of ``BLOCK`` elements. Block
 ``b`` has a 160-bit seed, a BLAKE2b hash of ``(key, step, b, name)``; element ``i`` is the
 standard normal at offset ``i - b * BLOCK`` of that block (:mod:`privacy.ziggurat`): a 256-strip
-ziggurat over the Philox4x32-10 words of counter ``(offset + n * 2^16, seed words 0-2)``, key
-``(seed words 3-4)``, for its calls ``n = 0, 1, ...``. Every element is a pure function of its
-seed and its offset: a slice draws exactly its own elements, on the host (a numba loop,
+ziggurat over Philox4x32-10 words whose counters hold the offset and seed words 0-2, and whose
+key is seed words 3-4 (the exact layout is in :mod:`privacy.ziggurat`). Every element is a pure
+function of its seed and its offset: a slice draws exactly its own elements, on the host (a numba loop,
 :mod:`privacy.ziggurat`) for a CPU tensor, or in torch ops on the device for a tensor that lives
 on one (:mod:`privacy.ziggurat_ops`; nothing but the seeds is copied from the host). The two
 compute the same bits (``tests/test_ziggurat.py::test_torch_ops_equal_the_host_sampler_bit_for_bit``,
