@@ -7,7 +7,8 @@ Times ``privacy.ziggurat.fill_normals`` of this tree (scheme v3: Philox4x32-10 w
 addressable) and the ``fill_normals`` of ``privacy/ziggurat.py`` at ``--baseline-commit`` (loaded
 from git into a module of its own; v2 was an SFC64 stream seeded by three 64-bit words), on one
 thread, block after block of 65536 normals into a float64 buffer, the two interleaved round
-after round; prints the median ns per normal of each and their ratio. With ``--ops`` it also
+after round; prints the median ns per normal of each, the ratio of medians and the median of
+the per-round ratios (the steadier figure on a loaded machine). With ``--ops`` it also
 times the torch-ops formulation (``privacy.ziggurat_ops.block_normals``) on the CPU, for
 information: it is the device path, on the CPU only in tests.
 """
@@ -75,7 +76,9 @@ def main() -> None:
         print(f"{k}: {v:.2f} ns per normal (median of {args.rounds} rounds; min {min(times[k]):.2f}, "
               f"max {max(times[k]):.2f})")
     v3, v2 = med["v3 (this tree)"], med[f"baseline ({args.baseline_commit})"]
-    print(f"ratio v3 / baseline: {v3 / v2:.2f}x (1 thread, {args.blocks} blocks of {BLOCK} per round)")
+    per_round = statistics.median(a / b for a, b in zip(times["v3 (this tree)"], times[f"baseline ({args.baseline_commit})"]))
+    print(f"ratio v3 / baseline: {v3 / v2:.2f}x of medians, {per_round:.2f}x median of per-round ratios "
+          f"(1 thread, {args.blocks} blocks of {BLOCK} per round)")
     if args.ops:
         seeds = torch.tensor([[1, 2, 3, 4, 5 + b] for b in range(16)], dtype=torch.int64)
         block_normals(seeds, 0, 0, BLOCK, BLOCK)
