@@ -33,10 +33,10 @@ Why not ``torch.Generator``: torch's CPU generator keeps only the low 32 bits of
 (``manual_seed(s)`` and ``manual_seed(s + 2**32)`` give the same stream). A run draws one
 seed per block per step, so 32-bit seeds collide within a run by the birthday bound, and a
 collision means two blocks of noise are identical rather than independent. Seeding with
-160 bits makes collisions negligible (about ``n**2 / 2**161`` for ``n`` seeds); and Philox is a
-bijection of its counter for each key, so distinct seeds never share a word. Its ``normal_``
-also cuts the float32 tail at about ``5.8 sigma`` (Box-Muller on 24-bit uniforms); the
-ziggurat's tail reaches past ``13 sigma``.
+160 bits makes collisions negligible (about ``n**2 / 2**161`` for ``n`` seeds). torch's
+``normal_`` also cuts the float32 tail at about ``5.8 sigma`` (Box-Muller on 24-bit uniforms); the
+ziggurat's tail reaches past ``13 sigma``. (For one key, Philox maps distinct counters to distinct
+outputs: blocks whose seeds share their key words still never repeat a word.)
 """
 
 from __future__ import annotations
