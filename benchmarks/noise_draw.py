@@ -9,8 +9,9 @@ from git into a module of its own; v2 was an SFC64 stream seeded by three 64-bit
 thread, block after block of 65536 normals into a float64 buffer, the two interleaved round
 after round; prints the median ns per normal of each, the ratio of medians and the median of
 the per-round ratios (the steadier figure on a loaded machine). With ``--ops`` it also
-times the torch-ops formulation (``privacy.ziggurat_ops.block_normals``) on the CPU, for
-information: it is the device path, on the CPU only in tests.
+times the torch-ops formulation (``privacy.ziggurat_ops.block_normals``), the device path: on
+the CPU for information (it runs there only in tests), or with ``--device cuda`` on a GPU, over
+``--device-normals`` normals (default one step of GPT-2 small).
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def main() -> None:
     ap.add_argument("--baseline-commit", default="55e9461")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=60, help="blocks of 65536 normals per round and sampler")
-    ap.add_argument("--ops", action="store_true", help="also time the torch-ops formulation on the CPU")
+    ap.add_argument("--ops", action="store_true", help="also time the torch-ops formulation (the device path)")
+    ap.add_argument("--device", default="cpu", help="where --ops draws: cpu, or cuda on a GPU machine")
+    ap.add_argument("--device-normals", type=int, default=163_000_000,
+                    help="normals per --ops draw off the CPU (default: GPT-2 small's 163M parameters, one step)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))
@@ -80,14 +84,23 @@ def main() -> None:
     print(f"ratio v3 / baseline: {v3 / v2:.2f}x of medians, {per_round:.2f}x median of per-round ratios "
           f"(1 thread, {args.blocks} blocks of {BLOCK} per round)")
     if args.ops:
-        seeds = torch.tensor([[1, 2, 3, 4, 5 + b] for b in range(16)], dtype=torch.int64)
+        blocks = 16 if args.device == "cpu" else -(-args.device_normals // BLOCK)
+        seeds = torch.tensor([[1, 2, 3, 4, 5 + b] for b in range(blocks)], dtype=torch.int64).to(args.device)
         block_normals(seeds, 0, 0, BLOCK, BLOCK)
         runs = []
         for _ in range(3):
+            _sync(args.device)
             start = time.perf_counter()
-            block_normals(seeds, 0, 0, 16 * BLOCK, BLOCK)
-            runs.append((time.perf_counter() - start) / (16 * BLOCK) * 1e9)
-        print(f"torch ops on the CPU: {statistics.median(runs):.1f} ns per normal (1 thread, median of 3)")
+            block_normals(seeds, 0, 0, blocks * BLOCK, BLOCK)
+            _sync(args.device)
+            runs.append((time.perf_counter() - start) / (blocks * BLOCK) * 1e9)
+        print(f"torch ops on {args.device}: {statistics.median(runs):.2f} ns per normal over {blocks * BLOCK} normals "
+              f"(median of 3; {torch.get_num_threads()} CPU thread)")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
