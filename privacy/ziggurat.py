@@ -32,6 +32,12 @@ bits (``tests/test_ziggurat.py::test_torch_ops_equal_the_host_sampler_bit_for_bi
 needs ``2^16`` calls with probability below ``0.03^65535`` (never observed); the counter would
 then wrap into other offsets' counters of the same block.
 
+Numba caches the compiled kernel on disk keyed on this file only, while it inlines
+:mod:`privacy.philox` and :mod:`privacy.exact_math`: after editing either, clear the cache
+(``__pycache__/ziggurat*.nbi``/``.nbc``) or touch this file.
+``tests/test_ziggurat.py::test_the_cached_kernel_computes_what_its_source_says`` fails on a stale
+cache.
+
 The strips cover the half-normal density ``f(x) = exp(-x^2 / 2)`` with 256 strips of equal
 area ``v``: strip ``i`` is the rectangle ``[0, x_i] x [f(x_i), f(x_{i+1})]`` (strip 0 is the
 rectangle under ``f(r)`` plus the tail beyond ``r = x_1``, drawn with the virtual width

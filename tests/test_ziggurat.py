@@ -158,3 +158,22 @@ def test_adding_scaled_draws_is_filling_scaling_and_adding(dtype, std):
     out = base.copy()
     add_scaled_normals((4, 5, 6, 7, 8), out, std)
     assert np.array_equal(out, expected.numpy())
+
+
+def test_the_cached_kernel_computes_what_its_source_says():
+    """``fill_normals`` (compiled and cached on disk by numba, keyed on privacy/ziggurat.py
+    alone) == ``_normal``'s Python source run element by element with the current Philox and
+    exp/log: a cache left stale by an edit of privacy/philox.py or privacy/exact_math.py fails
+    here. The elements include tail draws and draws past a wedge test."""
+    import privacy.ziggurat as z
+
+    seed = (11, 22, 33, 44, 55)
+    out = np.empty(BLOCK)
+    fill_normals(seed, 0, out)
+    tail = np.flatnonzero(np.abs(out) > TAIL_START)
+    candidate, strip = _call0_candidates([seed])
+    wedge = np.flatnonzero((np.abs(out) != candidate) & (strip != 0))
+    assert len(tail) and len(wedge)
+    words = [np.uint64(w) for w in seed]
+    for i in [*range(64), *tail[:10], *wedge[:40], BLOCK - 1]:
+        assert z._normal.py_func(*words, np.uint64(i), z.ACCEPT, z.SCALE, z.HEIGHT) == out[i], i
