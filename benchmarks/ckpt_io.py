@@ -117,7 +117,10 @@ def rotated(names: list[str], rnd: int) -> list[str]:
 
 
 def single_methods(state) -> dict[str, tuple]:
-    """name -> (save(path), load(path), file name): the one-process methods."""
+    """name -> (save(path), load(path), file name): the one-process methods. A load puts every
+    tensor on the device ``state`` lives on (with ``--device cuda``: device to host to disk on
+    save, disk to host to device on load, each method through its own API)."""
+    device = next(iter(state.values())).device
 
     def torch_save(p):
         torch.save(state, p)
@@ -138,15 +141,15 @@ def single_methods(state) -> dict[str, tuple]:
         dcp.save({"params": state}, checkpoint_id=str(p), no_dist=True)
 
     def torch_load(p):
-        torch.load(p, weights_only=True)
+        torch.load(p, weights_only=True, map_location=device)
 
     def st_load(p):
         from safetensors.torch import load_file
 
-        load_file(str(p))
+        load_file(str(p), device=str(device))
 
     def fsdpx_load(p):
-        ckpt.load(p, mesh=Mesh(), strategy=None)
+        ckpt.load(p, mesh=Mesh(), strategy=None, like={"params": state})
 
     def dcp_load(p):
         import torch.distributed.checkpoint as dcp
@@ -311,7 +314,13 @@ def reshard_2_to_1(state, work: Path, rnd: int) -> dict[str, tuple[float, int]]:
 
 
 def one_round(args, state, work: Path, rnd: int) -> dict:
-    """Every method once, groups in a fixed order, methods within a group rotated by ``rnd``."""
+    """Every method once, groups in a fixed order, methods within a group rotated by ``rnd``.
+    With ``--device cuda`` the one-process methods, ``dd`` and the async save only (the
+    2-process workers are gloo processes on the host)."""
+    if args.device == "cuda":
+        single = single_round(state, work, rnd)
+        single["raw disk (dd)"] = dd_round(nbytes(state), work)
+        return {"methods": single, "async_s": async_round(state, work), "load_1min": os.getloadavg()[0]}
     w = run_workers(args, work, rnd)
     r21 = reshard_2_to_1(state, work, rnd)
     single = single_round(state, work, rnd)
@@ -328,8 +337,16 @@ def one_round(args, state, work: Path, rnd: int) -> dict:
 
 def round_ratios(r: dict, size: int) -> dict[str, float]:
     """The targets' measures in one round: anchor time over fsdpx time (> 1: fsdpx faster)."""
-    m, w = r["methods"], r["workers"]
+    m, w = r["methods"], r.get("workers")
     f_save = m["fsdpx (1 proc)"]["save_s"]
+    if w is None:  # --device cuda: one-process methods only
+        return {
+            "save vs torch.save": m["torch.save/load"]["save_s"] / f_save,
+            "save vs DCP": m["dcp (1 proc)"]["save_s"] / f_save,
+            "load vs torch.load": m["torch.save/load"]["load_s"] / m["fsdpx (1 proc)"]["load_s"],
+            "load vs DCP": m["dcp (1 proc)"]["load_s"] / m["fsdpx (1 proc)"]["load_s"],
+            "async blocks, s per GiB": r["async_s"] / (size / (1 << 30)),
+        }
     s1 = {k: max(x[f"{k}_s1_s"] for x in w) for k in ("fsdpx", "dcp")}
     return {
         "save vs torch.save": m["torch.save/load"]["save_s"] / f_save,
@@ -361,6 +378,8 @@ def report(rounds: list[dict], size: int) -> str:
         lines.append(f"| {i} | " + " | ".join(f"{p[n]:.2f}" for n in names) + " |")
     lines.append("| median | " + " | ".join(f"**{statistics.median(p[n] for p in per):.2f}**" for n in names) + " |")
     last = rounds[-1]
+    if "workers" not in last:
+        return "\n".join(lines)
     f21, d21 = (last["reshard_2_to_1"][k]["read"] / size for k in ("fsdpx", "dcp"))
     f_rank = [x["fsdpx_s1_read"] / (size / 2) for x in last["workers"]]
     f_sum, d_sum = (sum(x[f"{k}_s1_read"] for x in last["workers"]) / size for k in ("fsdpx", "dcp"))
@@ -380,6 +399,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds, each method once per round")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write every round's numbers to this JSON file")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the state lives; cuda: one-process methods, dd and the async save only")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -389,7 +410,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    state = make_state(args.size_mib)
+    state = {k: v.to(args.device) for k, v in make_state(args.size_mib).items()}
     work = Path(tempfile.mkdtemp(prefix="ckpt_io_", dir=args.dir))
     rounds = []
     try:
@@ -399,7 +420,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"size": nbytes(state), "rounds": rounds}, indent=1))
+        Path(args.out).write_text(json.dumps({"size": nbytes(state), "device": args.device, "rounds": rounds}, indent=1))
     print(report(rounds, nbytes(state)))
 
 

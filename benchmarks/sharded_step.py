@@ -76,6 +76,7 @@ MB = 1e6
 FULL = dict(vocab_size=33944, block_size=128, n_layer=10, n_head=8, n_embd=512, bias=False, tie_weights=True)
 SMALL = dict(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=64, bias=False, tie_weights=True)
 GLOBAL_BATCH = 8
+DEVICE = "cpu"  # the worker's device: "cpu" (gloo) or "cuda:LOCAL_RANK" (NCCL), set from --device
 
 
 log = logger("sharded_step")
@@ -200,7 +201,7 @@ def build_fsdp2(model, rank: int, world: int):
 
     from fsdpx.models.gpt import token_loss
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(DEVICE.split(":")[0], (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     # explicit True: left at None, FSDP2 keeps the root unsharded between forward and backward
@@ -218,7 +219,8 @@ def build_ddp(model, rank: int, world: int):
 
     from fsdpx.models.gpt import token_loss
 
-    ddp = DistributedDataParallel(model)
+    cuda = DEVICE.startswith("cuda")
+    ddp = DistributedDataParallel(model, device_ids=[torch.device(DEVICE).index] if cuda else None)
     ddp.register_comm_hook(dist.group.WORLD, allreduce_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=WD)
     opt.step = timed("update", opt.step, before="forward+backward", after="update")
@@ -254,17 +256,29 @@ def build(mode: str, model, comm, rank: int, world: int):
 def timed_step(run, batch) -> dict[str, Any]:
     import torch.distributed as dist
 
+    import torch
+
+    cuda = DEVICE.startswith("cuda")
     dist.barrier()
+    if cuda:  # a step's GPU time counts in full, and its transient peak above what lives between steps
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        allocated = torch.cuda.memory_allocated()
     COUNT.reset()
     COUNT.active = True
     MEM.mark("between steps")
     t0, c0 = time.perf_counter(), time.process_time()
     loss, metrics = run(batch)
+    if cuda:
+        torch.cuda.synchronize()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     MEM.mark("end of step")
     COUNT.active = False
-    return {"seconds": seconds, "cpu_seconds": cpu, "loss": loss, **COUNT.record(),
-            "fsdpx_comm": metrics.get("comm_bytes"), "resident_bytes": metrics.get("resident_bytes")}
+    rec = {"seconds": seconds, "cpu_seconds": cpu, "loss": float(loss), **COUNT.record(),
+           "fsdpx_comm": metrics.get("comm_bytes"), "resident_bytes": metrics.get("resident_bytes")}
+    if cuda:
+        rec["cuda_step_peak_bytes"] = torch.cuda.max_memory_allocated() - allocated
+    return rec
 
 
 def predictions(cfg: dict, mesh) -> dict[str, Any]:
@@ -304,8 +318,11 @@ def worker(args) -> None:
 
     # torch 2.13 deprecates all_gather_into_tensor / reduce_scatter_tensor (older fsdpx called them)
     warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated. Please use")
+    global DEVICE
     world = int(os.environ["WORLD_SIZE"])
-    comm = init_from_env(Mesh(dp=world), timeout_s=1800.0)
+    if args.device == "cuda":
+        DEVICE = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    comm = init_from_env(Mesh(dp=world), device=DEVICE, timeout_s=1800.0)
     rank = comm.rank
     install_fsdpx_timers(comm)
     cfg = SMALL if args.small else FULL
@@ -315,8 +332,8 @@ def worker(args) -> None:
 
     if args.worker == "time":
         modes = args.modes.split(",")
-        base = seeded_gpt(cfg)
-        batch = random_token_batch(cfg, GLOBAL_BATCH)
+        base = seeded_gpt(cfg).to(DEVICE)
+        batch = tuple(t.to(DEVICE) for t in random_token_batch(cfg, GLOBAL_BATCH))
         runs = {}
         for mode in modes:
             t0 = time.perf_counter()
@@ -405,6 +422,7 @@ def summarize_time(job: dict) -> dict[str, Any]:
             "fsdpx_comm_per_rank": [pr[-1]["fsdpx_comm"] for pr in per_rank],
             "phases_median_s": phase_med, "phases_median_cpu_s": phase_cpu_med,
             "losses": losses,
+            "cuda_step_peak_bytes": [pr[-1].get("cuda_step_peak_bytes") for pr in per_rank],
         }
     return out
 
@@ -445,6 +463,10 @@ def tables(res: dict) -> str:
                          f"| {paired_ratio(t, mode, 'fsdpx-zero3', 'steps_s')} | {c:.2f} "
                          f"| {paired_ratio(t, mode, 'fsdp2', 'steps_cpu_s')} "
                          f"| {paired_ratio(t, mode, 'fsdpx-zero3', 'steps_cpu_s')} |")
+        if res.get("device") == "cuda":
+            lines += ["", "GPU memory of a step above what lives between steps (max_memory_allocated, MB, "
+                      "rank 0's last measured step):", "", "| mode | step peak MB |", "|---|---|"]
+            lines += [f"| {mode} | {fmt_mb(m['cuda_step_peak_bytes'][0])} |" for mode, m in t.items()]
         lines += ["", "Bytes per collective kind per rank per step, counted at the torch.distributed call "
                   "(MB = 1e6 B; one number when both ranks agree, else rank 0 / rank 1), and the algebra's "
                   "`fsdpx.comm_per_step`:", "",
@@ -523,7 +545,12 @@ def tables(res: dict) -> str:
 def driver(args) -> None:
     modes = args.modes.split(",")
     size = ["--small"] if args.small else []
-    res: dict[str, Any] = {"argv": sys.argv, "load_start": os.getloadavg(), "cpus": os.cpu_count()}
+    size += ["--device", args.device]
+    if args.device == "cuda" and not args.skip_memory:
+        log("--device cuda: the memory jobs measure host RSS, so they are skipped; each timed step "
+            "records its GPU peak above what lives between steps (cuda_step_peak_bytes)")
+        args.skip_memory = True
+    res: dict[str, Any] = {"argv": sys.argv, "device": args.device, "load_start": os.getloadavg(), "cpus": os.cpu_count()}
     t_start = time.perf_counter()
     if not args.skip_time:
         log(f"timing job: {modes}, {args.warmup} warm-up + {args.steps} measured rounds")
@@ -564,6 +591,8 @@ def main() -> None:
     ap.add_argument("--mem-steps", type=int, default=2, help="steps per memory job (AdamW state is lazy in torch)")
     ap.add_argument("--mem-modes", default=",".join(MODES[:4]), help="modes measured for memory, one job each")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: NCCL, one GPU per process (--nproc 1 on a one-GPU machine)")
     ap.add_argument("--skip-time", action="store_true")
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--out", default=None, help="write every number to this JSON file")

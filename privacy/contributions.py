@@ -221,10 +221,19 @@ def _one_hot_sq_norms(parts: list[Factored]) -> Tensor:
     n = parts[0].right.shape[2]
     ids = torch.cat([p.left for p in parts], 1) if len(parts) > 1 else parts[0].left  # [B, T]
     vals = torch.cat([p.right for p in parts], 1) if len(parts) > 1 else parts[0].right  # [B, T, n]
-    keys = ids + torch.arange(B, device=ids.device)[:, None] * parts[0].m
-    uniq, inverse = torch.unique(keys.reshape(-1), return_inverse=True)
-    rows = vals.new_zeros(uniq.numel(), n).index_add_(0, inverse, vals.reshape(-1, n))
-    return vals.new_zeros(B).index_add_(0, torch.div(uniq, parts[0].m, rounding_mode="floor"), rows.pow(2).sum(1))
+    keys = (ids + torch.arange(B, device=ids.device)[:, None] * parts[0].m).reshape(-1)
+    # the distinct (example, row) keys without torch.unique, whose output size the host must
+    # read from the device: sort, number the runs of equal keys (a run per distinct key), and
+    # sum each run into a buffer of the static size len(keys); unused slots stay zero
+    order = torch.argsort(keys)
+    sorted_keys = keys[order]
+    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+    starts[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    run = torch.cumsum(starts, 0) - 1  # the run (distinct key) of each sorted position
+    slot = torch.empty_like(run).scatter_(0, order, run)  # the run of each original position
+    rows = vals.new_zeros(keys.numel(), n).index_add_(0, slot, vals.reshape(-1, n))
+    example = torch.zeros_like(keys).scatter_(0, run, torch.div(sorted_keys, parts[0].m, rounding_mode="floor"))
+    return vals.new_zeros(B).index_add_(0, example, rows.pow(2).sum(1))
 
 
 def sq_norms(parts: list[Contribution], param_shape: torch.Size, *, force_instantiate: bool = False) -> Tensor:

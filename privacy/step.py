@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from torch import Tensor, nn
@@ -30,6 +31,7 @@ from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
 from privacy.noise import add_gaussian_noise_
 from privacy.sampling import PoissonSampler
+from privacy.step_metrics import StepMetrics
 from privacy.tape import LossFn, Params
 from privacy.validate import check_model
 
@@ -101,6 +103,9 @@ def make_private_step(
     donate: bool = False, trainable: Trainable | None = None,
 ) -> Callable[[TrainState, tuple[Any, Tensor]], tuple[TrainState, dict[str, float]]]:
     """Returns ``step(state, batch) -> (new_state, metrics)``, pure: ``state`` is not changed.
+    ``metrics`` is a :class:`~privacy.step_metrics.StepMetrics`: read like a dict, its values
+    leave the device on the first read, so the step itself never waits for the device (the one
+    exception, the non-finite guard, is in :func:`privacy.clipping.guarded_clip_factors`).
 
     Guarantees: the noised gradient is ``(sum_i c_i g_i + N(0, (sigma C)^2 I)) / (q N)``; the
     noise depends only on (state.key, state.step, parameter name, element index), so a sharded
@@ -176,12 +181,18 @@ def check_budget(accountant: Accountant, config: DPConfig) -> None:
     accountant.check(sigma, q)  # raises with the full message
 
 
-def _metrics(norms: Tensor, losses: Tensor, config: DPConfig, n: int) -> dict[str, float]:
+def _metrics(norms: Tensor, losses: Tensor, config: DPConfig, n: int) -> StepMetrics:
     """Means over the ``n`` real examples; padding rows (mask False) hold exact zeros in
-    ``norms`` and ``losses`` (``clip_and_sum``), so sums over all rows are sums over the real."""
+    ``norms`` and ``losses`` (``clip_and_sum``), so sums over all rows are sums over the real.
+    The sums stay on the step's device until the metrics are read (:class:`StepMetrics`)."""
+    raw = {"loss": losses.detach().sum(), "clipped": (norms > config.clip_norm).sum(), "norm": norms.detach().sum()}
+    return StepMetrics(raw, partial(_means, n=n))
+
+
+def _means(host: dict[str, float], n: int) -> dict[str, float]:
     return {
-        "loss": float(losses.sum()) / n if n else float("nan"),
+        "loss": host["loss"] / n if n else float("nan"),
         "batch_size": n,
-        "clipped_fraction": float((norms > config.clip_norm).sum()) / n if n else 0.0,
-        "mean_norm": float(norms.sum()) / n if n else 0.0,
+        "clipped_fraction": host["clipped"] / n if n else 0.0,
+        "mean_norm": host["norm"] / n if n else 0.0,
     }

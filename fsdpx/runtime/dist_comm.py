@@ -375,6 +375,19 @@ class DistComm:
             raise self._failure(e) from e
         return [t.tolist() for t in out]
 
+    def all_gather_stats(self, local: Tensor) -> Tensor:
+        """Every rank's ``local`` (a small tensor of the same shape and dtype on every rank, on
+        this rank's device) stacked, ``[world, *local.shape]``, on the device: one all-gather,
+        nothing read on the host, so a GPU step's metrics do not make the step wait (they are read
+        after it, :class:`privacy.step_metrics.StepMetrics`). Not counted in ``counts``."""
+        flat = local.detach().reshape(-1).contiguous()
+        out = flat.new_empty(self.mesh.size * flat.numel())  # gloo wants the flat concatenation
+        try:
+            dist.all_gather_into_tensor(out, flat)
+        except RuntimeError as e:
+            raise self._failure(e) from e
+        return out.view(self.mesh.size, *local.shape)
+
     def _failure(self, error: Exception) -> Exception:
         """Mark this rank alive in the store, wait for the other survivors, name the rest."""
         try:

@@ -50,7 +50,7 @@ from privacy.tape import LossFn
 from privacy.validate import check_model
 
 from .gather import Gatherer
-from .global_batch import NO_STATS, counts_its_share, global_metrics, masked_losses, my_share
+from .global_batch import NO_STATS, counts_its_share, device_stats, global_metrics, masked_losses, my_share
 from .owned_noise import OwnedNoise
 from .pipeline import PipelineStep
 from .reduce import gradient_divisor, reduce_and_update, trainable_update
@@ -228,12 +228,11 @@ def _local_grads(model, loss_fn, gatherer: Gatherer, tensor_parallel: TensorPara
             names = list(gatherer.full_view())  # this step's trainable parameters
             grads = torch.autograd.grad(losses.sum(), [gatherer.full[p] for p in names], allow_unused=True)
             raw = {p: g if g is not None else torch.zeros_like(gatherer.full[p]) for p, g in zip(names, grads)}
-            stats = (float(losses.detach().sum()), n, 0, 0.0)
+            stats = device_stats(losses.detach().sum(), n)
         else:
             result = clip_and_sum(model, gatherer.full_view(), batch, loss_fn, clip_norm=config.clip_norm,
                                   method=config.method, clipping=config.clipping, nonfinite=config.nonfinite,
                                   run_model=lambda x: call_model(model, x), sharded_norms=norms, lazy=True)
             raw = result.grads  # each sum formed when the reduction takes it, then freed
-            clipped = int((result.norms > config.clip_norm).sum())
-            stats = (float(result.losses.sum()), n, clipped, float(result.norms.sum()))
+            stats = device_stats(result.losses.sum(), n, (result.norms > config.clip_norm).sum(), result.norms.sum())
     return raw, stats

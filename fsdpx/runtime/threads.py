@@ -13,6 +13,7 @@ import queue
 import threading
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from fsdpx.sharding.collectives import Collective
@@ -137,6 +138,11 @@ class ThreadComm:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return self._ex.full.exchange(self.rank, obj, lambda xs: [list(xs)] * len(xs))
+
+    def all_gather_stats(self, local: Tensor) -> Tensor:
+        """``DistComm.all_gather_stats``: every rank's ``local`` stacked, ``[world, *local.shape]``;
+        nothing is read on the host. Not counted (bookkeeping)."""
+        return self._ex.full.exchange(self.rank, local.detach().clone(), lambda xs: [torch.stack(xs)] * len(xs))
 
     def exchange_p2p(self, sends, recvs) -> list[Tensor]:
         """``fsdpx.sharding.comm.Comm.exchange_p2p``: each send is a copy put in the
