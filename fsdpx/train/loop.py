@@ -12,8 +12,9 @@ so a state restored from a checkpoint continues where it stopped.
 Files written to ``<out>/<name>/``:
 
 * ``config.json``: the :class:`RunConfig` tree plus what was derived from it (sample rate,
-  noise multiplier, dataset and model sizes, the model and data read), written before the first
-  step; ``config.toml``: the same configuration as a file ``fsdpx train --config`` reads back.
+  noise multiplier, dataset and model sizes, the model and data read; in a sharded run of a
+  pretrained save, ``weights_read``: the file's tensors and bytes each rank read, its blocks only),
+  written before the first step; ``config.toml``: the same configuration as a file ``fsdpx train --config`` reads back.
 * ``metrics.jsonl``: one object per step, every key that is a quantity named with its unit
   (:data:`METRICS` lists them; the README's "The main job" shows them too):
 
@@ -62,7 +63,7 @@ from privacy.sampling import PoissonSampler
 from privacy.step import sample_batch
 
 from . import interrupts, report
-from .build import build_step, offload_metrics, resolve_privacy, resolve_sample_rate
+from .build import build_step, new_read_log, offload_metrics, resolve_privacy, resolve_sample_rate, weights_read
 from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
 from .config import RunConfig, to_toml
 from .device import run_device, to_device
@@ -141,9 +142,11 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     parallel = resolve_parallel(config.parallelism, model, comm.mesh, inputs[:1]) if comm is not None else None
     # refused (EvalDataError) before anything is written, like the training data
     held = build_eval_set(config, source, batch_size=eval_batch_size(config, num_examples))
+    read_log = new_read_log(source) if comm is not None else None
     build = dict(num_examples=num_examples, comm=comm, parallel=parallel, loss_fn=source.loss_fn,
                  weights=source.weights)
-    state, step = build_step(config, model, params, dp, **build)
+    state, step = build_step(config, model, params, dp, read_log=read_log, **build)
+    reads = weights_read(read_log, comm) if comm is not None else None  # every rank: a collective
     manager = checkpoint_manager(config, comm, private=dp is not None, parallel=parallel)
     plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=data_digest(inputs, targets),
                         manager=manager, world=comm.mesh.size if comm else 1, data=source.description)
@@ -182,7 +185,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                     "model": source.model_name, "data": source.description,
                     "world_size": comm.mesh.size if comm else 1, "mesh": repr(comm.mesh) if comm else None,
                     "noise_multiplier": dp.noise_multiplier if dp else None,
-                    "num_params": sum(p.numel() for p in params.values())},
+                    "num_params": sum(p.numel() for p in params.values()), "weights_read": reads},
         "segments": plan.segments,
     })
     if main:

@@ -125,7 +125,7 @@ def read_mode(config: RunConfig, sharded: bool) -> str:
     pipeline, whose stages are checked against the whole model on the ranks, and under ``lora``,
     whose layers rename the base weights (``"whole"``: each rank reads the base once, then keeps
     its shard)."""
-    return "blocks" if sharded and config.parallelism.pp == 1 and config.model.lora is None else "whole"
+    return "blocks" if sharded and config.model.lora is None else "whole"
 
 
 def build_source(config: RunConfig, *, read: str = "whole") -> Source:
