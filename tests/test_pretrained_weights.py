@@ -133,7 +133,7 @@ def test_a_config_file_names_the_model_directory(tmp_path):
                          ids=["zero3", "tp2", "pp2"])
 def test_a_sharded_run_with_lr_0_keeps_the_saved_weights(tmp_path, family, layout):
     """Two gloo processes under torchrun: each rank reads its blocks (ZeRO-3, tp) or, in a
-    pipeline, the whole tensors; the run keeps the file's weights and starts at its loss."""
+    pipeline, its stage's tensors; the run keeps the file's weights and starts at its loss."""
     path = save(tiny(family), tmp_path / "model", max_shard_size="4KB")
     done = cli(["--model", "transformers", "--model-path", str(path), "--lr", "0", "--non-private", "--steps", "2",
                 "--out", str(tmp_path / "runs"), "--name", "ft", "--ckpt-dir", str(tmp_path / "ckpt"), *SMALL,

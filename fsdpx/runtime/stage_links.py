@@ -46,21 +46,24 @@ def zero_parameters(model: nn.Module, device: torch.device) -> Iterator[None]:
 
 
 def passed_between_blocks(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) -> dict[int, dict[str, int]]:
-    """Block index -> {argument: index of the earlier block that returned it} for every tensor a
+    """Block index -> {argument: index of the earlier block that made it} for every tensor a
     block of the list ``blocks`` receives, besides its hidden state (the first positional
-    argument, or ``hidden_states``), that is one an earlier block returned besides its hidden
-    state, in ``model``'s forward on ``args`` / ``kwargs`` (run as is: call it inside
+    argument, or ``hidden_states``), that an earlier block returned besides its hidden state and
+    was not given (a block handing on a mask it received made nothing), in ``model``'s forward on ``args`` / ``kwargs`` (run as is: call it inside
     :func:`zero_parameters` for a model on ``meta``). Empty for blocks that share only what the
     forward computed before them (masks, positions, rotary tables). One forward, quietly
     (``no_grad``, eval mode, the random streams restored).
     Proven by ``tests/test_pipeline_prologue.py::test_blocks_that_pass_state_are_refused_on_meta``."""
     block_list = dict(model.named_modules())[blocks]
-    returned: dict[int, int] = {}  # id of a tensor a block returned -> that block's index
+    returned: dict[int, int] = {}  # id of a tensor a block made and returned -> that block's index
+    given_ids: set[int] = set()  # ids of every tensor a block was given: handed on, not made
     kept: list[Tensor] = []  # alive until the end, so that no id is reused
     links: dict[int, dict[str, int]] = {}
 
     def hooks(i: int, block: nn.Module) -> list:
         def pre(module: nn.Module, a: tuple, kw: dict) -> None:
+            kept.extend(t for t in tree_flatten((a, kw))[0] if isinstance(t, Tensor))
+            given_ids.update(id(t) for t in tree_flatten((a, kw))[0] if isinstance(t, Tensor))
             hidden_key = None if a else "hidden_states"  # the hidden state is a[0], or this keyword
             given = {f"argument {j}": t for j, t in enumerate(a[1:], 1)}
             given.update({k: v for k, v in kw.items() if k != hidden_key})
@@ -72,7 +75,7 @@ def passed_between_blocks(model: nn.Module, blocks: str, *args: Any, **kwargs: A
         def post(module: nn.Module, a: tuple, output: Any) -> None:
             hidden = hidden_of(output)
             for t in tree_flatten(output)[0]:
-                if isinstance(t, Tensor) and t is not hidden:
+                if isinstance(t, Tensor) and t is not hidden and id(t) not in given_ids:
                     returned.setdefault(id(t), i)
                     kept.append(t)
         return [block.register_forward_pre_hook(pre, with_kwargs=True), block.register_forward_hook(post)]

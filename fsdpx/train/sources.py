@@ -121,10 +121,9 @@ class Source(NamedTuple):
 
 def read_mode(config: RunConfig, sharded: bool) -> str:
     """How a process reads a model's pretrained weights (:func:`build_source`'s ``read``): one
-    process reads them whole; a sharded rank reads only its blocks (``"blocks"``), except in a
-    pipeline, whose stages are checked against the whole model on the ranks, and under ``lora``,
-    whose layers rename the base weights (``"whole"``: each rank reads the base once, then keeps
-    its shard)."""
+    process reads them whole; a sharded rank reads only its blocks (``"blocks"``: a pipeline
+    rank its stages' parameters, its slices of them), except under ``lora``, whose layers rename
+    the base weights (``"whole"``: each rank reads the base once, then keeps its shard)."""
     return "blocks" if sharded and config.model.lora is None else "whole"
 
 
