@@ -72,7 +72,7 @@ from .export import export_at_end
 from .parallel import Parallel, resolve_parallel
 from .preflight import check_before_writing
 from .resume import SegmentPlan, plan_segment
-from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
+from .segments import BranchError, cut_back, later_digest, read_metrics, write_metrics, write_record
 from .sources import Source, build_source, read_mode, sample_text
 
 METRICS = ("step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
@@ -148,7 +148,8 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     state, step = build_step(config, model, params, dp, read_log=read_log, **build)
     reads = weights_read(read_log, comm) if comm is not None else None  # every rank: a collective
     manager = checkpoint_manager(config, comm, private=dp is not None, parallel=parallel)
-    plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=data_digest(inputs, targets),
+    digest = later_digest(inputs, targets)  # a mapped file's hash goes on in the background
+    plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=digest,
                         manager=manager, world=comm.mesh.size if comm else 1, data=source.description)
     if config.checkpoints.resume_from is not None:
         check_branch(config, plan)
@@ -179,7 +180,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                               plan.start, starts, stopped, sample=sample, files=())  # nothing written
 
     run_dir = report.prepare_run_dir(config.run_dir) if main else config.run_dir
-    report.write_json(run_dir / "config.json" if main else None, {
+    written = {
         **dataclasses.asdict(config),
         "derived": {"num_examples": num_examples, "sample_rate": sample_rate, "vocab_size": source.vocab_size,
                     "model": source.model_name, "data": source.description,
@@ -187,13 +188,29 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                     "noise_multiplier": dp.noise_multiplier if dp else None,
                     "num_params": sum(p.numel() for p in params.values()), "weights_read": reads},
         "segments": plan.segments,
-    })
+    }
+
+    def write_segments() -> None:  # config.json and the checkpoint root's run.json
+        report.write_json(run_dir / "config.json" if main else None, written)
+        if main and config.checkpoints.ckpt_dir is not None:
+            write_record(config.checkpoints.ckpt_dir, {"run_dir": str(config.run_dir.resolve()),
+                                                       "run_id": plan.run_id, "segments": plan.segments})
+
+    pending = None if isinstance(digest, str) or plan.source is not None else digest
+
+    def settle_digest(wait: bool) -> None:
+        """Once the mapped file's digest is known (waited for when ``wait``: before a checkpoint
+        and at the end, so that a resume always compares real digests), it replaces the new
+        segment's pending one and both files are written again."""
+        nonlocal pending
+        if pending is not None and (wait or inputs.digest_ready()):
+            plan.segments[-1]["fingerprint"]["data"], pending = pending(), None
+            write_segments()
+
+    write_segments()
     if main:
         (run_dir / "config.toml").write_text(to_toml(config))
         write_metrics(run_dir / "metrics.jsonl", earlier)  # cut back to the start: no step twice
-        if config.checkpoints.ckpt_dir is not None:
-            write_record(config.checkpoints.ckpt_dir, {"run_dir": str(config.run_dir.resolve()),
-                                                       "run_id": plan.run_id, "segments": plan.segments})
     sampler = PoissonSampler(num_examples, sample_rate, key=config.run.seed)
 
     history: list[dict[str, Any]] = [report.numbers(r) for r in earlier]
@@ -223,7 +240,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                 history.append(record)
                 report.append_jsonl(log, record)
                 report.update_bar(bar, history)
+                settle_digest(wait=False)
                 if manager is not None and manager.should_save(state.step):
+                    settle_digest(wait=True)
                     # snapshot now, write in the background; the previous save's failure stops the run here
                     _save(manager, state, state.step)
                     saved_at = state.step
@@ -241,6 +260,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     if manager is not None:
         # SIGINT writes nothing more; SIGTERM, like the end, saves the step reached
         if saved_at != state.step and not torn and signum != signal.SIGINT:
+            settle_digest(wait=True)
             _save(manager, state, state.step, force=True)
         try:
             manager.wait()
@@ -251,6 +271,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         words = interrupts.line(state.step, ckpt_dir, _name(newest_checkpoint(manager)))
         raise interrupts.Interrupted(words, interrupts.exit_code(signum))
 
+    settle_digest(wait=True)
     trained = full_params(state, comm, parallel, source)
     if main:
         report.plot(history, run_dir / "plot.png", title=report.plot_title(config, dp, source),
