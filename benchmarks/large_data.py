@@ -11,7 +11,7 @@ the child's ``ru_maxrss`` (``os.wait4``), the first step's start the time from t
 the first line of ``metrics.jsonl`` (written when the first step ends: an upper bound). The big
 file is written once and kept in ``--dir`` (its first read after writing comes from the page
 cache). Nothing reads the file whole before the first step: each batch's ids are checked as read,
-the data digest is hashed by a background thread; only a vocabulary taken from the data costs a
+the data digest is hashed by a background thread once the first step is done; only a vocabulary taken from the data costs a
 pass for the largest id. Prints one JSON object per run and one with the verdict on stdout.
 """
 
@@ -105,13 +105,13 @@ sampler = PoissonSampler(len(source.inputs), 32 / len(source.inputs), key=0)
 for step in range(5):
     sample_batch((source.inputs, source.targets), sampler, step)
 t3 = time.perf_counter()
-digest = data_digest(source.inputs, source.targets)  # waits for the background hash
+digest = data_digest(source.inputs, source.targets)  # starts the background hash and waits for it
 t4 = time.perf_counter()
 build_source(config.replace(vocab_size=None))  # the built-in GPT's vocabulary from the data: one pass
 t5 = time.perf_counter()
 hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print(json.dumps({"imports_s": round(t1 - t0, 2), "build_source_s": round(t2 - t1, 2),
-                  "five_batches_s": round(t3 - t2, 3), "digest_done_after_s": round(t4 - t1, 2),
+                  "five_batches_s": round(t3 - t2, 3), "digest_s": round(t4 - t3, 2),
                   "build_source_vocab_from_data_s": round(t5 - t4, 2),
                   "examples": len(source.inputs), "peak_rss_mib": round(hwm / 1024, 1)}))
 """

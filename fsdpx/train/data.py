@@ -359,11 +359,12 @@ class VocabularyError(ConfigError):
 
 
 class BackgroundDigest:
-    """:func:`scan`'s digest of ``ids[:hashed]`` computed by one daemon thread from construction
-    on, so that the first step never waits for a hash of the whole file (``scan``'s own threads
-    would take every core from it). :meth:`ready` says whether it is known; :meth:`value` waits
-    for it (and raises what the hashing raised). Proven by
-    ``tests/test_large_data.py::test_the_first_step_reads_no_more_of_the_file_than_its_batch``."""
+    """:func:`scan`'s digest of ``ids[:hashed]``, computed by one daemon thread once
+    :meth:`start` is called (``loop.run`` calls it after the first step, so that step competes
+    with no hash of the whole file; ``scan``'s own threads would take every core).
+    :meth:`ready` says whether it is known; :meth:`value` starts it if need be, waits for it and
+    raises what the hashing raised. Proven by
+    ``tests/test_large_data.py::test_a_fresh_segment_waits_for_the_digest_only_to_record_it``."""
 
     def __init__(self, ids: Any, hashed: int, tag: str) -> None:
         import threading
@@ -378,12 +379,19 @@ class BackgroundDigest:
                 self._error = e
 
         self._thread = threading.Thread(target=run, name="fsdpx-data-digest", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start hashing (again: nothing)."""
+        with self._lock:
+            if self._thread.ident is None:
+                self._thread.start()
 
     def ready(self) -> bool:
-        return not self._thread.is_alive()
+        return self._thread.ident is not None and not self._thread.is_alive()
 
     def value(self) -> str:
+        self.start()
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -461,6 +469,11 @@ class Windows:
     def digest_ready(self) -> bool:
         """Whether :meth:`digest` returns at once (no hash of the file left to wait for)."""
         return not isinstance(self._digest, BackgroundDigest) or self._digest.ready()
+
+    def start_digest(self) -> None:
+        """Start hashing the file in the background, if its digest is one still to compute."""
+        if isinstance(self._digest, BackgroundDigest):
+            self._digest.start()
 
     def legacy_digest(self, targets: "Windows") -> str:
         """The digest :func:`fsdpx.train.segments.data_digest` gives the same examples held as

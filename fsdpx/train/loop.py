@@ -203,6 +203,8 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         and at the end, so that a resume always compares real digests), it replaces the new
         segment's pending one and both files are written again."""
         nonlocal pending
+        if pending is not None:
+            inputs.start_digest()  # after the first step: it competed with no hash
         if pending is not None and (wait or inputs.digest_ready()):
             plan.segments[-1]["fingerprint"]["data"], pending = pending(), None
             write_segments()

@@ -25,7 +25,7 @@ file is memory-mapped as stored (uint16, uint32, ...): its examples are cut on d
 trains, and nothing reads it whole before the first step: each batch's ids are checked against
 the model's vocabulary as it is read (a bad id is a :class:`VocabularyError` at that step, naming
 the file and the id's offset), its digest (:func:`fsdpx.train.segments.data_digest`) is hashed by
-a background thread; only the built-in GPT without ``vocab_size`` reads it once first, chunk by
+a background thread after the first step; only the built-in GPT without ``vocab_size`` reads it once first, chunk by
 chunk, for the largest id (its vocabulary). A dataset's column of token ids is read the
 same way through Arrow's memory map (:class:`fsdpx.train.data.ChunkedStream`); text (a file, or a
 dataset's text column) is tokenised and held in memory as int64.
