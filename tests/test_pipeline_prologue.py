@@ -262,3 +262,30 @@ def test_blocks_that_pass_state_are_refused_on_meta():
         prologue = pipeline_prologue(meta, example)
         assert prologue == pipeline_prologue(fits, example)
         check_pipeline(meta, _plan(meta, prologue), example)
+
+
+class _NeedsItsWeights(nn.Module):
+    """A forward that reads a parameter's value to decide what to run (zeros make it fail)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        x = x / self.scale if bool(self.scale != 0) else torch.full((), float("nan")).log().item()
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_meta_model_whose_forward_fails_on_zeros_is_refused_naming_pp():
+    """A pipeline rank's model on meta is cut and checked on one-element zeros; a forward that
+    cannot run on them is a ConfigError naming ``--pp`` and the error, not a traceback."""
+    from fsdpx.train.config import ConfigError
+    from fsdpx.train.parallel import pipeline_prologue
+
+    meta = _on_meta(_NeedsItsWeights())
+    with pytest.raises(ConfigError, match=r"--pp: _NeedsItsWeights's forward does not run with its parameters as zeros"):
+        pipeline_prologue(meta, torch.randn(1, 4))
+    assert pipeline_prologue(_NeedsItsWeights(), torch.randn(1, 4)) == ()  # real values: it runs

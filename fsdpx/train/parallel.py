@@ -103,6 +103,10 @@ def pipeline_prologue(model: nn.Module, example: Tensor | None) -> tuple[str, ..
             return traced_prologue(model, find_blocks(model), example)
     except PipelinePlanError as e:
         raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a forward that does not run on zeros: named, not a traceback
+        if not any(p.is_meta for p in model.parameters()):
+            raise
+        raise untraceable(model, e) from e
 
 
 def check_pipeline(model: nn.Module, plan: ShardingPlan, example: Tensor | None) -> None:
@@ -115,14 +119,27 @@ def check_pipeline(model: nn.Module, plan: ShardingPlan, example: Tensor | None)
     Nothing to check without a pipeline or an example."""
     if plan.pipeline is None or example is None:
         return
+    on_meta = any(p.is_meta for p in model.parameters())
     try:
-        if any(p.is_meta for p in model.parameters()):
+        if on_meta:
             with zero_parameters(model, example.device):
                 check_stage_links(model, plan.pipeline, example)
         else:
             check_stages(model, plan.pipeline, example)
     except PipelinePlanError as e:
         raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - as in pipeline_prologue
+        if not on_meta:
+            raise
+        raise untraceable(model, e) from e
+
+
+def untraceable(model: nn.Module, error: Exception) -> ConfigError:
+    """The refusal of a pipeline (``--pp``) whose model, its parameters on ``meta`` (a pretrained
+    save read stage by stage), cannot run its forward on one-element zeros to be cut and checked."""
+    return ConfigError(f"--pp: {type(model).__name__}'s forward does not run with its parameters as zeros"
+                       f" ({type(error).__name__}: {error}), so its pipeline stages cannot be cut and checked"
+                       " before each rank reads its own; run it without --pp")
 
 
 def on_zeros_if_meta(model: nn.Module, example: Tensor):
