@@ -108,7 +108,7 @@ def test_a_mapped_digest_names_the_tokens_and_its_legacy_digest_is_the_int64_one
     assert data_digest(*data.mapped_windows(ids, 9)) != digest
     assert data_digest(*data.mapped_windows(ids[:-7], 8)) != digest  # 3995 tokens: one example fewer
     source = build_source(RunConfig.of(data_path=str(tmp_path / "t.bin"), **TINY))
-    assert source.inputs.digest() == digest  # made by the source's one scan
+    assert source.inputs.digest() == digest  # hashed by the source's background thread
 
 
 def test_the_mapped_digest_does_not_depend_on_the_threads_and_sees_every_segment(tmp_path, monkeypatch):
@@ -224,6 +224,74 @@ def test_a_token_file_larger_than_the_run_needs_leaves_the_peak_rss_where_a_tiny
     grew = peak - tiny
     buffers = min(data.DIGEST_THREADS, os.cpu_count() or 1) * data.CHUNK_TOKENS * 2  # the scan's read buffers
     assert grew < 32 * 2**20 + buffers, f"peak RSS grew by {grew / 2**20:.0f} MiB for a {big.stat().st_size >> 20} MiB file"
+
+
+def test_a_bad_token_id_is_named_at_the_step_that_reads_it(tmp_path, capsys):
+    """Nothing reads a mapped file whole before the first step: with ``--vocab-size`` given, ids
+    the model does not cover (every 50th token here) are not refused while the source is built
+    but as a batch is read: a row names the file, the id and its offset (token and byte), and a
+    run stops at its first step with exit 2 and that one line, no step recorded."""
+    from fsdpx.train.cli import main
+    from fsdpx.train.sources import VocabularyError
+
+    ids = _tokens()
+    ids[::50] = 70
+    path = tmp_path / "t.bin"
+    ids.tofile(path)
+    source = build_source(RunConfig.of(data_path=str(path), vocab_size=64, **TINY))  # not refused: nothing read
+    assert torch.equal(source.inputs[5], torch.from_numpy(ids[40:48].astype(np.int64)))  # a row without one
+    with pytest.raises(VocabularyError, match=r"t\.bin holds token id 70 at token 50 \(byte 100\), but the model's"
+                                              r" vocabulary has 64 ids"):
+        source.inputs[6]  # tokens 48..55
+    with pytest.raises(VocabularyError, match=r"at token 50 \(byte 100\)"):
+        source.targets[[5, 6]]  # tokens 41..48 and 49..56
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--data-path", str(path), "--vocab-size", "64", "--n-layer", "1", "--n-embd", "8", "--n-head",
+              "1", "--block-size", "8", "--batch-size", "16", "--steps", "2", "--out", str(tmp_path / "runs"),
+              "--name", "bad", "--no-progress"])
+    assert exit_.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(err) == 1 and f"{path} holds token id 70 at token" in err[0], err
+    assert (tmp_path / "runs" / "bad" / "metrics.jsonl").read_text() == ""
+
+
+def test_a_fresh_segment_waits_for_the_digest_only_to_record_it(tmp_path):
+    """The digest of a mapped file is hashed in the background: a fresh segment's plan takes a
+    function for it and never calls it (its fingerprint says "pending"), a resume calls it to
+    compare; a run's checkpoint record holds the file's real digest, the one ``data_digest``
+    gives."""
+    from fsdpx.train.build import build_step, resolve_privacy, resolve_sample_rate
+    from fsdpx.train.checkpoints import checkpoint_manager
+    from fsdpx.train.resume import plan_segment
+    from fsdpx.train.segments import PENDING_DIGEST
+
+    ids = _tokens()
+    ids.tofile(tmp_path / "t.bin")
+    config = RunConfig.of(data_path=str(tmp_path / "t.bin"), out=str(tmp_path), ckpt_dir=str(tmp_path / "ck"),
+                          ckpt_every=2, noise_multiplier=1.0, **{**TINY, "target_epsilon": None})
+    source = build_source(config)
+    asked = []
+
+    def digest() -> str:
+        asked.append(1)
+        return data_digest(source.inputs, source.targets)
+
+    assert run(config.replace(name="first", steps=2), progress=False)["steps"] == 2
+    want = data_digest(source.inputs, source.targets)
+    assert json.loads((tmp_path / "ck" / "run.json").read_text())["segments"][-1]["fingerprint"]["data"] == want
+    assert json.loads((tmp_path / "first" / "config.json").read_text())["segments"][-1]["fingerprint"]["data"] == want
+
+    dp = resolve_privacy(config, resolve_sample_rate(config, len(source.inputs)))
+    fresh, _ = build_step(config, source.model, source.params, dp, num_examples=len(source.inputs),
+                          loss_fn=source.loss_fn)
+    for ckpt_dir, resume in ((tmp_path / "ck", True), (tmp_path / "empty", False)):
+        c = config.replace(ckpt_dir=str(ckpt_dir), resume=resume, steps=4)
+        plan = plan_segment(c, params=source.params, fresh=fresh, dp=dp, digest=digest,
+                            manager=checkpoint_manager(c, None, private=True), data=source.description)
+        assert plan.start == (2 if resume else 0)
+        assert (plan.segments[-1]["fingerprint"]["data"] == PENDING_DIGEST) != resume
+    assert asked == [1]  # the resume compared; the fresh segment did not wait
+    assert asked == [1] and plan.segments[-1]["fingerprint"]["data"] == PENDING_DIGEST
 
 
 # --------------------------------------------------------------------------- the Poisson draw

@@ -208,3 +208,84 @@ def test_blocks_that_pass_state_besides_the_hidden_state_are_refused():
     for fits in (gpt2(), llama(), causal_lm("opt")):
         inputs, _ = padded_batch([3], causal=True)
         check_stages(fits, _plan(fits, _example_prologue(fits)).pipeline, **inputs)
+
+
+def _on_meta(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every parameter on ``meta`` (tied ones stay tied), its buffers
+    real: what a pipeline rank of a pretrained save builds before it reads its stages."""
+    import copy
+
+    meta, made = copy.deepcopy(model), {}
+    for module in meta.modules():
+        for key, p in module._parameters.items():
+            if p is not None:
+                module._parameters[key] = made.setdefault(id(p), nn.Parameter(p.to("meta"), requires_grad=False))
+    return meta
+
+
+def test_blocks_that_pass_state_are_refused_on_meta():
+    """Every parameter on meta (a pipeline rank that reads only its stages): no value to
+    compare, so ``check_stage_links`` finds by identity what a block of one stage hands a block
+    of a later one, and refuses the models ``check_stages`` refuses (the bias-passing blocks,
+    T5's position bias); ``check_pipeline`` turns it into a ConfigError. GPT-2, Llama and OPT
+    pass, and their prologue traced on one-element zeros is the one traced on real values."""
+    import transformers
+
+    from fsdpx.runtime.stage_links import check_stage_links, zero_parameters
+    from fsdpx.train.config import ConfigError
+    from fsdpx.train.parallel import check_pipeline, pipeline_prologue
+    from support.hf import PAD, VOCAB, llama
+
+    torch.manual_seed(0)
+    model, ids = _BiasPassing(), torch.randint(0, 11, (1, 5))
+    plan = _plan(model, traced_prologue(model, "blocks", ids))
+    meta = _on_meta(model)
+    with zero_parameters(meta, ids.device), pytest.raises(PipelinePlanError, match="stage 1 .*argument 1.*block 0"):
+        check_stage_links(meta, plan.pipeline, ids)
+    with pytest.raises(ConfigError, match="stage 1 .*besides the hidden state"):
+        check_pipeline(meta, plan, ids)
+    assert all(p.is_meta for p in meta.parameters())  # the zeros are gone again
+
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2, num_heads=2,
+        pad_token_id=PAD, decoder_start_token_id=PAD, dropout_rate=0.0))
+    inputs, _ = padded_batch([3], causal=True)
+    inputs["decoder_input_ids"] = inputs["input_ids"]
+    plan = _plan(t5, traced_prologue(t5, "decoder.block", **inputs))
+    meta = _on_meta(t5)
+    with zero_parameters(meta, torch.device("cpu")), pytest.raises(PipelinePlanError, match="stage 1 .*block 0"):
+        check_stage_links(meta, plan.pipeline, **inputs)
+
+    for fits in (gpt2(), llama(), causal_lm("opt")):
+        example = torch.randint(1, VOCAB, (1, 6))
+        meta = _on_meta(fits)
+        prologue = pipeline_prologue(meta, example)
+        assert prologue == pipeline_prologue(fits, example)
+        check_pipeline(meta, _plan(meta, prologue), example)
+
+
+class _NeedsItsWeights(nn.Module):
+    """A forward that reads a parameter's value to decide what to run (zeros make it fail)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x):
+        x = x / self.scale if bool(self.scale != 0) else torch.full((), float("nan")).log().item()
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_a_meta_model_whose_forward_fails_on_zeros_is_refused_naming_pp():
+    """A pipeline rank's model on meta is cut and checked on one-element zeros; a forward that
+    cannot run on them is a ConfigError naming ``--pp`` and the error, not a traceback."""
+    from fsdpx.train.config import ConfigError
+    from fsdpx.train.parallel import pipeline_prologue
+
+    meta = _on_meta(_NeedsItsWeights())
+    with pytest.raises(ConfigError, match=r"--pp: _NeedsItsWeights's forward does not run with its parameters as zeros"):
+        pipeline_prologue(meta, torch.randn(1, 4))
+    assert pipeline_prologue(_NeedsItsWeights(), torch.randn(1, 4)) == ()  # real values: it runs

@@ -133,7 +133,7 @@ def test_a_config_file_names_the_model_directory(tmp_path):
                          ids=["zero3", "tp2", "pp2"])
 def test_a_sharded_run_with_lr_0_keeps_the_saved_weights(tmp_path, family, layout):
     """Two gloo processes under torchrun: each rank reads its blocks (ZeRO-3, tp) or, in a
-    pipeline, the whole tensors; the run keeps the file's weights and starts at its loss."""
+    pipeline, its stage's tensors; the run keeps the file's weights and starts at its loss."""
     path = save(tiny(family), tmp_path / "model", max_shard_size="4KB")
     done = cli(["--model", "transformers", "--model-path", str(path), "--lr", "0", "--non-private", "--steps", "2",
                 "--out", str(tmp_path / "runs"), "--name", "ft", "--ckpt-dir", str(tmp_path / "ckpt"), *SMALL,
@@ -325,6 +325,30 @@ def test_blocks_read_by_each_rank_equal_the_sharded_whole_model(tmp_path, family
         boxes |= {(k, local_box(plan.params[k].shape, plan.params[k].at_rest, mesh, rank)) for k in got.params}
     if name in ("zero3", "hsdp", "tp2", "3d"):  # somebody holds a part, never the whole, of some tensor
         assert any(b != tuple((0, n) for n in plan.params[k].shape) for k, b in boxes)
+
+
+def test_an_optimizer_that_keeps_its_input_gets_a_copy(tmp_path):
+    """A DDP rank's optimizer-state block is a view of its block at rest (no second copy of the
+    whole parameters while loading); an optimizer whose ``init`` keeps what it is given (here:
+    the tensors themselves) gets copies, equal in value, sharing no memory with the parameters
+    the step updates in place."""
+    from fsdpx.optim import Optimizer
+    from fsdpx.runtime import init_sharded
+    from fsdpx.train.build import rank_reader
+    from fsdpx.train.sources import build_source
+
+    path = save(tiny("gpt2"), tmp_path / "model")
+    lazy = build_source(RunConfig.of(model="transformers", model_path=str(path), corpus_chars=2000, block_size=8),
+                        read="blocks")
+    layout = Layout("ddp")
+    mesh = layout.mesh(2)
+    plan = resolve_plan(lazy.model, mesh, layout)
+    keep = Optimizer(init=lambda at_opt: {"kept": dict(at_opt)}, update=None)
+    state = init_sharded(lazy.params, keep, plan, Rank(mesh, 1), key=0,
+                         read=rank_reader(lazy.model, lazy.params, lazy.weights, None))
+    storages = {p.untyped_storage().data_ptr() for p in state.params.values()}
+    for name, kept in state.opt_state["kept"].items():
+        assert torch.equal(kept, state.params[name]) and kept.untyped_storage().data_ptr() not in storages, name
 
 
 def test_a_vocabulary_larger_than_the_alphabet_samples_and_finishes(tmp_path, capsys):

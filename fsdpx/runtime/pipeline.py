@@ -56,6 +56,7 @@ from .gather import Gatherer
 from .global_batch import NO_STATS, counts_its_share, global_metrics, masked_losses, my_share
 from .host_heap import raise_thresholds
 from .stages import StageExit, StageForward, absent_uses
+from .stage_links import zero_parameters
 from .parts_p2p import recv_parts, send_parts
 from .owned_noise import OwnedNoise
 from .reduce import gradient_divisor, reduce_and_update, trainable_update
@@ -290,26 +291,21 @@ def _trace_boundary(model: nn.Module, layout: PipelineLayout, inputs) -> tuple[t
     inputs (masks and positions may depend on their values) with every parameter swapped for
     zeros that own one element (nothing real is read), stopped at that block. Blocks keep the
     hidden state's shape (a residual stream), so this is every boundary's."""
-    from torch.nn.utils._named_member_accessor import NamedMemberAccessor
-
     first = next(iter(dict(model.named_modules())[layout.blocks]))
-    accessor = NamedMemberAccessor(model)
-    zeros = {n: torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
-             for n, p in model.named_parameters(remove_duplicate=False)}
+    # the zeros on the inputs' device: the parameters may be on meta (a rank that read only its stages)
+    device = next((t.device for t in tree_flatten(inputs)[0] if isinstance(t, Tensor)), torch.device("cpu"))
 
     def stop(module, a, kwargs):
         raise StageExit(a[0] if a else kwargs["hidden_states"])
 
     handle = first.register_forward_pre_hook(stop, with_kwargs=True)
-    saved = accessor.swap_tensors_dict(zeros, allow_missing=True)[0]
     try:
-        with torch.no_grad():
+        with zero_parameters(model, device), torch.no_grad():
             call_model(model, inputs)
     except StageExit as e:
         return tuple(e.output.shape), e.output.dtype
     finally:
         handle.remove()
-        accessor.swap_tensors_dict(saved, allow_missing=True)
     raise RuntimeError(f"the model's forward never called its first block ({layout.blocks}.0)")
 
 

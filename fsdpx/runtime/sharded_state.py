@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from ckpt.flatten import register_type
 from fsdpx.optim import Optimizer
@@ -77,11 +78,23 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
         for n, lay in plan.params.items():
             rest, opt = (local_box(lay.shape, spec, mesh, rank) for spec in (lay.at_rest, lay.opt_state))
             at_rest[n] = read(n, rest, lay.fused)
-            if all(a <= c and d <= b for (a, b), (c, d) in zip(rest, opt)):  # zero1/2: inside the block at rest
-                at_opt[n] = at_rest[n][tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(rest, opt))].clone()
+            if all(a <= c and d <= b for (a, b), (c, d) in zip(rest, opt)):  # ddp, zero1/2: inside the block at rest
+                # a view, not a copy (DDP's whole parameters twice): init only reads it (own_storage below)
+                at_opt[n] = at_rest[n][tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(rest, opt))]
             else:
                 at_opt[n] = read(n, opt, lay.fused)
     accountant = None
     if config is not None:
         accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)
-    return ShardedState(at_rest, optimizer.init(at_opt), 0, key, accountant)
+    return ShardedState(at_rest, own_storage(optimizer.init(at_opt), at_rest), 0, key, accountant)
+
+
+def own_storage(opt_state: Any, params: Params) -> Any:
+    """``opt_state`` with every tensor that shares memory with one of ``params`` replaced by a
+    copy: an optimizer whose ``init`` keeps (a view of) the parameters it was given would
+    otherwise see them change under it as the step updates the parameters in place. AdamW and
+    the offload optimizers make their own tensors, so nothing is copied for them
+    (``tests/test_pretrained_weights.py::test_an_optimizer_that_keeps_its_input_gets_a_copy``)."""
+    held = {p.untyped_storage().data_ptr() for p in params.values() if p.numel()}
+    shares = lambda t: isinstance(t, Tensor) and t.numel() and t.untyped_storage().data_ptr() in held  # noqa: E731
+    return tree_map(lambda t: t.clone() if shares(t) else t, opt_state)

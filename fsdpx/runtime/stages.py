@@ -189,7 +189,7 @@ def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) ->
                 for n, m in outside.items()]
     args, kwargs = _on_model_device(model, args, kwargs)
     try:
-        with _quietly(model):
+        with quietly(model):
             model(*args, **kwargs)
     finally:
         for h in handles:
@@ -233,7 +233,7 @@ def check_stages(model: nn.Module, layout: PipelineLayout, *args: Any, rtol: flo
     forward = StageForward(model, layout, {})
     handles = []
     try:
-        with _quietly(model):
+        with quietly(model):
             for i, k in enumerate(keys):
                 pre, post = capture(i)
                 handles += [block_list._modules[k].register_forward_pre_hook(pre, with_kwargs=True),
@@ -263,7 +263,7 @@ def check_stages(model: nn.Module, layout: PipelineLayout, *args: Any, rtol: flo
 
 
 @contextlib.contextmanager
-def _quietly(model: nn.Module) -> Iterator[None]:
+def quietly(model: nn.Module) -> Iterator[None]:
     """Inside: eval mode, no gradients, the random number generators forked; on exit every
     module's own mode is back (a part the user keeps in eval stays in eval) and the run's random
     streams are as they were. The global generator is held (:mod:`fsdpx.runtime.global_rng`):

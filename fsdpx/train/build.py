@@ -31,7 +31,7 @@ from .config import RunConfig
 from .device import run_device
 from .errors import ConfigError
 from .parallel import Parallel, resolve_parallel
-from .pretrained import Weights, file_names, read_block
+from .pretrained import ReadLog, Weights, file_names, read_block
 from .sources import Source, build_source
 
 Step = Callable[[TrainState, tuple[Tensor, Tensor]], tuple[TrainState, dict[str, float]]]
@@ -85,7 +85,7 @@ def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimi
 def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor], dp: DPConfig | None,
                *, num_examples: int, comm: Comm | None = None, parallel: Parallel | None = None,
                loss_fn: Callable[[Any, Tensor], Tensor] = token_loss,
-               weights: Weights | None = None) -> tuple[TrainState, Step]:
+               weights: Weights | None = None, read_log: ReadLog | None = None) -> tuple[TrainState, Step]:
     """The initial state and the step function of a run: the one place a step is chosen.
 
     Returns ``(state, step)`` with ``state.step == 0``. The accountant carries the run's delta,
@@ -96,7 +96,8 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     ``loss_fn(model output, targets) -> (B,)``: the source's
     (:attr:`fsdpx.train.sources.Source.loss_fn`). ``weights``: the pretrained weights of a
     sharded rank whose ``params`` are on ``meta`` (:func:`fsdpx.train.sources.read_mode`): each
-    rank reads only the blocks it holds (:func:`rank_reader`). ``config.run.precision`` "bf16":
+    rank reads only the blocks it holds (:func:`rank_reader`), each one added to ``read_log``
+    if given. ``config.run.precision`` "bf16":
     ``model``'s forward computes in bf16 from now on (:func:`privacy.precision.compute_in`), in
     every layout; the state stays fp32 (``tests/test_precision.py``)."""
     optimizer = make_optimizer(config, comm, resolve_sample_rate(config, num_examples))
@@ -112,7 +113,7 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, loss_fn, optimizer, parallel.plan, comm, param_shapes=shapes, config=dp,
                                  num_examples=num_examples, donate=True, trainable=trainable)
-        read = rank_reader(model, params, weights, getattr(comm, "device", None))
+        read = rank_reader(model, params, weights, getattr(comm, "device", None), log=read_log)
         state = init_sharded(params, optimizer, parallel.plan, comm, key=seed, config=dp, read=read)
         return state._replace(accountant=accountant), step
     if dp is None:
@@ -125,16 +126,18 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
 
 
 def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weights | None,
-                device: torch.device | None) -> Callable | None:
+                device: torch.device | None, *, log: ReadLog | None = None) -> Callable | None:
     """``init_sharded``'s ``read``: a block of a parameter read from ``weights`` (only its bytes,
-    :func:`fsdpx.train.pretrained.read_block`), cast to the parameter's dtype, on ``device``;
-    ``None`` when the parameters hold their values (no weights, or read whole)."""
+    :func:`fsdpx.train.pretrained.read_block`), cast to the parameter's dtype, on ``device``, and
+    added to ``log``; ``None`` when the parameters hold their values (no weights, or read whole)."""
     if weights is None or not any(p.is_meta for p in params.values()):
         return None
     names = file_names(model, weights)
 
     def read(name: str, box: Any, fused: tuple[int, int] | None) -> Tensor:
         block = read_block(weights, names[name], box, dtype=params[name].dtype, fused=fused)
+        if log is not None:
+            log.add(names[name], box)
         return block if device is None else block.to(device)
 
     return read
@@ -210,3 +213,20 @@ def offload_metrics(state: Any) -> dict[str, float]:
     found = opt.get("metrics") if isinstance(opt, dict) else None
     unit = lambda k: k[:-2] + "_seconds" if k.endswith("_s") else k  # noqa: E731
     return {f"offload_{unit(k)}": v for k, v in found.items()} if found else {}
+
+
+def new_read_log(source: Source) -> ReadLog | None:
+    """An empty :class:`fsdpx.train.pretrained.ReadLog` of ``source``'s parameters in its
+    pretrained file, for a rank that reads its blocks (parameters on ``meta``); ``None`` else."""
+    if source.weights is None or not any(p.is_meta for p in source.params.values()):
+        return None
+    return ReadLog(source.weights, list(file_names(source.model, source.weights).values()))
+
+
+def weights_read(log: ReadLog | None, comm: Comm) -> dict[str, Any] | None:
+    """What each rank read of the pretrained file, gathered (every rank calls it: a collective
+    when ``log`` is given): ``{"of": {"tensors", "bytes"}, "ranks": [{"tensors", "bytes"}, ...]}``
+    in rank order, ``config.json``'s ``derived.weights_read``; ``None`` without a log."""
+    if log is None:
+        return None
+    return {"of": {"tensors": log.of_tensors, "bytes": log.of_bytes}, "ranks": comm.all_gather_object(log.counts())}

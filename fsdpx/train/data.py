@@ -16,6 +16,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -313,12 +315,12 @@ def id_range(ids: Any) -> tuple[int, int]:
     return low, top
 
 
-def scan(ids: Any, hashed: int, tag: str = "") -> tuple[int, int, str]:
+def scan(ids: Any, hashed: int, tag: str = "", *, threads: int = DIGEST_THREADS) -> tuple[int, int, str]:
     """``(min, max, digest)`` of a token stream in one pass: its ids' range (``(0, -1)`` when
     empty) and ``"v2:"`` with the SHA-256 of the dtype, ``tag``, ``hashed`` and the SHA-256 of each
     :data:`DIGEST_SEGMENT` tokens of ``ids[:hashed]`` as stored. The segments are read (plain
-    reads, :func:`stream_chunks`) and hashed by up to :data:`DIGEST_THREADS` threads (hashlib and
-    numpy let go of the GIL); they are fixed, so the digest does not depend on the threads."""
+    reads, :func:`stream_chunks`) and hashed by up to ``threads`` threads (hashlib and numpy let
+    go of the GIL); they are fixed, so the digest does not depend on the threads."""
     import hashlib
     import os
     from concurrent.futures import ThreadPoolExecutor
@@ -343,13 +345,57 @@ def scan(ids: Any, hashed: int, tag: str = "") -> tuple[int, int, str]:
     h = hashlib.sha256(f"fsdpx.tokens.v2:{np.dtype(ids.dtype).str}:{tag}:{hashed}".encode())
     low, top = None, None
     starts = range(0, length, DIGEST_SEGMENT)
-    with ThreadPoolExecutor(max(1, min(DIGEST_THREADS, os.cpu_count() or 1, len(starts) or 1))) as pool:
+    with ThreadPoolExecutor(max(1, min(threads, os.cpu_count() or 1, len(starts) or 1))) as pool:
         for lo, (a, b, part) in zip(starts, pool.map(segment, starts)):
             if a is not None:
                 low, top = (a, b) if low is None else (min(low, a), max(top, b))
             if lo < hashed:
                 h.update(part)
     return (0, -1, "v2:" + h.hexdigest()) if low is None else (low, top, "v2:" + h.hexdigest())
+
+
+class VocabularyError(ConfigError):
+    """The data holds token ids the model's vocabulary does not cover."""
+
+
+class BackgroundDigest:
+    """:func:`scan`'s digest of ``ids[:hashed]``, computed by one daemon thread once
+    :meth:`start` is called (``loop.run`` calls it after the first step, so that step competes
+    with no hash of the whole file; ``scan``'s own threads would take every core).
+    :meth:`ready` says whether it is known; :meth:`value` starts it if need be, waits for it and
+    raises what the hashing raised. Proven by
+    ``tests/test_large_data.py::test_a_fresh_segment_waits_for_the_digest_only_to_record_it``."""
+
+    def __init__(self, ids: Any, hashed: int, tag: str) -> None:
+        import threading
+
+        self._value: str | None = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._value = scan(ids, hashed, tag, threads=1)[2]
+            except BaseException as e:  # noqa: BLE001 - handed to whoever asks for the value
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="fsdpx-data-digest", daemon=True)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start hashing (again: nothing)."""
+        with self._lock:
+            if self._thread.ident is None:
+                self._thread.start()
+
+    def ready(self) -> bool:
+        return self._thread.ident is not None and not self._thread.is_alive()
+
+    def value(self) -> str:
+        self.start()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class Windows:
@@ -365,7 +411,8 @@ class Windows:
     (``tests/test_large_data.py``). Only the rows asked for are read (:func:`read_rows`: from
     a file, by ``preadv``) and made int64; the stream is never copied whole."""
 
-    def __init__(self, stream: Any, block_size: int, shift: int, *, digest: str | None = None) -> None:
+    def __init__(self, stream: Any, block_size: int, shift: int, *, digest: str | BackgroundDigest | None = None,
+                 vocab: int | None = None, where: str = "the token file") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if shift not in (0, 1):
@@ -373,6 +420,7 @@ class Windows:
         self.stream, self.block_size, self.shift = stream, block_size, shift
         self.shape = (max(len(stream) - 1, 0) // block_size, block_size)
         self._digest = digest
+        self.vocab, self.where = vocab, where
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -402,7 +450,10 @@ class Windows:
                 raise IndexError(f"rows out of range for {self.shape[0]} examples")
             rows = rows % max(self.shape[0], 1)
         starts = rows * self.block_size + self.shift  # (B,)
-        return torch.from_numpy(np.asarray(read_rows(self.stream, starts, self.block_size), dtype=np.int64))
+        out = np.asarray(read_rows(self.stream, starts, self.block_size), dtype=np.int64)
+        if self.vocab is not None:
+            check_ids(out, starts, self.vocab, self.where, np.dtype(self.stream.dtype).itemsize)
+        return torch.from_numpy(out)
 
     def digest(self) -> str:
         """The digest of the tokens the examples hold (``[0, n * block_size + 1)``) as stored,
@@ -411,7 +462,18 @@ class Windows:
         example's int64 bytes, which :meth:`legacy_digest` does."""
         if self._digest is None:
             self._digest = scan(self.stream, self.shape[0] * self.block_size + 1, str(self.shape))[2]
+        if isinstance(self._digest, BackgroundDigest):
+            self._digest = self._digest.value()
         return self._digest
+
+    def digest_ready(self) -> bool:
+        """Whether :meth:`digest` returns at once (no hash of the file left to wait for)."""
+        return not isinstance(self._digest, BackgroundDigest) or self._digest.ready()
+
+    def start_digest(self) -> None:
+        """Start hashing the file in the background, if its digest is one still to compute."""
+        if isinstance(self._digest, BackgroundDigest):
+            self._digest.start()
 
     def legacy_digest(self, targets: "Windows") -> str:
         """The digest :func:`fsdpx.train.segments.data_digest` gives the same examples held as
@@ -430,7 +492,25 @@ class Windows:
         return h.hexdigest()
 
 
-def mapped_windows(stream: Any, block_size: int, *, digest: str | None = None) -> tuple[Windows, Windows]:
+def mapped_windows(stream: Any, block_size: int, *, digest: str | BackgroundDigest | None = None,
+                   vocab: int | None = None, where: str = "the token file") -> tuple[Windows, Windows]:
     """:func:`windows` of a stream held as stored (a ``np.memmap``): ``(inputs, targets)`` cut
-    on demand (:class:`Windows`); ``digest``: :meth:`Windows.digest`'s, when already known."""
-    return Windows(stream, block_size, 0, digest=digest), Windows(stream, block_size, 1, digest=digest)
+    on demand (:class:`Windows`); ``digest``: :meth:`Windows.digest`'s, known or being computed;
+    ``vocab``: every row read is checked against it (:func:`check_ids`, naming ``where``)."""
+    return (Windows(stream, block_size, 0, digest=digest, vocab=vocab, where=where),
+            Windows(stream, block_size, 1, digest=digest, vocab=vocab, where=where))
+
+
+def check_ids(rows: Any, starts: Any, vocab: int, where: str, itemsize: int) -> None:
+    """Raise :class:`VocabularyError` unless every id of ``rows`` (``(B, T)`` int64, row ``i``
+    read from token ``starts[i]`` of the file) is in ``[0, vocab)``, naming ``where``, the first
+    bad id and its offset in the file (token and byte). Two reductions over the batch."""
+    import numpy as np
+
+    if rows.size == 0 or (rows.min() >= 0 and rows.max() < vocab):
+        return
+    i, j = (int(k[0]) for k in np.nonzero((rows < 0) | (rows >= vocab)))
+    token = int(starts[i]) + j
+    raise VocabularyError(f"{where} holds token id {int(rows[i, j])} at token {token} (byte {token * itemsize}),"
+                          f" but the model's vocabulary has {vocab} ids (0..{vocab - 1}): give the model a larger"
+                          " vocab_size, or fix the file")

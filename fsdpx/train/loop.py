@@ -12,8 +12,9 @@ so a state restored from a checkpoint continues where it stopped.
 Files written to ``<out>/<name>/``:
 
 * ``config.json``: the :class:`RunConfig` tree plus what was derived from it (sample rate,
-  noise multiplier, dataset and model sizes, the model and data read), written before the first
-  step; ``config.toml``: the same configuration as a file ``fsdpx train --config`` reads back.
+  noise multiplier, dataset and model sizes, the model and data read; in a sharded run of a
+  pretrained save, ``weights_read``: the file's tensors and bytes each rank read, its blocks only),
+  written before the first step; ``config.toml``: the same configuration as a file ``fsdpx train --config`` reads back.
 * ``metrics.jsonl``: one object per step, every key that is a quantity named with its unit
   (:data:`METRICS` lists them; the README's "The main job" shows them too):
 
@@ -62,7 +63,7 @@ from privacy.sampling import PoissonSampler
 from privacy.step import sample_batch
 
 from . import interrupts, report
-from .build import build_step, offload_metrics, resolve_privacy, resolve_sample_rate
+from .build import build_step, new_read_log, offload_metrics, resolve_privacy, resolve_sample_rate, weights_read
 from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
 from .config import RunConfig, to_toml
 from .device import run_device, to_device
@@ -71,7 +72,7 @@ from .export import export_at_end
 from .parallel import Parallel, resolve_parallel
 from .preflight import check_before_writing
 from .resume import SegmentPlan, plan_segment
-from .segments import BranchError, cut_back, data_digest, read_metrics, write_metrics, write_record
+from .segments import BranchError, cut_back, later_digest, read_metrics, write_metrics, write_record
 from .sources import Source, build_source, read_mode, sample_text
 
 METRICS = ("step", "loss", "epsilon", "batch_size", "clipped_fraction", "mean_norm", "step_seconds",
@@ -141,11 +142,14 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     parallel = resolve_parallel(config.parallelism, model, comm.mesh, inputs[:1]) if comm is not None else None
     # refused (EvalDataError) before anything is written, like the training data
     held = build_eval_set(config, source, batch_size=eval_batch_size(config, num_examples))
+    read_log = new_read_log(source) if comm is not None else None
     build = dict(num_examples=num_examples, comm=comm, parallel=parallel, loss_fn=source.loss_fn,
                  weights=source.weights)
-    state, step = build_step(config, model, params, dp, **build)
+    state, step = build_step(config, model, params, dp, read_log=read_log, **build)
+    reads = weights_read(read_log, comm) if comm is not None else None  # every rank: a collective
     manager = checkpoint_manager(config, comm, private=dp is not None, parallel=parallel)
-    plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=data_digest(inputs, targets),
+    digest = later_digest(inputs, targets)  # a mapped file's hash goes on in the background
+    plan = plan_segment(config, params=params, fresh=state, dp=dp, digest=digest,
                         manager=manager, world=comm.mesh.size if comm else 1, data=source.description)
     if config.checkpoints.resume_from is not None:
         check_branch(config, plan)
@@ -176,21 +180,39 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                               plan.start, starts, stopped, sample=sample, files=())  # nothing written
 
     run_dir = report.prepare_run_dir(config.run_dir) if main else config.run_dir
-    report.write_json(run_dir / "config.json" if main else None, {
+    written = {
         **dataclasses.asdict(config),
         "derived": {"num_examples": num_examples, "sample_rate": sample_rate, "vocab_size": source.vocab_size,
                     "model": source.model_name, "data": source.description,
                     "world_size": comm.mesh.size if comm else 1, "mesh": repr(comm.mesh) if comm else None,
                     "noise_multiplier": dp.noise_multiplier if dp else None,
-                    "num_params": sum(p.numel() for p in params.values())},
+                    "num_params": sum(p.numel() for p in params.values()), "weights_read": reads},
         "segments": plan.segments,
-    })
+    }
+
+    def write_segments() -> None:  # config.json and the checkpoint root's run.json
+        report.write_json(run_dir / "config.json" if main else None, written)
+        if main and config.checkpoints.ckpt_dir is not None:
+            write_record(config.checkpoints.ckpt_dir, {"run_dir": str(config.run_dir.resolve()),
+                                                       "run_id": plan.run_id, "segments": plan.segments})
+
+    pending = None if isinstance(digest, str) or plan.source is not None else digest
+
+    def settle_digest(wait: bool) -> None:
+        """Once the mapped file's digest is known (waited for when ``wait``: before a checkpoint
+        and at the end, so that a resume always compares real digests), it replaces the new
+        segment's pending one and both files are written again."""
+        nonlocal pending
+        if pending is not None:
+            inputs.start_digest()  # after the first step: it competed with no hash
+        if pending is not None and (wait or inputs.digest_ready()):
+            plan.segments[-1]["fingerprint"]["data"], pending = pending(), None
+            write_segments()
+
+    write_segments()
     if main:
         (run_dir / "config.toml").write_text(to_toml(config))
         write_metrics(run_dir / "metrics.jsonl", earlier)  # cut back to the start: no step twice
-        if config.checkpoints.ckpt_dir is not None:
-            write_record(config.checkpoints.ckpt_dir, {"run_dir": str(config.run_dir.resolve()),
-                                                       "run_id": plan.run_id, "segments": plan.segments})
     sampler = PoissonSampler(num_examples, sample_rate, key=config.run.seed)
 
     history: list[dict[str, Any]] = [report.numbers(r) for r in earlier]
@@ -220,7 +242,9 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
                 history.append(record)
                 report.append_jsonl(log, record)
                 report.update_bar(bar, history)
+                settle_digest(wait=False)
                 if manager is not None and manager.should_save(state.step):
+                    settle_digest(wait=True)
                     # snapshot now, write in the background; the previous save's failure stops the run here
                     _save(manager, state, state.step)
                     saved_at = state.step
@@ -238,6 +262,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     if manager is not None:
         # SIGINT writes nothing more; SIGTERM, like the end, saves the step reached
         if saved_at != state.step and not torn and signum != signal.SIGINT:
+            settle_digest(wait=True)
             _save(manager, state, state.step, force=True)
         try:
             manager.wait()
@@ -248,6 +273,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         words = interrupts.line(state.step, ckpt_dir, _name(newest_checkpoint(manager)))
         raise interrupts.Interrupted(words, interrupts.exit_code(signum))
 
+    settle_digest(wait=True)
     trained = full_params(state, comm, parallel, source)
     if main:
         report.plot(history, run_dir / "plot.png", title=report.plot_title(config, dp, source),

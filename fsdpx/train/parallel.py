@@ -12,12 +12,14 @@ plan of its transformers class (:data:`TP_PLANS`), or the model's own.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 from torch import Tensor, nn
 
 from fsdpx.models.gpt import GPT
 from fsdpx.models.tp_plans import gpt2_plan, gpt_plan, llama_plan, opt_plan, qwen3_plan, stablelm_plan
+from fsdpx.runtime.stage_links import check_stage_links, zero_parameters
 from fsdpx.runtime.stages import check_stages, traced_prologue
 from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.pipeline import PipelineParallel, PipelinePlanError, find_blocks, resolve_pipeline
@@ -55,8 +57,9 @@ def resolve_parallel(layout: Layout, model: nn.Module, mesh: Mesh, example: Tens
     the model's tensor-parallel plan (:func:`tp_plan`) when ``tp > 1`` and its blocks cut into
     pipeline stages when ``pp > 1``, the prologue traced on ``example`` (one of the run's inputs,
     :func:`pipeline_prologue`) and every stage checked against the whole model on it
-    (:func:`check_pipeline`). ``model`` may live on ``meta`` (the planner's): nothing is traced
-    or checked then.
+    (:func:`check_pipeline`). ``model`` may live on ``meta`` (a pipeline rank of a pretrained
+    save, the launcher's check): traced and checked on zeros then; without ``example`` (the
+    planner's) nothing is.
 
     Raises :class:`ConfigError` for a model without a tensor-parallel plan, heads that do not
     divide by ``tp``, or a pipeline that does not fit or whose stages differ from the model;
@@ -87,30 +90,63 @@ def resolve_plan(model: nn.Module, mesh: Mesh, layout: Layout,
 def pipeline_prologue(model: nn.Module, example: Tensor | None) -> tuple[str, ...] | None:
     """The parameters ``model``'s forward uses before its block list, traced on ``example`` (a
     batch of one of the run's inputs): ``PipelineParallel.prologue``, so that a model
-    registered in another order than its forward runs (transformers' OPT) is cut right. None
-    without an example or for a model on ``meta`` (registration order is taken; a wrong side is
-    named at the first step). Raises :class:`ConfigError` where the trace fails
+    registered in another order than its forward runs (transformers' OPT) is cut right. A model
+    on ``meta`` (a rank that reads only its stages of a pretrained save, or the launcher's check)
+    is traced with its parameters zeros that own one element
+    (:func:`fsdpx.runtime.stage_links.zero_parameters`): which modules run where does not depend
+    on their values. None without an example. Raises :class:`ConfigError` where the trace fails
     (``PipelinePlanError``)."""
-    if example is None or any(p.is_meta for p in model.parameters()):
+    if example is None:
         return None
     try:
-        return traced_prologue(model, find_blocks(model), example)
+        with on_zeros_if_meta(model, example):
+            return traced_prologue(model, find_blocks(model), example)
     except PipelinePlanError as e:
         raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a forward that does not run on zeros: named, not a traceback
+        if not any(p.is_meta for p in model.parameters()):
+            raise
+        raise untraceable(model, e) from e
 
 
 def check_pipeline(model: nn.Module, plan: ShardingPlan, example: Tensor | None) -> None:
     """Raise :class:`ConfigError` unless each stage of ``plan``'s pipeline, run alone from the
     hidden state it receives, computes what the whole model does at that point on ``example``
     (:func:`fsdpx.runtime.stages.check_stages`: blocks that pass state besides the hidden state,
-    such as T5's position bias, cannot be pipelined). Nothing to check without a pipeline or an
-    example, or for a model on ``meta``."""
-    if plan.pipeline is None or example is None or any(p.is_meta for p in model.parameters()):
+    such as T5's position bias, cannot be pipelined). A model on ``meta`` has no values to
+    compare: its blocks are checked for tensors handed from a block of one stage to a block of
+    a later one (:func:`fsdpx.runtime.stage_links.check_stage_links`, the same models refused).
+    Nothing to check without a pipeline or an example."""
+    if plan.pipeline is None or example is None:
         return
+    on_meta = any(p.is_meta for p in model.parameters())
     try:
-        check_stages(model, plan.pipeline, example)
+        if on_meta:
+            with zero_parameters(model, example.device):
+                check_stage_links(model, plan.pipeline, example)
+        else:
+            check_stages(model, plan.pipeline, example)
     except PipelinePlanError as e:
         raise ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - as in pipeline_prologue
+        if not on_meta:
+            raise
+        raise untraceable(model, e) from e
+
+
+def untraceable(model: nn.Module, error: Exception) -> ConfigError:
+    """The refusal of a pipeline (``--pp``) whose model, its parameters on ``meta`` (a pretrained
+    save read stage by stage), cannot run its forward on one-element zeros to be cut and checked."""
+    return ConfigError(f"--pp: {type(model).__name__}'s forward does not run with its parameters as zeros"
+                       f" ({type(error).__name__}: {error}), so its pipeline stages cannot be cut and checked"
+                       " before each rank reads its own; run it without --pp")
+
+
+def on_zeros_if_meta(model: nn.Module, example: Tensor):
+    """:func:`fsdpx.runtime.stage_links.zero_parameters` on ``example``'s device when a
+    parameter of ``model`` is on ``meta``; else nothing."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    return zero_parameters(model, example.device) if on_meta else contextlib.nullcontext()
 
 
 def tp_plan(model: nn.Module, tp: int, *, sequence_parallel: bool = False) -> TensorParallel:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import threading
 from pathlib import Path
@@ -189,6 +190,35 @@ def check_keys(model: nn.Module, weights: Weights) -> None:
     if problems:
         raise WeightKeysError(f"model_path {weights.path}: {type(model).__name__}'s parameters and the file's tensors"
                               f" differ: {'; '.join(problems)}")
+
+
+STORED_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+"""Bytes per element of safetensors' stored dtypes (the others, 8-bit and bool: 1)."""
+
+
+class ReadLog:
+    """What one process read of a save's parameters: the file's tensors it read a block of and
+    the bytes of those blocks as stored (a block read twice counts twice), against ``of_tensors``
+    and ``of_bytes``, the parameters' tensors in the file and their bytes.
+    Proven by ``tests/test_pipeline_weights.py::test_a_pipeline_rank_reads_only_its_stages``."""
+
+    def __init__(self, weights: Weights, names: Sequence[str]):
+        self.weights, self.tensors, self.nbytes = weights, set(), 0
+        self.of_tensors = len(set(names))
+        self.of_bytes = sum(self.stored_bytes(n, None) for n in set(names))
+
+    def stored_bytes(self, name: str, box: Box | None) -> int:
+        """The bytes of the block ``box`` (``None``: the whole) of the file's tensor ``name``."""
+        shape = [b - a for a, b in box] if box is not None else self.weights.shapes[name]
+        return math.prod(shape) * STORED_BYTES.get(self.weights.dtypes[name], 1)
+
+    def add(self, name: str, box: Box | None) -> None:
+        self.tensors.add(name)
+        self.nbytes += self.stored_bytes(name, box)
+
+    def counts(self) -> dict[str, int]:
+        """``{"tensors": ..., "bytes": ...}`` read so far (a plain value: it crosses processes)."""
+        return {"tensors": len(self.tensors), "bytes": self.nbytes}
 
 
 def read_block(weights: Weights, name: str, box: Box | None = None, *, dtype: torch.dtype = torch.float32,

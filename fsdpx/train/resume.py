@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import ckpt
 from ckpt.format import MANIFEST
@@ -28,7 +28,7 @@ from .checkpoints import checkpoint_manager
 from .config import RunConfig
 from .preflight import NothingToResumeError
 from .report import json_safe
-from .segments import (CheckpointNotFoundError, ResumeError, check_compatible, data_digest, fingerprint, lineage,
+from .segments import (PENDING_DIGEST, CheckpointNotFoundError, ResumeError, check_compatible, data_digest, fingerprint, lineage,
                        owner, read_record)
 from .sources import build_source
 
@@ -89,8 +89,8 @@ def run_id(config: RunConfig, source: Path | None, record: Mapping[str, Any] | N
     return coordinator.broadcast(chosen) if coordinator.world > 1 else chosen
 
 
-def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp: DPConfig | None, digest: str,
-                 manager: Any, world: int = 1, data: str | None = None) -> SegmentPlan:
+def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp: DPConfig | None,
+                 digest: str | Callable[[], str], manager: Any, world: int = 1, data: str | None = None) -> SegmentPlan:
     """Plan the segment ``config`` asks for (see the module doc); reads, never writes.
 
     Guarantees:
@@ -103,15 +103,20 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
       * Same config and checkpoint, same plan: the state and noise are functions of them
         (``test_a_branch_run_twice_from_one_checkpoint_gives_the_same_bits``).
 
-    ``digest`` is :func:`fsdpx.train.segments.data_digest` of the examples and ``data`` their
-    description (:attr:`fsdpx.train.sources.Source.description`), named when data changes."""
+    ``digest`` is :func:`fsdpx.train.segments.data_digest` of the examples, or a function giving
+    it (a mapped file's, hashed in the background: called only when there is a checkpoint to
+    compare with; a fresh segment's fingerprint then holds :data:`PENDING_DIGEST`, for the caller
+    to fill in before its first checkpoint), and ``data`` their description
+    (:attr:`fsdpx.train.sources.Source.description`), named when data changes."""
     source = find_source(config, manager)
-    new_fp = fingerprint(config, params, digest, data=data)
     if source is None:
+        new_fp = fingerprint(config, params, digest if isinstance(digest, str) else PENDING_DIGEST, data=data)
         planned = _plan_noise(config, dp, fresh.accountant, current=dp.noise_multiplier if dp else None)
         entry = _entry(config, 0, None, planned, new_fp, world)
         return SegmentPlan(fresh, planned, 0, None, [entry], None, [], run_id(config, None, None, manager))
 
+    digest = digest if isinstance(digest, str) else digest()
+    new_fp = fingerprint(config, params, digest, data=data)
     manifest = ckpt.read_manifest(source)
     step = manifest.step if manifest.step is not None else int(source.name.split("_")[-1])
     record = read_record(source.parent)

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from torch import Tensor
 
@@ -89,6 +89,19 @@ class DataDigest(str):
         digest = super().__new__(cls, value)
         digest.legacy = legacy
         return digest
+
+
+PENDING_DIGEST = "pending"
+"""A fresh segment's fingerprint's ``data`` while its mapped file is still being hashed
+(:func:`fsdpx.train.resume.plan_segment`); replaced before the run's first checkpoint."""
+
+
+def later_digest(inputs: Any, targets: Any) -> str | Callable[[], str]:
+    """:func:`data_digest` of the examples, or, for examples cut from a mapped file whose hash
+    is still running in the background, a function that waits for it: the first step does not."""
+    if isinstance(inputs, Windows) and not inputs.digest_ready():
+        return lambda: data_digest(inputs, targets)
+    return data_digest(inputs, targets)
 
 
 def data_digest(inputs: Any, targets: Any) -> str:

@@ -22,12 +22,17 @@ ids, or a ``datasets`` dataset saved with ``save_to_disk`` (an ``input_ids`` col
 column whose rows are joined by newlines and tokenised like a text file). A ``.npy`` or ``.bin``
 file is memory-mapped as stored (uint16, uint32, ...): its examples are cut on demand
 (:class:`fsdpx.train.data.Windows`), only a step's batch made int64, so a file larger than memory
-trains; its vocabulary check reads it chunk by chunk. A dataset's column of token ids is read the
+trains, and nothing reads it whole before the first step: each batch's ids are checked against
+the model's vocabulary as it is read (a bad id is a :class:`VocabularyError` at that step, naming
+the file and the id's offset), its digest (:func:`fsdpx.train.segments.data_digest`) is hashed by
+a background thread after the first step; only the built-in GPT without ``vocab_size`` reads it once first, chunk by
+chunk, for the largest id (its vocabulary). A dataset's column of token ids is read the
 same way through Arrow's memory map (:class:`fsdpx.train.data.ChunkedStream`); text (a file, or a
 dataset's text column) is tokenised and held in memory as int64.
 
 Refused by name (:class:`ConfigError`), before anything runs: a path that does not exist, a
-token id the model's vocabulary does not cover (:class:`VocabularyError`), examples longer than
+token id the model's vocabulary does not cover (:class:`VocabularyError`; a mapped file's: at the
+step that reads it), examples longer than
 the model's positions and no example at all. (A tensor-parallel run of a model without a plan is
 refused by :mod:`fsdpx.train.parallel`.)
 """
@@ -49,6 +54,7 @@ from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.runtime import global_rng
 
 from . import data
+from .data import VocabularyError
 from .config import RunConfig
 from .errors import ConfigError
 from .pretrained import Weights, check_keys, find_weights, load_buffers, load_into, parameters_on_meta
@@ -57,10 +63,6 @@ LORA_STREAM = 1 << 20  # lora_A's seed is the run's plus this: draws of their ow
 
 Encode = Callable[[str], Sequence[int]]
 Decode = Callable[[Sequence[int]], str]
-
-
-class VocabularyError(ConfigError):
-    """The data holds token ids the model's vocabulary does not cover."""
 
 
 class Tokens(NamedTuple):
@@ -121,11 +123,10 @@ class Source(NamedTuple):
 
 def read_mode(config: RunConfig, sharded: bool) -> str:
     """How a process reads a model's pretrained weights (:func:`build_source`'s ``read``): one
-    process reads them whole; a sharded rank reads only its blocks (``"blocks"``), except in a
-    pipeline, whose stages are checked against the whole model on the ranks, and under ``lora``,
-    whose layers rename the base weights (``"whole"``: each rank reads the base once, then keeps
-    its shard)."""
-    return "blocks" if sharded and config.parallelism.pp == 1 and config.model.lora is None else "whole"
+    process reads them whole; a sharded rank reads only its blocks (``"blocks"``: a pipeline
+    rank its stages' parameters, its slices of them), except under ``lora``, whose layers rename
+    the base weights (``"whole"``: each rank reads the base once, then keeps its shard)."""
+    return "blocks" if sharded and config.model.lora is None else "whole"
 
 
 def build_source(config: RunConfig, *, read: str = "whole") -> Source:
@@ -150,17 +151,23 @@ def build_source(config: RunConfig, *, read: str = "whole") -> Source:
     if isinstance(tokens.ids, Tensor):
         low, top = data.id_range(tokens.ids)
         cut = data.windows
-    else:  # a mapped file: one pass of plain reads, never made int64 whole, gives its range and digest
+    else:  # a mapped file: never read whole before the first step (its digest hashed in the background)
         shape = (max(len(tokens.ids) - 1, 0) // block, block)
-        low, top, digest = data.scan(tokens.ids, shape[0] * block + 1, str(shape))
-        cut = functools.partial(data.mapped_windows, digest=digest)
+        # the built-in GPT's vocabulary is the data's unless given: one pass of plain reads for its range
+        derived = config.model.kind == "gpt" and not config.model.vocab_size and tokens.vocab_size is None
+        low, top = data.id_range(tokens.ids) if derived else (0, -1)
+        digest = data.BackgroundDigest(tokens.ids, shape[0] * block + 1, str(shape))
+        cut = functools.partial(data.mapped_windows, digest=digest, where=tokens.description)
     if low < 0:
         raise ConfigError(f"{tokens.description}: token ids must be >= 0, found {low}")
     vocab = config.model.vocab_size or tokens.vocab_size or top + 1
     model, weights = build_model(config, vocab, read=read)
     check_vocabulary(model, top, tokens.description)
     check_positions(model, config.data.block_size)
-    inputs, targets = cut(tokens.ids, block)
+    if isinstance(tokens.ids, Tensor):
+        inputs, targets = cut(tokens.ids, block)
+    else:  # every batch read is checked against the model's vocabulary (VocabularyError naming the offset)
+        inputs, targets = cut(tokens.ids, block, vocab=input_embedding(model).num_embeddings)
     if inputs.shape[0] < 1:
         raise ConfigError(f"{tokens.description}: {len(tokens.ids)} tokens give no example of block_size"
                           f" {config.data.block_size} (each needs block_size + 1 tokens)")
