@@ -87,12 +87,11 @@ def assert_reads_its_stages(tmp_path: Path, pp: Path, layout: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_pipelined_fine_tune_reads_only_each_ranks_stages_and_equals_one_process(tmp_path, family):
-    """``--pp 2 --nproc 2``: each rank reads exactly its stage's tensors (GPT-2's tied ``wte``
-    by both ends), fewer than the file holds, and 3 private steps give the one-process run's
-    losses and parameters within 1e-6."""
-    one, pp = run_pair(tmp_path, family, "pp2")
+def test_a_pipelined_fine_tune_reads_only_each_ranks_stages_and_equals_one_process(tmp_path):
+    """GPT-2 over ``--pp 2 --nproc 2``: each rank reads exactly its stage's tensors (the tied
+    ``wte`` by both ends), fewer than the file holds, and 3 private steps give the one-process
+    run's losses and parameters within 1e-6. Llama's pipeline: the pp x tp test below (CI time)."""
+    one, pp = run_pair(tmp_path, "gpt2", "pp2")
     assert_reads_its_stages(tmp_path, pp, "pp2")
     assert_same_run(tmp_path, one, pp)
 
