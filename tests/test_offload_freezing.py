@@ -5,12 +5,20 @@ documented ZenFlow rule otherwise (``offload.zenflow``, "Freezing")."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
+import ckpt
 import offload
 from fsdpx.optim import adamw, update_trainable
 from fsdpx.optim.freezing import frozen_update
+from fsdpx.sharding import Mesh
+from fsdpx.train import RunConfig, run
+from fsdpx.train.sources import build_source
 from support.threads import one_thread  # noqa: F401 - autouse fixture
 
 F64 = torch.float64
@@ -168,3 +176,73 @@ def test_a_gradient_for_an_unknown_name_is_refused():
     for opt in (offload.zenflow(INNER), offload.zero_offload(INNER)):
         with pytest.raises(KeyError, match="'z'"):
             opt.update({**grads[0], "z": grads[0]["b"]}, opt.init(params), params)
+
+
+# --- fsdpx train --freeze with --offload -------------------------------------------------------
+
+TINY = dict(n_layer=1, n_embd=8, n_head=1, block_size=8, corpus_chars=4000, batch_size=16, noise_multiplier=1.0,
+            target_epsilon=None, seed=2, freeze="wte,wpe@0-3;blocks.0.mlp.fc@2-5;ln_f@2-5")
+
+
+def _final(root) -> dict:
+    return ckpt.load(ckpt.CheckpointManager(root).latest(), mesh=Mesh(dp=1), strategy=None, private=True).params
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private", "plain"])
+def test_a_run_under_a_schedule_with_every_column_selected_equals_the_run_without_offload(tmp_path, private):
+    """``--freeze`` with ``--offload zenflow --offload-topk 1`` (ZenFlow is AdamW) and with
+    ``--offload zero`` end with the bits of the run without offload, private and plain."""
+    common = dict(TINY, out=str(tmp_path), steps=6, ckpt_every=6, private=private)
+    finals = {}
+    for name, off in [("none", {}), ("zenflow", dict(offload="zenflow", offload_topk=1.0)), ("zero", dict(offload="zero"))]:
+        run(RunConfig.of(name=name, ckpt_dir=str(tmp_path / name), **common, **off), progress=False)
+        finals[name] = _final(tmp_path / name)
+    initial = build_source(RunConfig.of(**TINY)).params
+    for name in ("zenflow", "zero"):
+        assert all(torch.equal(finals[name][k], finals["none"][k]) for k in finals["none"]), name
+    assert not torch.equal(finals["none"]["wte.weight"], initial["wte.weight"])  # unfrozen at step 3: it trained
+
+
+def test_a_zenflow_run_under_a_schedule_resumes_inside_a_window_bit_for_bit(tmp_path):
+    """The checkpoint after step 5 falls inside a window (interval 2, delay 1) while the MLP's
+    fc weight is frozen (steps 2-4) holding its window of steps 0-1, landed at step 3 into its
+    master only: the resumed run equals the straight one."""
+    common = dict(TINY, out=str(tmp_path), offload="zenflow", offload_interval=2, offload_topk=0.25, ckpt_every=5)
+    run(RunConfig.of(steps=8, name="straight", ckpt_dir=str(tmp_path / "s"), **common), progress=False)
+    run(RunConfig.of(steps=5, name="resumed", ckpt_dir=str(tmp_path / "r"), **common), progress=False)
+    held = ckpt.load(ckpt.CheckpointManager(tmp_path / "r").latest(), mesh=Mesh(dp=1), strategy=None, private=True)
+    assert list(held.opt_state["stale"]) == ["blocks.0.mlp.fc.weight"] and held.opt_state["window_steps"] == 1
+    run(RunConfig.of(steps=8, name="resumed", ckpt_dir=str(tmp_path / "r"), resume=True, **common), progress=False)
+    a, b = _records(tmp_path / "straight"), _records(tmp_path / "resumed")
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b] and len(a) == 8
+    straight, resumed = _final(tmp_path / "s"), _final(tmp_path / "r")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@pytest.mark.slow
+def test_a_zero3_zenflow_run_under_a_schedule_follows_one_process_and_resumes_bit_for_bit(tmp_path):
+    """``fsdpx train --strategy zero3 --nproc 2`` (gloo) with ZenFlow and the schedule above:
+    its losses follow the one-process run's, and a resume after step 5 (inside a window, fc's
+    landed columns held) equals the straight two-process run bit for bit."""
+    args = ["--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--block-size", "8", "--corpus-chars", "4000",
+            "--batch-size", "16", "--noise-multiplier", "1", "--seed", "2", "--no-progress", "--freeze", TINY["freeze"],
+            "--offload", "zenflow", "--offload-interval", "2", "--offload-topk", "0.25", "--out", str(tmp_path)]
+    two = ["--strategy", "zero3", "--nproc", "2"]
+
+    def fsdpx(*extra):
+        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *args, *extra], capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    fsdpx("--steps", "8", "--name", "one")
+    fsdpx("--steps", "8", "--name", "straight", *two)
+    ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "5"]
+    fsdpx("--steps", "5", "--name", "resumed", *two, *ck)
+    fsdpx("--steps", "8", "--name", "resumed", *two, *ck, "--resume")
+    one, a, b = (_records(tmp_path / n) for n in ("one", "straight", "resumed"))
+    assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b] and len(a) == 8
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in one], rel=1e-5)

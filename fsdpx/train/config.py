@@ -440,9 +440,6 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         model, layout, offload = self.model, self.parallelism, self.offload.kind
-        if self.run.freeze and offload != "none":
-            raise ConfigError("freeze with offload is not supported: the offloaded optimizer's state is not kept"
-                              " per parameter")
         if self.checkpoints.resume_from is not None and self.checkpoints.ckpt_dir is None:
             ckpt_dir = str(Path(self.logging.out) / self.logging.name / "ckpt")
             _set(self, checkpoints=dataclasses.replace(self.checkpoints, ckpt_dir=ckpt_dir))
