@@ -142,10 +142,11 @@ would round differently in slices of different widths.)
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -159,7 +160,11 @@ from offload.worker import HOST, nbytes, to_device, to_host
 
 State = dict[str, Any]
 CombineScores = Callable[[str, Tensor], Tensor]
-"""``(weight name, this rank's row sums) -> the sums over every rank's rows`` (float64 vectors)."""
+"""``(weight name, this rank's row sums) -> the sums over every rank's rows`` (float64 vectors):
+with columns split over ranks too, the whole vector of every column's sum."""
+LocalColumns = Callable[[str], Tensor]
+"""``weight name -> sorted LongTensor``: the columns this rank holds, as indices into
+``CombineScores``' vector (its own columns in order)."""
 _X = "x"  # the one key of the single-parameter dicts handed to ``inner``
 
 
@@ -462,6 +467,8 @@ def zenflow(
     auto: AutoConfig = AutoConfig(),
     combine_scores: CombineScores | None = None,
     full_warm_up_rounds: int = 0,
+    local_columns: LocalColumns | None = None,
+    matrices: Mapping[str, int] | None = None,
 ) -> Optimizer:
     """ZenFlow selective update around the elementwise optimizer ``inner`` (default
     ``adamw(lr=1e-3)``); semantics in the module docstring.
@@ -484,6 +491,15 @@ def zenflow(
         and ZeRO-3 runs on any number of ranks select the same columns as the unsharded run and
         match its parameters (``property_tests/test_zenflow_sharded.py``). ``combine_scores=None``
         is the identity: one rank holds every row.
+      - With columns split too (tensor parallelism: ``combine_scores`` returns every column's
+        score, ``local_columns`` this rank's range of them), the top-k is chosen on the whole
+        vector and each rank keeps the chosen columns it holds: the unsharded run's selection,
+        cut (``property_tests/test_zenflow_tensor_parallel.py``). Fixed intervals only: the
+        ``"auto"`` rules with ``local_columns`` raise ``ValueError``. ``matrices``: ``{name: b}``
+        for a parameter whose tensor is a view (a tensor-parallel plan's fused ``[3, n, in]`` of
+        a ``[3n, in]`` weight): its dims before ``b`` are the weight's rows, the rest its
+        columns, and ZenFlow treats it as that matrix, as the unsharded run does; ``b = 0``: not
+        a weight (the ``[3, n]`` view of a ``[3n]`` bias), updated on the device every step.
 
     ``params`` passed to ``update`` must be those returned by the previous ``update`` (or the
     initial ones): columns are written, not re-read; the master copy is authoritative.
@@ -498,6 +514,7 @@ def zenflow(
     A weight with every column selected never touches the host; with none selected, never the
     device optimizer."""
     inner = adamw(lr=1e-3) if inner is None else inner
+    views = dict(matrices or {})
     num_selected(0, topk_ratio)  # validates the ratio
     if delay not in (0, 1):
         raise ValueError(f"delay must be 0 or 1, got {delay}")
@@ -510,14 +527,27 @@ def zenflow(
         raise ValueError(f"select_interval ({select_interval}) must be a multiple of update_interval "
                          f"({update_interval}) so that every reselection falls on a window end")
     check_config(auto)
+    if local_columns is not None and "auto" in (select_interval, update_interval):
+        raise ValueError("the \"auto\" intervals are not supported with columns split over ranks (local_columns):"
+                         " give select_interval and update_interval as ints")
     if not (isinstance(full_warm_up_rounds, int) and not isinstance(full_warm_up_rounds, bool)
             and full_warm_up_rounds >= 0):
         raise ValueError(f"full_warm_up_rounds must be an int >= 0, got {full_warm_up_rounds!r}")
 
+    def as_matrices(tree: Params) -> Params:
+        """``tree`` with every view in ``matrices`` reshaped to its weight's ``[rows, columns]``."""
+        return {k: v.reshape(math.prod(v.shape[:views[k]]), math.prod(v.shape[views[k]:])) if views.get(k) else v
+                for k, v in tree.items()}
+
+    def is_weight(name: str, t: Tensor) -> bool:
+        """Whether ``name`` (as :func:`as_matrices` gives it) has columns ZenFlow selects in."""
+        return views[name] > 0 if name in views else t.dim() == 2
+
     def init(params: Params) -> State:
+        params = as_matrices(params)
         masters = {k: p.detach().to(dtype=master_dtype(p.dtype), copy=True) for k, p in params.items()}
-        host_m = {k: m.to(HOST) for k, m in masters.items() if m.dim() == 2}
-        dev_m = {k: m for k, m in masters.items() if m.dim() != 2}
+        host_m = {k: m.to(HOST) for k, m in masters.items() if is_weight(k, m)}
+        dev_m = {k: m for k, m in masters.items() if not is_weight(k, m)}
         inner_host, inner_dev = inner.init(host_m), inner.init(dev_m)
         slot_names = _check_inner_state(inner_host, params)
         _check_inner_state(inner_dev, params)
@@ -545,14 +575,20 @@ def zenflow(
         }
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
-        return step(grads, state, params, inplace=False)
+        return shaped(params, *step(as_matrices(grads), state, as_matrices(params), inplace=False))
+
+    def shaped(params: Params, new_params: Params, state: State) -> tuple[Params, State]:
+        """``new_params`` with every view in ``matrices`` back in its own shape."""
+        if views:
+            new_params = {k: v.reshape(params[k].shape) if views.get(k) else v for k, v in new_params.items()}
+        return new_params, state
 
     def update_inplace(grads: Params, state: State, params: Params) -> tuple[Params, State]:
         """``update`` for a caller that donates ``state`` and ``params``: the same bits, written
         into their tensors (the host state, the window sum, the parameters' columns) instead of
         new ones (``tests/test_zenflow.py::test_donated_update_gives_the_same_bits``)."""
         with torch.no_grad():
-            return step(grads, state, params, inplace=True)
+            return shaped(params, *step(as_matrices(grads), state, as_matrices(params), inplace=True))
 
     def step(grads: Params, state: State, params: Params, *, inplace: bool) -> tuple[Params, State]:
         extra = sorted(set(grads) - set(params))
@@ -575,7 +611,7 @@ def zenflow(
         selected, unselected = dict(state["selected"] or {}), dict(state["unselected"] or {})
         for k in host:
             if k in grads and k not in selected:
-                sel = select_columns(scores_of(k, grads[k]), topk_ratio).to(HOST)
+                sel = choose(k, grads[k])
                 host[k], device[k] = _handover(host[k], device[k], sel[:0], sel, metrics)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
 
@@ -746,6 +782,15 @@ def zenflow(
         local = column_scores(grad)
         return local if combine_scores is None else combine_scores(name, local)
 
+    def choose(name: str, grad: Tensor) -> Tensor:
+        """The selected columns of weight ``name`` this rank holds (sorted host indices): the
+        top-k of the scores over all its rows and columns."""
+        sel = select_columns(scores_of(name, grad), topk_ratio).to(HOST)
+        if local_columns is None:
+            return sel
+        held = local_columns(name)
+        return torch.searchsorted(held, sel[torch.isin(sel, held)])
+
     def window_stats(name: str, g: Tensor, acc: Tensor) -> tuple[float, float]:
         """``(|g|^2, |acc|^2)`` of weight ``name``'s unselected columns over all its rows."""
         local = torch.stack([g.double().square().sum(), acc.double().square().sum()])
@@ -759,7 +804,7 @@ def zenflow(
         if select_interval != "auto":
             if since < select_interval:
                 return None
-            return {k: select_columns(scores_of(k, grads[k]), topk_ratio).to(HOST) for k in selected if k in grads}
+            return {k: choose(k, grads[k]) for k in selected if k in grads}
         out = {}
         for k, sel in selected.items():
             if k not in grads:  # frozen: keeps its selection
