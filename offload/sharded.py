@@ -60,8 +60,8 @@ def sharded_scores(comm: Comm, axes: str | tuple[str, ...]) -> CombineScores:
     return combine
 
 
-def layout_scores(comm: Comm, layouts: Mapping[str, tuple[Spec, tuple[int, ...], int]]
-                  ) -> tuple[CombineScores, LocalColumns]:
+def layout_scores(comm: Comm, layouts: Mapping[str, tuple[Spec, tuple[int, ...], int]], *,
+                  stage_axis: str | None = None) -> tuple[CombineScores, LocalColumns]:
     """``(combine_scores, local_columns)`` for ``offload.zenflow`` when each weight is laid out by
     its own spec: ``layouts[name] = (spec of the optimizer state, global shape, b)``, the
     weight's rows being the dims before ``b`` and its columns the rest (``b = 1`` for a plain
@@ -70,15 +70,19 @@ def layout_scores(comm: Comm, layouts: Mapping[str, tuple[Spec, tuple[int, ...],
     ``combine_scores`` sums this rank's vector over the axes the rows are split over (one
     all-reduce) and gathers it over those the columns are split over (one all-gather), giving
     every column's score in the weight's own column order; ``local_columns`` is the sorted
-    indices of this rank's columns in that vector.
+    indices of this rank's columns in that vector. ``stage_axis``: under a pipeline, the mesh
+    axis its stages are split over; each weight's collectives then run among its own stage's
+    ranks (the stages hold different weights).
 
-    Guarantees (``property_tests/test_zenflow_tensor_parallel.py``): every rank of a weight's
+    Guarantees (``property_tests/test_zenflow_model_parallel.py``): every rank of a weight's
     group gets the same bits (the collectives'), so each chooses the same global top-k; the
     vector is the unsharded ``column_scores`` up to float64 rounding of the row sums, as
     :func:`sharded_scores` says. A weight not in ``layouts`` is combined by neither collective.
 
     Raises ``TypeError`` if a vector is not 1-D float64 (a 2-element window statistic of the
     ``"auto"`` rules is refused by ``offload.zenflow`` before it gets here)."""
+
+    mesh = comm.mesh if stage_axis is None else comm.mesh.sub(tuple(a for a in comm.mesh.axis_names if a != stage_axis))
 
     def axes(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
         if name not in layouts:
@@ -94,13 +98,13 @@ def layout_scores(comm: Comm, layouts: Mapping[str, tuple[Spec, tuple[int, ...],
         rows, cols = axes(name)
         out = local
         if rows:
-            for c in plan(Spec(None, partial=rows), Spec(None), tuple(local.shape), comm.mesh, torch.float64):
+            for c in plan(Spec(None, partial=rows), Spec(None), tuple(local.shape), mesh, torch.float64):
                 out = comm.run(c, out)
         if cols:
             spec, shape, b = layouts[name]
             box = local_box(shape, spec, comm.mesh, comm.rank)[b:]
             out = out.reshape(tuple(e - s for s, e in box))
-            for c in plan(Spec(*spec.dims[b:]), Spec(*[None] * len(box)), shape[b:], comm.mesh, torch.float64):
+            for c in plan(Spec(*spec.dims[b:]), Spec(*[None] * len(box)), shape[b:], mesh, torch.float64):
                 out = comm.run(c, out)
             out = out.reshape(-1)
         return out

@@ -494,7 +494,7 @@ def zenflow(
       - With columns split too (tensor parallelism: ``combine_scores`` returns every column's
         score, ``local_columns`` this rank's range of them), the top-k is chosen on the whole
         vector and each rank keeps the chosen columns it holds: the unsharded run's selection,
-        cut (``property_tests/test_zenflow_tensor_parallel.py``). Fixed intervals only: the
+        cut (``property_tests/test_zenflow_model_parallel.py``). Fixed intervals only: the
         ``"auto"`` rules with ``local_columns`` raise ``ValueError``. ``matrices``: ``{name: b}``
         for a parameter whose tensor is a view (a tensor-parallel plan's fused ``[3, n, in]`` of
         a ``[3n, in]`` weight): its dims before ``b`` are the weight's rows, the rest its

@@ -163,7 +163,8 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
     combine, columns, views = None, None, None
     layout = config.parallelism
     if comm is not None and plan is not None and (layout.tp > 1 or layout.pp > 1):
-        combine, columns = offload.layout_scores(comm, offload.weight_layouts(plan))
+        stages = plan.pipeline.axis if plan.pipeline is not None else None
+        combine, columns = offload.layout_scores(comm, offload.weight_layouts(plan), stage_axis=stages)
         views = offload.matrix_views(plan)
     elif comm is not None:
         rows = layout.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
