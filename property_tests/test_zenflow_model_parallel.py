@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,6 +117,7 @@ def check(model, batches, name, mesh, private, trainable=None):
             assert float((full - want_params[k]).abs().max()) / scale <= TOL, f"step {t + 1} {k}"
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(st.data(), st.sampled_from(MESHES), st.booleans())
 def test_tensor_parallel_zenflow_selects_and_updates_as_the_unsharded_run(data, case, private):
@@ -124,6 +126,7 @@ def test_tensor_parallel_zenflow_selects_and_updates_as_the_unsharded_run(data, 
     check(model, batches, name, mesh, private)
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None)
 @given(st.data(), st.sampled_from(MESHES[:2]), st.booleans())
 def test_tensor_parallel_zenflow_under_a_freezing_schedule_is_the_unsharded_one(data, case, private):
@@ -158,6 +161,7 @@ def pipelined_run(model, batches, plan, mesh, private):
     return run_threads(mesh, rank, timeout=120)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(pipelines(), st.booleans())
 def test_pipelined_zenflow_selects_and_updates_as_the_unsharded_run(case, private):
