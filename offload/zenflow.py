@@ -536,6 +536,8 @@ def zenflow(
 
     def as_matrices(tree: Params) -> Params:
         """``tree`` with every view in ``matrices`` reshaped to its weight's ``[rows, columns]``."""
+        if not views:
+            return tree
         return {k: v.reshape(math.prod(v.shape[:views[k]]), math.prod(v.shape[views[k]:])) if views.get(k) else v
                 for k, v in tree.items()}
 
