@@ -41,10 +41,11 @@ def test_zenflow_under_a_schedule_on_two_gloo_ranks_follows_one_process(tmp_path
 
 
 @pytest.mark.slow
-def test_zero_offload_with_tensor_parallelism_resumes_from_its_checkpoint(tmp_path):
-    """ZeRO-Offload's state is per parameter, so a ``--tp 2`` run checkpoints and resumes as
-    any sharded run does: the resumed losses are the straight run's."""
-    two = ["--offload", "zero", "--strategy", "zero3", "--nproc", "2", "--tp", "2"]
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--microbatches", "2"]], ids=["tp2", "pp2"])
+def test_zero_offload_with_model_parallelism_resumes_from_its_checkpoint(tmp_path, layout):
+    """ZeRO-Offload's state is per parameter, so a ``--tp 2`` or ``--pp 2`` run checkpoints and
+    resumes as any sharded run does: the resumed losses are the straight run's, bit for bit."""
+    two = ["--offload", "zero", "--strategy", "zero3", "--nproc", "2", *layout]
     straight = _train(tmp_path, "straight", *two)
     ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "3"]
     _train(tmp_path, "resumed", *two, *ck, "--steps", "3")
