@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import offload
@@ -169,6 +169,9 @@ def test_pipelined_zenflow_selects_and_updates_as_the_unsharded_run(case, privat
     the same gradient, so the same choices): the stages' selections and parameters together
     are the unsharded run's, every schedule kind, with data and tensor parallelism."""
     model, batches, plan, mesh = case
+    # a LayerNorm of width 2 gives the next weight exactly tied columns, which the last bit of
+    # a differently ordered sum decides (property_tests/test_zenflow_sharded.py): not a fault
+    assume(model.config.n_embd > 2 or model.config.norm != "layernorm")
     batches = batches * 3  # 6 steps: windows of 2 land and a reselection at step 4
     want = unsharded_run(model, batches, private, None)
     got = pipelined_run(model, batches, plan, mesh, private)
