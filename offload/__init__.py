@@ -10,13 +10,14 @@
 - ``select_interval_steps``, ``steps_per_epoch``: DeepSpeed's ``select_strategy`` (step, epoch,
   auto) as the steps ``zenflow`` counts (``offload.schedule``).
 - ``sharded_scores(comm, axes)``: ZenFlow on ZeRO-2/3 row shards, selecting as one unsharded
-  run does (``offload.sharded``).
+  run does (``offload.sharded``); ``layout_scores(comm, layouts)``: the same per weight, rows or
+  columns split (tensor parallelism), ``weight_layouts(plan)`` giving each weight's layout.
 """
 
 from offload.auto import AutoConfig
 from offload.columns import column_scores, select_columns
 from offload.schedule import select_interval_steps, steps_per_epoch
-from offload.sharded import sharded_scores
+from offload.sharded import layout_scores, matrix_views, sharded_scores, weight_layouts
 from offload.zenflow import element_state, master_params, materialize, zenflow
 from offload.zero_offload import zero_offload
 
@@ -24,12 +25,15 @@ __all__ = [
     "AutoConfig",
     "column_scores",
     "element_state",
+    "layout_scores",
     "master_params",
     "materialize",
+    "matrix_views",
     "select_columns",
     "select_interval_steps",
     "sharded_scores",
     "steps_per_epoch",
     "zenflow",
+    "weight_layouts",
     "zero_offload",
 ]

@@ -1,10 +1,12 @@
-"""ZenFlow on row shards: the one collective that makes every rank choose as the unsharded run.
+"""ZenFlow on shards: the collectives that make every rank choose as the unsharded run.
 
 Under ZeRO-2/3 (``fsdpx.sharding.strategies``) the optimizer of each rank sees a block of rows of every
 weight ``[out, in]``. A column's score is a sum over rows, so the global score is the sum of the
 ranks' scores: one all-reduce of ``in`` float64 values per weight, at each selection. The rows
 themselves never move: each rank's host master, moments and window accumulators stay those of its
-own rows.
+own rows. Under tensor parallelism a weight may also have its columns split (a row-parallel
+layer): its scores are then gathered over those axes, the top-k chosen on the whole vector, and
+each rank keeps the chosen columns it holds (``layout_scores``).
 """
 
 from __future__ import annotations
@@ -12,11 +14,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import math
+from typing import Mapping
+
 from fsdpx.sharding.collectives import plan
 from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import local_box
 from fsdpx.sharding.mesh import as_axes
+from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.spec import Spec
-from offload.zenflow import CombineScores
+from offload.zenflow import CombineScores, LocalColumns
 
 
 def sharded_scores(comm: Comm, axes: str | tuple[str, ...]) -> CombineScores:
@@ -51,3 +58,86 @@ def sharded_scores(comm: Comm, axes: str | tuple[str, ...]) -> CombineScores:
         return out
 
     return combine
+
+
+def layout_scores(comm: Comm, layouts: Mapping[str, tuple[Spec, tuple[int, ...], int]], *,
+                  stage_axis: str | None = None) -> tuple[CombineScores, LocalColumns]:
+    """``(combine_scores, local_columns)`` for ``offload.zenflow`` when each weight is laid out by
+    its own spec: ``layouts[name] = (spec of the optimizer state, global shape, b)``, the
+    weight's rows being the dims before ``b`` and its columns the rest (``b = 1`` for a plain
+    ``[out, in]``; a tensor-parallel plan's fused view ``[3, n, in]`` has ``b = 2``). Tensor
+    parallelism splits some weights' rows, others' columns; ZeRO adds the data axes.
+    ``combine_scores`` sums this rank's vector over the axes the rows are split over (one
+    all-reduce) and gathers it over those the columns are split over (one all-gather), giving
+    every column's score in the weight's own column order; ``local_columns`` is the sorted
+    indices of this rank's columns in that vector. ``stage_axis``: under a pipeline, the mesh
+    axis its stages are split over; each weight's collectives then run among its own stage's
+    ranks (the stages hold different weights).
+
+    Guarantees (``property_tests/test_zenflow_model_parallel.py``): every rank of a weight's
+    group gets the same bits (the collectives'), so each chooses the same global top-k; the
+    vector is the unsharded ``column_scores`` up to float64 rounding of the row sums, as
+    :func:`sharded_scores` says. A weight not in ``layouts`` is combined by neither collective.
+
+    Raises ``TypeError`` if a vector is not 1-D float64 (a 2-element window statistic of the
+    ``"auto"`` rules is refused by ``offload.zenflow`` before it gets here)."""
+
+    mesh = comm.mesh if stage_axis is None else comm.mesh.sub(tuple(a for a in comm.mesh.axis_names if a != stage_axis))
+
+    def axes(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        if name not in layouts:
+            return (), ()
+        spec, _, b = layouts[name]
+        return (tuple(a for d in range(b) for a in spec.axes(d)),
+                tuple(a for d in range(b, spec.ndim) for a in spec.axes(d)))
+
+    def combine(name: str, local: Tensor) -> Tensor:
+        if local.dim() != 1 or local.dtype != torch.float64:
+            raise TypeError(f"{name}: expected a 1-D float64 vector of row sums, got {local.dtype} "
+                            f"{tuple(local.shape)}")
+        rows, cols = axes(name)
+        out = local
+        if rows:
+            for c in plan(Spec(None, partial=rows), Spec(None), tuple(local.shape), mesh, torch.float64):
+                out = comm.run(c, out)
+        if cols:
+            spec, shape, b = layouts[name]
+            box = local_box(shape, spec, comm.mesh, comm.rank)[b:]
+            out = out.reshape(tuple(e - s for s, e in box))
+            for c in plan(Spec(*spec.dims[b:]), Spec(*[None] * len(box)), shape[b:], mesh, torch.float64):
+                out = comm.run(c, out)
+            out = out.reshape(-1)
+        return out
+
+    def local_columns(name: str) -> Tensor:
+        spec, shape, b = layouts[name]
+        box = local_box(shape, spec, comm.mesh, comm.rank)[b:]
+        every = torch.arange(math.prod(shape[b:])).reshape(shape[b:])
+        return every[tuple(slice(s, e) for s, e in box)].reshape(-1)
+
+    return combine, local_columns
+
+
+def weight_layouts(plan: ShardingPlan) -> dict[str, tuple[Spec, tuple[int, ...], int]]:
+    """``layout_scores``' ``layouts`` of a sharding plan: every 2-D weight (``b = 1``) and every
+    fused view of one (:func:`matrix_views`), with its ``opt_state`` spec and global shape;
+    other parameters are not weights ZenFlow selects in."""
+    views = matrix_views(plan)
+    out = {}
+    for name, lay in plan.params.items():
+        b = views.get(name, 1 if len(lay.shape) == 2 else 0)
+        if b:
+            out[name] = (lay.opt_state, lay.shape, b)
+    return out
+
+
+def matrix_views(plan: ShardingPlan) -> dict[str, int]:
+    """``offload.zenflow``'s ``matrices`` of a sharding plan: for each parameter whose layout
+    views it fused (``ParamLayout.fused``, a tensor-parallel plan's ``[3, n, in]`` of a fused
+    ``[3n, in]`` weight), the dim its columns start at (2 when the rows are viewed so, 1 when
+    the columns are), or 0 for a fused vector (``[3, n]`` of a ``[3n]`` bias: not a weight)."""
+    out = {}
+    for name, lay in plan.params.items():
+        if lay.fused is not None:
+            out[name] = 0 if len(lay.shape) < 3 else 2 if lay.fused[0] == 0 else 1
+    return out

@@ -47,6 +47,20 @@ Semantics
   the ``delay=1`` visibility rule and it costs a synchronous host update of the entering columns
   only (``tests/test_zenflow.py::test_entering_column_gets_its_closing_window_applied_first``).
 
+* **Freezing.** ``grads`` may name a subset of the parameters (a freezing schedule,
+  ``fsdpx.optim.freezing``; ``Optimizer.partial_grads``): the others are frozen at this step. A
+  frozen parameter gets no gradient, no device update, no window sum, no selection or
+  reselection, and no new host update; its moments and counts stay as they are, so a weight
+  unfrozen mid-run continues from them (zeros and count 0 if it never trained, as
+  ``update_trainable`` does without offload). A weight's first selection is made at its first
+  trained step, from that step's gradient; reselections stay on the run's schedule. A window's
+  host update of a weight covers the steps it trained in that window: the mean divides by their
+  number. Host results of steps it trained that land while it is frozen (``delay=1``, or a
+  window it left before its end) go into its master and moments, and into the parameter only
+  when it trains again (before that step's update): a frozen parameter's value never changes.
+  With ``topk_ratio=1``, or ``delay=0`` and ``update_interval=1``, this is ``inner`` under the
+  same schedule bit for bit (``tests/test_offload_freezing.py``).
+
 Worked example: ``update_interval=4``, one selected column ``s`` and one unselected column ``u``
 (no reselection). ``D_t`` = ``inner`` applied at steps 1..t with each step's gradient;
 ``H_1 = inner(p0, mean(g_1..g_4))``, ``H_2 = inner(H_1, mean(g_5..g_8))`` (count 2)::
@@ -128,15 +142,16 @@ would round differently in slices of different widths.)
 
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from fsdpx.optim import Optimizer, Params, check_same_keys, adamw
+from fsdpx.optim import Optimizer, Params, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
 from offload.column_copy import add_gathered_columns_, gather_columns, scatter_columns_
@@ -145,7 +160,11 @@ from offload.worker import HOST, nbytes, to_device, to_host
 
 State = dict[str, Any]
 CombineScores = Callable[[str, Tensor], Tensor]
-"""``(weight name, this rank's row sums) -> the sums over every rank's rows`` (float64 vectors)."""
+"""``(weight name, this rank's row sums) -> the sums over every rank's rows`` (float64 vectors):
+with columns split over ranks too, the whole vector of every column's sum."""
+LocalColumns = Callable[[str], Tensor]
+"""``weight name -> sorted LongTensor``: the columns this rank holds, as indices into
+``CombineScores``' vector (its own columns in order)."""
 _X = "x"  # the one key of the single-parameter dicts handed to ``inner``
 
 
@@ -193,10 +212,12 @@ def _update_columns(inner: Optimizer, slot_names: list[str], master: Tensor, gra
     return out_master, out_slots
 
 
-def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: dict[str, dict], *,
+def _host_window(inner: Optimizer, slot_names: list[str], divisor: int | dict[str, int], inputs: dict[str, dict], *,
                  owned: bool = False, into: dict[str, dict] | None = None) -> dict[str, dict]:
     """The host update of one window: pure, on tensors the job owns. ``inputs[k]`` holds the
     columns ``cols``, their window gradient sum ``grad``, ``master``, slots and ``count``.
+    ``divisor``: what the sum is divided by, or per weight (a weight frozen for part of the
+    window divides by the steps it trained).
 
     ``owned`` (the donated path): the job may overwrite ``grad`` (divided in place) and the
     master and slots it gathers (updated in place by ``inner.update_inplace`` where the columns
@@ -207,8 +228,9 @@ def _host_window(inner: Optimizer, slot_names: list[str], divisor: int, inputs: 
         job = _gather_deferred(job, (into or {}).get(k, {}))
         slots = {s: t for s, t in job.items() if s not in ("cols", "grad", "master", "count")}
         grad = job["grad"]
-        if divisor != 1:
-            grad = grad.div_(divisor) if owned else grad / divisor
+        by = divisor[k] if isinstance(divisor, dict) else divisor
+        if by != 1:
+            grad = grad.div_(by) if owned else grad / by
         master, new_slots = _update_columns(inner, slot_names, job["master"], grad, slots, job["count"], owned)
         out[k] = {"cols": job["cols"], "master": master, **new_slots, "count": job["count"] + 1}
     return out
@@ -234,18 +256,33 @@ def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = Fals
 
 
 def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict,
-                       inplace: bool = False, part: str = "all") -> None:
+                       inplace: bool = False, part: str = "all", *, frozen: frozenset[str] = frozenset(),
+                       stale: dict[str, Tensor] | None = None) -> None:
     """Write a finished host window into the host state (``part`` of it, as in
     :func:`_merge_host_result`) and the parameters: rebinding entries of the caller's fresh
     ``host`` / ``params`` dicts, or with ``inplace`` (donated state and parameters) writing into
-    their tensors."""
+    their tensors. A weight in ``frozen`` keeps its parameter: its columns are added to
+    ``stale[k]``, written from the master when it trains again (:func:`_write_stale`)."""
     _merge_host_result(result, host, inplace, part)
     for k, r in result.items():
         cols = r["cols"]
+        if k in frozen:
+            stale[k] = cols if k not in stale else torch.unique(torch.cat([stale[k], cols]))
+            continue
         p = params[k]
         value = r["master"].to(p.dtype)
         metrics["h2d_bytes"] += nbytes(value)
         params[k] = scatter_columns_(p if inplace else p.clone(), cols.to(p.device), to_device(value, p.device))
+
+
+def _write_stale(k: str, cols: Tensor, h: dict, params: Params, metrics: dict, inplace: bool) -> None:
+    """Write weight ``k``'s ``cols`` (host indices, unselected) from its host master into its
+    parameter: the host windows that landed while it was frozen, the same bits
+    :func:`_apply_host_result` would have written then."""
+    p = params[k]
+    value = gather_columns(h["master"], cols).to(p.dtype)
+    metrics["h2d_bytes"] += nbytes(value)
+    params[k] = scatter_columns_(p if inplace else p.clone(), cols.to(p.device), to_device(value, p.device))
 
 
 def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
@@ -315,17 +352,17 @@ def _merge_then(landed: dict[str, dict], host: dict, window: Callable[..., dict]
     return window(into=landed)
 
 
-def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None]]], opening: bool) -> None:
-    """Background job of a donated step: for each ``(acc, g, ready)``, wait for ``g``'s copy
-    (``ready``), then ``acc = g`` (the window's first step) or ``acc += g``, the same one
+def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None], bool]]) -> None:
+    """Background job of a donated step: for each ``(acc, g, ready, first)``, wait for ``g``'s copy
+    (``ready``), then ``acc = g`` (``first``: the weight's first step in the window) or ``acc += g``, the same one
     rounding per element as the inline sum. Jobs run in submission order, so every window sum
     sees its steps' adds in order, and the window job submitted after them sees them all
     (``tests/test_zenflow.py::test_background_window_sum_equals_the_inline_sum``)."""
-    for acc, g, ready in adds:
+    for acc, g, ready, first in adds:
         ready()
         if acc is g:
             continue
-        if opening:
+        if first:
             acc.copy_(g)
         else:
             acc.add_(g.to(acc.dtype))
@@ -348,6 +385,8 @@ def _async_window_sum(device: torch.device) -> bool:
 _ASYNC_ON_CPU = False
 _SUM_JOB = "window_sum_job"  # state key, only while a window-sum job is in flight
 _BUFFERS = "window_sum_buffers"  # donated state key: {"free": {name: T}, "busy": {name: T}} (materialize drops it)
+_STALE = "stale"  # state key, only while a frozen weight holds landed columns: {name: host cols}
+_TRAINED = "window_trained"  # state key, only while a weight trained fewer steps than the window: {name: steps}
 
 
 def _timed(metrics: dict, fn, *args, key: str = "host_wait_s"):
@@ -394,8 +433,9 @@ def _warm_up_step(inner: Optimizer, grads: Params, state: State, params: Params,
     slot_names: list[str] = state["slots"]
     metrics = {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
     host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)
-    count = state["step"]
     for k, p in params.items():
+        if k not in grads:  # frozen
+            continue
         if k not in host:
             device[k], new_params[k] = _device_step(inner, slot_names, device[k], grads[k], p)
             continue
@@ -403,6 +443,7 @@ def _warm_up_step(inner: Optimizer, grads: Params, state: State, params: Params,
         g = to_host(grads[k]).to(h["master"].dtype)
         metrics["d2h_bytes"] += nbytes(g)
         slots = {s: t for s, t in h.items() if s not in ("master", "count")}
+        count = int(h["count"][0]) if h["count"].numel() else 0  # every column's: the weight's own count
         master, slots = _timed(metrics, _inner_step, inner, slot_names, h["master"], g, slots, count, inplace)
         host[k] = {"master": master, **slots, "count": h["count"].add_(1) if inplace else h["count"] + 1}
         value = to_device(master, p.device).to(p.dtype)
@@ -426,6 +467,8 @@ def zenflow(
     auto: AutoConfig = AutoConfig(),
     combine_scores: CombineScores | None = None,
     full_warm_up_rounds: int = 0,
+    local_columns: LocalColumns | None = None,
+    matrices: Mapping[str, int] | None = None,
 ) -> Optimizer:
     """ZenFlow selective update around the elementwise optimizer ``inner`` (default
     ``adamw(lr=1e-3)``); semantics in the module docstring.
@@ -448,6 +491,15 @@ def zenflow(
         and ZeRO-3 runs on any number of ranks select the same columns as the unsharded run and
         match its parameters (``property_tests/test_zenflow_sharded.py``). ``combine_scores=None``
         is the identity: one rank holds every row.
+      - With columns split too (tensor parallelism: ``combine_scores`` returns every column's
+        score, ``local_columns`` this rank's range of them), the top-k is chosen on the whole
+        vector and each rank keeps the chosen columns it holds: the unsharded run's selection,
+        cut (``property_tests/test_zenflow_model_parallel.py``). Fixed intervals only: the
+        ``"auto"`` rules with ``local_columns`` raise ``ValueError``. ``matrices``: ``{name: b}``
+        for a parameter whose tensor is a view (a tensor-parallel plan's fused ``[3, n, in]`` of
+        a ``[3n, in]`` weight): its dims before ``b`` are the weight's rows, the rest its
+        columns, and ZenFlow treats it as that matrix, as the unsharded run does; ``b = 0``: not
+        a weight (the ``[3, n]`` view of a ``[3n]`` bias), updated on the device every step.
 
     ``params`` passed to ``update`` must be those returned by the previous ``update`` (or the
     initial ones): columns are written, not re-read; the master copy is authoritative.
@@ -462,6 +514,7 @@ def zenflow(
     A weight with every column selected never touches the host; with none selected, never the
     device optimizer."""
     inner = adamw(lr=1e-3) if inner is None else inner
+    views = dict(matrices or {})
     num_selected(0, topk_ratio)  # validates the ratio
     if delay not in (0, 1):
         raise ValueError(f"delay must be 0 or 1, got {delay}")
@@ -474,14 +527,29 @@ def zenflow(
         raise ValueError(f"select_interval ({select_interval}) must be a multiple of update_interval "
                          f"({update_interval}) so that every reselection falls on a window end")
     check_config(auto)
+    if local_columns is not None and "auto" in (select_interval, update_interval):
+        raise ValueError("the \"auto\" intervals are not supported with columns split over ranks (local_columns):"
+                         " give select_interval and update_interval as ints")
     if not (isinstance(full_warm_up_rounds, int) and not isinstance(full_warm_up_rounds, bool)
             and full_warm_up_rounds >= 0):
         raise ValueError(f"full_warm_up_rounds must be an int >= 0, got {full_warm_up_rounds!r}")
 
+    def as_matrices(tree: Params) -> Params:
+        """``tree`` with every view in ``matrices`` reshaped to its weight's ``[rows, columns]``."""
+        if not views:
+            return tree
+        return {k: v.reshape(math.prod(v.shape[:views[k]]), math.prod(v.shape[views[k]:])) if views.get(k) else v
+                for k, v in tree.items()}
+
+    def is_weight(name: str, t: Tensor) -> bool:
+        """Whether ``name`` (as :func:`as_matrices` gives it) has columns ZenFlow selects in."""
+        return views[name] > 0 if name in views else t.dim() == 2
+
     def init(params: Params) -> State:
+        params = as_matrices(params)
         masters = {k: p.detach().to(dtype=master_dtype(p.dtype), copy=True) for k, p in params.items()}
-        host_m = {k: m.to(HOST) for k, m in masters.items() if m.dim() == 2}
-        dev_m = {k: m for k, m in masters.items() if m.dim() != 2}
+        host_m = {k: m.to(HOST) for k, m in masters.items() if is_weight(k, m)}
+        dev_m = {k: m for k, m in masters.items() if not is_weight(k, m)}
         inner_host, inner_dev = inner.init(host_m), inner.init(dev_m)
         slot_names = _check_inner_state(inner_host, params)
         _check_inner_state(inner_dev, params)
@@ -509,36 +577,51 @@ def zenflow(
         }
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
-        return step(grads, state, params, inplace=False)
+        return shaped(params, *step(as_matrices(grads), state, as_matrices(params), inplace=False))
+
+    def shaped(params: Params, new_params: Params, state: State) -> tuple[Params, State]:
+        """``new_params`` with every view in ``matrices`` back in its own shape."""
+        if views:
+            new_params = {k: v.reshape(params[k].shape) if views.get(k) else v for k, v in new_params.items()}
+        return new_params, state
 
     def update_inplace(grads: Params, state: State, params: Params) -> tuple[Params, State]:
         """``update`` for a caller that donates ``state`` and ``params``: the same bits, written
         into their tensors (the host state, the window sum, the parameters' columns) instead of
         new ones (``tests/test_zenflow.py::test_donated_update_gives_the_same_bits``)."""
         with torch.no_grad():
-            return step(grads, state, params, inplace=True)
+            return shaped(params, *step(as_matrices(grads), state, as_matrices(params), inplace=True))
 
     def step(grads: Params, state: State, params: Params, *, inplace: bool) -> tuple[Params, State]:
-        check_same_keys(grads, params)
+        extra = sorted(set(grads) - set(params))
+        if extra:
+            raise KeyError(f"gradients for names not in params: {extra}")
         if state["step"] < full_warm_up_rounds:
             return _warm_up_step(inner, grads, state, params, inplace=inplace)
         slot_names: list[str] = state["slots"]
         metrics = {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
         host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)
         since = state["since_selection"]
+        frozen = frozenset(params) - frozenset(grads)
+        stale = dict(state.get(_STALE, {}))
+        for k in [k for k in stale if k in grads]:  # trains again: the windows that landed while frozen
+            if state["pending"] is not None:  # a deferred merge may still be writing its master
+                _timed(metrics, worker.resolve, state["pending"]["result"])
+            _write_stale(k, stale.pop(k), host[k], new_params, metrics, inplace)
 
-        if state["selected"] is None:  # first step: select from this step's gradient
-            selected, unselected = {}, {}
-            for k in host:
-                sel = select_columns(scores_of(k, grads[k]), topk_ratio).to(HOST)
+        # A weight's first selection is made at its first trained step, from that step's gradient.
+        selected, unselected = dict(state["selected"] or {}), dict(state["unselected"] or {})
+        for k in host:
+            if k in grads and k not in selected:
+                sel = choose(k, grads[k])
                 host[k], device[k] = _handover(host[k], device[k], sel[:0], sel, metrics)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
-        else:
-            selected, unselected = dict(state["selected"]), dict(state["unselected"])
 
         # Device: the selected columns and every non-2-D parameter, with this step's gradient.
-        for k, p in params.items():
-            d = device[k]
+        for k in params:
+            if k in frozen:
+                continue
+            p, d = new_params[k], device[k]  # new_params: a frozen weight's landed columns written above
             if k not in host:
                 device[k], new_params[k] = _device_step(inner, slot_names, d, grads[k], p)
             elif selected[k].numel():
@@ -564,24 +647,34 @@ def zenflow(
         window_sq = 0.0 if opening else state["window_sq"]
         norm_sq_of_sum = 0.0
         sum_job = state.get(_SUM_JOB)
+        trained = {} if opening else dict(state.get(_TRAINED, {}))  # steps trained, where fewer than the window's
         adds = []
         for k in host:
+            if k in frozen:
+                if k in acc:  # its window sum waits; it trained fewer steps than the window
+                    trained.setdefault(k, state["window_steps"])
+                continue
             uns = unselected[k]
             if not uns.numel():
                 continue
+            first = opening or k not in acc  # the weight's first trained step in this window
+            if first and not opening:
+                trained[k] = 0
+            if k in trained:
+                trained[k] += 1
             metrics["d2h_bytes"] += uns.numel() * grads[k].shape[0] * grads[k].element_size()
-            in_place_sum = reuse and not opening  # the window sum is ours to write
+            in_place_sum = reuse and not first  # the window sum is ours to write
             dtype = host[k]["master"].dtype
-            spare = _fitting(free.pop(k, None), (grads[k].shape[0], uns.numel()), dtype) if opening else None
+            spare = _fitting(free.pop(k, None), (grads[k].shape[0], uns.numel()), dtype) if first else None
             if reuse and overlap and _async_window_sum(grads[k].device):
                 g, ready = worker.to_host_async(gather_columns(grads[k], uns.to(grads[k].device)))
-                if opening:  # a spare buffer, or an owned CPU gather of the master's dtype as the sum itself
+                if first:  # a spare buffer, or an owned CPU gather of the master's dtype as the sum itself
                     fresh = g if g.dtype == dtype and not g.is_pinned() else torch.empty(g.shape, dtype=dtype)
                     acc[k] = spare if spare is not None else fresh
-                adds.append((acc[k], g, ready))
+                adds.append((acc[k], g, ready, first))
             elif (in_place_sum or spare is not None) and grads[k].device.type == HOST.type:
                 sum_job = _resolve_window_sum(sum_job)  # one gather (into the spare) or gather-and-add pass
-                if opening:
+                if first:
                     acc[k] = gather_columns(grads[k], uns, out=spare)
                 else:
                     add_gathered_columns_(acc[k], grads[k], uns)
@@ -590,13 +683,13 @@ def zenflow(
                 # On a GPU the gathered columns come down through a pinned buffer (to_host) and are
                 # added on the host: the same one rounding per element as the pass above.
                 g = to_host(gather_columns(grads[k], uns.to(grads[k].device))).to(host[k]["master"].dtype)
-                acc[k] = acc[k].add_(g) if in_place_sum else g if opening else acc[k] + g
+                acc[k] = acc[k].add_(g) if in_place_sum else g if first else acc[k] + g
                 if update_interval == "auto":
                     g_sq, s_sq = window_stats(k, g, acc[k])
                     window_sq += g_sq
                     norm_sq_of_sum += s_sq
         if adds:
-            sum_job = worker.submit(_add_to_window_sum, adds, opening)
+            sum_job = worker.submit(_add_to_window_sum, adds)
         window_steps, since = state["window_steps"] + 1, since + 1
         metrics[_LOOP] += time.perf_counter() - loop_start
 
@@ -621,16 +714,19 @@ def zenflow(
             if pending is not None:  # delay=1: the previous window lands now
                 landed = _timed(metrics, worker.resolve, pending["result"])
                 part = "count" if defer_merge else "all"
-                _timed(metrics, _apply_host_result, landed, host, new_params, metrics, inplace, part, key=_LOOP)
+                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale), landed, host, new_params,
+                       metrics, inplace, part, key=_LOOP)
                 pending = None
             divisor = window_steps if reduce == "mean" else 1
+            if trained and reduce == "mean":  # a weight frozen for part of the window: its own steps
+                divisor = {k: trained.get(k, window_steps) for k in acc}
             # delay=0 needs every result now. delay=1 defers all but the entering columns, whose
             # result must land before the device owns them (the one synchronous exception).
             now, later = {}, {}
             for k in host:
-                uns = unselected[k]
-                if not uns.numel():
+                if k not in acc:  # every column selected, or frozen for the whole window
                     continue
+                uns = unselected[k]
                 entering = uns[torch.isin(uns, reselect[k])] if k in reselect else uns[:0]
                 now_cols = uns if delay == 0 else entering
                 later_cols = uns[~torch.isin(uns, now_cols)]
@@ -641,7 +737,8 @@ def zenflow(
                                       uns, later_cols, key=_LOOP)
             if now:
                 result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
-                _timed(metrics, _apply_host_result, result, host, new_params, metrics, inplace, key=_LOOP)
+                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale), result, host, new_params,
+                       metrics, inplace, key=_LOOP)
             if defer_merge and landed and not later:  # nothing to hand the merge to: write it here
                 _timed(metrics, _merge_host_result, landed, host, True, "state", key=_LOOP)
             if later:
@@ -657,13 +754,17 @@ def zenflow(
             if reuse:  # the resolved job's sums are free; the job just handed over reads this window's
                 in_flight = bool(later) and overlap
                 free, busy = {**free, **busy, **({} if in_flight else acc)}, (acc if in_flight else {})
-            acc, window_steps, window_sq = {}, 0, 0.0
+            acc, window_steps, window_sq, trained = {}, 0, 0.0, {}
 
         extra = {_SUM_JOB: sum_job} if sum_job is not None else {}
         if reuse:
             extra[_BUFFERS] = {"free": free, "busy": busy}
+        if stale:
+            extra[_STALE] = stale
+        if trained:
+            extra[_TRAINED] = trained
         return new_params, {
-            **{f: v for f, v in state.items() if f not in (_SUM_JOB, _BUFFERS)},
+            **{f: v for f, v in state.items() if f not in (_SUM_JOB, _BUFFERS, _STALE, _TRAINED)},
             **extra,
             "step": state["step"] + 1,
             "selected": selected,
@@ -683,6 +784,15 @@ def zenflow(
         local = column_scores(grad)
         return local if combine_scores is None else combine_scores(name, local)
 
+    def choose(name: str, grad: Tensor) -> Tensor:
+        """The selected columns of weight ``name`` this rank holds (sorted host indices): the
+        top-k of the scores over all its rows and columns."""
+        sel = select_columns(scores_of(name, grad), topk_ratio).to(HOST)
+        if local_columns is None:
+            return sel
+        held = local_columns(name)
+        return torch.searchsorted(held, sel[torch.isin(sel, held)])
+
     def window_stats(name: str, g: Tensor, acc: Tensor) -> tuple[float, float]:
         """``(|g|^2, |acc|^2)`` of weight ``name``'s unselected columns over all its rows."""
         local = torch.stack([g.double().square().sum(), acc.double().square().sum()])
@@ -696,9 +806,11 @@ def zenflow(
         if select_interval != "auto":
             if since < select_interval:
                 return None
-            return {k: select_columns(scores_of(k, grads[k]), topk_ratio).to(HOST) for k in selected}
+            return {k: choose(k, grads[k]) for k in selected if k in grads}
         out = {}
         for k, sel in selected.items():
+            if k not in grads:  # frozen: keeps its selection
+                continue
             scores = scores_of(k, grads[k])
             best = select_columns(scores, topk_ratio)
             captured = scores[sel.to(scores.device)].sum().item()
@@ -706,7 +818,7 @@ def zenflow(
                 out[k] = best.to(HOST)
         return out
 
-    return Optimizer(init, update, update_inplace)
+    return Optimizer(init, update, update_inplace, partial_grads=True)
 
 
 # --- reading the state -----------------------------------------------------------------------
@@ -741,7 +853,7 @@ def element_state(state: State) -> dict[str, dict[str, Any]]:
             out[k] = dict(d)
             continue
         h = dict(host[k])
-        sel = state["selected"][k] if state["selected"] is not None else None
+        sel = (state["selected"] or {}).get(k)
         if sel is not None and sel.numel():
             for f, t in d.items():
                 h[f] = h[f].index_copy(1, sel, to_host(t))

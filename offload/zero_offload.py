@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fsdpx.optim import Optimizer, Params, check_same_keys, update_fn
+from fsdpx.optim import Optimizer, Params, update_fn, update_trainable
 from offload.worker import HOST, nbytes, to_device, to_host
 from offload.zenflow import master_dtype
 
@@ -33,7 +33,14 @@ def zero_offload(inner: Optimizer) -> Optimizer:
         ``h2d_bytes`` (every parameter, in its dtype).
 
     ``params`` passed to ``update`` must be those returned by the previous ``update`` (or the
-    initial ones); they give the device and dtype of the result."""
+    initial ones); they give the device and dtype of the result.
+
+    Freezing (``partial_grads``): ``grads`` may name a subset of ``params``; the others are
+    frozen: their parameters, master and ``inner`` state are returned as they are, and the
+    update runs through ``fsdpx.optim.update_trainable`` (per-parameter counts), so a run under
+    a freezing schedule equals the non-offloaded one bit for bit (fp32;
+    ``tests/test_offload_freezing.py::test_zero_offload_under_a_schedule_equals_adamw_bit_for_bit``).
+    A gradient for a name not in ``params`` raises ``KeyError``."""
 
     def init(params: Params) -> State:
         master = {k: p.detach().to(device=HOST, dtype=master_dtype(p.dtype), copy=True) for k, p in params.items()}
@@ -51,7 +58,9 @@ def zero_offload(inner: Optimizer) -> Optimizer:
             return step(grads, state, params, inplace=True)
 
     def step(grads: Params, state: State, params: Params, *, inplace: bool) -> tuple[Params, State]:
-        check_same_keys(grads, params)
+        extra = sorted(set(grads) - set(params))
+        if extra:
+            raise KeyError(f"gradients for names not in params: {extra}")
         start = time.perf_counter()
         d2h = h2d = 0
         host_grads = {}
@@ -59,9 +68,17 @@ def zero_offload(inner: Optimizer) -> Optimizer:
             h = to_host(g)
             d2h += nbytes(h)
             host_grads[k] = h.to(state["master"][k].dtype)
-        master, inner_state = update_fn(inner, donate=inplace)(host_grads, state["inner"], state["master"])
+        apply = update_fn(inner, donate=inplace)
+        per_param = isinstance(state["inner"], dict) and isinstance(state["inner"].get("count"), dict)
+        if per_param or grads.keys() != params.keys():  # a frozen parameter: per-parameter counts from then on
+            master, inner_state = update_trainable(apply, host_grads, state["inner"], state["master"])
+        else:
+            master, inner_state = apply(host_grads, state["inner"], state["master"])
         new_params = {}
         for k, p in params.items():
+            if k not in grads:
+                new_params[k] = p
+                continue
             if inplace:
                 new_params[k] = p.copy_(master[k])  # cast and copy to the device in one write
             else:
@@ -70,4 +87,4 @@ def zero_offload(inner: Optimizer) -> Optimizer:
         metrics = {"host_wait_s": time.perf_counter() - start, "host_loop_s": 0.0, "d2h_bytes": d2h, "h2d_bytes": h2d}
         return new_params, {"master": master, "inner": inner_state, "metrics": metrics}
 
-    return Optimizer(init, update, update_inplace)
+    return Optimizer(init, update, update_inplace, partial_grads=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from torch import Tensor, nn
 
 from ckpt.flatten import register_type
-from fsdpx.optim.freezing import Trainable, bind, update_trainable, values_in
+from fsdpx.optim.freezing import Trainable, bind, frozen_update, values_in
 from privacy.accounting import Accountant, max_steps
 from privacy.batch import real_count
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
@@ -154,7 +154,7 @@ def make_private_step(
         noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)
         noised = {k: g.div_(expected_batch) for k, g in noised.items()}
         if bound[0] is not None:  # per-parameter counts once there is a schedule
-            params, opt_state = update_trainable(update, noised, state.opt_state, state.params)
+            params, opt_state = frozen_update(optimizer, update)(noised, state.opt_state, state.params)
         else:
             params, opt_state = update(noised, state.opt_state, state.params)
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate)

@@ -49,8 +49,6 @@ def test_a_frozen_embedding_stays_as_initialised_until_it_is_unfrozen(tmp_path):
 def test_bad_freeze_specs_are_named_errors(tmp_path):
     with pytest.raises(ConfigError, match="freeze"):
         RunConfig.of(freeze="wte@x-3")
-    with pytest.raises(ConfigError, match="offload"):
-        RunConfig.of(freeze="wte", offload="zenflow")
     with pytest.raises(ConfigError, match="'nope'.*match no trainable parameter"):
         run(RunConfig.of(steps=1, freeze="nope", out=str(tmp_path), **TINY), progress=False)
 

@@ -14,7 +14,9 @@ of a sharded run computes the same set with no communication, and it changes onl
 
 The steps take it as ``trainable=`` (``privacy.step.make_private_step``,
 ``fsdpx.runtime.plain_step.make_plain_step``, ``fsdpx.runtime.make_sharded_step``) and update
-through :func:`update_trainable`.
+through :func:`frozen_update`: :func:`update_trainable` around an elementwise optimizer, the
+optimizer's own ``update`` for one that freezes by itself (``Optimizer.partial_grads``: ZenFlow,
+ZeRO-Offload).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence, Union
 from torch import nn
 from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 
-from .optimizers import OptState, Params
+from .optimizers import Optimizer, OptState, Params
 
 UpdateFn = Callable[[Params, OptState, Params], tuple[Params, OptState]]
 
@@ -173,6 +175,16 @@ def model_aliases(model: nn.Module) -> dict[str, str]:
     weight's other uses included; a canonical name maps to itself)."""
     canonical = {id(p): n for n, p in model.named_parameters()}
     return {a: canonical[id(p)] for a, p in model.named_parameters(remove_duplicate=False)}
+
+
+def frozen_update(optimizer: Optimizer, update: UpdateFn) -> UpdateFn:
+    """The update a step applies under a freezing schedule: ``update`` (one of ``optimizer``'s)
+    itself when ``optimizer.partial_grads`` (it takes the trainable parameters' gradients and
+    keeps the others frozen by its own rule: ``offload.zenflow``, ``offload.zero_offload``),
+    else ``update`` through :func:`update_trainable` (per-parameter counts)."""
+    if getattr(optimizer, "partial_grads", False):
+        return update
+    return lambda grads, state, params: update_trainable(update, grads, state, params)
 
 
 def update_trainable(update: UpdateFn, grads: Params, state: OptState, params: Params) -> tuple[Params, OptState]:

@@ -48,12 +48,17 @@ class Optimizer(NamedTuple):
     them, sparing one allocation and one pass per tensor. Its results equal ``update``'s bit for
     bit (``property_tests/test_optim.py::test_inplace_update_equals_the_pure_update``).
     ``update_columns`` (optional, :data:`ColumnUpdate`) updates a 2-D tensor whose columns have
-    different step counts in one pass (``tests/test_optim_loop.py``)."""
+    different step counts in one pass (``tests/test_optim_loop.py``).
+    ``partial_grads``: ``update`` takes gradients for a subset of the parameters and keeps the
+    others frozen itself (ZenFlow, ZeRO-Offload, whose state is not the per-parameter dict
+    ``fsdpx.optim.update_trainable`` cuts); a freezing schedule then calls it directly
+    (``fsdpx.optim.freezing.frozen_update``)."""
 
     init: Callable[[Params], OptState]
     update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
     update_inplace: Callable[[Params, OptState, Params], tuple[Params, OptState]] | None = None
     update_columns: ColumnUpdate | None = None
+    partial_grads: bool = False
 
 
 def update_fn(optimizer: Optimizer, *, donate: bool) -> Callable[[Params, OptState, Params], tuple[Params, OptState]]:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fsdpx.optim import Optimizer, Trainable
-from fsdpx.optim.freezing import bind, update_trainable
+from fsdpx.optim.freezing import bind, frozen_update
 from privacy.batch import real_count, split_inputs, unpack
 from privacy.tape import LossFn
 
@@ -64,7 +64,7 @@ def make_plain_step(
         if sets is None:
             params, opt_state = optimizer.update(mean, state.opt_state, state.params)
         else:
-            params, opt_state = update_trainable(optimizer.update, mean, state.opt_state, state.params)
+            params, opt_state = frozen_update(optimizer, optimizer.update)(mean, state.opt_state, state.params)
         loss = float(losses.detach().sum()) / n if n else float("nan")
         return PlainState(params, opt_state, state.step + 1), {"loss": loss, "batch_size": n}
 

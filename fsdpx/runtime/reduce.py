@@ -11,13 +11,12 @@ private, the global batch size plain); then the elementwise optimizer on the loc
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Collection
 
 from torch import Tensor
 
 from fsdpx.optim import Optimizer, update_fn
-from fsdpx.optim.freezing import TrainableSets, update_trainable
+from fsdpx.optim.freezing import TrainableSets, frozen_update
 from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.plan import ShardingPlan
@@ -32,10 +31,10 @@ from .units import Unit
 
 
 def trainable_update(optimizer: Optimizer, donate: bool, sets: TrainableSets | None) -> Callable:
-    """The step's update: ``fsdpx.optim.update_fn``, through ``update_trainable`` under a
+    """The step's update: ``fsdpx.optim.update_fn``, through ``frozen_update`` under a
     freezing schedule (per-parameter counts from the first step on, frozen ones untouched)."""
     update = update_fn(optimizer, donate=donate)
-    return update if sets is None else functools.partial(update_trainable, update)
+    return update if sets is None else frozen_update(optimizer, update)
 
 
 def gradient_divisor(batch: tuple, config: DPConfig | None, num_examples: int | None) -> float:
@@ -84,7 +83,7 @@ def reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm
     if replicas is not None:
         replicas.finish()  # a plan that does not fit the model stops here, before anything changes
     order = list(state.params)
-    # a frozen parameter goes in at rest, as it is: update_trainable hands it back untouched
+    # a frozen parameter goes in at rest, as it is: the update (frozen_update) hands it back untouched
     new_upd, opt_state = update({n: grads_upd[n] for n in order if n in grads_upd}, state.opt_state,
                                 {n: params_upd.get(n, state.params[n]) for n in order})
     new_params = {}

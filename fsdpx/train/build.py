@@ -23,6 +23,7 @@ from fsdpx.optim import Optimizer, adamw
 from fsdpx.optim.freezing import Freezing, Trainable, bind
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.plan import ShardingPlan
 from privacy.accounting import Accountant, noise_multiplier
 from privacy.precision import compute_in
 from privacy.step import DPConfig, TrainState, init_state, make_private_step
@@ -100,7 +101,8 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     if given. ``config.run.precision`` "bf16":
     ``model``'s forward computes in bf16 from now on (:func:`privacy.precision.compute_in`), in
     every layout; the state stays fp32 (``tests/test_precision.py``)."""
-    optimizer = make_optimizer(config, comm, resolve_sample_rate(config, num_examples))
+    optimizer = make_optimizer(config, comm, resolve_sample_rate(config, num_examples),
+                               plan=parallel.plan if parallel is not None else None)
     trainable = freezing(config, model, params)
     compute_in(model, config.run.precision)  # every layout's forward runs through the model's own forward
     p = config.privacy
@@ -143,10 +145,15 @@ def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weig
     return read
 
 
-def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.0) -> Optimizer:
+def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.0, *,
+                   plan: ShardingPlan | None = None) -> Optimizer:
     """AdamW, wrapped by the configured offload. In a sharded run ZenFlow scores columns over
     the rows of every rank (one all-reduce of ``in`` floats per weight), so all ranks select
-    what one unsharded run would. ZenFlow's knobs (``config.offload``) are resolved by
+    what one unsharded run would; with tensor or pipeline parallelism (``plan``, the run's
+    resolved layout) each weight by its own layout (``offload.layout_scores``: a row-parallel
+    weight's scores also gathered over ``tp``, the top-k chosen on the whole vector, each rank
+    keeping the chosen columns it holds; a pipeline stage's weights among its own ranks).
+    ZenFlow's knobs (``config.offload``) are resolved by
     :mod:`offload.schedule`, an epoch being ``steps_per_epoch(sample_rate)`` steps; a
     combination it refuses is a :class:`ConfigError` naming the settings, raised before any
     step or file."""
@@ -156,9 +163,14 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
         return offload.zero_offload(inner)
     if off.kind == "none":
         return inner
-    combine = None
-    if comm is not None:
-        rows = config.parallelism.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
+    combine, columns, views = None, None, None
+    layout = config.parallelism
+    if comm is not None and plan is not None and (layout.tp > 1 or layout.pp > 1):
+        stages = plan.pipeline.axis if plan.pipeline is not None else None
+        combine, columns = offload.layout_scores(comm, offload.weight_layouts(plan), stage_axis=stages)
+        views = offload.matrix_views(plan)
+    elif comm is not None:
+        rows = layout.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
         combine = offload.sharded_scores(comm, rows) if rows else None
     try:
         epoch = offload.steps_per_epoch(sample_rate)
@@ -168,7 +180,8 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
         raise ConfigError(f"offload_select_strategy {off.offload_select_strategy!r}: {err}") from None
     return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=off.offload_interval,
                            select_interval=select, overlap=off.offload_overlap_step,
-                           full_warm_up_rounds=off.offload_full_warm_up_rounds, combine_scores=combine)
+                           full_warm_up_rounds=off.offload_full_warm_up_rounds, combine_scores=combine,
+                           local_columns=columns, matrices=views)
 
 
 def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:
