@@ -239,6 +239,8 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
      '--offload-interval "auto" with --pp > 1 is not supported'),
     (["--tp", "2", "--strategy", "zero3", "--offload", "zenflow", "--ckpt-dir", "ck"],
      '--ckpt-dir with offload "zenflow" and --tp > 1 is not supported yet'),
+    (["--pp", "2", "--strategy", "zero3", "--offload", "zero", "--freeze", "blocks.1@0-3", "--ckpt-dir", "ck"],
+     '--freeze with offload "zero", --pp > 1 and --ckpt-dir is not supported yet'),
     (["--pp", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b", "--n-layer", "4", "--virtual-stages",
       "2", "--microbatches", "3"], "multiple"),
     (["--tp", "2"], "error: --tp needs a strategy"),

@@ -383,7 +383,7 @@ class DistComm:
         flat = local.detach().reshape(-1).contiguous()
         out = flat.new_empty(self.mesh.size * flat.numel())  # gloo wants the flat concatenation
         try:
-            dist.all_gather_into_tensor(out, flat)
+            _ALL_GATHER(out, flat)
         except RuntimeError as e:
             raise self._failure(e) from e
         return out.view(self.mesh.size, *local.shape)

@@ -451,6 +451,12 @@ class RunConfig:
             raise ConfigError(f"n_head={model.n_head} does not divide by tp={layout.tp}: a rank holds whole heads")
         if (layout.tp > 1 or layout.pp > 1) and offload == "zenflow":
             _check_zenflow_on_split_columns(self.offload, "tp" if layout.tp > 1 else "pp", self.checkpoints)
+        if layout.pp > 1 and offload == "zero" and self.run.freeze and self.checkpoints.ckpt_dir is not None:
+            # each stage's ZeRO-Offload state counts the steps of its own weights: a freezing
+            # schedule makes the stages' counts differ, which one checkpoint cannot hold yet
+            raise ConfigError("freeze with offload \"zero\", pp > 1 and ckpt_dir is not supported yet: the stages'"
+                              " per-weight step counts differ and the checkpoint format keeps one (drop ckpt_dir or the"
+                              " freezing schedule, or use offload \"none\")")
         if model.lora is not None:
             _check_lora(self)
         if layout.strategy is not None and self.privacy.private and self.privacy.method == "vmap":
