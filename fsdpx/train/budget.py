@@ -74,15 +74,19 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
         after = spent.record(current, sample_rate, steps).epsilon()
         if (1.0 - NOISE_MULTIPLIER_RTOL) * target <= after <= target:
             return current
+    fits = lambda s: spent.record(s, sample_rate, steps).epsilon() <= target  # noqa: E731
     try:
-        sigma = noise_multiplier(target, spent.delta, sample_rate, steps, accountant=spent.accountant,
-                                 value_discretization_interval=spent.value_discretization_interval,
-                                 history=spent.events)
+        if spent.bands > 1:  # the calibrator below knows DP-SGD's ledger, not one of cyclic groups
+            sigma = _first_fitting(fits)
+        else:
+            sigma = noise_multiplier(target, spent.delta, sample_rate, steps, accountant=spent.accountant,
+                                     value_discretization_interval=spent.value_discretization_interval,
+                                     history=spent.events)
     except PrivacyError:  # the history alone is over the target, or no sigma <= 2**20 reaches it
         sigma = math.inf
     if math.isfinite(sigma):  # the calibrator stops at 0.1% of the target in EPSILON: with a history
         # that spent most of it, that can be far above the smallest sigma; narrow it in sigma
-        sigma = _smallest_fitting(lambda s: spent.record(s, sample_rate, steps).epsilon() <= target, sigma)
+        sigma = _smallest_fitting(fits, sigma)
     if sigma <= max_noise:
         return sigma
     at = current if current is not None else max_noise
@@ -95,6 +99,17 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
         f" target {target:g} in {spent.steps} step(s), and only {fit} more step(s) fit at noise multiplier"
         f" {at:.4g}. Ask for fewer steps or a smaller batch, raise the maximum, or raise the target with"
         f" --allow-budget-increase", steps_fit=fit, current_noise=at, noise_needed=sigma)
+
+
+def _first_fitting(fits: Callable[[float], bool]) -> float:
+    """The first of ``1/16, 1/8, ..., 2**20`` that fits (:func:`_smallest_fitting` then narrows
+    it); ``PrivacyError`` when none does."""
+    sigma = 2.0**-4
+    while not fits(sigma):
+        sigma *= 2.0
+        if sigma > 2.0**20:
+            raise PrivacyError("no noise multiplier <= 2**20 keeps the run within its target")
+    return sigma
 
 
 def _smallest_fitting(fits: Callable[[float], bool], sigma: float, rtol: float = NOISE_MULTIPLIER_RTOL) -> float:

@@ -58,11 +58,10 @@ from torch import Tensor
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.pipeline import unshard_stages
 from privacy.errors import BudgetExhaustedError
-from privacy.sampling import PoissonSampler
 from privacy.step import sample_batch
 
 from . import interrupts, report
-from .build import build_step, offload_metrics, resolve_privacy, resolve_sample_rate
+from .build import build_step, offload_metrics, resolve_privacy, resolve_sample_rate, sampler_of
 from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
 from .config import RunConfig, to_toml
 from .device import run_device, to_device
@@ -191,7 +190,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         if config.checkpoints.ckpt_dir is not None:
             write_record(config.checkpoints.ckpt_dir, {"run_dir": str(config.run_dir.resolve()),
                                                        "run_id": plan.run_id, "segments": plan.segments})
-    sampler = PoissonSampler(num_examples, sample_rate, key=config.run.seed)
+    sampler = sampler_of(config, num_examples, sample_rate)
 
     history: list[dict[str, Any]] = [report.numbers(r) for r in earlier]
     saved_at = plan.start

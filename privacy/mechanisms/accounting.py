@@ -14,6 +14,10 @@ accounts BandMF with cyclic Poisson sampling the same way). ``b = 1`` is DP-SGD.
 (every example of the group, no amplification) it is one Gaussian mechanism of sensitivity
 ``sqrt(k)`` (``tests/test_mechanisms.py::test_unamplified_banded_epsilon_is_one_gaussian_of_sensitivity_sqrt_k``).
 
+A training ledger is ``privacy.accounting.Accountant(bands=b)``: it records every step and
+composes, per group, the steps that group samples; for a run of one noise multiplier its epsilon is
+this module's (group 0 samples the most steps).
+
 Supported participation: cyclic Poisson with as many groups as bands (or more). Poisson sampling
 over the whole dataset with ``b > 1`` is not min-separated and is refused
 (``privacy.mechanisms.cyclic_sampling``).
@@ -58,11 +62,3 @@ def banded_noise_multiplier(target_epsilon: float, delta: float, sample_rate: fl
     (``privacy.accounting.noise_multiplier`` on ``ceil(steps / bands)`` participations)."""
     return noise_multiplier(target_epsilon, delta, sample_rate, participations(steps, bands), accountant=accountant,
                             value_discretization_interval=value_discretization_interval)
-
-
-def is_participation_step(step: int, bands: int) -> bool:
-    """Whether group 0, the group with the most participations, is active at ``step``: the steps a
-    ledger records so that its epsilon is :func:`banded_epsilon` (``step % bands == 0``)."""
-    return step % bands == 0
-
-
