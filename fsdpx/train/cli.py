@@ -650,6 +650,8 @@ def _plan_line(config: RunConfig, comm=None) -> str:
         privacy = f"DP-SGD to epsilon {p.target_epsilon:g} at delta {p.delta:g}"
     else:
         privacy = f"DP-SGD with noise multiplier {p.noise_multiplier:g}"
+    if p.private and p.noise_mechanism == "banded":  # DP-SGD's step with banded matrix-factorization noise
+        privacy = privacy.replace("DP-SGD", f"DP-SGD with banded noise ({p.bands} bands)", 1)
     where = f", {config.parallelism.strategy} on {comm.mesh}" if comm is not None else ""
     off = config.offload
     where += {"none": "", "zero": ", ZeRO-Offload (the optimizer on the host)",
