@@ -91,8 +91,8 @@ def test_a_resume_continues_the_banded_mechanism_and_refuses_a_change(tmp_path, 
     (["--noise-mechanism", "blt"], "--noise-mechanism \"blt\" (buffered Toeplitz) is not built yet"),
     (["--noise-mechanism", "banded"], "--noise-mechanism \"banded\" needs --bands B"),
     (["--bands", "3"], "--bands=3 is for --noise-mechanism banded"),
-    (["--noise-mechanism", "banded", "--bands", "2", "--strategy", "ddp"],
-     "--noise-mechanism 'banded' runs in one process only for now"),
+    (["--noise-mechanism", "banded", "--bands", "2", "--non-private"],
+     "--noise-mechanism \"banded\" is a way to add noise: a non-private run has none"),
 ])
 def test_mechanism_settings_it_cannot_run_are_refused_by_flag(tmp_path, capsys, flags, words):
     with pytest.raises(SystemExit) as exit_:

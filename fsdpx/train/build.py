@@ -133,7 +133,7 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
             raise ValueError("a sharded step needs the run's resolved layout (parallel=resolve_parallel(...))")
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, loss_fn, optimizer, parallel.plan, comm, param_shapes=shapes, config=dp,
-                                 num_examples=num_examples, donate=True, trainable=trainable)
+                                 num_examples=num_examples // p.groups, donate=True, trainable=trainable)
         read = rank_reader(model, params, weights, getattr(comm, "device", None))
         state = init_sharded(params, optimizer, parallel.plan, comm, key=seed, config=dp, read=read)
         return state._replace(accountant=accountant), step

@@ -485,9 +485,6 @@ class RunConfig:
             raise ConfigError("offload with pipeline parallelism is not supported yet")
         if model.lora is not None:
             _check_lora(self)
-        if layout.strategy is not None and self.privacy.noise_mechanism != "independent":
-            raise ConfigError(f"noise_mechanism {self.privacy.noise_mechanism!r} runs in one process only for now;"
-                              f" drop --strategy {layout.strategy} (or use --noise-mechanism independent)")
         if layout.strategy is not None and self.privacy.private and self.privacy.method == "vmap":
             raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 
