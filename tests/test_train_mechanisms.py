@@ -100,3 +100,15 @@ def test_mechanism_settings_it_cannot_run_are_refused_by_flag(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists() and not any(tmp_path.iterdir())
+
+
+def test_a_banded_segment_is_planned_on_its_groups_ledger():
+    from fsdpx.train.budget import SegmentDoesNotFitError, segment_noise
+
+    spent = Accountant(delta=1e-5, bands=4, value_discretization_interval=1e-2).record(1.0, 0.2, 6)
+    sigma = segment_noise(spent, target=4.0, sample_rate=0.2, steps=14)
+    assert 4.0 * (1 - 2e-3) <= spent.record(sigma, 0.2, 14).epsilon() <= 4.0
+    with pytest.raises(SegmentDoesNotFitError) as err:
+        segment_noise(spent, target=4.0, sample_rate=0.2, steps=400, max_noise=1.0)
+    fit = err.value.steps_fit
+    assert spent.record(1.0, 0.2, fit).epsilon() <= 4.0 < spent.record(1.0, 0.2, fit + 1).epsilon()

@@ -90,8 +90,11 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
     if sigma <= max_noise:
         return sigma
     at = current if current is not None else max_noise
-    fit = max_steps(at, sample_rate, spent.delta, target, accountant=spent.accountant,
-                    value_discretization_interval=spent.value_discretization_interval, history=spent.events)
+    if spent.bands > 1:  # max_steps composes DP-SGD's ledger; a banded one composes each group's steps
+        fit = _last_fitting(lambda s: spent.record(at, sample_rate, s).epsilon() <= target, steps)
+    else:
+        fit = max_steps(at, sample_rate, spent.delta, target, accountant=spent.accountant,
+                        value_discretization_interval=spent.value_discretization_interval, history=spent.events)
     need = f"need noise multiplier {sigma:.4g}" if math.isfinite(sigma) else "cannot fit at any noise"
     raise SegmentDoesNotFitError(
         f"privacy budget: {steps} more step(s) at sample rate {sample_rate:.4g} {need}, above the maximum"
@@ -99,6 +102,16 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
         f" target {target:g} in {spent.steps} step(s), and only {fit} more step(s) fit at noise multiplier"
         f" {at:.4g}. Ask for fewer steps or a smaller batch, raise the maximum, or raise the target with"
         f" --allow-budget-increase", steps_fit=fit, current_noise=at, noise_needed=sigma)
+
+
+def _last_fitting(fits: Callable[[int], bool], below: int) -> int:
+    """The largest ``s < below`` with ``fits(s)`` (0 when none), by bisection: epsilon is
+    non-decreasing in steps."""
+    lo, hi = 0, below  # fits(lo) (0 steps spend nothing more), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def _first_fitting(fits: Callable[[float], bool]) -> float:

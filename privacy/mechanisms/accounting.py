@@ -9,7 +9,8 @@ group). An example therefore participates only at steps ``b`` apart, at most
 With a ``b``-banded, column-normalised ``C`` the run releases ``C x + z``: its participations
 touch disjoint rows of ``C``, each a Poisson-subsampled Gaussian of sensitivity 1 and noise
 multiplier ``sigma``, so the run has the epsilon of ``k`` DP-SGD steps at rate ``q``
-(Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", Theorem 4; jax_privacy
+(Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", amplification by
+cyclic Poisson sampling; jax_privacy
 accounts BandMF with cyclic Poisson sampling the same way). ``b = 1`` is DP-SGD. With ``q = 1``
 (every example of the group, no amplification) it is one Gaussian mechanism of sensitivity
 ``sqrt(k)`` (``tests/test_mechanisms.py::test_unamplified_banded_epsilon_is_one_gaussian_of_sensitivity_sqrt_k``).

@@ -9,7 +9,7 @@ allowed participation sets ``P``, with equality when ``G >= 0`` on them (align e
 
 For a ``b``-banded ``C`` and ``min_sep >= b`` two participations touch disjoint rows, ``G`` is
 zero off the diagonal on ``P``, and the sensitivity is ``sqrt(k) * max column norm``
-(Choquette-Choo et al. 2023, Theorem 2): ``sqrt(k)`` for a column-normalised ``C``.
+(Choquette-Choo et al. 2023, the b-min-separation sensitivity of banded strategies): ``sqrt(k)`` for a column-normalised ``C``.
 """
 
 from __future__ import annotations
