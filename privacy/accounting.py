@@ -343,6 +343,24 @@ def noise_multiplier(
     return hi
 
 
+def group_events(events: tuple[Event, ...], bands: int) -> list[tuple[Event, ...]]:
+    """Per cyclic group ``g`` of ``bands`` (``privacy.mechanisms.cyclic_sampling``: group
+    ``t mod bands`` samples at step ``t``), the canonical events of the steps it samples: an
+    event of ``s`` steps starting at step ``a`` gives group ``g`` the steps ``t`` in ``[a, a + s)``
+    with ``t mod bands == g``. With a banded, column-normalised mechanism each group's epsilon is
+    that of DP-SGD over its own steps (``privacy.mechanisms.accounting``); the run's is the
+    largest."""
+    out = []
+    for g in range(bands):
+        pos, mine = 0, []
+        for e in events:
+            count = -(-(pos + e.steps - g) // bands) - -(-(pos - g) // bands)
+            mine.append((e.noise_multiplier, e.sample_rate, count))
+            pos += e.steps
+        out.append(_canonical_events(mine))
+    return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Accountant:
     """An immutable ledger of DP-SGD steps and the epsilon they spend.
@@ -368,6 +386,11 @@ class Accountant:
         ``record`` costs one ``self_compose`` and one epsilon query
         (``test_appending_steps_reuses_the_cached_prefix``). RDP recomposes all events (cheap).
 
+    ``bands`` (default 1): the ledger of a banded mechanism with cyclic Poisson sampling over
+    ``bands`` groups: ``steps`` and ``events`` count every step, ``epsilon`` is the largest over
+    the groups of the composition of the steps each samples (:func:`group_events`;
+    ``tests/test_mechanisms.py::test_a_banded_ledger_spends_the_epsilon_of_its_participations``).
+
     Edge cases: no events gives epsilon 0.0; an event with ``noise_multiplier == 0`` gives inf;
     ``record(..., steps=0)`` returns an equal ledger; ``epsilon_budget`` must be None or finite
     and > 0; ``delta`` must be in (0, 1).
@@ -378,9 +401,13 @@ class Accountant:
     delta: float
     epsilon_budget: float | None = None
     value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION
+    bands: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "events", _canonical_events(self.events))
+        if isinstance(self.bands, bool) or not isinstance(self.bands, numbers.Integral) or self.bands < 1:
+            raise PrivacyError(f"bands must be an int >= 1, got bands={self.bands!r}")
+        object.__setattr__(self, "bands", int(self.bands))
         _check_accountant(self.accountant)
         object.__setattr__(self, "delta", _check_delta(self.delta))
         if self.epsilon_budget is not None:
@@ -411,7 +438,10 @@ class Accountant:
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (default: ``self.delta``)."""
         delta = self.delta if delta is None else _check_delta(delta)
-        return _composed_epsilon(self.events, delta, self.accountant, self.value_discretization_interval)
+        if self.bands == 1:
+            return _composed_epsilon(self.events, delta, self.accountant, self.value_discretization_interval)
+        return max(_composed_epsilon(events, delta, self.accountant, self.value_discretization_interval)
+                   for events in set(group_events(self.events, self.bands)))
 
     def check(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> float:
         """Raise ``BudgetExhaustedError`` if recording these steps would exceed the budget.
@@ -429,19 +459,23 @@ class Accountant:
         return after
 
     def to_dict(self) -> dict[str, Any]:
-        """The ledger as JSON types (lists, dicts, str, float, int, None)."""
+        """The ledger as JSON types (lists, dicts, str, float, int, None); ``bands`` only when
+        it is not 1 (the ledgers written before it existed read back unchanged)."""
         return {
             "accountant": self.accountant,
             "delta": self.delta,
             "epsilon_budget": self.epsilon_budget,
             "value_discretization_interval": self.value_discretization_interval,
             "events": [e._asdict() for e in self.events],
+            **({"bands": self.bands} if self.bands != 1 else {}),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Accountant:
         """Inverse of ``to_dict``; unknown or missing fields raise ``PrivacyError``."""
         expected = {"accountant", "delta", "epsilon_budget", "value_discretization_interval", "events"}
+        if "bands" in data:
+            expected.add("bands")
         if set(data) != expected:
             raise PrivacyError(
                 f"Accountant data needs exactly {sorted(expected)}, got missing "
@@ -458,6 +492,7 @@ class Accountant:
             delta=data["delta"],
             epsilon_budget=data["epsilon_budget"],
             value_discretization_interval=data["value_discretization_interval"],
+            bands=data.get("bands", 1),
         )
 
 

@@ -11,6 +11,11 @@ name, element), added in place by ``add_gaussian_noise_`` (same bits; for parame
 device it is drawn there, in torch ops, nothing copied from the host) -> divide by the EXPECTED
 batch size ``q N`` (the Poisson batch size is random; a fixed divisor keeps the sensitivity
 fixed) -> optimizer update -> accountant record.
+
+With a correlated-noise mechanism (``DPConfig.mechanism``, :mod:`privacy.mechanisms`) the noise of
+step ``t`` is the mechanism's ``sum_k C^{-1}[t, k] z_k``, each ``z_k`` the draw above for step
+``k``, regenerated; batches then come from ``privacy.mechanisms.CyclicPoissonSampler`` with
+``bands`` groups, and the accountant (its ``bands``) composes each group's own steps.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from privacy.accounting import Accountant, max_steps
 from privacy.batch import real_count
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
+from privacy.mechanisms.correlated import correlated_gaussian_noise
+from privacy.mechanisms.mechanism import INDEPENDENT, Mechanism
 from privacy.noise import add_gaussian_noise_
 from privacy.sampling import PoissonSampler
 from privacy.step_metrics import StepMetrics
@@ -52,8 +59,11 @@ class DPConfig:
     nonfinite: str = "raise"
     epsilon_budget: float | None = None
     accountant: str = "pld"
+    mechanism: Mechanism = INDEPENDENT
 
     def __post_init__(self) -> None:
+        if isinstance(self.mechanism, dict):  # read back from a checkpoint (dataclasses.asdict)
+            object.__setattr__(self, "mechanism", Mechanism.from_dict(self.mechanism))
         if not self.clip_norm > 0 or math.isinf(self.clip_norm):
             raise PrivacyError(f"clip_norm must be finite and > 0 for a private step, got {self.clip_norm}")
         if not self.noise_multiplier >= 0:
@@ -88,7 +98,8 @@ def init_state(params: Params, optimizer: Optimizer, *, key: int, config: DPConf
     """The state before the first step: detached copies of ``params``, fresh optimizer state,
     step 0 and an empty accountant carrying the run's budget and delta."""
     params = {k: v.detach().clone() for k, v in params.items()}
-    accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)
+    accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget,
+                            bands=config.mechanism.bands)
     return TrainState(params, optimizer.init(params), 0, key, accountant)
 
 
@@ -140,6 +151,8 @@ def make_private_step(
     update = inplace if donate and inplace is not None else optimizer.update
 
     bound: list = []  # the schedule bound to the state's parameter names at the first step
+    mechanism = config.mechanism
+    correlated = mechanism.kind != "independent"
 
     def step(state: TrainState, batch: tuple[Any, Tensor]) -> tuple[TrainState, dict[str, float]]:
         check_budget(state.accountant, config)
@@ -151,7 +164,12 @@ def make_private_step(
                                    method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
         # in place on the fresh clipped sums: the bits of (g + gaussian_noise(...)) / qN, and on
         # the CPU no parameter-sized noise tensor is ever allocated; on a CUDA device it is drawn there
-        noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)
+        if correlated:  # sum_k C^{-1}[t, k] z_k, each z_k drawn again from its key
+            noise = correlated_gaussian_noise(mechanism, clipped.grads, key=state.key, step=state.step,
+                                              std=config.noise_std)
+            noised = {k: g.add_(noise.pop(k)) for k, g in clipped.grads.items()}
+        else:
+            noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)
         noised = {k: g.div_(expected_batch) for k, g in noised.items()}
         if bound[0] is not None:  # per-parameter counts once there is a schedule
             params, opt_state = frozen_update(optimizer, update)(noised, state.opt_state, state.params)
@@ -173,7 +191,7 @@ def check_budget(accountant: Accountant, config: DPConfig) -> None:
     if accountant.epsilon_budget is None:
         return
     sigma, q = config.noise_multiplier, config.sample_rate
-    if all((e.noise_multiplier, e.sample_rate) == (sigma, q) for e in accountant.events):
+    if accountant.bands == 1 and all((e.noise_multiplier, e.sample_rate) == (sigma, q) for e in accountant.events):
         allowed = max_steps(sigma, q, accountant.delta, accountant.epsilon_budget, accountant=accountant.accountant,
                             value_discretization_interval=accountant.value_discretization_interval)
         if accountant.steps + 1 <= allowed:

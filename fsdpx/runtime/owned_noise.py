@@ -4,7 +4,8 @@ exactly the elements it updates, so the ranks together add one unsharded draw.
 ``privacy.noise_slice`` is a pure function of (key, step, parameter name, flat index), so the
 bits of an element do not depend on who draws it or in what order; replicas draw identical bits.
 ``flat_runs`` turns a rank's block (a box of global indices) into flat index ranges,
-``shard_noise`` draws a box, and ``OwnedNoise`` draws each parameter's optimizer-state block when
+``shard_noise`` draws a box, ``mechanism_noise`` a correlated-noise mechanism's noise of a box
+(``privacy.mechanisms``: each earlier step's ``shard_noise`` drawn again and combined), and ``OwnedNoise`` draws each parameter's optimizer-state block when
 the reduction adds it (``fsdpx.runtime.reduce.reduce_and_update``).
 """
 
@@ -19,6 +20,7 @@ from torch import Tensor
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_box
 from fsdpx.sharding.plan import ShardingPlan
+from privacy.mechanisms.mechanism import Mechanism
 from privacy.noise import BLOCK, noise_slice
 from privacy.step import DPConfig
 
@@ -64,6 +66,25 @@ def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, 
     return (torch.cat(parts) if len(parts) > 1 else parts[0]).view(size)
 
 
+def mechanism_noise(mechanism: Mechanism, name: str, shape: tuple[int, ...], box, *, key: int, step: int,
+                    std: float, dtype, device: torch.device | str = "cpu") -> Tensor:
+    """The unsharded run's noise of ``mechanism`` for the elements of ``box``: for independent
+    noise :func:`shard_noise`; otherwise ``std * sum_{j=0..step} d[j] z_{step-j}`` with each
+    ``z_k`` the box's unit float64 draw of step ``k`` and ``d`` the first column of ``C^{-1}``,
+    in the operations (and so the bits) of ``privacy.mechanisms.correlated_noise_slice``: a
+    sharded banded run adds the one-process run's noise bit for bit
+    (``tests/test_mechanisms_sharded.py::test_mechanism_noise_of_a_box_is_the_unsharded_draw``)."""
+    if mechanism.kind == "independent":
+        return shard_noise(name, shape, box, key=key, step=step, std=std, dtype=dtype, device=device)
+    size = tuple(b - a for a, b in box)
+    acc = torch.zeros(size, dtype=torch.float64)
+    if std != 0.0:
+        for j, coef in enumerate(mechanism.noising_coefficients(step + 1)):
+            acc.add_(shard_noise(name, shape, box, key=key, step=step - j, std=1.0, dtype=torch.float64).mul_(coef))
+        acc.mul_(std)
+    return acc.to(dtype).to(device)
+
+
 def _clusters(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
     """Consecutive ``runs`` grouped while the space between them is at most ``gap``: each group
     as ``(first start, last stop, its runs)``."""
@@ -101,5 +122,5 @@ class OwnedNoise:
         lay = self.plan.params[name]
         box = local_box(lay.shape, lay.opt_state, self.comm.mesh, self.comm.rank)
         held = self.state.params[name]
-        return shard_noise(name, lay.shape, box, key=self.state.key, step=self.state.step,
-                           std=self.config.noise_std, dtype=held.dtype, device=held.device)
+        return mechanism_noise(self.config.mechanism, name, lay.shape, box, key=self.state.key, step=self.state.step,
+                               std=self.config.noise_std, dtype=held.dtype, device=held.device)

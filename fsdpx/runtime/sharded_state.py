@@ -85,7 +85,8 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
                 at_opt[n] = read(n, opt, lay.fused)
     accountant = None
     if config is not None:
-        accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget)
+        accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget,
+                                bands=config.mechanism.bands)
     return ShardedState(at_rest, own_storage(optimizer.init(at_opt), at_rest), 0, key, accountant)
 
 

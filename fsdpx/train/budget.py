@@ -74,20 +74,27 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
         after = spent.record(current, sample_rate, steps).epsilon()
         if (1.0 - NOISE_MULTIPLIER_RTOL) * target <= after <= target:
             return current
+    fits = lambda s: spent.record(s, sample_rate, steps).epsilon() <= target  # noqa: E731
     try:
-        sigma = noise_multiplier(target, spent.delta, sample_rate, steps, accountant=spent.accountant,
-                                 value_discretization_interval=spent.value_discretization_interval,
-                                 history=spent.events)
+        if spent.bands > 1:  # the calibrator below knows DP-SGD's ledger, not one of cyclic groups
+            sigma = _first_fitting(fits)
+        else:
+            sigma = noise_multiplier(target, spent.delta, sample_rate, steps, accountant=spent.accountant,
+                                     value_discretization_interval=spent.value_discretization_interval,
+                                     history=spent.events)
     except PrivacyError:  # the history alone is over the target, or no sigma <= 2**20 reaches it
         sigma = math.inf
     if math.isfinite(sigma):  # the calibrator stops at 0.1% of the target in EPSILON: with a history
         # that spent most of it, that can be far above the smallest sigma; narrow it in sigma
-        sigma = _smallest_fitting(lambda s: spent.record(s, sample_rate, steps).epsilon() <= target, sigma)
+        sigma = _smallest_fitting(fits, sigma)
     if sigma <= max_noise:
         return sigma
     at = current if current is not None else max_noise
-    fit = max_steps(at, sample_rate, spent.delta, target, accountant=spent.accountant,
-                    value_discretization_interval=spent.value_discretization_interval, history=spent.events)
+    if spent.bands > 1:  # max_steps composes DP-SGD's ledger; a banded one composes each group's steps
+        fit = _last_fitting(lambda s: spent.record(at, sample_rate, s).epsilon() <= target, steps)
+    else:
+        fit = max_steps(at, sample_rate, spent.delta, target, accountant=spent.accountant,
+                        value_discretization_interval=spent.value_discretization_interval, history=spent.events)
     need = f"need noise multiplier {sigma:.4g}" if math.isfinite(sigma) else "cannot fit at any noise"
     raise SegmentDoesNotFitError(
         f"privacy budget: {steps} more step(s) at sample rate {sample_rate:.4g} {need}, above the maximum"
@@ -95,6 +102,27 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
         f" target {target:g} in {spent.steps} step(s), and only {fit} more step(s) fit at noise multiplier"
         f" {at:.4g}. Ask for fewer steps or a smaller batch, raise the maximum, or raise the target with"
         f" --allow-budget-increase", steps_fit=fit, current_noise=at, noise_needed=sigma)
+
+
+def _last_fitting(fits: Callable[[int], bool], below: int) -> int:
+    """The largest ``s < below`` with ``fits(s)`` (0 when none), by bisection: epsilon is
+    non-decreasing in steps."""
+    lo, hi = 0, below  # fits(lo) (0 steps spend nothing more), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _first_fitting(fits: Callable[[float], bool]) -> float:
+    """The first of ``1/16, 1/8, ..., 2**20`` that fits (:func:`_smallest_fitting` then narrows
+    it); ``PrivacyError`` when none does."""
+    sigma = 2.0**-4
+    while not fits(sigma):
+        sigma *= 2.0
+        if sigma > 2.0**20:
+            raise PrivacyError("no noise multiplier <= 2**20 keeps the run within its target")
+    return sigma
 
 
 def _smallest_fitting(fits: Callable[[float], bool], sigma: float, rtol: float = NOISE_MULTIPLIER_RTOL) -> float:

@@ -25,6 +25,7 @@ from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.plan import ShardingPlan
 from privacy.accounting import Accountant, noise_multiplier
+from privacy.mechanisms import INDEPENDENT, CyclicPoissonSampler, Mechanism, optimal_banded, participations
 from privacy.precision import compute_in
 from privacy.step import DPConfig, TrainState, init_state, make_private_step
 
@@ -39,11 +40,17 @@ Step = Callable[[TrainState, tuple[Tensor, Tensor]], tuple[TrainState, dict[str,
 
 
 def resolve_sample_rate(config: RunConfig, num_examples: int) -> float:
-    """The Poisson sample rate: ``sample_rate``, or ``batch_size / num_examples``. Raises
+    """The Poisson sample rate: ``sample_rate``, or ``batch_size / num_examples``; for a banded
+    mechanism the rate within one of its ``bands`` groups, ``batch_size / (num_examples // bands)``. Raises
     :class:`ConfigError` when the expected batch would be larger than the dataset."""
     p = config.privacy
     if p.sample_rate is not None:
         return p.sample_rate
+    if p.groups > 1:  # cyclic Poisson: the rate within the active group (privacy.mechanisms.cyclic_sampling)
+        if p.batch_size * p.groups > num_examples:
+            raise ConfigError(f"batch_size={p.batch_size:g} x bands={p.groups} is larger than the dataset"
+                              f" ({num_examples} examples): each step samples one of {p.groups} groups")
+        return p.batch_size / (num_examples // p.groups)
     if p.batch_size > num_examples:
         raise ConfigError(f"batch_size={p.batch_size:g} is larger than the dataset ({num_examples} examples)")
     return p.batch_size / num_examples
@@ -59,10 +66,25 @@ def resolve_privacy(config: RunConfig, sample_rate: float) -> DPConfig | None:
         return None
     sigma = p.noise_multiplier
     if sigma is None:
-        sigma = noise_multiplier(p.target_epsilon, p.delta, sample_rate, config.run.steps, accountant=p.accountant,
-                                 value_discretization_interval=p.accounting_interval)
+        sigma = noise_multiplier(p.target_epsilon, p.delta, sample_rate, participations(config.run.steps, p.groups),
+                                 accountant=p.accountant, value_discretization_interval=p.accounting_interval)
     return DPConfig(clip_norm=p.clip_norm, noise_multiplier=sigma, sample_rate=sample_rate, delta=p.delta,
-                    method=p.method, clipping=p.clipping, epsilon_budget=p.budget, accountant=p.accountant)
+                    method=p.method, clipping=p.clipping, epsilon_budget=p.budget, accountant=p.accountant,
+                    mechanism=run_mechanism(config))
+
+
+def run_mechanism(config: RunConfig) -> Mechanism:
+    """The run's noise mechanism: independent, or the banded one whose ``bands`` coefficients
+    minimise the prefix-sum error over the run's ``steps`` (:func:`privacy.mechanisms.optimal_banded`;
+    a resume keeps the mechanism its run started with: :mod:`fsdpx.train.resume`)."""
+    p = config.privacy
+    return optimal_banded(p.bands, config.run.steps) if p.noise_mechanism == "banded" else INDEPENDENT
+
+
+def sampler_of(config: RunConfig, num_examples: int, sample_rate: float) -> CyclicPoissonSampler:
+    """The run's batch sampler: Poisson over the dataset (one group: ``PoissonSampler``'s bits),
+    or over one of ``bands`` groups per step for a banded mechanism."""
+    return CyclicPoissonSampler(num_examples, sample_rate, key=config.run.seed, groups=config.privacy.groups)
 
 
 def make_plain_step(model: torch.nn.Module, loss_fn: Callable, optimizer: Optimizer,
@@ -107,14 +129,14 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
     compute_in(model, config.run.precision)  # every layout's forward runs through the model's own forward
     p = config.privacy
     accountant = Accountant(accountant=p.accountant, delta=p.delta, epsilon_budget=p.budget,
-                            value_discretization_interval=p.accounting_interval)
+                            value_discretization_interval=p.accounting_interval, bands=p.groups)
     seed = config.run.seed
     if comm is not None:
         if parallel is None:
             raise ValueError("a sharded step needs the run's resolved layout (parallel=resolve_parallel(...))")
         shapes = {k: tuple(v.shape) for k, v in params.items()}
         step = make_sharded_step(model, loss_fn, optimizer, parallel.plan, comm, param_shapes=shapes, config=dp,
-                                 num_examples=num_examples, donate=True, trainable=trainable)
+                                 num_examples=num_examples // p.groups, donate=True, trainable=trainable)
         read = rank_reader(model, params, weights, getattr(comm, "device", None), log=read_log)
         state = init_sharded(params, optimizer, parallel.plan, comm, key=seed, config=dp, read=read)
         return state._replace(accountant=accountant), step
@@ -123,8 +145,9 @@ def build_step(config: RunConfig, model: torch.nn.Module, params: dict[str, Tens
         state = TrainState(fresh, optimizer.init(fresh), 0, seed, accountant)
         return state, make_plain_step(model, loss_fn, optimizer, trainable=trainable)
     state = init_state(params, optimizer, key=seed, config=dp)._replace(accountant=accountant)
-    return state, make_private_step(model, loss_fn, optimizer, dp, num_examples=num_examples, donate=True,
-                                    trainable=trainable)
+    # the expected batch divides the noised sum: a group's (cyclic groups of a banded mechanism)
+    return state, make_private_step(model, loss_fn, optimizer, dp, num_examples=num_examples // p.groups,
+                                    donate=True, trainable=trainable)
 
 
 def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weights | None,

@@ -199,6 +199,11 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                     help="stop before a step that would spend more than this (default: the target epsilon; a"
                          " resumed run's remaining noise is calibrated so the whole run stays within it)")
     dp.add_argument("--accountant", choices=("pld", "rdp"), default=d.accountant, help="(default %(default)s)")
+    dp.add_argument("--noise-mechanism", choices=("independent", "banded", "blt"), default=d.noise_mechanism,
+                    help="independent (DP-SGD) or banded matrix-factorization noise, correlated over --bands steps,"
+                         " with cyclic Poisson batches (privacy.mechanisms); blt is refused (default %(default)s)")
+    dp.add_argument("--bands", type=_positive_int, metavar="B", default=None,
+                    help="bands of --noise-mechanism banded (an example is sampled at most once every B steps)")
     dp.add_argument("--max-noise-multiplier", type=_positive_float, metavar="X", default=d.max_noise_multiplier,
                     help="refuse (before training) a target that needs more noise than this (default %(default)g)")
 
@@ -645,6 +650,8 @@ def _plan_line(config: RunConfig, comm=None) -> str:
         privacy = f"DP-SGD to epsilon {p.target_epsilon:g} at delta {p.delta:g}"
     else:
         privacy = f"DP-SGD with noise multiplier {p.noise_multiplier:g}"
+    if p.private and p.noise_mechanism == "banded":  # DP-SGD's step with banded matrix-factorization noise
+        privacy = privacy.replace("DP-SGD", f"DP-SGD with banded noise ({p.bands} bands)", 1)
     where = f", {config.parallelism.strategy} on {comm.mesh}" if comm is not None else ""
     off = config.offload
     where += {"none": "", "zero": ", ZeRO-Offload (the optimizer on the host)",

@@ -65,6 +65,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_KINDS = ("none", "zenflow", "zero")
 PRECISIONS = ("fp32", "bf16")  # privacy.precision.PRECISIONS, named here without torch
 SELECT_STRATEGIES = ("step", "epoch", "auto")
+NOISE_MECHANISMS = ("independent", "banded", "blt")  # privacy.mechanisms; "blt" is named and refused
 
 MAX_NOISE_MULTIPLIER = 10.0
 """Default largest noise multiplier a segment may be given (``--max-noise-multiplier``,
@@ -265,8 +266,11 @@ class PrivacySettings:
     accountant: str = "pld"
     accounting_interval: float = 1e-2
     max_noise_multiplier: float = MAX_NOISE_MULTIPLIER
+    noise_mechanism: str = "independent"
+    bands: int | None = None
 
     def __post_init__(self) -> None:
+        _check_mechanism(self)
         if self.noise_multiplier is not None or not self.private:
             _set(self, target_epsilon=None)
         if not self.private:
@@ -285,6 +289,12 @@ class PrivacySettings:
             raise ConfigError(f"max_noise_multiplier must be finite and > 0, got {self.max_noise_multiplier}")
 
     @property
+    def groups(self) -> int:
+        """The cyclic sampling groups of the run (``privacy.mechanisms.cyclic_sampling``): ``bands``
+        of a banded mechanism, else 1 (Poisson sampling over the whole dataset)."""
+        return self.bands if self.noise_mechanism == "banded" else 1
+
+    @property
     def budget(self) -> float | None:
         """The epsilon no step may exceed: ``epsilon_budget`` when given, else the target the run
         announced (a run "to epsilon 8" never takes a step past 8, resumed or not); None for a
@@ -292,6 +302,23 @@ class PrivacySettings:
         if not self.private:
             return None
         return self.epsilon_budget if self.epsilon_budget is not None else self.target_epsilon
+
+
+def _check_mechanism(p: PrivacySettings) -> None:
+    """``noise_mechanism`` and ``bands`` (``--noise-mechanism``, ``--bands``): banded needs its
+    bands, nothing else takes them; a mechanism needs a private run; "blt" is refused by name."""
+    if p.noise_mechanism not in NOISE_MECHANISMS:
+        raise ConfigError(f"noise_mechanism must be one of {NOISE_MECHANISMS}, got {p.noise_mechanism!r}")
+    if p.noise_mechanism == "blt":
+        raise ConfigError("noise_mechanism \"blt\" (buffered Toeplitz) is not built yet; use --noise-mechanism banded"
+                          " --bands B")
+    if p.noise_mechanism == "banded":
+        if p.bands is None or isinstance(p.bands, bool) or p.bands < 1:
+            raise ConfigError(f"noise_mechanism \"banded\" needs --bands B (an integer >= 1), got bands={p.bands}")
+        if not p.private:
+            raise ConfigError("noise_mechanism \"banded\" is a way to add noise: a non-private run has none")
+    elif p.bands is not None:
+        raise ConfigError(f"bands={p.bands} is for --noise-mechanism banded, not {p.noise_mechanism!r}")
 
 
 @dataclass(frozen=True)

@@ -59,11 +59,11 @@ from torch import Tensor
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.pipeline import unshard_stages
 from privacy.errors import BudgetExhaustedError
-from privacy.sampling import PoissonSampler
 from privacy.step import sample_batch
 
 from . import interrupts, report
-from .build import build_step, new_read_log, offload_metrics, resolve_privacy, resolve_sample_rate, weights_read
+from .build import (build_step, new_read_log, offload_metrics, resolve_privacy, resolve_sample_rate, sampler_of,
+                    weights_read)
 from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
 from .config import RunConfig, to_toml
 from .device import run_device, to_device
@@ -213,7 +213,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     if main:
         (run_dir / "config.toml").write_text(to_toml(config))
         write_metrics(run_dir / "metrics.jsonl", earlier)  # cut back to the start: no step twice
-    sampler = PoissonSampler(num_examples, sample_rate, key=config.run.seed)
+    sampler = sampler_of(config, num_examples, sample_rate)
 
     history: list[dict[str, Any]] = [report.numbers(r) for r in earlier]
     saved_at = plan.start

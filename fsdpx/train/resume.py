@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import ckpt
 from ckpt.format import MANIFEST
 from ckpt.manager import new_run_id
+from privacy.mechanisms import INDEPENDENT, Mechanism
 from privacy.step import DPConfig
 
 from .budget import check_budget_change, segment_noise
@@ -144,6 +145,7 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
         last = acc.events[-1] if acc.events else None
         current = last.noise_multiplier if last is not None and last.sample_rate == dp.sample_rate else None
         dp = _plan_noise(config, dp, acc, current=current)
+        dp = continued_mechanism(dp, wrote, source)
     entry = _entry(config, state.step, source, dp, new_fp, world, budget_changed_from=increased_from,
                    new_data=recorded is not None and recorded["data"] != new_fp["data"])
     resuming = config.checkpoints.resume or config.checkpoints.resume_if_present
@@ -171,6 +173,33 @@ def _plan_noise(config: RunConfig, dp: DPConfig | None, spent: Any, *, current: 
     return dp if sigma == dp.noise_multiplier else dataclasses.replace(dp, noise_multiplier=sigma)
 
 
+class MechanismChangeError(ResumeError):
+    """The run's noise mechanism (``--noise-mechanism``, ``--bands``) differs from the one its
+    checkpoint's steps used: a matrix-factorization mechanism's guarantee holds for one strategy
+    over the whole run."""
+
+
+def continued_mechanism(dp: DPConfig, wrote: Mapping[str, Any] | None, source: Path) -> DPConfig:
+    """``dp`` with the mechanism the checkpoint's run used (its segment record's
+    ``derived.mechanism``; records from before mechanisms existed: independent), so a resumed or
+    branched banded run keeps its coefficients whatever its new ``--steps``. Raises
+    :class:`MechanismChangeError` naming ``--noise-mechanism`` when the kind or the bands differ,
+    or when a banded run's checkpoint has no record to take them from
+    (``tests/test_train_mechanisms.py::test_a_resume_continues_the_banded_mechanism_and_refuses_a_change``)."""
+    if wrote is None:
+        if dp.mechanism.kind != "independent":
+            raise MechanismChangeError(f"--noise-mechanism {dp.mechanism.kind}: the checkpoint {source} has no"
+                                       " run.json record of the mechanism its steps used; it cannot be continued")
+        return dp
+    recorded = (wrote.get("derived") or {}).get("mechanism")
+    used = Mechanism.from_dict(recorded) if recorded else INDEPENDENT
+    if (used.kind, used.bands) != (dp.mechanism.kind, dp.mechanism.bands):
+        words = lambda m: m.kind + (f" --bands {m.bands}" if m.kind == "banded" else "")  # noqa: E731
+        raise MechanismChangeError(f"--noise-mechanism {words(dp.mechanism)}: the checkpoint's steps used"
+                                   f" --noise-mechanism {words(used)}; the mechanism cannot change within a run")
+    return dp if used == dp.mechanism else dataclasses.replace(dp, mechanism=used)
+
+
 def _entry(config: RunConfig, start: int, source: Path | None, dp: DPConfig | None, fp: dict[str, Any], world: int,
            *, budget_changed_from: dict | None = None, new_data: bool = False) -> dict[str, Any]:
     """The segment's record: where it starts, from which checkpoint, its resolved values."""
@@ -179,7 +208,8 @@ def _entry(config: RunConfig, start: int, source: Path | None, dp: DPConfig | No
         "source_checkpoint": str(source.resolve()) if source is not None else None,
         "config": dataclasses.asdict(config),
         "derived": {"sample_rate": dp.sample_rate if dp else None,
-                    "noise_multiplier": dp.noise_multiplier if dp else None, "world_size": world},
+                    "noise_multiplier": dp.noise_multiplier if dp else None, "world_size": world,
+                    "mechanism": dp.mechanism.to_dict() if dp else None},
         "fingerprint": fp,
         "budget_changed_from": budget_changed_from,
         "new_data": new_data,

@@ -1,0 +1,114 @@
+"""A banded matrix-factorization mechanism in the private step and in ``fsdpx train``
+(``--noise-mechanism banded --bands B``): its noise, its ledger, its batches, a resume that
+continues it, and the settings refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fsdpx import cli
+from fsdpx.models.gpt import GPT, GPTConfig, token_loss
+from fsdpx.optim import sgd
+from privacy import DPConfig, clipped_grad, init_state, make_private_step
+from privacy.accounting import Accountant
+from privacy.mechanisms import CyclicPoissonSampler, banded, banded_epsilon, correlated_gaussian_noise
+
+from support.threads import one_thread  # noqa: F401
+
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-chars", "20000",
+        "--no-progress", "--batch-size", "16"]
+MECH = banded((0.8, 0.5, 0.3))
+
+
+def test_the_step_adds_the_mechanisms_regenerated_noise():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=17, block_size=5, n_layer=1, n_head=1, n_embd=4)).double()
+    ids = torch.randint(0, 17, (6, 5))
+    batch = (ids, ids.roll(1, 1))
+    config = DPConfig(clip_norm=0.7, noise_multiplier=1.3, sample_rate=0.05, mechanism=MECH)
+    opt = sgd(1.0)
+    state = init_state(dict(model.named_parameters()), opt, key=9, config=config)
+    step = make_private_step(model, token_loss, opt, config, num_examples=100)
+    for t in range(4):
+        before = {k: v.clone() for k, v in state.params.items()}
+        clipped, _ = clipped_grad(model, before, batch, token_loss, clip_norm=0.7)
+        noise = correlated_gaussian_noise(MECH, before, key=9, step=t, std=1.3 * 0.7)
+        state, _ = step(state, batch)
+        for k, p in before.items():
+            torch.testing.assert_close(state.params[k], p - (clipped[k] + noise[k]) / (0.05 * 100),
+                                       rtol=1e-12, atol=1e-14)
+    assert state.accountant.bands == 3 and state.accountant.steps == 4
+    assert DPConfig(**{**config.__dict__, "mechanism": MECH.to_dict()}) == config  # read back from a checkpoint
+
+
+def test_a_banded_ledger_spends_the_epsilon_of_its_participations():
+    acc = Accountant(delta=1e-5, bands=3, value_discretization_interval=1e-2).record(1.2, 0.1, 10)
+    assert acc.steps == 10
+    assert acc.epsilon() == banded_epsilon(1.2, 0.1, 10, 3, 1e-5, value_discretization_interval=1e-2)
+    # two segments of other noise: the largest over the groups of each group's own steps
+    two = acc.record(0.8, 0.1, 2)  # steps 10, 11: groups 1 and 2 take the smaller noise
+    ref = Accountant(delta=1e-5, value_discretization_interval=1e-2).record(1.2, 0.1, 3).record(0.8, 0.1, 1)
+    assert two.epsilon() == ref.epsilon() > acc.epsilon()
+    assert Accountant.from_dict(acc.to_dict()) == acc and "bands" not in Accountant(delta=1e-5).to_dict()
+
+
+def _train(tmp_path, *flags):
+    return cli.main(["train", "--out", str(tmp_path), *TINY, *flags])
+
+
+def test_a_banded_run_samples_cyclic_groups_and_spends_its_target(tmp_path):
+    _train(tmp_path, "--steps", "6", "--name", "b", "--target-epsilon", "4", "--noise-mechanism", "banded",
+           "--bands", "3")
+    rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    derived = json.loads((tmp_path / "b" / "config.json").read_text())["derived"]
+    sigma, q = derived["noise_multiplier"], derived["sample_rate"]
+    assert q == 16 / (derived["num_examples"] // 3)
+    assert rows[-1]["epsilon"] == pytest.approx(banded_epsilon(sigma, q, 6, 3, 1e-5, value_discretization_interval=1e-2))
+    assert 4 * (1 - 2e-3) <= rows[-1]["epsilon"] <= 4
+    assert rows[0]["epsilon"] == rows[1]["epsilon"] == rows[2]["epsilon"] < rows[3]["epsilon"]  # group 0 at 0, 3
+    sampler = CyclicPoissonSampler(derived["num_examples"], q, key=0, groups=3)
+    assert [r["batch_size"] for r in rows] == [len(sampler.indices(t)) for t in range(6)]
+
+
+def test_a_resume_continues_the_banded_mechanism_and_refuses_a_change(tmp_path, capsys):
+    flags = ["--name", "r", "--target-epsilon", "4", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2",
+             "--noise-mechanism", "banded"]
+    _train(tmp_path, "--steps", "4", *flags, "--bands", "2")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--out", str(tmp_path), *TINY, "--steps", "6", "--resume", *flags, "--bands", "3"])
+    assert exit_.value.code == 2
+    assert "the checkpoint's steps used --noise-mechanism banded --bands 2" in capsys.readouterr().err
+    _train(tmp_path, "--steps", "6", "--resume", *flags, "--bands", "2")
+    segments = json.loads((tmp_path / "ck" / "run.json").read_text())["segments"]
+    first, second = (s["derived"]["mechanism"] for s in segments)
+    assert first == second and first["kind"] == "banded"  # optimised for 4 steps, kept for 6
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--noise-mechanism", "blt"], "--noise-mechanism \"blt\" (buffered Toeplitz) is not built yet"),
+    (["--noise-mechanism", "banded"], "--noise-mechanism \"banded\" needs --bands B"),
+    (["--bands", "3"], "--bands=3 is for --noise-mechanism banded"),
+    (["--noise-mechanism", "banded", "--bands", "2", "--non-private"],
+     "--noise-mechanism \"banded\" is a way to add noise: a non-private run has none"),
+])
+def test_mechanism_settings_it_cannot_run_are_refused_by_flag(tmp_path, capsys, flags, words):
+    with pytest.raises(SystemExit) as exit_:
+        _train(tmp_path, "--steps", "2", *flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists() and not any(tmp_path.iterdir())
+
+
+def test_a_banded_segment_is_planned_on_its_groups_ledger():
+    from fsdpx.train.budget import SegmentDoesNotFitError, segment_noise
+
+    spent = Accountant(delta=1e-5, bands=4, value_discretization_interval=1e-2).record(1.0, 0.2, 6)
+    sigma = segment_noise(spent, target=4.0, sample_rate=0.2, steps=14)
+    assert 4.0 * (1 - 2e-3) <= spent.record(sigma, 0.2, 14).epsilon() <= 4.0
+    with pytest.raises(SegmentDoesNotFitError) as err:
+        segment_noise(spent, target=4.0, sample_rate=0.2, steps=400, max_noise=1.0)
+    fit = err.value.steps_fit
+    assert spent.record(1.0, 0.2, fit).epsilon() <= 4.0 < spent.record(1.0, 0.2, fit + 1).epsilon()
