@@ -536,7 +536,9 @@ def fsdpx_phase_labels():
         (clipping, "record", "fsdpx.tape: forward + backward to layer outputs"),
         (clipping, "contributions", "fsdpx.ghost rules"),
         (clipping, "_sq_norms", "fsdpx.per-example norms"),
-        (clipping, "_factors", "fsdpx.clip factors"),
+        (clipping, "guarded_clip_factors", "fsdpx.clip factors"),
+        (clipping, "stream_clipped_sums", "fsdpx.streamed norms and clipped sums (LM head)"),
+        (contributions, "instantiate_for_reuse", "fsdpx.per-example grads kept for reuse"),
         (clipping, "per_sample_grads", "fsdpx.vmap per-example grads"),
         (contributions, "weighted_sum", "fsdpx.clipped sum (weight grads)"),
     ]
