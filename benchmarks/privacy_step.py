@@ -1,4 +1,12 @@
-"""Benchmark: wall time and peak memory of ONE optimizer step, private and not, on the GPT.
+"""Benchmark: wall time and peak memory of ONE optimizer step, private and not, on a GPT.
+
+Models (``--model``): ``gpt`` (fsdpx's own, the default), ``hf-gpt2`` (transformers'
+GPT2LMHeadModel: Conv1D, tied embeddings, position ids ``[1, T]``), ``hf-llama``
+(LlamaForCausalLM: RMSNorm, rotary, grouped-query attention), ``plain-gpt`` (``plain_gpt.py``, a
+GPT written the ordinary way), all from configs built here at the config's shape, nothing
+downloaded. ``--precision bf16`` runs every mode's forward under autocast to bf16
+(``privacy.precision.compute_in``). A mode that cannot run a model (Opacus ghost refuses tied
+weights) is reported as skipped with the reason it gave.
 
 Modes (all on the same initial weights, the same fixed batch and the same AdamW
 hyper-parameters):
@@ -41,6 +49,7 @@ cuda: each mode in turn in the same process once the timing is done, the peak of
     .venv/bin/python benchmarks/privacy_step.py --config small              # table on stdout
     .venv/bin/python benchmarks/privacy_step.py --config small --steps 2 --warmup 1 --no-memory
     .venv/bin/python benchmarks/privacy_step.py --smoke                     # every mode once, tiny model
+    .venv/bin/python benchmarks/privacy_step.py --model hf-llama --precision bf16 --steps 20
     .venv/bin/python benchmarks/privacy_step.py --config small --profile    # + torch.profiler tables
     .venv/bin/python benchmarks/privacy_step.py --config both --phases      # where the private step's time goes
     python3 benchmarks/privacy_step.py --device cuda --smoke && \
