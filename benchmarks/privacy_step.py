@@ -1,4 +1,12 @@
-"""Benchmark: wall time and peak memory of ONE optimizer step, private and not, on the GPT.
+"""Benchmark: wall time and peak memory of ONE optimizer step, private and not, on a GPT.
+
+Models (``--model``): ``gpt`` (fsdpx's own, the default), ``hf-gpt2`` (transformers'
+GPT2LMHeadModel: Conv1D, tied embeddings, position ids ``[1, T]``), ``hf-llama``
+(LlamaForCausalLM: RMSNorm, rotary, grouped-query attention), ``plain-gpt`` (``plain_gpt.py``, a
+GPT written the ordinary way), all from configs built here at the config's shape, nothing
+downloaded. ``--precision bf16`` runs every mode's forward under autocast to bf16
+(``privacy.precision.compute_in``). A mode that cannot run a model (Opacus ghost refuses tied
+weights) is reported as skipped with the reason it gave.
 
 Modes (all on the same initial weights, the same fixed batch and the same AdamW
 hyper-parameters):
@@ -41,6 +49,7 @@ cuda: each mode in turn in the same process once the timing is done, the peak of
     .venv/bin/python benchmarks/privacy_step.py --config small              # table on stdout
     .venv/bin/python benchmarks/privacy_step.py --config small --steps 2 --warmup 1 --no-memory
     .venv/bin/python benchmarks/privacy_step.py --smoke                     # every mode once, tiny model
+    .venv/bin/python benchmarks/privacy_step.py --model hf-llama --precision bf16 --steps 20
     .venv/bin/python benchmarks/privacy_step.py --config small --profile    # + torch.profiler tables
     .venv/bin/python benchmarks/privacy_step.py --config both --phases      # where the private step's time goes
     python3 benchmarks/privacy_step.py --device cuda --smoke && \
@@ -75,6 +84,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from bench_common import logger, median_ratio, reset_hwm, status_kb  # noqa: E402
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss  # noqa: E402
 from fsdpx.optim import Optimizer, adamw  # noqa: E402
+from plain_gpt import PlainGPT  # noqa: E402
+from privacy.precision import PRECISIONS, compute_in  # noqa: E402
 from privacy.step import DPConfig, init_state, make_private_step  # noqa: E402
 
 CONFIGS: dict[str, dict[str, int]] = {
@@ -87,6 +98,12 @@ CONFIGS: dict[str, dict[str, int]] = {
     # --smoke: every mode and the memory path once, in seconds, on either device
     "smoke": dict(vocab=512, d_model=64, n_layer=2, n_head=2, seq=32, batch=4),
 }
+MODELS = ("gpt", "hf-gpt2", "hf-llama", "plain-gpt")
+"""--model: fsdpx's own GPT; transformers' GPT2LMHeadModel (Conv1D, learned positions, tied
+embeddings, as GPT-2 ships) and LlamaForCausalLM (RMSNorm, rotary, grouped-query attention: half
+as many key/value heads as heads), both from configs built here (nothing downloaded), dropout 0
+and SDPA attention; the GPT a user writes (``plain_gpt.py``). Each at the config's shape."""
+ALWAYS_TIED = frozenset({"hf-gpt2"})  # GPT-2's LM head is its token embedding in every mode
 MODES = ("torch", "fsdpx-vmap", "fsdpx-ghost", "opacus-hooks", "opacus-ghost", "fsdpx-ghost-tied")
 BASELINE = "torch"
 
@@ -102,13 +119,45 @@ log = logger()
 # --------------------------------------------------------------------------- model and batch
 
 
-def build_model(cfg: dict[str, int], *, tied: bool, device: str = "cpu") -> GPT:
+def build_model(cfg: dict[str, int], *, tied: bool, device: str = "cpu", model: str = "gpt",
+                precision: str = "fp32") -> torch.nn.Module:
     """The same initial weights for every mode and device (seeded on the CPU, then moved);
-    ``tied`` shares wte and lm_head."""
+    ``tied`` shares the token embedding and the LM head (always, for ``hf-gpt2``). ``model`` is
+    one of :data:`MODELS`; ``precision`` ``"bf16"`` puts its forward under autocast to bf16
+    (``privacy.precision.compute_in``: fp32 parameters, logits cast back to fp32), in every mode."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["n_layer"],
-                          n_head=cfg["n_head"], n_embd=cfg["d_model"], tie_weights=tied))
-    return model.to(device)
+    tied = tied or model in ALWAYS_TIED
+    V, T, L, H, C = cfg["vocab"], cfg["seq"], cfg["n_layer"], cfg["n_head"], cfg["d_model"]
+    if model == "gpt":
+        net = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, tie_weights=tied))
+    elif model == "plain-gpt":
+        net = PlainGPT(V, T, C, L, H, tied=tied)
+    elif model == "hf-gpt2":
+        import transformers
+
+        net = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=V, n_positions=T, n_embd=C, n_layer=L, n_head=H, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa"))
+    elif model == "hf-llama":
+        import transformers
+
+        net = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=V, hidden_size=C, intermediate_size=(8 * C // 3 + 63) // 64 * 64, num_hidden_layers=L,
+            num_attention_heads=H, num_key_value_heads=max(1, H // 2), max_position_embeddings=T,
+            tie_word_embeddings=tied, use_cache=False, attn_implementation="sdpa"))
+    else:
+        raise ValueError(f"unknown model {model!r}: one of {MODELS}")
+    return compute_in(net, precision).to(device)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """The logits of a model's output: a transformers ``CausalLMOutput``'s ``.logits``, else the output."""
+    return getattr(out, "logits", out)
+
+
+def step_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Per-example loss ``(B,)`` of any of the models: the mean next-token cross-entropy."""
+    return token_loss(logits_of(out), targets)
 
 
 def build_batch(cfg: dict[str, int], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +225,7 @@ class TorchRunner(Runner):
         ctx = _phase if self.annotate else (lambda _: contextlib.nullcontext())
         self.opt.zero_grad(set_to_none=True)
         with ctx("torch.forward"):
-            loss = token_loss(self.model(x), y).mean()
+            loss = step_loss(self.model(x), y).mean()
         with ctx("torch.backward"):
             loss.backward()
         with ctx("torch.optimizer"):
@@ -203,7 +252,7 @@ class FsdpxRunner(Runner):
                     return inner(grads, state, params)
 
             opt = Optimizer(opt.init, update)
-        self.step_fn = make_private_step(model, token_loss, opt, config, num_examples=NUM_EXAMPLES, donate=True)
+        self.step_fn = make_private_step(model, step_loss, opt, config, num_examples=NUM_EXAMPLES, donate=True)
         self.state = init_state(dict(model.named_parameters()), opt, key=0, config=config)
 
     def step(self) -> float:
@@ -239,12 +288,12 @@ class OpacusRunner(Runner):
         ctx = _phase if self.annotate else (lambda _: contextlib.nullcontext())
         self.opt.zero_grad(set_to_none=True)
         with ctx("opacus.forward"):
-            logits = self.module(x)
+            logits = logits_of(self.module(x))
             if self.ghost:  # per-sequence privacy unit: `shape` folds the B*T token losses to B
                 B, T, V = logits.shape
                 loss = self.criterion(logits.reshape(B * T, V), y.reshape(B * T), shape=(B, T, V))
             else:
-                loss = token_loss(logits, y).mean()
+                loss = step_loss(logits, y).mean()
         with ctx("opacus.backward"):  # ghost: both backward passes happen in here
             loss.backward()
         with ctx("opacus.optimizer"):  # hooks: clip per-example grads, sum, noise, AdamW
@@ -255,6 +304,11 @@ class OpacusRunner(Runner):
 
     def params(self):
         return dict(self.model.named_parameters())
+
+
+def default_modes(model: str) -> list[str]:
+    """Every mode; the extra tied row only on fsdpx's GPT (hf-gpt2 is tied in every mode)."""
+    return list(MODES) if model == "gpt" else [m for m in MODES if not tied_mode(m)]
 
 
 def make_runner(mode: str, model: GPT, batch, annotate: bool = False) -> Runner:
@@ -312,13 +366,18 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
     runners: dict[str, Runner] = {}
     result: dict[str, Any] = {}
     for mode in modes:
-        model = build_model(cfg, tied=tied_mode(mode), device=device)
+        model = build_model(cfg, tied=tied_mode(mode), device=device, model=args.model, precision=args.precision)
         reason = skip_reason(mode, cfg, model, args.max_mem_gb)
         if reason:
             log(f"[{name}] {mode}: skipped ({reason})")
             result[mode] = {"skipped": reason, "times": []}
             continue
-        runners[mode] = make_runner(mode, model, batch)
+        try:
+            runners[mode] = make_runner(mode, model, batch)
+        except Exception as e:  # Opacus refuses some models (tied weights under ghost): say why
+            result[mode] = {"skipped": refusal(e), "times": []}
+            log(f"[{name}] {mode}: skipped ({result[mode]['skipped']})")
+            continue
         result[mode] = {"times": [], "cpu_times": [], "warmup_times": [], "params": num_params(model)}
 
     # First warm-up step of each mode: also the check that it trains. A mode slower than the
@@ -327,7 +386,13 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
         log(f"[{name}] {mode}: warm-up 1/{args.warmup} (+ check that it trains)")
         before = snapshot(runner)
         gc.collect()
-        loss, dt, _ = timed(runner, device)
+        try:
+            loss, dt, _ = timed(runner, device)
+        except Exception as e:  # a mode that cannot run this model (vmap through its masks, say)
+            result[mode]["skipped"] = refusal(e)
+            log(f"[{name}] {mode}: skipped ({result[mode]['skipped']})")
+            del runners[mode]
+            continue
         check_trains(mode, runner, before, loss)
         del before
         result[mode].update(first_loss=loss, first_mean_norm=runner.norm)
@@ -366,6 +431,12 @@ def time_config(name: str, cfg: dict[str, int], modes: list[str], args) -> dict[
     return result
 
 
+def refusal(e: BaseException) -> str:
+    """One line saying why a mode could not run: the exception's type and first line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first[:160]}"
+
+
 def paired_ratio(times: list[float], base: list[float] | None) -> float | None:
     """Median over rounds of (this mode's step / the baseline's step in the same round): the
     two ran seconds apart, so slow drifts of the machine's load cancel."""
@@ -377,10 +448,11 @@ def paired_ratio(times: list[float], base: list[float] | None) -> float | None:
 # --------------------------------------------------------------------------- memory
 
 
-def memory_child(mode: str, name: str, steps: int, max_mem_gb: float) -> dict[str, Any]:
+def memory_child(mode: str, name: str, steps: int, max_mem_gb: float, model_name: str = "gpt",
+                 precision: str = "fp32") -> dict[str, Any]:
     """Runs in its own process: peak RSS of setup + ``steps`` steps over the model+batch baseline."""
     cfg = CONFIGS[name]
-    model = build_model(cfg, tied=tied_mode(mode))
+    model = build_model(cfg, tied=tied_mode(mode), model=model_name, precision=precision)
     batch = build_batch(cfg)
     reason = skip_reason(mode, cfg, model, max_mem_gb)
     if reason:
@@ -412,7 +484,8 @@ def memory_config(name: str, modes: list[str], args, timing: dict[str, Any]) -> 
             out[mode] = {"mode": mode, "skipped": "skipped in timing"}
             continue
         cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-mode", mode, "--config", name,
-               "--memory-steps", str(args.memory_steps), "--max-mem-gb", str(args.max_mem_gb)]
+               "--memory-steps", str(args.memory_steps), "--max-mem-gb", str(args.max_mem_gb),
+               "--model", args.model, "--precision", args.precision]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         log(f"[{name}] memory: {mode} in its own process")
@@ -433,7 +506,8 @@ def memory_config_cuda(name: str, modes: list[str], args, timing: dict[str, Any]
         if timing.get(mode, {}).get("skipped"):
             out[mode] = {"mode": mode, "skipped": "skipped in timing"}
             continue
-        model, batch = build_model(cfg, tied=tied_mode(mode), device="cuda"), build_batch(cfg, "cuda")
+        model = build_model(cfg, tied=tied_mode(mode), device="cuda", model=args.model, precision=args.precision)
+        batch = build_batch(cfg, "cuda")
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -471,7 +545,9 @@ def fsdpx_phase_labels():
         (clipping, "record", "fsdpx.tape: forward + backward to layer outputs"),
         (clipping, "contributions", "fsdpx.ghost rules"),
         (clipping, "_sq_norms", "fsdpx.per-example norms"),
-        (clipping, "_factors", "fsdpx.clip factors"),
+        (clipping, "guarded_clip_factors", "fsdpx.clip factors"),
+        (clipping, "stream_clipped_sums", "fsdpx.streamed norms and clipped sums (LM head)"),
+        (contributions, "instantiate_for_reuse", "fsdpx.per-example grads kept for reuse"),
         (clipping, "per_sample_grads", "fsdpx.vmap per-example grads"),
         (contributions, "weighted_sum", "fsdpx.clipped sum (weight grads)"),
     ]
@@ -517,7 +593,8 @@ def profile_config(name: str, cfg: dict[str, int], modes: list[str], args) -> di
     batch = build_batch(cfg, device)
     out = {}
     for mode in modes:
-        runner = make_runner(mode, build_model(cfg, tied=tied_mode(mode), device=device), batch, annotate=True)
+        model = build_model(cfg, tied=tied_mode(mode), device=device, model=args.model, precision=args.precision)
+        runner = make_runner(mode, model, batch, annotate=True)
         for i in range(args.warmup):
             log(f"[{name}] profile {mode}: warm-up {i + 1}/{args.warmup}")
             runner.step()
@@ -618,7 +695,8 @@ def profile_tables(prof: dict[str, Any]) -> str:
     return text
 
 
-def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu") -> str:
+def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu", model_name: str = "gpt",
+           precision: str = "fp32") -> str:
     """Where a private step's time goes: the non-private torch step and its forward+backward,
     fsdpx's whole private step, ``clip_and_sum`` alone and the noise alone (drawn and added in
     place to parameter-shaped buffers, as the step does), interleaved in each round; medians, and
@@ -626,9 +704,10 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu") -> 
     from privacy.clipping import clip_and_sum
     from privacy.noise import add_gaussian_noise_
 
-    model = build_model(cfg, tied=False, device=device)
+    model = build_model(cfg, tied=False, device=device, model=model_name, precision=precision)
     batch = build_batch(cfg, device)
-    torch_runner = TorchRunner(build_model(cfg, tied=False, device=device), batch)
+    torch_runner = TorchRunner(build_model(cfg, tied=False, device=device, model=model_name, precision=precision),
+                               batch)
     fsdpx_runner = FsdpxRunner(model, batch, "auto")
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     numel = sum(p.numel() for p in params.values())
@@ -636,11 +715,11 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu") -> 
 
     def forward_backward() -> None:
         torch_runner.model.zero_grad(set_to_none=True)
-        token_loss(torch_runner.model(batch[0]), batch[1]).mean().backward()
+        step_loss(torch_runner.model(batch[0]), batch[1]).mean().backward()
 
     parts = {"non-private torch step": torch_runner.step, "its forward+backward": forward_backward,
              "fsdpx private step (ghost, donated)": fsdpx_runner.step,
-             "clip_and_sum (tape, norms, clipped sums)": lambda: clip_and_sum(model, params, batch, token_loss,
+             "clip_and_sum (tape, norms, clipped sums)": lambda: clip_and_sum(model, params, batch, step_loss,
                                                                              clip_norm=CLIP_NORM),
              f"noise ({numel / 1e6:.1f}M normals)": lambda: add_gaussian_noise_(sums, key=0, step=0, std=1.0)}
     times: dict[str, list[float]] = {k: [] for k in parts}
@@ -686,7 +765,7 @@ def render(report: dict[str, Any]) -> str:
     env = report["env"]
     text = (f"torch {env['torch']}, Opacus {env['opacus']}, torch.get_num_threads() = {env['threads']}, "
             f"{env['cpus']} CPUs; {env['date']}\n")
-    text += f"device: {env.get('device_name', 'cpu')}\n"
+    text += f"device: {env.get('device_name', 'cpu')}; model {env.get('model', 'gpt')}, precision {env.get('precision', 'fp32')}\n"
     for name, c in report["configs"].items():
         base = c["timing"].get(BASELINE, {})
         if base.get("times"):
@@ -705,11 +784,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", choices=(*CONFIGS, "both"),
                     help="model and batch (default: small on cpu, gpu on cuda; both = small and large)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--model", choices=MODELS, default="gpt",
+                    help="gpt (fsdpx's), hf-gpt2, hf-llama (transformers, local configs), plain-gpt (plain_gpt.py)")
+    ap.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
+                    help="bf16: every mode's forward under autocast to bf16, parameters and optimizer fp32")
     ap.add_argument("--smoke", action="store_true",
                     help="the smoke config, 1 warm-up step and 1 round, 1 memory step: checks the whole path")
     ap.add_argument("--steps", type=int, default=10, help="timed rounds (each mode one step per round)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps per mode (>= 1: the first checks training)")
-    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--modes", nargs="+", choices=MODES,
+                    help="default: all; on the models other than gpt, all but fsdpx-ghost-tied")
     ap.add_argument("--out", help="write the raw numbers to this JSON file")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode memory subprocesses")
     ap.add_argument("--memory-steps", type=int, default=3, help="steps per memory subprocess")
@@ -739,23 +823,24 @@ def main(argv: list[str] | None = None) -> None:
     args.config = args.config or ("gpu" if args.device == "cuda" else "small")
     args.max_mem_gb = max_mem_gb(args.max_mem_gb, args.device)
     if args.memory_mode:
-        print(json.dumps(memory_child(args.memory_mode, args.config, args.memory_steps, args.max_mem_gb)))
+        print(json.dumps(memory_child(args.memory_mode, args.config, args.memory_steps, args.max_mem_gb,
+                                      args.model, args.precision)))
         return
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
     names = ["small", "large"] if args.config == "both" else [args.config]
     if args.phases:
         for name in names:
-            print(phases(name, CONFIGS[name], args.steps, args.device))
+            print(phases(name, CONFIGS[name], args.steps, args.device, args.model, args.precision))
         return
-    modes = list(dict.fromkeys(args.modes))
+    modes = list(dict.fromkeys(args.modes or default_modes(args.model)))
 
     import opacus
 
     env = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
            "opacus": opacus.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
            "cpus": os.cpu_count(), "loadavg_start": loadavg(), "argv": sys.argv, "device": args.device,
-           "device_name": device_name(args.device)}
+           "device_name": device_name(args.device), "model": args.model, "precision": args.precision}
     log(f"torch {torch.__version__}, opacus {opacus.__version__}, torch.get_num_threads() = "
         f"{torch.get_num_threads()}, load average {env['loadavg_start']}; device: {env['device_name']}")
     report: dict[str, Any] = {"env": env, "configs": {}}

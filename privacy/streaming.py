@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from privacy.contributions import REUSE_MAX_BYTES, Contribution, Factored, instantiate, reuse_saving, rows_overlap
+from privacy.contributions import REUSE_MAX_BYTES, Contribution, Factored, reuse_saving, rows_overlap
 
 STREAM_MAX_BYTES = REUSE_MAX_BYTES
 """Most bytes of ONE example's gradients of all streamed parameters together: they are formed,
@@ -90,15 +90,25 @@ def stream_clipped_sums(
 
 
 def _example_grad(plist: list[Contribution], i: int, out: Tensor) -> None:
-    """Writes example ``i``'s gradient of one parameter (the sum of its contributions) into ``out``."""
+    """Writes example ``i``'s gradient of one parameter (the sum of its contributions) into ``out``,
+    every part accumulated into ``out`` in place: a part covering every row with a dense left
+    factor is written first by a matmul into ``out`` (no zero fill), the others are added by
+    ``addmm_`` (dense) or ``index_add_`` (one-hot ids: a tied embedding's rows) on their row
+    block; nothing parameter-sized is allocated per example (a tied LM head streamed: ``tests/
+    test_clipping.py::test_streaming_the_lm_head_gives_the_clipped_grad_of_the_factored_forms``)."""
     rows = out.shape[0]
     flat = out.view(rows, -1)
-    first = plist[0]
-    if len(plist) == 1 and not first.one_hot and first.rows == (0, rows):
-        torch.mm(first.left[i].transpose(0, 1), first.right[i], out=flat)
-        return
-    flat.zero_()
+    full = next((p for p in plist if not p.one_hot and p.rows == (0, rows)), None)
+    if full is not None:
+        torch.mm(full.left[i].transpose(0, 1), full.right[i], out=flat)
+    else:
+        flat.zero_()
     for p in plist:
-        one = Factored(p.left[i:i + 1], p.right[i:i + 1], p.m, p.rows)
-        flat.add_(instantiate(one, rows)[0])
+        if p is full:
+            continue
+        r0, r1 = p.rows
+        if p.one_hot:
+            flat.index_add_(0, p.left[i] + r0, p.right[i])
+        else:
+            flat[r0:r1].addmm_(p.left[i].transpose(0, 1), p.right[i])
 
