@@ -45,9 +45,9 @@ BENCH = ROOT / "benchmarks"
 PYTHON = sys.executable
 
 # (model, precision) of privacy_step.py's runs on the GPU: the GPT-2-small-shaped step
-PRIVACY_RUNS: list[tuple[str, str]] = [("gpt", "fp32"), ("gpt", "bf16")]
+PRIVACY_RUNS: list[tuple[str, str]] = [("gpt", "fp32"), ("hf-gpt2", "fp32"), ("hf-gpt2", "bf16"), ("hf-llama", "bf16")]
 # each part's share of the budget, in seconds at the default 480 s budget (scaled otherwise)
-SLOTS = {"check": 120, "privacy": 190, "offload": 80, "sharded": 45, "ckpt": 45}
+SLOTS = {"check": 90, "privacy": 250, "offload": 60, "sharded": 40, "ckpt": 40}
 TAIL_LINES = 40
 
 
@@ -58,7 +58,7 @@ def part_commands(out: Path, device: str, smoke: bool) -> list[tuple[str, str, l
     if device == "cuda":
         parts.append(("check", "check", [*py, str(BENCH / "gpu_check.py"), str(out / "check")], {"STEPS": "10"}))
     for model, precision in PRIVACY_RUNS:
-        size = ["--smoke"] if smoke else ["--steps", "20"]
+        size = ["--smoke"] if smoke else ["--steps", "20", "--memory-steps", "2"]
         extra = [] if model == "gpt" else ["--model", model]
         extra += [] if precision == "fp32" else ["--precision", precision]
         if extra and not _privacy_step_knows("--model" if model != "gpt" else "--precision"):
