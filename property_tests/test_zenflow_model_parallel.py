@@ -79,14 +79,15 @@ def unsharded_run(model, batches, private, trainable):
     return out
 
 
-def tensor_parallel_run(model, batches, plan, mesh, private, trainable):
-    """Per rank, per step: (params at rest, selected columns as global indices)."""
+def sharded_zenflow_run(model, batches, plan, mesh, private, trainable=None, stage_axis=None):
+    """Per rank, per step: (this rank's params at rest, its weights' selected columns as global
+    indices); ``stage_axis``: the pipeline's, so each stage scores among its own ranks."""
     params = {k: v.detach() for k, v in model.named_parameters()}
     shapes = {k: tuple(v.shape) for k, v in params.items()}
     layouts, views = offload.weight_layouts(plan), offload.matrix_views(plan)
 
     def rank(comm):
-        combine, columns = offload.layout_scores(comm, layouts)
+        combine, columns = offload.layout_scores(comm, layouts, stage_axis=stage_axis)
         optimizer = zenflow(combine, columns, views)
         config = dp_config(private)
         step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer, plan, comm, param_shapes=shapes,
@@ -98,13 +99,13 @@ def tensor_parallel_run(model, batches, plan, mesh, private, trainable):
             out.append((dict(state.params), chosen))
         return out
 
-    return run_threads(mesh, rank)
+    return run_threads(mesh, rank, timeout=120)
 
 
 def check(model, batches, name, mesh, private, trainable=None):
     plan = resolve(model, gpt_plan(model.config), strategies.ALL[name](), mesh)
     want = unsharded_run(model, batches, private, trainable)
-    got = tensor_parallel_run(model, batches, plan, mesh, private, trainable)
+    got = sharded_zenflow_run(model, batches, plan, mesh, private, trainable)
     init = dict(model.named_parameters())
     for t, (want_params, want_sel) in enumerate(want):
         for k, sel in want_sel.items():  # the ranks' kept columns, together, are the unsharded choice
@@ -139,28 +140,6 @@ def test_tensor_parallel_zenflow_under_a_freezing_schedule_is_the_unsharded_one(
 # --- pipeline parallelism ----------------------------------------------------------------------
 
 
-def pipelined_run(model, batches, plan, mesh, private):
-    """Per rank, per step: (this rank's params at rest, its weights' selected global columns)."""
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    shapes = {k: tuple(v.shape) for k, v in params.items()}
-    layouts, views = offload.weight_layouts(plan), offload.matrix_views(plan)
-
-    def rank(comm):
-        combine, columns = offload.layout_scores(comm, layouts, stage_axis=plan.pipeline.axis)
-        optimizer = zenflow(combine, columns, views)
-        config = dp_config(private)
-        step = make_sharded_step(copy.deepcopy(model), token_loss, optimizer, plan, comm, param_shapes=shapes,
-                                 config=config, num_examples=50)
-        state, out = init_sharded(params, optimizer, plan, comm, key=7, config=config), []
-        for b in batches:
-            state, _ = step(state, b)
-            chosen = {k: columns(k)[sel] for k, sel in state.opt_state["selected"].items()}
-            out.append((dict(state.params), chosen))
-        return out
-
-    return run_threads(mesh, rank, timeout=120)
-
-
 @pytest.mark.slow
 @settings(max_examples=6, deadline=None)
 @given(pipelines(), st.booleans())
@@ -174,7 +153,7 @@ def test_pipelined_zenflow_selects_and_updates_as_the_unsharded_run(case, privat
     assume(model.config.n_embd > 2 or model.config.norm != "layernorm")
     batches = batches * 3  # 6 steps: windows of 2 land and a reselection at step 4
     want = unsharded_run(model, batches, private, None)
-    got = pipelined_run(model, batches, plan, mesh, private)
+    got = sharded_zenflow_run(model, batches, plan, mesh, private, stage_axis=plan.pipeline.axis)
     init = dict(model.named_parameters())
     for t, (want_params, want_sel) in enumerate(want):
         for k, sel in want_sel.items():

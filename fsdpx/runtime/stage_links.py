@@ -27,7 +27,7 @@ from torch.nn.utils._named_member_accessor import NamedMemberAccessor
 from torch.utils._pytree import tree_flatten
 
 from fsdpx.sharding.pipeline import PipelineLayout, PipelinePlanError
-from .stages import hidden_of, quietly
+from .stages import hidden_of, run_hooked
 
 
 @contextlib.contextmanager
@@ -80,13 +80,7 @@ def passed_between_blocks(model: nn.Module, blocks: str, *args: Any, **kwargs: A
                     kept.append(t)
         return [block.register_forward_pre_hook(pre, with_kwargs=True), block.register_forward_hook(post)]
 
-    handles = [h for i, block in enumerate(block_list) for h in hooks(i, block)]
-    try:
-        with quietly(model):
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, [h for i, block in enumerate(block_list) for h in hooks(i, block)], args, kwargs)
     return links
 
 

@@ -188,12 +188,7 @@ def traced_prologue(model: nn.Module, blocks: str, *args: Any, **kwargs: Any) ->
     handles += [m.register_forward_hook(lambda _m, _a, _o, n=n: seen.setdefault(n, set()).add(phase[0]))
                 for n, m in outside.items()]
     args, kwargs = _on_model_device(model, args, kwargs)
-    try:
-        with quietly(model):
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, handles, args, kwargs)
     if phase[0] == "before":
         raise PipelinePlanError(f"the forward ran none of the blocks of {blocks!r}")
     both = sorted(n for n, sides in seen.items() if "before" in sides and "after" in sides)
@@ -257,6 +252,17 @@ def check_stages(model: nn.Module, layout: PipelineLayout, *args: Any, rtol: flo
                         f"{gap:.3g}): its blocks take something from earlier blocks besides the hidden state (a "
                         f"position bias passed from block to block, a residual carried apart), which no stage "
                         f"boundary carries; such a model cannot be pipelined")
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def run_hooked(model: nn.Module, handles: list, args: tuple, kwargs: dict) -> None:
+    """One :func:`quietly` forward of ``model`` with the hooks whose ``handles`` are given, every
+    one of them removed afterwards, also when the forward raises."""
+    try:
+        with quietly(model):
+            model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
