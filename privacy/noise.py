@@ -175,8 +175,12 @@ def _device_noise(name: str, start: int, stop: int, *, key: int, step: int, std:
     operations, so the host's bits)."""
     if start == stop or std == 0.0:
         return torch.zeros(stop - start, dtype=dtype, device=device)
+    if device.type == "meta":  # shapes only (a step traced for its memory): no values to draw
+        return torch.empty(stop - start, dtype=dtype, device=device)
     first, last = start // BLOCK, (stop - 1) // BLOCK
     seeds = torch.tensor([_block_seed(key, step, name, b) for b in range(first, last + 1)], dtype=torch.int64)
+    if device.type == "cuda":  # a pageable copy would make the host wait for the device's queue
+        seeds = seeds.pin_memory().to(device, non_blocking=True)
     noise = block_normals(seeds.to(device), first, start, stop, BLOCK).to(_DRAW_DTYPE[dtype])
     if std != 1.0:
         noise.mul_(std)

@@ -118,6 +118,9 @@ class _MetaComm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj] * self.mesh.size
 
+    def all_gather_stats(self, local: Tensor) -> Tensor:
+        return torch.empty((self.mesh.size, *local.shape), dtype=local.dtype, device="meta")
+
     def counts(self) -> dict[str, int]:
         return {}
 
