@@ -114,7 +114,8 @@ def test_a_batch_moves_whole_and_a_batch_already_there_is_not_copied():
     assert same[0] is x and same[1] is y
 
 
-def test_sharded_noise_is_drawn_on_the_host_and_lands_on_the_device_with_the_same_bits():
+def test_sharded_noise_is_made_on_the_shards_device_with_the_host_bits():
+    """The device path's bits are the host's: tests/test_noise.py; here, where the shard lives."""
     box = ((0, 3), (1, 5))
     host = shard_noise("w", (4, 6), box, key=3, step=2, std=0.5, dtype=torch.float32)
     assert shard_noise("w", (4, 6), box, key=3, step=2, std=0.5, dtype=torch.float32,
