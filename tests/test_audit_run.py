@@ -92,6 +92,15 @@ def test_report_is_one_line_naming_both_epsilons():
     report = AuditReport(0.5, 0.95, 200, 137, 1.99, "consistent", 1000)
     assert str(report) == ("audit: epsilon >= 0.500 at 95% confidence (137/200 guesses right, 1000 canaries); "
                            "claimed epsilon 1.990: consistent with the claim")
+    refined = AuditReport(0.5, 0.95, 200, 137, 1.99, "consistent", 1000, epsilon_lower_fdp=0.8)
+    assert str(refined) == ("audit: epsilon >= 0.500 at 95% confidence (137/200 guesses right, 1000 canaries; "
+                            ">= 0.800 if its privacy curve is Gaussian (f-DP)); claimed epsilon 1.990: consistent "
+                            "with the claim")
+
+
+def test_the_fdp_refinement_is_reported_beside_the_bound_and_is_tighter():
+    report = audit_private_step(MEANT, steps=STEPS, seed=0)
+    assert report.epsilon_lower_fdp is not None and report.epsilon_lower_fdp > report.epsilon_lower
 
 
 def test_the_audit_is_deterministic():

@@ -44,7 +44,7 @@ def correct_guess_p_value(guesses: int, correct: int, *, canaries: int, epsilon:
     ``epsilon == inf`` -> 1 when ``correct <= guesses``; counts out of order
     (``0 <= correct <= guesses <= canaries``) or ``epsilon < 0`` or ``delta`` outside [0, 1]
     -> :class:`PrivacyError` naming them."""
-    _check_counts(guesses, correct, canaries)
+    check_counts(guesses, correct, canaries)
     if not epsilon >= 0:
         raise PrivacyError(f"epsilon must be >= 0, got epsilon={epsilon}")
     if not 0 <= delta <= 1:
@@ -80,7 +80,7 @@ def epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta: flo
     every guess right -> finite (``r`` guesses cannot prove more than about
     ``log(r / log(1/(1-confidence)))``); ``confidence`` outside (0, 1), ``delta`` outside
     [0, 1), or ``2 * canaries * delta > 1`` -> :class:`PrivacyError` naming it."""
-    _check_counts(guesses, correct, canaries)
+    check_counts(guesses, correct, canaries)
     if not 0 < confidence < 1:
         raise PrivacyError(f"confidence must be in (0, 1), got confidence={confidence}")
     if not 0 <= delta < 1:
@@ -102,7 +102,9 @@ def epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta: flo
     return float(optimize.brentq(excess, 0.0, high, xtol=ROOT_TOLERANCE))
 
 
-def _check_counts(guesses: int, correct: int, canaries: int) -> None:
+def check_counts(guesses: int, correct: int, canaries: int) -> None:
+    """Raise :class:`PrivacyError` naming the count unless ``0 <= correct <= guesses <=
+    canaries`` are ints (not bools); shared by every bound of :mod:`privacy.audit`."""
     for name, value in (("guesses", guesses), ("correct", correct), ("canaries", canaries)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise PrivacyError(f"{name} must be an int, got {name}={value!r}")

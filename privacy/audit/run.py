@@ -16,6 +16,7 @@ import torch
 from fsdpx.optim import sgd
 from privacy.accounting import epsilon
 from privacy.audit.bound import epsilon_lower_bound
+from privacy.audit.fdp_bound import fdp_epsilon_lower_bound
 from privacy.audit.canaries import canary_loss, canary_model, canary_rows, canary_scores, draw_membership
 from privacy.audit.guesses import guess_membership
 from privacy.audit.report import AuditReport, verdict_of
@@ -36,7 +37,8 @@ def audit_private_step(
     """Train ``canaries`` Dirac canaries, each in with probability 1/2, for ``steps`` private
     steps of ``run``; guess "in" for the ``guesses // 2`` highest scores and "out" for the
     ``guesses - guesses // 2`` lowest; return the :class:`AuditReport` of the one-run bound
-    (at ``claimed.delta``) beside the accountant's epsilon for ``claimed`` (default ``run``)
+    (at ``claimed.delta``) and its f-DP refinement (``epsilon_lower_fdp``, which assumes a
+    Gaussian privacy curve) beside the accountant's epsilon for ``claimed`` (default ``run``)
     over ``steps`` steps.
 
     Formal Guarantees (``tests/test_audit_run.py``): with probability at least ``confidence``
@@ -63,8 +65,12 @@ def audit_private_step(
     counted = guess_membership(scores, included, top=top, bottom=guesses - top)
     lower = epsilon_lower_bound(counted.guesses, counted.correct, canaries=canaries, delta=claimed.delta,
                                 confidence=confidence)
+    fdp = (None if claimed.delta == 0 else
+           fdp_epsilon_lower_bound(counted.guesses, counted.correct, canaries=canaries, delta=claimed.delta,
+                                   confidence=confidence))
     claim = epsilon(claimed.noise_multiplier, claimed.sample_rate, steps, claimed.delta, accountant=claimed.accountant)
-    return AuditReport(lower, confidence, counted.guesses, counted.correct, claim, verdict_of(lower, claim), canaries)
+    return AuditReport(lower, confidence, counted.guesses, counted.correct, claim, verdict_of(lower, claim), canaries,
+                       fdp)
 
 
 def _train(run: DPConfig, data: tuple[torch.Tensor, torch.Tensor], *, canaries: int, steps: int, seed: int
