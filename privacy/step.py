@@ -34,6 +34,7 @@ from privacy.accounting import Accountant, max_steps
 from privacy.batch import real_count
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
+from privacy.gradient_canaries import GradientCanaries
 from privacy.mechanisms.correlated import correlated_gaussian_noise
 from privacy.mechanisms.mechanism import INDEPENDENT, Mechanism
 from privacy.noise import add_gaussian_noise_
@@ -60,10 +61,13 @@ class DPConfig:
     epsilon_budget: float | None = None
     accountant: str = "pld"
     mechanism: Mechanism = INDEPENDENT
+    canaries: GradientCanaries | None = None  # an audit's gradient canaries, added to the clipped sum
 
     def __post_init__(self) -> None:
         if isinstance(self.mechanism, dict):  # read back from a checkpoint (dataclasses.asdict)
             object.__setattr__(self, "mechanism", Mechanism.from_dict(self.mechanism))
+        if isinstance(self.canaries, dict):
+            object.__setattr__(self, "canaries", GradientCanaries(**self.canaries))
         if not self.clip_norm > 0 or math.isinf(self.clip_norm):
             raise PrivacyError(f"clip_norm must be finite and > 0 for a private step, got {self.clip_norm}")
         if not self.noise_multiplier >= 0:
@@ -162,6 +166,8 @@ def make_private_step(
         with values_in(model, frozen):  # the forward reads the frozen ones' current values
             clipped = clip_and_sum(model, train, batch, loss_fn, clip_norm=config.clip_norm,
                                    method=config.method, clipping=config.clipping, nonfinite=config.nonfinite)
+        if config.canaries is not None:  # an audit's canaries joining this batch: examples like the others
+            config.canaries.add_(clipped.grads, state.step)
         # in place on the fresh clipped sums: the bits of (g + gaussian_noise(...)) / qN, and on
         # the CPU no parameter-sized noise tensor is ever allocated; on a CUDA device it is drawn there
         if correlated:  # sum_k C^{-1}[t, k] z_k, each z_k drawn again from its key

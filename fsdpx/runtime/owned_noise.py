@@ -107,7 +107,9 @@ class OwnedNoise:
     (a full gradient's worth under DDP). The bits do not depend on the order of the draws: each
     is a pure function of (key, step, name, index). Only the ``trainable`` ones exist when a
     freezing schedule gives them: a frozen parameter gets none (``pop`` raises ``KeyError``),
-    and the others' bits are the same (noise is per parameter name)."""
+    and the others' bits are the same (noise is per parameter name). An audit's gradient
+    canaries (``DPConfig.canaries``) ride with the noise: those on the block's elements are added
+    to it (the one-process step adds them to the clipped sum: equal up to rounding)."""
 
     def __init__(self, state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig,
                  trainable: Collection[str] | None = None):
@@ -122,5 +124,8 @@ class OwnedNoise:
         lay = self.plan.params[name]
         box = local_box(lay.shape, lay.opt_state, self.comm.mesh, self.comm.rank)
         held = self.state.params[name]
-        return mechanism_noise(self.config.mechanism, name, lay.shape, box, key=self.state.key, step=self.state.step,
-                               std=self.config.noise_std, dtype=held.dtype, device=held.device)
+        noise = mechanism_noise(self.config.mechanism, name, lay.shape, box, key=self.state.key, step=self.state.step,
+                                std=self.config.noise_std, dtype=held.dtype, device=held.device)
+        if self.config.canaries is not None:  # an audit's canaries on these elements, as the unsharded sum gets them
+            self.config.canaries.add_box_(noise, name, lay.shape, box, self.state.step)
+        return noise

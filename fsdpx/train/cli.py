@@ -204,6 +204,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                          " with cyclic Poisson batches (privacy.mechanisms); blt is refused (default %(default)s)")
     dp.add_argument("--bands", type=_positive_int, metavar="B", default=None,
                     help="bands of --noise-mechanism banded (an example is sampled at most once every B steps)")
+    dp.add_argument("--audit-canaries", type=_positive_int, metavar="M", default=None,
+                    help="audit the run: M gradient canaries, each in with probability 1/2, ride in its batches; the"
+                         " summary ends with the epsilon lower bound their scores prove (privacy.audit)")
     dp.add_argument("--max-noise-multiplier", type=_positive_float, metavar="X", default=d.max_noise_multiplier,
                     help="refuse (before training) a target that needs more noise than this (default %(default)g)")
 

@@ -268,9 +268,11 @@ class PrivacySettings:
     max_noise_multiplier: float = MAX_NOISE_MULTIPLIER
     noise_mechanism: str = "independent"
     bands: int | None = None
+    audit_canaries: int | None = None
 
     def __post_init__(self) -> None:
         _check_mechanism(self)
+        _check_audit(self)
         if self.noise_multiplier is not None or not self.private:
             _set(self, target_epsilon=None)
         if not self.private:
@@ -319,6 +321,26 @@ def _check_mechanism(p: PrivacySettings) -> None:
             raise ConfigError("noise_mechanism \"banded\" is a way to add noise: a non-private run has none")
     elif p.bands is not None:
         raise ConfigError(f"bands={p.bands} is for --noise-mechanism banded, not {p.noise_mechanism!r}")
+
+
+def _check_audit(p: PrivacySettings) -> None:
+    """``audit_canaries`` (``--audit-canaries``): that many gradient canaries ride in the run and
+    its summary ends with their audit (:mod:`privacy.gradient_canaries`); an int >= 2 on a
+    private run with Poisson batches over the whole dataset, and few enough for the one-run
+    bound at ``delta`` (``2 * canaries * delta <= 1``)."""
+    m = p.audit_canaries
+    if m is None:
+        return
+    if isinstance(m, bool) or not isinstance(m, int) or m < 2:
+        raise ConfigError(f"audit_canaries must be an integer >= 2, got {m!r}")
+    if not p.private:
+        raise ConfigError("audit_canaries audits a private run: a non-private run claims no epsilon to check")
+    if p.noise_mechanism != "independent":
+        raise ConfigError(f"audit_canaries with noise_mechanism {p.noise_mechanism!r} is not supported: the canaries"
+                          " join batches by Poisson sampling over the whole dataset, a banded run samples groups")
+    if 2 * m * p.delta > 1:
+        raise ConfigError(f"audit_canaries={m} with delta={p.delta:g}: the one-run bound needs"
+                          " 2 * canaries * delta <= 1")
 
 
 @dataclass(frozen=True)
@@ -486,6 +508,10 @@ class RunConfig:
                               " freezing schedule, or use offload \"none\")")
         if model.lora is not None:
             _check_lora(self)
+        if self.privacy.audit_canaries is not None and (model.lora is not None or self.run.freeze):
+            what = "lora" if model.lora is not None else f"freeze = {self.run.freeze!r}"
+            raise ConfigError(f"audit_canaries with {what} is not supported: the canaries sit in weights the run"
+                              " trains at every step")
         if layout.strategy is not None and self.privacy.private and self.privacy.method == "vmap":
             raise ConfigError("a sharded private run computes norms with method 'ghost' or 'auto', not 'vmap'")
 

@@ -61,7 +61,7 @@ from fsdpx.sharding.pipeline import unshard_stages
 from privacy.errors import BudgetExhaustedError
 from privacy.step import sample_batch
 
-from . import interrupts, report
+from . import audit_run, interrupts, report
 from .build import (build_step, new_read_log, offload_metrics, resolve_privacy, resolve_sample_rate, sampler_of,
                     weights_read)
 from .checkpoints import checkpoint_manager, newest_checkpoint, save_failure, savable
@@ -155,10 +155,16 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
         check_branch(config, plan)
     if manager is not None:
         manager.run_id = plan.run_id  # retention deletes only the checkpoints this run wrote
-    if plan.dp != dp:
-        if main and plan.start > 0:
+    canaries, initial, planned = None, None, plan.dp
+    if config.privacy.audit_canaries is not None:  # drawn from the noise key: the same in every segment
+        planned = audit_run.with_canaries(plan.dp, config.privacy.audit_canaries, params, plan.state.key)
+        canaries = planned.canaries
+        fresh = full_params(plan.state, comm, parallel, source) if plan.start == 0 else None  # before any step
+        initial = audit_run.starting_values(canaries, fresh, plan.earlier_run_dir)
+    if planned != dp:
+        if main and plan.start > 0 and plan.dp != dp:
             print(f"fsdpx train: {noise_note(config, plan)}", file=sys.stderr)
-        dp = plan.dp
+        dp = planned
         _, step = build_step(config, model, params, dp, **build)
     state = plan.state
     earlier = cut_back(read_metrics(plan.earlier_run_dir / "metrics.jsonl"), plan.start) if plan.earlier_run_dir \
@@ -212,6 +218,8 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     write_segments()
     if main:
         (run_dir / "config.toml").write_text(to_toml(config))
+        if canaries is not None:
+            audit_run.write_starting_values(run_dir, canaries, initial)
         write_metrics(run_dir / "metrics.jsonl", earlier)  # cut back to the start: no step twice
     sampler = sampler_of(config, num_examples, sample_rate)
 
@@ -275,16 +283,19 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
 
     settle_digest(wait=True)
     trained = full_params(state, comm, parallel, source)
+    audited = (audit_run.report(canaries, initial, trained, epsilon=state.accountant.epsilon(),
+                                delta=config.privacy.delta) if canaries is not None and main else None)
     if main:
         report.plot(history, run_dir / "plot.png", title=report.plot_title(config, dp, source),
-                    delta=config.privacy.delta, starts=starts)
+                    delta=config.privacy.delta, starts=starts, note=None if audited is None else str(audited))
     # the last file: a failure to write it is one line (RunFailure) and keeps everything above
     merge = bool((config.model.lora or {}).get("merge"))
     exported = (export_at_end(source.model, trained, run_dir, main=main, comm=comm, merge=merge)
                 if config.logging.export else None)
     return report.summary(config, history, state, dp, sample_rate, start, plan.start, starts, stopped,
                           sample=sample_text(source, trained, 100, seed=config.run.seed),
-                          files=report.FILES + ((exported.name,) if exported else ()))
+                          files=report.FILES + ((exported.name,) if exported else ())
+                          + ((audit_run.AUDIT_FILE,) if canaries is not None else ()), audit=audited)
 
 
 def _evaluate(config: RunConfig, state: Any, comm: Comm | None, parallel: Parallel | None, source: Source,

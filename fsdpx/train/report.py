@@ -5,9 +5,11 @@ and the terminal live here; the loop (:mod:`fsdpx.train.loop`) only calls these.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence, TextIO
@@ -32,9 +34,10 @@ def numbers(record: dict[str, Any]) -> dict[str, Any]:
 
 def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DPConfig | None,
             sample_rate: float, start: float, start_step: int, starts: list[int], stopped: str | None,
-            *, sample: str, files: Sequence[str] = FILES) -> dict[str, Any]:
+            *, sample: str, files: Sequence[str] = FILES, audit: Any = None) -> dict[str, Any]:
     """The summary :func:`fsdpx.train.run` returns (its keys are documented there); ``files``:
-    what the segment wrote into ``run_dir`` (none when it had nothing to do)."""
+    what the segment wrote into ``run_dir`` (none when it had nothing to do); ``audit``: the
+    run's :class:`privacy.audit.AuditReport` (``--audit-canaries``), as its fields and its line."""
     rows = [r for r in history if r.get("loss") is not None and math.isfinite(r["loss"])]
     held = last_eval(history)
     return {
@@ -56,6 +59,7 @@ def summary(config: RunConfig, history: list[dict[str, Any]], state: Any, dp: DP
         "eval_loss": held["eval_loss"] if held else None,
         "eval_ppl": held["eval_ppl"] if held else None,
         "eval_step": held["step"] if held else None,
+        "audit": None if audit is None else {**dataclasses.asdict(audit), "line": str(audit)},
     }
 
 
@@ -89,6 +93,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         *([f"held-out     {eval_text({'step': s['eval_step'], **{k: s[k] for k in ('eval_loss', 'eval_ppl')}})}"]
           if s.get("eval_step") is not None else []),
         f"privacy      {privacy}",
+        *([f"audit        {s['audit']['line'].removeprefix('audit: ')}"] if s.get("audit") else []),
         f"wall time    {s['seconds']:.1f} s",
         f"sample       {s['sample']!r}",
         f"files        {s['run_dir']}/{{{','.join(s['files'])}}}" if s.get("files", FILES) else
@@ -173,10 +178,11 @@ def plot_title(config: RunConfig, dp: DPConfig | None, source: Source) -> str:
     return f"{name}: {model}, DP-SGD sigma={dp.noise_multiplier:.3f}, q={dp.sample_rate:.4f}, C={dp.clip_norm:g}"
 
 
-def plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float, starts: Sequence[int] = ()) -> None:
+def plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float, starts: Sequence[int] = (),
+         note: str | None = None) -> None:
     """``plot.png``: the loss per step and its trend above, with the held-out loss of the steps
     evaluated (``--eval-data``) as a second curve, epsilon below, a dashed line where each
-    resumed or branched segment began."""
+    resumed or branched segment began, and ``note`` (the audit's line) under the epsilon curve."""
     import matplotlib  # imported here: it is slow to import and the backend must be set first
 
     matplotlib.use("Agg")
@@ -212,5 +218,8 @@ def plot(history: list[dict[str, Any]], path: Path, *, title: str, delta: float,
     ax_eps.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    if note:  # below the axes, wrapped: the audit's one line is long
+        fig.subplots_adjust(bottom=0.2)
+        fig.text(0.01, 0.01, textwrap.fill(note, 130), fontsize=7, va="bottom")
     fig.savefig(path, dpi=100)
     plt.close(fig)

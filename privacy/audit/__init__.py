@@ -7,10 +7,11 @@ from privacy.audit.bound import correct_guess_p_value, epsilon_lower_bound
 from privacy.audit.canaries import draw_membership
 from privacy.audit.fdp_bound import fdp_epsilon_lower_bound, gaussian_mu, gdp_claim_rejected
 from privacy.audit.guesses import Guesses, guess_membership
+from privacy.audit.judge import audit_gradient_canaries, judge
 from privacy.audit.report import AuditReport
 from privacy.audit.run import audit_private_step
 
 __all__ = [
-    "AuditReport", "Guesses", "audit_private_step", "correct_guess_p_value", "draw_membership",
-    "epsilon_lower_bound", "fdp_epsilon_lower_bound", "gaussian_mu", "gdp_claim_rejected", "guess_membership",
+    "AuditReport", "Guesses", "audit_gradient_canaries", "audit_private_step", "correct_guess_p_value", "draw_membership",
+    "epsilon_lower_bound", "fdp_epsilon_lower_bound", "gaussian_mu", "gdp_claim_rejected", "guess_membership", "judge",
 ]

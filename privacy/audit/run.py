@@ -15,11 +15,9 @@ import torch
 
 from fsdpx.optim import sgd
 from privacy.accounting import epsilon
-from privacy.audit.bound import epsilon_lower_bound
-from privacy.audit.fdp_bound import fdp_epsilon_lower_bound
 from privacy.audit.canaries import canary_loss, canary_model, canary_rows, canary_scores, draw_membership
-from privacy.audit.guesses import guess_membership
-from privacy.audit.report import AuditReport, verdict_of
+from privacy.audit.judge import judge
+from privacy.audit.report import AuditReport
 from privacy.errors import PrivacyError
 from privacy.sampling import PoissonSampler
 from privacy.step import DPConfig, init_state, make_private_step, sample_batch
@@ -61,16 +59,8 @@ def audit_private_step(
     included = draw_membership(canaries, seed=seed)
     data = canary_rows(included, norm=CANARY_NORM_FACTOR * claimed.clip_norm if canary_norm is None else canary_norm)
     scores = _train(run, data, canaries=canaries, steps=steps, seed=seed)
-    top = guesses // 2
-    counted = guess_membership(scores, included, top=top, bottom=guesses - top)
-    lower = epsilon_lower_bound(counted.guesses, counted.correct, canaries=canaries, delta=claimed.delta,
-                                confidence=confidence)
-    fdp = (None if claimed.delta == 0 else
-           fdp_epsilon_lower_bound(counted.guesses, counted.correct, canaries=canaries, delta=claimed.delta,
-                                   confidence=confidence))
     claim = epsilon(claimed.noise_multiplier, claimed.sample_rate, steps, claimed.delta, accountant=claimed.accountant)
-    return AuditReport(lower, confidence, counted.guesses, counted.correct, claim, verdict_of(lower, claim), canaries,
-                       fdp)
+    return judge(scores, included, guesses=guesses, delta=claimed.delta, confidence=confidence, claimed_epsilon=claim)
 
 
 def _train(run: DPConfig, data: tuple[torch.Tensor, torch.Tensor], *, canaries: int, steps: int, seed: int
