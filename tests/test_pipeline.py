@@ -325,3 +325,40 @@ def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
     # rank 0 holds stage 0 (layer 0: q_norm and k_norm, 4 + 4 elements): per microbatch one
     # all-reduce over tp = 2 of [2 examples, 8] float64, whose ring moves 2 (k - 1) / k of 128 bytes
     assert (want[True] - want[False]) - (norms_only[1] - norms_only[0]) == 2 * 128
+
+
+@pytest.mark.parametrize("tie, schedule", [(False, "1f1b"), (True, "gpipe")], ids=["in-schedule", "shared"])
+def test_a_pipelined_private_step_names_a_non_finite_example(tie, schedule):
+    """An example whose loss is infinite (its gradient, so its norm, not finite) is named by its
+    position in the rank's batch share, on every stage's rank, before anything is updated: the
+    pipeline clips without reading (``deferred_clip_factors``) and checks all its microbatches
+    once, after the schedule. With ``nonfinite="zero"`` the step trains on the other examples."""
+    from privacy import DPConfig
+    from privacy.errors import NonFiniteGradientError
+
+    model = _gpt(n_layer=2, tie=tie)
+    mesh = Mesh(dp=1, pp=2)
+    plan = _plan(model, mesh, schedule=schedule, microbatches=2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    ids = torch.randint(0, 10, (4, 4), generator=torch.Generator().manual_seed(2))
+    targets = ids.roll(1, 1)
+    targets[3, 0] = 10  # the marked example: the second microbatch's second
+
+    def loss(out, t):  # token 10 first marks an example whose loss is infinite
+        return token_loss(out, t) * torch.where(t[:, 0] == 10, float("inf"), 1.0)
+
+    def rank(comm, nonfinite):
+        config = DPConfig(clip_norm=1.0, noise_multiplier=0.0, sample_rate=0.05, nonfinite=nonfinite)
+        opt = optimizer_for(torch.float64)
+        step = make_sharded_step(copy.deepcopy(model), loss, opt, plan, comm, param_shapes=shapes, config=config,
+                                 num_examples=80)
+        state = init_sharded(params, opt, plan, comm, key=7, config=config)
+        try:
+            state, metrics = step(state, (ids, targets))
+        except NonFiniteGradientError as e:
+            return e.indices
+        return all(torch.isfinite(t).all() for t in state.params.values()), metrics["batch_size"]
+
+    assert run_threads(mesh, lambda comm: rank(comm, "raise"), timeout=60) == [[3], [3]]
+    assert run_threads(mesh, lambda comm: rank(comm, "zero"), timeout=60) == [(True, 4), (True, 4)]

@@ -90,6 +90,57 @@ def test_a_sharded_private_step_reads_nothing_but_the_guard(strategy):
     assert results[0][2]["loss"] == results[1][2]["loss"]
 
 
+def _pipelined(tie: bool, schedule: str):
+    """A tiny private GPT on two simulated pipeline ranks (threads), two microbatches; tied
+    embeddings make a parameter two stages share (its norms completed after the schedule)."""
+    from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline
+    from fsdpx.sharding.tensor_parallel import resolve
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=2, n_embd=8, tie_weights=tie))
+    mesh = Mesh(dp=1, pp=2)
+    plan = resolve_pipeline(model, resolve(model, None, strategies.ALL["ddp"](), mesh),
+                            PipelineParallel(schedule=schedule, microbatches=2), mesh)
+    return model, mesh, plan
+
+
+@pytest.mark.parametrize("tie, schedule", [(False, "1f1b"), (True, "gpipe")], ids=["in-schedule", "shared"])
+def test_a_pipelined_private_step_reads_nothing_but_the_guard(tie, schedule):
+    """Each rank of a private pipelined step (its microbatches' losses, counts and norms kept on
+    the device, clipped without reading, ``privacy.clipping.deferred_clip_factors``) reads one
+    boolean: the guard over all its examples, after the schedule. Its metrics stay pending and
+    agree across the ranks."""
+    model, mesh, plan = _pipelined(tie, schedule)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    config = DPConfig(clip_norm=0.5, noise_multiplier=1.0, sample_rate=0.05, method="ghost")
+    opt = adamw(1e-3)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randint(0, 11, (4, 4), generator=g), torch.randint(0, 11, (4, 4), generator=g))
+
+    def rank(comm):
+        step = make_sharded_step(copy.deepcopy(model), token_loss, opt, plan, comm, param_shapes=shapes,
+                                 config=config, num_examples=50)
+        state = init_sharded(params, opt, plan, comm, key=7, config=config)
+        state, _ = step(state, batch)
+        with HostReads() as reads:
+            state, metrics = step(state, batch)
+        pending = metrics.pending
+        return dict(reads.counts), pending, dict(metrics)
+
+    results = run_threads(mesh, rank, timeout=60)
+    # the tied weight's norm is completed on the last stage: per microbatch it receives the first
+    # stage's contributions with a header of their shapes, a host tensor (made on the CPU by
+    # ``parts_p2p.send_parts``, never on a device) whose length it reads
+    headers = [0, 2] if tie else [0, 0]
+    for (counts, pending, metrics), header_reads in zip(results, headers):
+        assert counts == {"_local_scalar_dense": GUARD + header_reads}
+        assert pending
+        assert metrics["batch_size"] == 4 and 0 <= metrics["clipped_fraction"] <= 1
+    keys = ("loss", "batch_size", "clipped_fraction", "mean_norm")
+    assert [results[0][2][k] for k in keys] == [results[1][2][k] for k in keys]
+
+
 def test_the_device_sampler_reads_nothing_from_the_device():
     """``draw_normals`` (the torch-ops sampler, on CPU tensors here) runs no op that reads a
     device value, across a block edge at odd offsets, and gives the host's bits there;
