@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from privacy.ziggurat import add_scaled_normals, fill_normals
-from privacy.ziggurat_ops import block_normals, draw_normals
+from privacy.ziggurat_ops import batch_elements, block_normals, draw_normals
 
 BLOCK = 2**16
 """Elements per independently seeded block. A slice draws at most ``BLOCK - 1`` elements
@@ -272,37 +272,104 @@ def _any_open(flags: dict[str, Tensor]) -> list[str]:
     return [name for name, flag in flags.items() if bool(flag)]
 
 
+def _grouped_unit_draws(params_like: dict[str, Tensor], *, key: int, step: int) -> list[tuple[Tensor, list[str]]]:
+    """Unit draws (float64, unchecked: NaN where open) of every tensor of ``params_like`` (all on
+    one device, not meta), several tensors to a call of :func:`draw_normals`: the seed tables of
+    consecutive tensors are stacked until a group holds ``batch_elements`` elements, so a model's
+    many small tensors (biases, norms: one block each) share one call's ops and one seed copy.
+    Returns per group its draw and names; tensor ``k`` of a group is ``draw[at:at + numel]``,
+    ``at`` the number of blocks before it times ``BLOCK`` (:func:`_group_slices`)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    limit = batch_elements(next(iter(params_like.values())).device) if params_like else 0
+    for name, t in params_like.items():
+        blocks = -(-t.numel() // BLOCK)
+        if groups[-1] and size + blocks * BLOCK > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += blocks * BLOCK
+    out = []
+    for names in groups:
+        if not names:
+            continue
+        seeds = torch.tensor([_block_seed(key, step, n, b) for n in names
+                              for b in range(-(-params_like[n].numel() // BLOCK))], dtype=torch.int64)
+        device = params_like[names[0]].device
+        if device.type == "cuda":  # a pageable copy would make the host wait for the device's queue
+            seeds = seeds.pin_memory()
+        draw = draw_normals(seeds.to(device, non_blocking=True), 0, 0, seeds.shape[0] * BLOCK, BLOCK)
+        out.append((draw, names))
+    return out
+
+
+def _group_slices(draw: Tensor, names: list[str], params_like: dict[str, Tensor], std: float) -> dict[str, Tensor]:
+    """Each tensor's noise from its group's unit draw: its slice, rounded to the draw dtype,
+    scaled and rounded to its dtype (``_device_noise``'s operations), shaped like it."""
+    out, at = {}, 0
+    for name in names:
+        t = params_like[name]
+        noise = draw[at:at + t.numel()].to(_DRAW_DTYPE[t.dtype])
+        if std != 1.0:
+            noise.mul_(std)
+        out[name] = noise.to(t.dtype).view(t.shape)
+        at += -(-t.numel() // BLOCK) * BLOCK
+    return out
+
+
+def _drawable(params_like: dict[str, Tensor], key: int, step: int, std: float) -> tuple[dict[str, Tensor], float]:
+    """The tensors that need a draw (not empty, not meta, ``std > 0``), grouped by device, after
+    validating every one as ``noise_slice`` does; and the checked ``std``."""
+    checked = std
+    for name, t in params_like.items():
+        *_, checked = _validate(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
+    return {n: t for n, t in params_like.items() if t.numel() and t.device.type != "meta" and checked != 0.0}, checked
+
+
 def _device_draws(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
-    """:func:`_full_draw` of every tensor in ``params_like`` (all on devices), checked together:
-    one read for all of them; a tensor with an element the fixed rounds left open (about once
-    in ``1e11`` steps of GPT-2 small: :mod:`privacy.ziggurat_ops`) is drawn again, checked."""
-    draws = {name: _full_draw(name, t, key=key, step=step, std=std, checked=False) for name, t in params_like.items()}
-    flags = {name: d.isnan().any() for name, d in draws.items() if d.device.type != "meta"}
-    for name in _any_open(flags):
-        draws[name] = _full_draw(name, params_like[name], key=key, step=step, std=std)
-    return draws
+    """:func:`_full_draw` of every tensor in ``params_like`` (all on devices), drawn in groups
+    (:func:`_grouped_unit_draws`) and checked together: one read for all of them; a group with
+    an element the fixed rounds left open (about once in ``1e11`` steps of GPT-2 small:
+    :mod:`privacy.ziggurat_ops`) has its tensors drawn again, checked."""
+    drawable, checked = _drawable(params_like, key, step, std)
+    draws = {n: _full_draw(n, t, key=key, step=step, std=std) for n, t in params_like.items() if n not in drawable}
+    flags = {}
+    for device in {t.device for t in drawable.values()}:
+        on = {n: t for n, t in drawable.items() if t.device == device}
+        for i, (draw, names) in enumerate(_grouped_unit_draws(on, key=key, step=step)):
+            draws.update(_group_slices(draw, names, on, checked))
+            flags[(device, i)] = (draw.isnan().any(), names)
+    for group in _any_open({k: f for k, (f, _) in flags.items()}):
+        for name in flags[group][1]:
+            draws[name] = _full_draw(name, params_like[name], key=key, step=step, std=std)
+    return {n: draws[n] for n in params_like}
 
 
 def _add_device_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std: float) -> None:
-    """``t.add_(draw)`` for tensors on devices, with one host read for all of them: each draw is
-    made unchecked and added only where it is not NaN (``where``: an element left open keeps
-    its value, its sign of zero included); after one read of all the flags, the open elements of
-    a flagged tensor (rare: :func:`_device_draws`) get the exact draw added. Every element
-    ends as ``t + draw``, the bits of ``t.add_(draw)``."""
-    flags: dict[str, Tensor] = {}
+    """``t.add_(draw)`` for tensors on devices, with one host read for all of them: each group's
+    draw (:func:`_grouped_unit_draws`) is made unchecked and added only where it is not NaN
+    (``where``: an element left open keeps its value, its sign of zero included); after one read
+    of all the groups' flags, the open elements of a flagged group's tensors (rare:
+    :func:`_device_draws`) get the exact draw added. Every element ends as ``t + draw``, the
+    bits of ``t.add_(draw)``."""
+    drawable, checked = _drawable(tensors, key, step, std)
     for name, t in tensors.items():
-        noise = _full_draw(name, t, key=key, step=step, std=std, checked=False)
-        if t.device.type == "meta":  # shapes only
-            t.add_(noise)
-            continue
-        open_ = noise.isnan()
-        torch.where(open_, t, t + noise, out=t)
-        flags[name] = open_.any()
-    for name in _any_open(flags):
-        t = tensors[name]
-        open_ = _full_draw(name, t, key=key, step=step, std=std, checked=False).isnan()
-        exact = _full_draw(name, t, key=key, step=step, std=std)
-        torch.where(open_, t + exact, t, out=t)
+        if name not in drawable:
+            t.add_(_full_draw(name, t, key=key, step=step, std=std))  # shapes only, or exact zeros
+    flags = {}
+    for device in {t.device for t in drawable.values()}:
+        on = {n: t for n, t in drawable.items() if t.device == device}
+        for i, (draw, names) in enumerate(_grouped_unit_draws(on, key=key, step=step)):
+            for name, noise in _group_slices(draw, names, on, checked).items():
+                t = tensors[name]
+                torch.where(noise.isnan(), t, t + noise, out=t)
+            flags[(device, i)] = (draw.isnan().any(), names)
+    for group in _any_open({k: f for k, (f, _) in flags.items()}):
+        for name in flags[group][1]:
+            t = tensors[name]
+            open_ = _full_draw(name, t, key=key, step=step, std=std, checked=False).isnan()
+            exact = _full_draw(name, t, key=key, step=step, std=std)
+            torch.where(open_, t + exact, t, out=t)
 
 
 def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:

@@ -90,13 +90,19 @@ def block_normals(seeds: Tensor, first_block: int, start: int, stop: int, block:
     return out
 
 
+def batch_elements(device: torch.device) -> int:
+    """How many elements :func:`draw_normals` draws in one batch on ``device`` (a bound on its
+    temporaries): a caller drawing many small tensors groups them up to this many per call."""
+    return _CHUNK_ELEMENTS.get(device.type, 1 << 24)
+
+
 def draw_normals(seeds: Tensor, first_block: int, start: int, stop: int, block: int) -> Tensor:
     """:func:`block_normals` without its check: NaN at the elements the fixed rounds left open
     (probabilities in the module doc), the host sampler's bits everywhere else. Reads nothing
     from the device, and every shape it makes depends on ``stop - start`` alone."""
     device = seeds.device
     out = torch.empty(stop - start, dtype=torch.float64, device=device)
-    rows = max(1, _CHUNK_ELEMENTS.get(device.type, 1 << 24) // block)
+    rows = max(1, batch_elements(device) // block)
     lo_block, hi_block = start // block, (stop - 1) // block + 1 if stop > start else start // block
     for b0 in range(lo_block, hi_block, rows):
         b1 = min(hi_block, b0 + rows)
@@ -212,26 +218,33 @@ def _advance(b: _Open, first_call: int, rounds: int) -> _Open:
     element, what its mode says (the host's loop in :func:`privacy.ziggurat._normal`): a tail
     trial (``t`` from ``W0``, ``e`` from ``W1``); the wedge's height test (``W0``), a rejection
     making the next call a fresh position word; or that fresh word, settled at once, or the
-    tail's or a wedge's next. Every branch is computed for every element and selected by mode."""
+    tail's or a wedge's next. Every call's words and float work (``log``, ``exp`` of the fresh
+    candidate) are computed for every element at once, as a ``(batch, rounds)`` grid; the walk
+    through the calls then only selects, so the op count hardly grows with ``rounds``."""
     _, _, height = _tables(b.x.device)
-    c1, c2, c3, k0, k1 = b.seeds.unbind(1)
-    offsets, x, negative, strip, mode = b.offsets, b.x, b.negative, b.strip, b.mode
-    for call in range(first_call, first_call + rounds):
-        y0, y1, y2, y3 = philox_torch(offsets + (call << COUNTER_SHIFT), c1, c2, c3, k0, k1)
-        w0 = ((y1 << 21) | (y0 >> 11)).to(torch.float64)  # W0's top 53 bits
-        t = -log_torch((w0 + 1.0) * _U53) / TAIL_START
-        e = -log_torch((((y3 << 21) | (y2 >> 11)).to(torch.float64) + 1.0) * _U53)
-        tail_ends = (mode == _TAIL) & (e + e > t * t)
-        y = height[strip] + (height[strip + 1] - height[strip]) * (w0 * _U53)
-        under = y < exp_torch(-0.5 * x * x)
-        fresh = y0 | (y1 << 32)
-        fx, fneg, fsettled = _position(fresh)
-        fstrip = fresh & 0xFF
-        is_wedge, is_fresh = mode == _WEDGE, mode == _FRESH
-        x = torch.where(tail_ends, TAIL_START + t, torch.where(is_fresh, fx, x))
-        negative = torch.where(is_fresh, fneg, negative)
-        strip = torch.where(is_fresh, fstrip, strip)
-        fresh_mode = torch.where(fsettled, _DONE, torch.where(fstrip == 0, _TAIL, _WEDGE))
-        mode = torch.where(tail_ends, _DONE, torch.where(is_wedge, torch.where(under, _DONE, _FRESH),
-                                                          torch.where(is_fresh, fresh_mode, mode)))
-    return _Open(offsets, b.seeds, x, negative, strip, mode)
+    calls = torch.arange(first_call, first_call + rounds, dtype=torch.int64, device=b.x.device) << COUNTER_SHIFT
+    c1, c2, c3, k0, k1 = (w.unsqueeze(1) for w in b.seeds.unbind(1))
+    y0, y1, y2, y3 = philox_torch(b.offsets.unsqueeze(1) + calls, c1, c2, c3, k0, k1)  # (batch, rounds)
+    w0 = ((y1 << 21) | (y0 >> 11)).to(torch.float64)  # W0's top 53 bits
+    t = -log_torch((w0 + 1.0) * _U53) / TAIL_START
+    e = -log_torch((((y3 << 21) | (y2 >> 11)).to(torch.float64) + 1.0) * _U53)
+    tail_ends, v = e + e > t * t, w0 * _U53
+    fresh = y0 | (y1 << 32)
+    fx, fneg, fsettled = _position(fresh)
+    fstrip = fresh & 0xFF
+    fexp = exp_torch(-0.5 * fx * fx)  # the wedge test's bound if the fresh candidate needs one
+    fresh_mode = torch.where(fsettled, _DONE, torch.where(fstrip == 0, _TAIL, _WEDGE))
+    x, negative, strip, mode = b.x, b.negative, b.strip, b.mode
+    bound = exp_torch(-0.5 * x * x)
+    for j in range(rounds):
+        is_tail, is_wedge, is_fresh = mode == _TAIL, mode == _WEDGE, mode == _FRESH
+        ends = is_tail & tail_ends[:, j]
+        y = height[strip] + (height[strip + 1] - height[strip]) * v[:, j]
+        under = y < bound
+        x = torch.where(ends, TAIL_START + t[:, j], torch.where(is_fresh, fx[:, j], x))
+        negative = torch.where(is_fresh, fneg[:, j], negative)
+        strip = torch.where(is_fresh, fstrip[:, j], strip)
+        bound = torch.where(is_fresh, fexp[:, j], bound)
+        mode = torch.where(ends, _DONE, torch.where(is_wedge, torch.where(under, _DONE, _FRESH),
+                                                     torch.where(is_fresh, fresh_mode[:, j], mode)))
+    return _Open(b.offsets, b.seeds, x, negative, strip, mode)
