@@ -99,7 +99,7 @@ def batch_elements(device: torch.device) -> int:
 def draw_normals(seeds: Tensor, first_block: int, start: int, stop: int, block: int) -> Tensor:
     """:func:`block_normals` without its check: NaN at the elements the fixed rounds left open
     (probabilities in the module doc), the host sampler's bits everywhere else. Reads nothing
-    from the device, and every shape it makes depends on ``stop - start`` alone."""
+    from the device, and every shape it makes depends on ``start``, ``stop`` and ``block`` alone."""
     device = seeds.device
     out = torch.empty(stop - start, dtype=torch.float64, device=device)
     rows = max(1, batch_elements(device) // block)
@@ -195,7 +195,7 @@ def _compact(mask: Tensor, capacity: int, n: int) -> Tensor:
     slot = torch.cumsum(mask, 0) - 1
     slot = torch.where(mask & (slot < capacity), slot, capacity)
     idx = torch.full((capacity + 1,), n, dtype=torch.int64, device=mask.device)
-    idx.scatter_(0, slot, torch.arange(n, dtype=torch.int64, device=mask.device))
+    idx.index_put_((slot,), torch.arange(n, dtype=torch.int64, device=mask.device))
     return idx[:capacity]
 
 
