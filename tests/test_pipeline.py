@@ -362,3 +362,30 @@ def test_a_pipelined_private_step_names_a_non_finite_example(tie, schedule):
 
     assert run_threads(mesh, lambda comm: rank(comm, "raise"), timeout=60) == [[3], [3]]
     assert run_threads(mesh, lambda comm: rank(comm, "zero"), timeout=60) == [(True, 4), (True, 4)]
+
+
+@pytest.mark.parametrize("tie, schedule", [(False, "1f1b"), (True, "gpipe")], ids=["in-schedule", "shared"])
+def test_a_padded_private_pipeline_equals_the_unpadded_one(tie, schedule):
+    """Padding rows (mask False, random tokens) in a private pipelined step: counted on the
+    device (the mask's sum), clipped without reading, they add nothing: the parameters and the
+    metrics are the unpadded run's."""
+    from privacy import DPConfig
+
+    model = _gpt(n_layer=2, tie=tie)
+    mesh = Mesh(dp=1, pp=2)
+    plan = _plan(model, mesh, schedule=schedule, microbatches=2)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 11, (3, 4), generator=g), torch.randint(0, 11, (3, 4), generator=g)
+    mask = torch.tensor([True, False, True, False, True])
+    px, py = torch.randint(0, 11, (5, 4), generator=g), torch.randint(0, 11, (5, 4), generator=g)
+    px[mask], py[mask] = x, y
+    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1)
+    optimizer = optimizer_for(torch.float64)
+    want, want_metrics = pipelined_run(model, [(x, y)], optimizer, plan, mesh, config)
+    got, metrics = pipelined_run(model, [(px, py, mask)], optimizer, plan, mesh, config)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-12, atol=1e-14), k
+    for m, w in zip(metrics, want_metrics):
+        assert m["batch_size"] == w["batch_size"] == 3
+        for key in ("loss", "clipped_fraction", "mean_norm"):
+            assert m[key] == pytest.approx(w[key], rel=1e-12), key
