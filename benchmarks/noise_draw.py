@@ -11,7 +11,9 @@ after round; prints the median ns per normal of each, the ratio of medians and t
 the per-round ratios (the steadier figure on a loaded machine). With ``--ops`` it also
 times the torch-ops formulation (``privacy.ziggurat_ops.block_normals``), the device path: on
 the CPU for information (it runs there only in tests), or with ``--device cuda`` on a GPU, over
-``--device-normals`` normals (default one step of GPT-2 small).
+``--device-normals`` normals (default one step of GPT-2 small). ``--ops-baseline-commit REV``
+times the torch-ops formulation of ``privacy/ziggurat_ops.py`` at ``REV`` beside this tree's, the
+two interleaved (e.g. ``d7ce62c``: the loop that read a count from the device every round).
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 65536
 
 
-def _baseline(commit: str):  # noqa: ANN202 - a module
-    source = subprocess.run(["git", "show", f"{commit}:privacy/ziggurat.py"], cwd=ROOT, check=True,
+def _baseline(commit: str, file: str = "privacy/ziggurat.py"):  # noqa: ANN202 - a module
+    source = subprocess.run(["git", "show", f"{commit}:{file}"], cwd=ROOT, check=True,
                             capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "ziggurat_baseline.py"
+    name = Path(file).stem + "_baseline"
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("ziggurat_baseline", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,6 +60,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--blocks", type=int, default=60, help="blocks of 65536 normals per round and sampler")
     ap.add_argument("--ops", action="store_true", help="also time the torch-ops formulation (the device path)")
+    ap.add_argument("--ops-baseline-commit", default=None,
+                    help="with --ops: also time privacy/ziggurat_ops.py at this commit, interleaved")
     ap.add_argument("--device", default="cpu", help="where --ops draws: cpu, or cuda on a GPU machine")
     ap.add_argument("--device-normals", type=int, default=163_000_000,
                     help="normals per --ops draw off the CPU (default: GPT-2 small's 163M parameters, one step)")
@@ -84,18 +89,34 @@ def main() -> None:
     print(f"ratio v3 / baseline: {v3 / v2:.2f}x of medians, {per_round:.2f}x median of per-round ratios "
           f"(1 thread, {args.blocks} blocks of {BLOCK} per round)")
     if args.ops:
-        blocks = 16 if args.device == "cpu" else -(-args.device_normals // BLOCK)
-        seeds = torch.tensor([[1, 2, 3, 4, 5 + b] for b in range(blocks)], dtype=torch.int64).to(args.device)
-        block_normals(seeds, 0, 0, BLOCK, BLOCK)
-        runs = []
-        for _ in range(3):
+        _time_ops(block_normals, args)
+
+
+def _time_ops(block_normals, args: argparse.Namespace) -> None:  # noqa: ANN001
+    """ns per normal of the torch-ops draw (and of the baseline commit's, interleaved), median of
+    ``--rounds`` rounds."""
+    blocks = 16 if args.device == "cpu" else -(-args.device_normals // BLOCK)
+    seeds = torch.tensor([[1, 2, 3, 4, 5 + b] for b in range(blocks)], dtype=torch.int64).to(args.device)
+    draws = {"torch ops (this tree)": block_normals}
+    if args.ops_baseline_commit:
+        draws[f"torch ops ({args.ops_baseline_commit})"] = _baseline(args.ops_baseline_commit,
+                                                                   "privacy/ziggurat_ops.py").block_normals
+    runs: dict[str, list[float]] = {k: [] for k in draws}
+    for draw in draws.values():
+        draw(seeds, 0, 0, BLOCK, BLOCK)
+    for _ in range(args.rounds):
+        for name, draw in draws.items():
             _sync(args.device)
             start = time.perf_counter()
-            block_normals(seeds, 0, 0, blocks * BLOCK, BLOCK)
+            draw(seeds, 0, 0, blocks * BLOCK, BLOCK)
             _sync(args.device)
-            runs.append((time.perf_counter() - start) / (blocks * BLOCK) * 1e9)
-        print(f"torch ops on {args.device}: {statistics.median(runs):.2f} ns per normal over {blocks * BLOCK} normals "
-              f"(median of 3; {torch.get_num_threads()} CPU thread)")
+            runs[name].append((time.perf_counter() - start) / (blocks * BLOCK) * 1e9)
+    for name, r in runs.items():
+        print(f"{name} on {args.device}: {statistics.median(r):.2f} ns per normal over {blocks * BLOCK} normals "
+              f"(median of {args.rounds}; {torch.get_num_threads()} CPU thread)")
+    if len(runs) == 2:
+        (a, ra), (b, rb) = runs.items()
+        print(f"ratio {a} / {b}: {statistics.median(x / y for x, y in zip(ra, rb)):.2f}x median of per-round ratios")
 
 
 def _sync(device: str) -> None:

@@ -259,6 +259,29 @@ def summed_sq_norms(parts: dict[str, list[C.Contribution]], shapes: dict, sharde
     return sq
 
 
+def deferred_clip_factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str,
+                          keep: Tensor | None = None) -> tuple[Tensor, dict, Tensor]:
+    """:func:`guarded_clip_factors` without its read: ``(c, parts, real_bad)``, reading nothing
+    from the device. ``real_bad`` marks the real (not padding) examples whose norm is not
+    finite; with ``nonfinite="raise"`` the caller must raise
+    :class:`NonFiniteGradientError` for them before it uses any sum formed with ``c`` (for
+    them ``c_i = 0`` but their rows of ``parts`` are left as they are, so those sums may be NaN).
+    Rows that must add nothing (non-finite padding, and with ``nonfinite="zero"`` every
+    non-finite example) are zeroed in ``parts`` unconditionally (``where``; where none is, the
+    same values). Otherwise the factors and sums are those of :func:`guarded_clip_factors`, bit
+    for bit: the pipelined step (``fsdpx.runtime.pipeline``) clips through it and reads every
+    microbatch's ``real_bad`` once (``tests/test_step_syncs.py::
+    test_a_pipelined_private_step_reads_nothing_but_the_guard``; raising:
+    ``tests/test_pipeline.py::test_a_pipelined_private_step_names_a_non_finite_example``)."""
+    bad = ~torch.isfinite(norms)
+    use = ~bad if keep is None else keep & ~bad
+    safe = torch.where(use, norms, torch.zeros_like(norms))
+    factors = torch.where(use, clip_factors(safe, clip_norm, clipping), torch.zeros_like(norms))
+    if keep is not None or nonfinite == "zero":
+        parts = {k: C.mask_examples(v, ~bad) for k, v in parts.items()}
+    return factors, parts, bad if keep is None else bad & keep
+
+
 def guarded_clip_factors(norms: Tensor, parts: dict, clip_norm: float, clipping: str, nonfinite: str,
                          keep: Tensor | None = None) -> tuple[Tensor, dict]:
     """``(c, parts)``: each example's clipping factor, and ``parts`` with the rows of examples

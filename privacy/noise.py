@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from privacy.ziggurat import add_scaled_normals, fill_normals
-from privacy.ziggurat_ops import block_normals
+from privacy.ziggurat_ops import batch_elements, block_normals, draw_normals
 
 BLOCK = 2**16
 """Elements per independently seeded block. A slice draws at most ``BLOCK - 1`` elements
@@ -169,10 +169,13 @@ def _on_device(device: torch.device | str | None) -> bool:
 
 
 def _device_noise(name: str, start: int, stop: int, *, key: int, step: int, std: float, dtype: torch.dtype,
-                  device: torch.device) -> Tensor:
+                  device: torch.device, checked: bool = True) -> Tensor:
     """``noise_slice`` of validated arguments, drawn on ``device`` in torch ops: the unit draw
     in float64, rounded to the draw dtype, scaled there and rounded to ``dtype`` (the host's
-    operations, so the host's bits)."""
+    operations, so the host's bits). ``checked=False``: the draw of
+    :func:`privacy.ziggurat_ops.draw_normals`, which reads nothing from the device and leaves
+    NaN where its fixed rounds did not settle an element (rare: the caller checks, once for
+    many tensors); otherwise exact everywhere at the cost of one read."""
     if start == stop or std == 0.0:
         return torch.zeros(stop - start, dtype=dtype, device=device)
     if device.type == "meta":  # shapes only (a step traced for its memory): no values to draw
@@ -181,7 +184,8 @@ def _device_noise(name: str, start: int, stop: int, *, key: int, step: int, std:
     seeds = torch.tensor([_block_seed(key, step, name, b) for b in range(first, last + 1)], dtype=torch.int64)
     if device.type == "cuda":  # a pageable copy would make the host wait for the device's queue
         seeds = seeds.pin_memory().to(device, non_blocking=True)
-    noise = block_normals(seeds.to(device), first, start, stop, BLOCK).to(_DRAW_DTYPE[dtype])
+    draw = block_normals if checked else draw_normals
+    noise = draw(seeds.to(device), first, start, stop, BLOCK).to(_DRAW_DTYPE[dtype])
     if std != 1.0:
         noise.mul_(std)
     return noise.to(dtype)
@@ -252,10 +256,120 @@ def _finish(out: Tensor | None, std: float, dtype: torch.dtype, n: int) -> Tenso
     return out.to(dtype)
 
 
-def _full_draw(name: str, t: Tensor, *, key: int, step: int, std: float) -> Tensor:
-    """The whole of ``t``'s noise, drawn on ``t``'s device (in torch ops) and shaped like it."""
+def _full_draw(name: str, t: Tensor, *, key: int, step: int, std: float, checked: bool = True) -> Tensor:
+    """The whole of ``t``'s noise, drawn on ``t``'s device (in torch ops) and shaped like it
+    (``checked``: as :func:`_device_noise`)."""
     numel, _, _, key, step, std = _validate(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
-    return _device_noise(name, 0, numel, key=key, step=step, std=std, dtype=t.dtype, device=t.device).view(t.shape)
+    return _device_noise(name, 0, numel, key=key, step=step, std=std, dtype=t.dtype, device=t.device,
+                         checked=checked).view(t.shape)
+
+
+def _any_open(flags: dict[str, Tensor]) -> list[str]:
+    """The names whose flag is set: one boolean read from the device for all of them (nothing
+    read when there are no flags), the names read only when it is set (rare)."""
+    if not flags or not bool(torch.stack(list(flags.values())).any()):
+        return []
+    return [name for name, flag in flags.items() if bool(flag)]
+
+
+def _grouped_unit_draws(params_like: dict[str, Tensor], *, key: int, step: int) -> list[tuple[Tensor, list[str]]]:
+    """Unit draws (float64, unchecked: NaN where open) of every tensor of ``params_like`` (all on
+    one device, not meta), several tensors to a call of :func:`draw_normals`: the seed tables of
+    consecutive tensors are stacked until a group holds ``batch_elements`` elements, so a model's
+    many small tensors (biases, norms: one block each) share one call's ops and one seed copy.
+    Returns per group its draw and names; tensor ``k`` of a group is ``draw[at:at + numel]``,
+    ``at`` the number of blocks before it times ``BLOCK`` (:func:`_group_slices`)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    limit = batch_elements(next(iter(params_like.values())).device) if params_like else 0
+    for name, t in params_like.items():
+        blocks = -(-t.numel() // BLOCK)
+        if groups[-1] and size + blocks * BLOCK > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += blocks * BLOCK
+    out = []
+    for names in groups:
+        if not names:
+            continue
+        seeds = torch.tensor([_block_seed(key, step, n, b) for n in names
+                              for b in range(-(-params_like[n].numel() // BLOCK))], dtype=torch.int64)
+        device = params_like[names[0]].device
+        if device.type == "cuda":  # a pageable copy would make the host wait for the device's queue
+            seeds = seeds.pin_memory()
+        draw = draw_normals(seeds.to(device, non_blocking=True), 0, 0, seeds.shape[0] * BLOCK, BLOCK)
+        out.append((draw, names))
+    return out
+
+
+def _group_slices(draw: Tensor, names: list[str], params_like: dict[str, Tensor], std: float) -> dict[str, Tensor]:
+    """Each tensor's noise from its group's unit draw: its slice, rounded to the draw dtype,
+    scaled and rounded to its dtype (``_device_noise``'s operations), shaped like it."""
+    out, at = {}, 0
+    for name in names:
+        t = params_like[name]
+        noise = draw[at:at + t.numel()].to(_DRAW_DTYPE[t.dtype])
+        if std != 1.0:
+            noise.mul_(std)
+        out[name] = noise.to(t.dtype).view(t.shape)
+        at += -(-t.numel() // BLOCK) * BLOCK
+    return out
+
+
+def _drawable(params_like: dict[str, Tensor], key: int, step: int, std: float) -> tuple[dict[str, Tensor], float]:
+    """The tensors that need a draw (not empty, not meta, ``std > 0``), grouped by device, after
+    validating every one as ``noise_slice`` does; and the checked ``std``."""
+    checked = std
+    for name, t in params_like.items():
+        *_, checked = _validate(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
+    return {n: t for n, t in params_like.items() if t.numel() and t.device.type != "meta" and checked != 0.0}, checked
+
+
+def _device_draws(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
+    """:func:`_full_draw` of every tensor in ``params_like`` (all on devices), drawn in groups
+    (:func:`_grouped_unit_draws`) and checked together: one read for all of them; a group with
+    an element the fixed rounds left open (about once in ``1e11`` steps of GPT-2 small:
+    :mod:`privacy.ziggurat_ops`) has its tensors drawn again, checked."""
+    drawable, checked = _drawable(params_like, key, step, std)
+    draws = {n: _full_draw(n, t, key=key, step=step, std=std) for n, t in params_like.items() if n not in drawable}
+    flags = {}
+    for device in {t.device for t in drawable.values()}:
+        on = {n: t for n, t in drawable.items() if t.device == device}
+        for i, (draw, names) in enumerate(_grouped_unit_draws(on, key=key, step=step)):
+            draws.update(_group_slices(draw, names, on, checked))
+            flags[(device, i)] = (draw.isnan().any(), names)
+    for group in _any_open({k: f for k, (f, _) in flags.items()}):
+        for name in flags[group][1]:
+            draws[name] = _full_draw(name, params_like[name], key=key, step=step, std=std)
+    return {n: draws[n] for n in params_like}
+
+
+def _add_device_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std: float) -> None:
+    """``t.add_(draw)`` for tensors on devices, with one host read for all of them: each group's
+    draw (:func:`_grouped_unit_draws`) is made unchecked and added only where it is not NaN
+    (``where``: an element left open keeps its value, its sign of zero included); after one read
+    of all the groups' flags, the open elements of a flagged group's tensors (rare:
+    :func:`_device_draws`) get the exact draw added. Every element ends as ``t + draw``, the
+    bits of ``t.add_(draw)``."""
+    drawable, checked = _drawable(tensors, key, step, std)
+    for name, t in tensors.items():
+        if name not in drawable:
+            t.add_(_full_draw(name, t, key=key, step=step, std=std))  # shapes only, or exact zeros
+    flags = {}
+    for device in {t.device for t in drawable.values()}:
+        on = {n: t for n, t in drawable.items() if t.device == device}
+        for i, (draw, names) in enumerate(_grouped_unit_draws(on, key=key, step=step)):
+            for name, noise in _group_slices(draw, names, on, checked).items():
+                t = tensors[name]
+                torch.where(noise.isnan(), t, t + noise, out=t)
+            flags[(device, i)] = (draw.isnan().any(), names)
+    for group in _any_open({k: f for k, (f, _) in flags.items()}):
+        for name in flags[group][1]:
+            t = tensors[name]
+            open_ = _full_draw(name, t, key=key, step=step, std=std, checked=False).isnan()
+            exact = _full_draw(name, t, key=key, step=step, std=std)
+            torch.where(open_, t + exact, t, out=t)
 
 
 def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: float) -> dict[str, Tensor]:
@@ -277,9 +391,9 @@ def gaussian_noise(params_like: dict[str, Tensor], *, key: int, step: int, std: 
     prepared = {name: _prepare(name, t.numel(), 0, t.numel(), key=key, step=step, std=std, dtype=t.dtype)
                 for name, t in on_host.items()}
     _run([task for _, tasks, _ in prepared.values() for task in tasks])  # one pool for every block
+    on_device = _device_draws({n: t for n, t in params_like.items() if n not in on_host}, key=key, step=step, std=std)
     return {name: _finish(prepared[name][0], prepared[name][2], t.dtype, t.numel()).reshape(t.shape) if name in prepared
-            else _full_draw(name, t, key=key, step=step, std=std)
-            for name, t in params_like.items()}
+            else on_device[name] for name, t in params_like.items()}
 
 
 class DrawnNoise(NamedTuple):
@@ -341,7 +455,9 @@ def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std:
         in) nothing for its noise and reads each gradient once.
       * A tensor on a device (CUDA) gets its noise drawn on that device in torch ops
         (:mod:`privacy.ziggurat_ops`), scaled, rounded and added there: no noise crosses from
-        the host (``test_noise_on_cuda_has_the_cpu_bits``).
+        the host (``test_noise_on_cuda_has_the_cpu_bits``), and the host reads one boolean for
+        all such tensors together, after all their noise is queued (:func:`_add_device_noise_`;
+        ``tests/test_step_syncs.py::test_device_noise_for_many_tensors_is_checked_with_one_read``).
       * Other CPU tensors (half precision, not contiguous) get the unit draw in a host buffer,
         scaled, rounded and added; every block of every host tensor is drawn in one pool.
     ``drawn``: the result of :func:`draw_ahead` for the same ``key``, ``step`` and ``std``; the
@@ -352,9 +468,9 @@ def add_gaussian_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std:
     dtype raises ``ValueError``."""
     tasks: list[Callable[[], None]] = []
     allocated: dict[str, tuple[Tensor | None, float]] = {}
+    _add_device_noise_({n: t for n, t in tensors.items() if _on_device(t.device)}, key=key, step=step, std=std)
     for name, t in tensors.items():
         if _on_device(t.device):
-            t.add_(_full_draw(name, t, key=key, step=step, std=std))
             continue
         if not _in_place(t):
             if drawn is not None and name in drawn.buffers:

@@ -325,3 +325,67 @@ def test_hf_qwen3_private_pipeline_counts_its_per_head_norms_all_reduce():
     # rank 0 holds stage 0 (layer 0: q_norm and k_norm, 4 + 4 elements): per microbatch one
     # all-reduce over tp = 2 of [2 examples, 8] float64, whose ring moves 2 (k - 1) / k of 128 bytes
     assert (want[True] - want[False]) - (norms_only[1] - norms_only[0]) == 2 * 128
+
+
+@pytest.mark.parametrize("tie, schedule", [(False, "1f1b"), (True, "gpipe")], ids=["in-schedule", "shared"])
+def test_a_pipelined_private_step_names_a_non_finite_example(tie, schedule):
+    """An example whose loss is infinite (its gradient, so its norm, not finite) is named by its
+    position in the rank's batch share, on every stage's rank, before anything is updated: the
+    pipeline clips without reading (``deferred_clip_factors``) and checks all its microbatches
+    once, after the schedule. With ``nonfinite="zero"`` the step trains on the other examples."""
+    from privacy import DPConfig
+    from privacy.errors import NonFiniteGradientError
+
+    model = _gpt(n_layer=2, tie=tie)
+    mesh = Mesh(dp=1, pp=2)
+    plan = _plan(model, mesh, schedule=schedule, microbatches=2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    ids = torch.randint(0, 10, (4, 4), generator=torch.Generator().manual_seed(2))
+    targets = ids.roll(1, 1)
+    targets[3, 0] = 10  # the marked example: the second microbatch's second
+
+    def loss(out, t):  # token 10 first marks an example whose loss is infinite
+        return token_loss(out, t) * torch.where(t[:, 0] == 10, float("inf"), 1.0)
+
+    def rank(comm, nonfinite):
+        config = DPConfig(clip_norm=1.0, noise_multiplier=0.0, sample_rate=0.05, nonfinite=nonfinite)
+        opt = optimizer_for(torch.float64)
+        step = make_sharded_step(copy.deepcopy(model), loss, opt, plan, comm, param_shapes=shapes, config=config,
+                                 num_examples=80)
+        state = init_sharded(params, opt, plan, comm, key=7, config=config)
+        try:
+            state, metrics = step(state, (ids, targets))
+        except NonFiniteGradientError as e:
+            return e.indices
+        return all(torch.isfinite(t).all() for t in state.params.values()), metrics["batch_size"]
+
+    assert run_threads(mesh, lambda comm: rank(comm, "raise"), timeout=60) == [[3], [3]]
+    assert run_threads(mesh, lambda comm: rank(comm, "zero"), timeout=60) == [(True, 4), (True, 4)]
+
+
+@pytest.mark.parametrize("tie, schedule", [(False, "1f1b"), (True, "gpipe")], ids=["in-schedule", "shared"])
+def test_a_padded_private_pipeline_equals_the_unpadded_one(tie, schedule):
+    """Padding rows (mask False, random tokens) in a private pipelined step: counted on the
+    device (the mask's sum), clipped without reading, they add nothing: the parameters and the
+    metrics are the unpadded run's."""
+    from privacy import DPConfig
+
+    model = _gpt(n_layer=2, tie=tie)
+    mesh = Mesh(dp=1, pp=2)
+    plan = _plan(model, mesh, schedule=schedule, microbatches=2)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 11, (3, 4), generator=g), torch.randint(0, 11, (3, 4), generator=g)
+    mask = torch.tensor([True, False, True, False, True])
+    px, py = torch.randint(0, 11, (5, 4), generator=g), torch.randint(0, 11, (5, 4), generator=g)
+    px[mask], py[mask] = x, y
+    config = DPConfig(clip_norm=0.3, noise_multiplier=0.7, sample_rate=0.1)
+    optimizer = optimizer_for(torch.float64)
+    want, want_metrics = pipelined_run(model, [(x, y)], optimizer, plan, mesh, config)
+    got, metrics = pipelined_run(model, [(px, py, mask)], optimizer, plan, mesh, config)
+    for k in want:
+        assert torch.allclose(got[k], want[k], rtol=1e-12, atol=1e-14), k
+    for m, w in zip(metrics, want_metrics):
+        assert m["batch_size"] == w["batch_size"] == 3
+        for key in ("loss", "clipped_fraction", "mean_norm"):
+            assert m[key] == pytest.approx(w[key], rel=1e-12), key

@@ -68,17 +68,18 @@ def _call0_candidates(seeds: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndar
 
 
 def test_torch_ops_equal_the_host_sampler_bit_for_bit():
-    """``ziggurat_ops.block_normals`` (the device formulation, here on the CPU) == the numba
-    host sampler over 1M elements of 16 blocks of assorted seeds, in float64 (1M more in float32
-    through ``privacy.noise``: ``tests/test_noise.py``); among them draws
-    that went to the tail (beyond r, found by scanning) and wedge rejections (elements whose
-    call 0 did not settle in a strip above 0), each compared on its own as well."""
-    from privacy.ziggurat_ops import block_normals
+    """``ziggurat_ops.draw_normals`` (the device formulation without its check, here on the
+    CPU: no NaN, so no element needed the host fallback) == the numba host sampler over 1M
+    elements of 16 blocks of assorted seeds, in float64 (1M more in float32 through
+    ``privacy.noise``: ``tests/test_noise.py``); among them draws that went to the tail (beyond
+    r, found by scanning) and wedge rejections (elements whose call 0 did not settle in a strip
+    above 0), each compared on its own as well."""
+    from privacy.ziggurat_ops import draw_normals
 
     g = np.random.default_rng(5)
     seeds = [tuple(int(w) for w in g.integers(0, 2**32, 5)) for _ in range(14)] + [(0,) * 5, (2**32 - 1,) * 5]
     host = _host_blocks(seeds)
-    ops = block_normals(torch.tensor(seeds, dtype=torch.int64), 0, 0, len(seeds) * BLOCK, BLOCK).numpy()
+    ops = draw_normals(torch.tensor(seeds, dtype=torch.int64), 0, 0, len(seeds) * BLOCK, BLOCK).numpy()
     assert np.array_equal(host.view(np.int64), ops.view(np.int64))
     tail = np.flatnonzero(np.abs(host) > TAIL_START)
     assert len(tail) > 150  # P(|x| > r) = 2.6e-4: about 270 expected
@@ -100,6 +101,50 @@ def test_torch_ops_slices_at_odd_offsets_equal_the_host_slices():
         first = start // BLOCK
         got = block_normals(table[first:], first, start, stop, BLOCK).numpy()
         assert np.array_equal(got, host[start:stop]), (start, stop)
+
+
+@pytest.mark.parametrize("squeeze", ["rounds", "capacity"])
+def test_the_host_fallback_fills_exactly_the_unsettled_elements(squeeze, monkeypatch):
+    """With the fixed rounds cut to one call (``rounds``) or the first batch's capacity cut to a
+    tenth of what it needs (``capacity``), ``draw_normals`` leaves hundreds of elements open
+    (NaN) and exact everywhere else, and ``block_normals`` fills those from the host sampler:
+    the host's bits everywhere, in a slice that starts and ends inside blocks."""
+    import privacy.ziggurat_ops as ops
+
+    if squeeze == "rounds":
+        monkeypatch.setattr(ops, "ROUNDS_A", 1)
+        monkeypatch.setattr(ops, "ROUNDS_B", 0)
+    else:
+        monkeypatch.setattr(ops, "OPEN_AFTER_CALL_0", ops.OPEN_AFTER_CALL_0 / 10)
+    seeds = [(3, 1, 4, 1, 5 + b) for b in range(4)]
+    host = _host_blocks(seeds)
+    table = torch.tensor(seeds, dtype=torch.int64)
+    start, stop = 1000, 3 * BLOCK + 17
+    drawn = ops.draw_normals(table, 0, start, stop, BLOCK).numpy()
+    open_ = np.isnan(drawn)
+    assert open_.sum() > 200
+    assert np.array_equal(drawn[~open_], host[start:stop][~open_])
+    assert np.array_equal(ops.block_normals(table, 0, start, stop, BLOCK).numpy(), host[start:stop])
+
+
+def test_the_stated_open_probabilities_bound_the_measured_ones(monkeypatch):
+    """The fraction of elements still open after call 0 and after call ``ROUNDS_A`` (measured
+    as the NaNs ``draw_normals`` leaves with the later rounds cut) over 512k elements lies within
+    5 standard deviations of the probabilities the module states (derived from the tables), and
+    with no later rounds cut none stays open."""
+    import privacy.ziggurat_ops as ops
+
+    seeds = torch.tensor([(8, 6, 7, 5, b) for b in range(8)], dtype=torch.int64)
+    n = 8 * BLOCK
+    measured = {}
+    for rounds_a, p in [(0, ops.OPEN_AFTER_CALL_0), (ops.ROUNDS_A, ops.OPEN_AFTER_ROUNDS_A)]:
+        monkeypatch.setattr(ops, "ROUNDS_A", rounds_a)
+        monkeypatch.setattr(ops, "ROUNDS_B", 0)
+        measured[rounds_a] = int(ops.draw_normals(seeds, 0, 0, n, BLOCK).isnan().sum())
+        assert abs(measured[rounds_a] - n * p) < 5 * math.sqrt(n * p), (rounds_a, measured)
+    monkeypatch.undo()
+    assert not ops.draw_normals(seeds, 0, 0, n, BLOCK).isnan().any()
+    assert ops.ROUNDS_A + ops.ROUNDS_B == 16 and ops.OPEN_AFTER_ALL_ROUNDS < 1e-19
 
 
 def test_draws_pass_a_kolmogorov_smirnov_test_and_reach_the_tail():

@@ -46,14 +46,15 @@ from fsdpx.sharding.schedule import B, F, P2P, RECV_B, RECV_F, SEND_B, SEND_F, S
 from fsdpx.sharding.collectives import cached_plan as plan_collectives
 from fsdpx.sharding.spec import Spec
 from privacy import contributions as C
-from privacy.clipping import guarded_clip_factors, summed_sq_norms
+from privacy.clipping import deferred_clip_factors, summed_sq_norms
+from privacy.errors import NonFiniteGradientError
 from privacy.ghost import contributions
 from privacy.step import DPConfig, check_budget
-from privacy.batch import call_model, first_tensor, real_count, slice_batch, unpack
+from privacy.batch import call_model, first_tensor, slice_batch, unpack
 from privacy.tape import LossFn, Tape, fill_grads, taping
 
 from .gather import Gatherer
-from .global_batch import NO_STATS, counts_its_share, global_metrics, masked_losses, my_share
+from .global_batch import NO_STATS, counts_its_share, device_stats, global_metrics, masked_losses, my_share
 from .host_heap import raise_thresholds
 from .stages import StageExit, StageForward, absent_uses
 from .stage_links import zero_parameters
@@ -323,7 +324,10 @@ class _Run:
         # their .grad is empty between backwards (_backward_into_sums takes it)
         self.leaves: dict[int, dict] = {}
         self.sum_views: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (its running sum, the leaf-shaped view)
-        self.loss_sum, self.count = 0.0, 0
+        # the last stage's loss sum (float64: the sum of each microbatch's float32 sum, as Python
+        # floats would add them) and real examples, kept on the device until the metrics are read
+        self.loss_sum: Tensor | None = None
+        self.count: Tensor | int = 0
 
     # ---- the action loop ---------------------------------------------------------------------
 
@@ -451,8 +455,9 @@ class _Run:
             if last:
                 losses = masked_losses(o.loss_fn(out, targets), mask)  # padding rows: exactly 0
                 st.forward.check_output(s, losses.detach())
-                self.loss_sum += float(losses.detach().sum())
-                self.count += real_count(self.mbs[mb])
+                mb_sum = losses.detach().sum().to(torch.float64)
+                self.loss_sum = mb_sum if self.loss_sum is None else self.loss_sum + mb_sum
+                self.count = self.count + (mask.sum() if mask is not None else size)
                 root = losses.sum()
             else:
                 root = out
@@ -611,8 +616,9 @@ class _Run:
         if rec.size == 0:
             _free_all(rec.gatherer)
             return
-        factors, parts = guarded_clip_factors(norms, rec.parts, o.config.clip_norm, o.config.clipping,
-                                              o.config.nonfinite, keep=mask)
+        # nothing read here: ``clip`` reads whether any example is non-finite, once per step
+        factors, parts, _ = deferred_clip_factors(norms, rec.parts, o.config.clip_norm, o.config.clipping,
+                                                  o.config.nonfinite, keep=mask)
         for n in o.stages[s].names:
             if not parts.get(n):
                 continue
@@ -636,6 +642,7 @@ class _Run:
             self._clip_ready(block=True)
             norms = torch.cat([self.mb_norms[mb] for mb in range(len(self.mbs))])
             self.norms = norms if keep is None else torch.where(keep, norms, torch.zeros_like(norms))
+            self._guard(norms, keep)
             return
         mine = sorted(k for k in self.flight)  # (mb, stage) still holding contributions
         self._shared_norms(mine)
@@ -652,6 +659,19 @@ class _Run:
         for (mb, s) in mine:
             rec = self.flight.pop((mb, s))
             self._clip_record(rec, s, norms[starts[mb]:starts[mb] + rec.size], masks[mb])
+        self._guard(norms, keep)
+
+    def _guard(self, norms: Tensor, keep: Tensor | None) -> None:
+        """The step's one read: with ``nonfinite="raise"``, raise
+        :class:`NonFiniteGradientError` naming the real examples of this rank's share (their
+        positions in it) whose norm is not finite, before any update (the clipped sums formed
+        without reading, ``deferred_clip_factors``, are then dropped)."""
+        if self.o.config.nonfinite != "raise" or norms.numel() == 0:
+            return
+        bad = ~torch.isfinite(norms)
+        bad = bad if keep is None else bad & keep
+        if bool(bad.any()):
+            raise NonFiniteGradientError(bad.nonzero().flatten().tolist())
 
     def _shared_norms(self, mine: list[tuple[int, int]]) -> None:
         """For each parameter held by several stages: every holding rank but the last sends its
@@ -720,15 +740,20 @@ class _Run:
             out[n] = g if g is not None else self.state.params[n].new_zeros(self._local_shape(n))
         return out
 
-    def stats(self) -> tuple[float, int, int, float]:
+    def stats(self) -> Tensor | tuple[float, int, int, float]:
+        """This rank's statistics (loss sum, examples, clipped, norm sum) as a device tensor
+        (:func:`device_stats`, nothing read), or :data:`NO_STATS` on a rank whose losses another
+        rank counts."""
         o = self.o
         # the last stage's ranks hold the losses; of a tensor-parallel group, only the first counts them
         if o.index != (o.layout.num_stages - 1) % o.p or not counts_its_share(o.plan, o.comm):
             return NO_STATS
+        held = next(iter(self.state.params.values()))
+        loss_sum = self.loss_sum if self.loss_sum is not None else held.new_zeros((), dtype=torch.float64)
         if self.o.config is None:
-            return (self.loss_sum, self.count, 0, 0.0)
+            return device_stats(loss_sum, self.count)
         norms = self.norms
-        return (self.loss_sum, self.count, int((norms > self.o.config.clip_norm).sum()), float(norms.sum()))
+        return device_stats(loss_sum, self.count, (norms > self.o.config.clip_norm).sum(), norms.sum())
 
 
 class _Ready:
