@@ -44,7 +44,7 @@ from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.strategies import zero3
 from privacy.accounting import Accountant
 from privacy.errors import PrivacyError
-from privacy.opacus.capture import PrivateModule, surrogate_loss
+from privacy.opacus.capture import PrivateModule, Taken, surrogate_loss
 from privacy.opacus.optimizer import DPOptimizer
 from privacy.step import DPConfig
 
@@ -128,12 +128,12 @@ def FSDP2Wrapper(model: nn.Module, *, timeout_s: float = 60.0, **kwargs: Any) ->
     if kwargs:
         raise PrivacyError(f"FSDP2Wrapper: argument {sorted(kwargs)[0]!r} is not supported: parameters keep their"
                            " dtype (no mixed precision policy)")
-    if not dist.is_initialized():
-        raise PrivacyError("FSDP2Wrapper: call torch.distributed.init_process_group first (under torchrun)")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
         raise PrivacyError(f"FSDP2Wrapper: parameter {frozen[0]!r} has requires_grad=False; frozen parameters are"
-                           " not supported with grad_sample_mode='ghost_fsdp' (fsdpx train --freeze is)")
+                           " not supported with grad_sample_mode='ghost_fsdp' (fsdpx train's freeze setting is)")
+    if not dist.is_initialized():
+        raise PrivacyError("FSDP2Wrapper: call torch.distributed.init_process_group first (under torchrun)")
     device = next(model.parameters()).device
     comm = init_from_env(Mesh(dp=dist.get_world_size()), device=device, timeout_s=timeout_s)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
@@ -164,7 +164,7 @@ def shard_grads(shards: dict[str, nn.Parameter], scale: float) -> Optimizer:
     return Optimizer(init=lambda params: {}, update=update)
 
 
-def joined(records: list[tuple[Any, Tensor]]) -> tuple[Any, Tensor]:
+def joined(records: list[Taken]) -> tuple[Any, Tensor]:
     """The recorded batches of one logical step as one batch ``(inputs, cotangent)``: tensors
     leading with each record's rows concatenated, everything else taken from the first (they
     must agree). No record: an empty batch (the rank still takes part in every collective).
@@ -172,18 +172,18 @@ def joined(records: list[tuple[Any, Tensor]]) -> tuple[Any, Tensor]:
     if not records:
         return (), torch.zeros(0, 1)
     if len(records) == 1:
-        return records[0]
-    flat = [tree_flatten(inputs) for inputs, _ in records]
+        return records[0].inputs, records[0].cotangent
+    flat = [tree_flatten(r.inputs) for r in records]
     if any(spec != flat[0][1] for _, spec in flat):
         raise PrivacyError("privacy.opacus: the physical batches of one step call the model with different inputs")
     leaves = []
     for i, first in enumerate(flat[0][0]):
         parts = [f[0][i] for f in flat]
-        rows = [c.shape[0] for _, c in records]
+        rows = [r.cotangent.shape[0] for r in records]
         cut = isinstance(first, Tensor) and all(isinstance(t, Tensor) and t.dim() and t.shape[0] == r
                                                 for t, r in zip(parts, rows))
         leaves.append(torch.cat(parts) if cut else first)
-    return tree_unflatten(leaves, flat[0][1]), torch.cat([c for _, c in records])
+    return tree_unflatten(leaves, flat[0][1]), torch.cat([r.cotangent for r in records])
 
 
 class ShardedDPOptimizer(DPOptimizer):
