@@ -207,6 +207,12 @@ class ShardedDPOptimizer(DPOptimizer):
                                        num_examples=num_examples, local_batch=True)
         self._accountant = Accountant(accountant="rdp", delta=config.delta)
 
+    def physical_pieces(self, rows: int, size: int) -> int:
+        """The most physical batches any rank cuts its rows into: each physical batch's forward
+        gathers parameters, so every rank must run as many (a rank with fewer rows gets
+        smaller or empty ones)."""
+        return max(self.sharded.comm.all_gather_object(super().physical_pieces(rows, size)))
+
     def accumulate(self) -> None:
         """Keep the batches recorded since the last call for the next real step."""
         self._pending += self.module.take()

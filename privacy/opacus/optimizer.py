@@ -15,6 +15,7 @@ parameter's ``.grad``; then the user's optimizer steps. A skipped step (virtual 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -63,6 +64,12 @@ class DPOptimizer:
     def attach_step_hook(self, fn: Callable[[DPOptimizer], None]) -> None:
         """Call ``fn(self)`` after every step that updates the parameters."""
         self.step_hooks.append(fn)
+
+    def physical_pieces(self, rows: int, size: int) -> int:
+        """How many physical batches a logical batch of ``rows`` rows is cut into
+        (:class:`privacy.opacus.BatchMemoryManager`): ``ceil(rows / size)``, at least 1. A sharded
+        optimizer takes the most over its ranks, so every rank runs as many forwards."""
+        return max(1, math.ceil(rows / size))
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` only accumulate the clipped sum (a physical batch of a larger

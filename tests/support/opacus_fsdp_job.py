@@ -19,13 +19,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from privacy.opacus import PrivacyEngine
+from privacy.opacus import BatchMemoryManager, PrivacyEngine
 
 STEPS = 3
-CASES = {  # name: (model, noise_multiplier)
-    "mlp": ("mlp", 0.0),
-    "mlp_noise": ("mlp", 1.0),
-    "gpt2": ("gpt2", 0.0),
+CASES = {  # name: (model, noise_multiplier, physical batch size of BatchMemoryManager or None)
+    "mlp": ("mlp", 0.0, None),
+    "mlp_noise": ("mlp", 1.0, None),
+    "mlp_virtual": ("mlp", 1.0, 3),  # each rank's rows cut into physical batches of at most 3
+    "gpt2": ("gpt2", 0.0, None),
 }
 
 
@@ -53,9 +54,10 @@ def dataset(kind: str) -> TensorDataset:
 
 
 def run_case(name: str, *, sharded: bool, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], float]:
-    """The user's loop on case ``name`` (Poisson batches of key 7, SGD, Opacus' ghost criterion):
-    ``(whole parameters after the steps, epsilon at 1e-5)``."""
-    kind, sigma = CASES[name]
+    """The user's loop on case ``name`` (Poisson batches of key 7, SGD, Opacus' ghost criterion;
+    sharded, a case's physical batches through ``BatchMemoryManager``): ``(whole parameters
+    after the steps, epsilon at 1e-5)``."""
+    kind, sigma, physical = CASES[name]
     model = mlp() if kind == "mlp" else gpt2()
     if sharded:
         from fsdpx.runtime.opacus_fsdp import FSDP2Wrapper
@@ -66,7 +68,11 @@ def run_case(name: str, *, sharded: bool, steps: int = STEPS) -> tuple[dict[str,
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), criterion=nn.CrossEntropyLoss(),
         data_loader=DataLoader(dataset(kind), batch_size=8 if kind == "gpt2" else 16), noise_multiplier=sigma,
         max_grad_norm=0.5 if kind == "mlp" else 0.1, grad_sample_mode="ghost_fsdp" if sharded else "ghost", key=7)
-    for _, (x, y) in zip(range(steps), loader):
+    batches = loader
+    if sharded and physical is not None:
+        batches = BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical,
+                                     optimizer=optimizer).__enter__()
+    for x, y in batches:
         optimizer.zero_grad()
         if kind == "mlp":
             loss = criterion(private(x), y)
@@ -75,6 +81,9 @@ def run_case(name: str, *, sharded: bool, steps: int = STEPS) -> tuple[dict[str,
             loss = criterion(logits.flatten(0, 1), y.flatten(), shape=logits.shape)
         loss.backward()
         optimizer.step()
+        if optimizer.steps == steps:
+            break
+    assert optimizer.steps == steps
     params = model.full_parameters() if sharded else {n: p.detach().clone() for n, p in model.named_parameters()}
     return params, engine.get_epsilon(1e-5)
 
