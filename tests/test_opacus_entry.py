@@ -391,3 +391,22 @@ def test_grad_sample_after_backward_is_opacus_s(reduction):
             assert torch.allclose(a, b, rtol=0, atol=1e-10), float((a - b).abs().max())
     assert all(g is None for g in grad_samples(PrivacyEngine, "ghost"))
     assert all(g is None for g in grad_samples(opacus.PrivacyEngine, "ghost"))
+
+
+def test_clipping_the_grad_samples_formed_at_backward_is_clipped_grad_bit_for_bit():
+    """``privacy.clipping.clip_per_sample`` of ``per_sample_grads`` equals ``clipped_grad(method=
+    "vmap")`` on the same batch bit for bit (sums and norms), Opacus' clip factor included: the
+    vmap modes' step clips what ``backward`` formed for ``p.grad_sample`` instead of forming it
+    again."""
+    from privacy.clipping import clip_per_sample, clipped_grad
+    from privacy.per_sample import per_sample_grads
+
+    model = mlp()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    x, y = data()[:9]
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
+    want, want_norms = clipped_grad(model, params, (x, y), loss, clip_norm=2.0, method="vmap", clipping="opacus_flat")
+    got, norms = clip_per_sample(per_sample_grads(model, params, (x, y), loss), params, clip_norm=2.0,
+                                 clipping="opacus_flat")
+    assert torch.equal(norms, want_norms) and (norms > 2.0).any() and (norms < 2.0).any()
+    assert all(torch.equal(got[n], want[n]) for n in params)

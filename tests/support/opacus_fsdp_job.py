@@ -25,7 +25,7 @@ STEPS = 3
 CASES = {  # name: (model, noise_multiplier, physical batch size of BatchMemoryManager or None)
     "mlp": ("mlp", 0.0, None),
     "mlp_noise": ("mlp", 1.0, None),
-    "mlp_virtual": ("mlp", 1.0, 3),  # each rank's rows cut into physical batches of at most 3
+    "mlp_virtual": ("mlp", 1.0, 4),  # physical batches of at most 4: at step 1 rank 0 cuts 2, rank 1 one
     "gpt2": ("gpt2", 0.0, None),
 }
 
