@@ -54,8 +54,14 @@ class PrivacyEngine:
         in Opacus, the noise key comes from ``noise_generator`` (a seeded ``torch.Generator``) or
         else from torch's global generator at the first step, and the batches' key from the data
         loader's ``generator`` or else the global generator (two unseeded runs differ;
-        ``torch.manual_seed`` reproduces one). Guarantee: with ``noise_multiplier=0`` the parameters after each step
-        equal Opacus' (``tests/test_opacus_entry.py``)."""
+        ``torch.manual_seed`` reproduces one). ``grad_sample_mode="ghost_fsdp"``: ``module`` is a
+        model wrapped by ``fsdpx.runtime.opacus_fsdp.FSDP2Wrapper`` in every rank of a torchrun
+        job (refused otherwise, and the wrapped model in any other mode); the keys are rank 0's
+        on every rank, drawn now if not given, and each rank's loader yields its chunk of each
+        Poisson batch. Guarantee: with ``noise_multiplier=0`` the parameters after each step
+        equal Opacus' (``tests/test_opacus_entry.py``); ``ghost_fsdp`` steps equal the
+        one-process ``ghost`` steps on the union of the ranks' rows, noise included
+        (``tests/test_opacus_fsdp.py``)."""
         _check_supported(batch_first, loss_reduction, clipping, grad_sample_mode, wrap_model, rand_on_empty,
                          max_grad_norm, kwargs)
         _check_sharding(module, grad_sample_mode)
