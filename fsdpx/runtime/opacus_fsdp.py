@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -48,6 +49,7 @@ from privacy.opacus.capture import PrivateModule, Taken, surrogate_loss
 from privacy.opacus.optimizer import DPOptimizer
 from privacy.step import DPConfig
 
+from .dist_comm import init_from_env
 from .gather import Gatherer
 from .sharded_state import ShardedState, init_sharded
 from .step import make_sharded_step
@@ -111,20 +113,18 @@ class ShardedModule(nn.Module):
         return ShardedDPOptimizer(optimizer, model, self, **kwargs)
 
 
-def FSDP2Wrapper(model: nn.Module, *, timeout_s: float = 60.0, **kwargs: Any) -> ShardedModule:  # noqa: N802
+def FSDP2Wrapper(model: nn.Module, **kwargs: Any) -> ShardedModule:  # noqa: N802 - Opacus' name
     """Opacus' ``FSDP2Wrapper``: ``model`` sharded ZeRO-3 over every rank of the process group
     the user initialised under torchrun (``torch.distributed.init_process_group``, gloo on the
     CPU, NCCL on GPUs: the parameters' device decides); returns a :class:`ShardedModule` whose
-    ``parameters()`` are this rank's blocks. Every rank passes the same ``model`` (same seed or
-    same weights). ``timeout_s``: bounds the wait of the communicator's own groups. Opacus'
-    ``mp_policy`` / ``opacus_high_precision_layers`` are refused by name (:class:`PrivacyError`), as
-    are parameters with ``requires_grad=False`` and a process group that is not initialised.
-    Guarantee: the private steps equal the one-process entry's on the union of the ranks' rows
-    (``tests/test_opacus_fsdp.py``)."""
-    import torch.distributed as dist
-
-    from .dist_comm import init_from_env
-
+    ``parameters()`` are this rank's blocks. ``model`` itself is changed (its parameters become
+    the blocks), as Opacus' ``fully_shard`` changes it. Every rank passes the same ``model`` (same
+    seed or same weights). A peer that dies is named by the next collective within 10 s
+    (``fsdpx.runtime.dist_comm``); one that hangs, within the process group's own timeout.
+    Opacus' ``mp_policy`` / ``opacus_high_precision_layers`` are refused by name
+    (:class:`PrivacyError`), as are parameters with ``requires_grad=False`` and a process group
+    that is not initialised. Guarantee: the private steps equal the one-process entry's on the
+    union of the ranks' rows, noise included (``tests/test_opacus_fsdp.py``)."""
     if kwargs:
         raise PrivacyError(f"FSDP2Wrapper: argument {sorted(kwargs)[0]!r} is not supported: parameters keep their"
                            " dtype (no mixed precision policy)")
@@ -135,7 +135,7 @@ def FSDP2Wrapper(model: nn.Module, *, timeout_s: float = 60.0, **kwargs: Any) ->
     if not dist.is_initialized():
         raise PrivacyError("FSDP2Wrapper: call torch.distributed.init_process_group first (under torchrun)")
     device = next(model.parameters()).device
-    comm = init_from_env(Mesh(dp=dist.get_world_size()), device=device, timeout_s=timeout_s)
+    comm = init_from_env(Mesh(dp=dist.get_world_size()), device=device)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     plan = zero3().resolve(shapes)
     state = init_sharded({n: p.detach() for n, p in model.named_parameters()}, _NO_STATE, plan, comm, key=0)
