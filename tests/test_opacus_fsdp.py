@@ -104,3 +104,35 @@ def test_ghost_fsdp_without_fsdp2wrapper_and_a_wrapper_without_a_process_group_a
     frozen.bias.requires_grad_(False)
     with pytest.raises(PrivacyError, match="'bias' has requires_grad=False"):
         FSDP2Wrapper(frozen)
+
+
+def test_a_step_on_each_ranks_own_rows_is_the_global_batch_step(one_thread):  # noqa: F811
+    """``make_sharded_step(..., local_batch=True)``, each rank passing its chunk of the batch,
+    gives the bits of the step that cuts the global batch itself (ZeRO-3 over 2 thread ranks,
+    private, noise on); a plain step or a tensor-parallel plan with ``local_batch`` is refused."""
+    from fsdpx.optim import sgd
+    from fsdpx.runtime import init_sharded, make_sharded_step, run_threads
+    from fsdpx.sharding import Mesh, strategies
+    from fsdpx.sharding.layout import chunk_bounds
+    from privacy.step import DPConfig
+
+    params = {n: p.detach() for n, p in mlp().named_parameters()}
+    shapes = {n: tuple(p.shape) for n, p in params.items()}
+    x, y = dataset_rows = (torch.randn(11, 6, dtype=torch.float64), torch.randint(0, 3, (11,)))
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
+    config = DPConfig(clip_norm=0.5, noise_multiplier=1.0, sample_rate=0.25, method="ghost")
+
+    def rank(comm):
+        model = mlp()  # each thread rank its own module: a step swaps tensors into it
+        state = init_sharded(params, sgd(0.5), strategies.zero3(), comm, key=7, config=config)
+        kw = dict(param_shapes=shapes, config=config, num_examples=44)
+        whole, _ = make_sharded_step(model, loss, sgd(0.5), strategies.zero3(), comm, **kw)(state, dataset_rows)
+        a, b = chunk_bounds(11, 2, comm.rank)
+        local_step = make_sharded_step(model, loss, sgd(0.5), strategies.zero3(), comm, local_batch=True, **kw)
+        own, _ = local_step(state, (x[a:b], y[a:b]))
+        with pytest.raises(ValueError, match="local_batch=True needs a private step"):
+            make_sharded_step(model, loss, sgd(0.5), strategies.zero3(), comm, param_shapes=shapes, local_batch=True)
+        return whole.params, own.params
+
+    for whole, own in run_threads(Mesh(dp=2), rank):
+        assert all(torch.equal(whole[n], own[n]) for n in whole)
