@@ -141,6 +141,28 @@ def clipped_grad(
     return result.grads, result.norms
 
 
+def clip_per_sample(per_sample: Mapping[str, Tensor], params: Params, *, clip_norm: float, clipping: str = "flat",
+                    nonfinite: str = "raise") -> tuple[dict[str, Tensor], Tensor]:
+    """:func:`clipped_grad` with ``method="vmap"`` from per-example gradients already formed
+    (``per_sample``: ``{name: [B, *shape]}``, :func:`privacy.per_sample.per_sample_grads` of
+    the same batch): ``(sum_i c_i g_i for every name in params, norms)``, the same operations
+    and so the same bits as ``clipped_grad`` forming them itself (the Opacus entry forms them
+    at ``backward`` for ``p.grad_sample``: ``tests/test_opacus_entry.py::
+    test_grad_sample_after_backward_is_opacus_s``). A name of ``params`` without per-example
+    gradients sums to zeros; an empty batch gives zeros and empty norms; non-finite norms as
+    :func:`clipped_grad`."""
+    _check_clip_norm(clip_norm, clipping)
+    if nonfinite not in ("raise", "zero"):
+        raise PrivacyError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
+    if any(g.shape[0] == 0 for g in per_sample.values()) or not per_sample:
+        zero = next(iter(params.values())).new_zeros(0)
+        return {k: torch.zeros_like(v) for k, v in params.items()}, zero
+    parts = {k: [C.Dense(g)] for k, g in per_sample.items()}
+    norms = flat_sq_norms(dict(per_sample)).sqrt()
+    factors, parts = guarded_clip_factors(norms, parts, clip_norm, clipping, nonfinite)
+    return dict(ClippedSums(parts, factors, params).items()), norms
+
+
 class ShardedNorms(NamedTuple):
     """How each example's squared norm is completed when ranks hold disjoint parts of every
     example's gradient (tensor parallelism): this rank adds the parameters in ``counted`` (a

@@ -222,7 +222,7 @@ def test_evaluation_under_no_grad_is_not_recorded_and_a_forward_without_backward
 
 
 @pytest.mark.parametrize("argument, says", [
-    ({"grad_sample_mode": "ghost_fsdp"}, "grad_sample_mode='ghost_fsdp' is not supported"),
+    ({"grad_sample_mode": "ghost_fsdp"}, "grad_sample_mode='ghost_fsdp' on a model not wrapped by FSDP2Wrapper"),
     ({"clipping": "per_layer"}, "clipping='per_layer' is not supported"),
     ({"batch_first": False}, "batch_first=False is not supported"),
     ({"loss_reduction": "none"}, "loss_reduction='none' is not supported"),
@@ -356,3 +356,57 @@ def test_ghost_sequence_loss_with_shape_steps_as_with_opacus():
     ours, theirs = run(PrivacyEngine), run(opacus.PrivacyEngine)
     for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-5), (name, float((a - b).abs().max()))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_sample_after_backward_is_opacus_s(reduction):
+    """``p.grad_sample`` after ``loss.backward()``, "hooks" mode, an MLP in float64: Opacus'
+    per-example gradients within 1e-10 (shape ``[B, *p.shape]``, a mean loss not divided by the
+    batch size); two forwards and backwards before ``zero_grad`` stack their rows as Opacus'
+    stack; ``None`` after ``zero_grad``, and ``None`` throughout in the ghost mode, as in Opacus."""
+    x, y = data()[:10]
+
+    def grad_samples(engine_class, mode: str, backwards: int = 1) -> list:
+        model = mlp()
+        out = engine_class().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          data_loader=DataLoader(data(), batch_size=16), noise_multiplier=0.0,
+                                          max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode,
+                                          loss_reduction=reduction, criterion=nn.CrossEntropyLoss(reduction=reduction))
+        private, optimizer = out[0], out[1]
+        criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss(reduction=reduction)
+        rows = 10 // backwards
+        for k in range(backwards):
+            criterion(private(x[rows * k:rows * (k + 1)]), y[rows * k:rows * (k + 1)]).backward()
+        samples = [p.grad_sample for p in model.parameters()]
+        optimizer.zero_grad()
+        assert all(p.grad_sample is None for p in model.parameters())
+        return samples
+
+    for backwards in (1, 2):
+        ours = grad_samples(PrivacyEngine, "hooks", backwards)
+        theirs = grad_samples(opacus.PrivacyEngine, "hooks", backwards)
+        for a, b in zip(ours, theirs):
+            b = torch.cat(b) if isinstance(b, list) else b
+            assert a.shape == b.shape == (10, *a.shape[1:])
+            assert torch.allclose(a, b, rtol=0, atol=1e-10), float((a - b).abs().max())
+    assert all(g is None for g in grad_samples(PrivacyEngine, "ghost"))
+    assert all(g is None for g in grad_samples(opacus.PrivacyEngine, "ghost"))
+
+
+def test_clipping_the_grad_samples_formed_at_backward_is_clipped_grad_bit_for_bit():
+    """``privacy.clipping.clip_per_sample`` of ``per_sample_grads`` equals ``clipped_grad(method=
+    "vmap")`` on the same batch bit for bit (sums and norms), Opacus' clip factor included: the
+    vmap modes' step clips what ``backward`` formed for ``p.grad_sample`` instead of forming it
+    again."""
+    from privacy.clipping import clip_per_sample, clipped_grad
+    from privacy.per_sample import per_sample_grads
+
+    model = mlp()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    x, y = data()[:9]
+    loss = lambda out, t: nn.functional.cross_entropy(out, t, reduction="none")  # noqa: E731
+    want, want_norms = clipped_grad(model, params, (x, y), loss, clip_norm=2.0, method="vmap", clipping="opacus_flat")
+    got, norms = clip_per_sample(per_sample_grads(model, params, (x, y), loss), params, clip_norm=2.0,
+                                 clipping="opacus_flat")
+    assert torch.equal(norms, want_norms) and (norms > 2.0).any() and (norms < 2.0).any()
+    assert all(torch.equal(got[n], want[n]) for n in params)

@@ -6,7 +6,9 @@ clip with ``sharded_clipping.py`` and end in ``reduce.py``, which adds ``owned_n
 noise), ``init_sharded`` / ``ShardedState`` (``sharded_state.py``), the per-unit gathering
 (``gather.py``, ``units.py``), the plain unsharded baseline (``plain_step.py``) and two ``Comm``
 backends: ``run_threads`` (ranks as threads of one process, ``threads.py``) and
-``dist_comm.init_from_env`` (``torch.distributed`` processes started by torchrun). It stands on
+``dist_comm.init_from_env`` (``torch.distributed`` processes started by torchrun). Opacus' FSDP
+path (``FSDP2Wrapper``, ``grad_sample_mode="ghost_fsdp"``) is ``opacus_fsdp.py``, over the same
+step. It stands on
 the algebra and optimizers, and on ``privacy`` / ``offload`` / ``ckpt``; nothing below imports
 it.
 """

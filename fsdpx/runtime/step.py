@@ -106,6 +106,7 @@ def make_sharded_step(
     unit_modules: list[str] | None = None,
     donate: bool = False,
     trainable: Trainable | None = None,
+    local_batch: bool = False,
 ) -> Callable[[ShardedState, tuple[Any, Tensor]], tuple[ShardedState, dict[str, Any]]]:
     """Returns this rank's ``step(state, global_batch) -> (state, metrics)`` (pure from the
     caller's view: ``state`` is not modified). ``strategy`` is a ``Strategy`` or a resolved
@@ -138,7 +139,14 @@ def make_sharded_step(
     ``fsdpx.comm_per_step(..., trainable=<the step's set>)``. Guarantee: N steps under a
     schedule equal the unsharded steps under it, float64 to rel 1e-10, and the private noise of
     a trainable parameter is the same bits whatever else is frozen
-    (``property_tests/test_freezing_properties.py``)."""
+    (``property_tests/test_freezing_properties.py``).
+
+    ``local_batch=True``: each rank passes its OWN rows, not the global batch (a torchrun job
+    whose ranks load their own shares: ``fsdpx.runtime.opacus_fsdp``); the step is the global
+    batch's step, that batch being the union of the ranks' rows in rank order (the metrics
+    count every rank's rows). Only for a private step (its divisor ``q N`` does not depend on
+    the rows) on a plan that splits the data over every rank (no tensor or pipeline
+    parallelism): ``ValueError`` otherwise."""
     mesh = comm.mesh
     plan = as_plan(strategy, param_shapes)
     for axis in plan.data_axes:
@@ -149,6 +157,8 @@ def make_sharded_step(
     if config is not None:
         check_model(model)  # a layer that mixes examples is named before any step
     sets = bind(trainable, model, plan.params)  # a Freezing naming no parameter fails here
+    if local_batch and (config is None or plan.pipeline is not None or plan.tp_axis is not None):
+        raise ValueError("local_batch=True needs a private step on a plan without tensor or pipeline parallelism")
     if plan.pipeline is not None:
         return _pipelined(model, loss_fn, optimizer, plan, comm, config, num_examples, donate, sets)
     units = make_units(model, param_shapes, unit_modules)
@@ -168,7 +178,7 @@ def make_sharded_step(
         if config is not None:
             check_budget(state.accountant, config)
         before = comm.counts()
-        local = my_share(batch, plan, comm)
+        local = batch if local_batch else my_share(batch, plan, comm)
         gatherer = Gatherer(model, units, plan, comm, state.params, keep_after_backward=keep, trainable=names)
         raw, stats = _local_grads(model, loss_fn, gatherer, tensor_parallel, local, config, norms)
         gatherer.finish()

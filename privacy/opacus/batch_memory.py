@@ -31,12 +31,12 @@ def _rows(batch: Any) -> int:
     return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
 
 
-def physical_batches(batch: Any, size: int) -> list[Any]:
-    """``batch`` cut along dim 0 into ``ceil(rows / size)`` pieces of at most ``size`` rows, the
-    first ``rows % pieces`` one row longer (``np.array_split``, as Opacus cuts); one empty piece
-    for an empty batch."""
+def physical_batches(batch: Any, size: int, pieces: int | None = None) -> list[Any]:
+    """``batch`` cut along dim 0 into ``pieces`` (default ``ceil(rows / size)``) pieces of at
+    most ``size`` rows, the first ``rows % pieces`` one row longer (``np.array_split``, as Opacus
+    cuts); one empty piece for an empty batch. More ``pieces`` than rows gives empty ones."""
     rows = _rows(batch)
-    pieces = max(1, math.ceil(rows / size))
+    pieces = max(1, math.ceil(rows / size)) if pieces is None else pieces
     lengths = [rows // pieces + (1 if i < rows % pieces else 0) for i in range(pieces)]
     starts = [sum(lengths[:i]) for i in range(pieces)]
     return [tree_map(lambda t: t[a:a + n] if isinstance(t, torch.Tensor) else t, batch)
@@ -64,7 +64,7 @@ class PhysicalBatches:
 
     def __iter__(self) -> Iterator[Any]:
         for logical in self.loader:
-            pieces = physical_batches(logical, self.size)
+            pieces = physical_batches(logical, self.size, self.optimizer.physical_pieces(_rows(logical), self.size))
             for i, piece in enumerate(pieces):
                 self.optimizer.signal_skip_step(i < len(pieces) - 1)
                 yield piece

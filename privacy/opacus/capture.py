@@ -18,24 +18,30 @@ own backward runs once, inside the core.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from privacy.errors import PrivacyError
+from privacy.per_sample import per_sample_grads
+from privacy.validate import check_model
 
 
 class Recorded:
     """One forward with gradients on: its inputs, and the gradient of the loss with respect to
     each tensor of its output, filled in by ``backward`` (``None`` until then)."""
 
-    def __init__(self, inputs: Any, outputs: list[Tensor]) -> None:
+    def __init__(self, inputs: Any, outputs: list[Tensor], on_backward: Callable[[Recorded], None] | None = None
+                 ) -> None:
         self.inputs = inputs
         self.grads: list[Tensor | None] = [None] * len(outputs)
         self.shapes = [o.shape for o in outputs]
         self.like = outputs[0]
+        self.on_backward = on_backward  # called once at the end of each backward through the record
+        self.queued = False
+        self.per_sample: dict[str, Tensor] | None = None  # formed by on_backward (vmap modes)
 
     @property
     def backward_done(self) -> bool:
@@ -60,9 +66,28 @@ class _Capture(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
-        done = ctx.record.grads[ctx.index]
-        ctx.record.grads[ctx.index] = grad.detach() if done is None else done + grad.detach()
+        record = ctx.record
+        done = record.grads[ctx.index]
+        record.grads[ctx.index] = grad.detach() if done is None else done + grad.detach()
+        if record.on_backward is not None and not record.queued:
+            record.queued = True  # once every output's gradient is in: at the end of this backward
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _backward_ended(record))
         return None, None, None
+
+
+def _backward_ended(record: Recorded) -> None:
+    record.queued = False
+    record.on_backward(record)
+
+
+class Taken(NamedTuple):
+    """A recorded forward whose loss was backpropagated: its ``inputs``, the per-example output
+    gradients ``cotangent`` (``(B, total)``), and the per-example parameter gradients formed at
+    ``backward`` (vmap modes; ``None`` in the ghost modes)."""
+
+    inputs: Any
+    cotangent: Tensor
+    per_sample: dict[str, Tensor] | None
 
 
 def surrogate_loss(output: Any, cotangent: Tensor) -> Tensor:
@@ -102,6 +127,7 @@ class PrivateModule(nn.Module):
         self._module = module
         self.method, self.loss_reduction = method, loss_reduction
         self._records: list[Recorded] = []
+        self.clear_grad_samples()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -115,22 +141,49 @@ class PrivateModule(nn.Module):
         floats = [i for i, o in enumerate(leaves) if isinstance(o, Tensor) and o.is_floating_point()]
         if not floats:
             raise PrivacyError("privacy.opacus: the model's output holds no floating tensor to differentiate")
-        record = Recorded(kwargs if kwargs else args, [leaves[i] for i in floats])
+        record = Recorded(kwargs if kwargs else args, [leaves[i] for i in floats],
+                          self._form_grad_samples if self.method == "vmap" else None)
         for k, i in enumerate(floats):
             leaves[i] = _Capture.apply(leaves[i].requires_grad_(True), record, k)
         self._records.append(record)
         return tree_unflatten(leaves, spec)
 
-    def take(self) -> list[tuple[Any, Tensor]]:
-        """The recorded forwards whose loss was backpropagated, as ``(inputs, cotangent)`` pairs
-        (the per-example output gradients, times the batch size for a mean loss); forgets all."""
-        taken = []
-        for r in self._records:
-            if r.backward_done:
-                rows = r.shapes[0][0]
-                taken.append((r.inputs, r.cotangent(float(rows) if self.loss_reduction == "mean" else 1.0)))
+    def take(self) -> list[Taken]:
+        """The recorded forwards whose loss was backpropagated (:class:`Taken`: the cotangent is
+        the per-example output gradients, times the batch size for a mean loss); forgets all."""
+        taken = [Taken(r.inputs, r.cotangent(self._scale(r)), r.per_sample) for r in self._records if r.backward_done]
         self._records = []
         return taken
+
+    def _scale(self, record: Recorded) -> float:
+        return float(record.shapes[0][0]) if self.loss_reduction == "mean" else 1.0
+
+    def trainable(self) -> dict[str, nn.Parameter]:
+        """The module's parameters that require grad, by canonical name."""
+        return {n: p for n, p in self._module.named_parameters() if p.requires_grad}
+
+    def clear_grad_samples(self) -> None:
+        """``p.grad_sample = None`` on every trainable parameter (Opacus' value when none is
+        formed: always in the ghost modes, and after ``zero_grad``)."""
+        for p in self.trainable().values():
+            p.grad_sample = None
+
+    def _form_grad_samples(self, record: Recorded) -> None:
+        """Opacus' ``p.grad_sample`` in the vmap modes, at the end of the backward: each trainable
+        parameter's per-example gradients ``[B, *shape]`` of each example's own loss (a mean
+        loss not divided by the batch size, as Opacus' are), by
+        :func:`privacy.per_sample.per_sample_grads`; kept on the record for the optimizer's
+        clipping (:func:`privacy.clipping.clip_per_sample`: formed once). A second forward and
+        backward before ``zero_grad`` appends its rows along dim 0."""
+        check_model(self._module)
+        trainable = self.trainable()
+        params = {n: p.detach() for n, p in trainable.items()}
+        with torch.enable_grad():
+            record.per_sample = per_sample_grads(self._module, params, (record.inputs, record.cotangent(
+                self._scale(record))), surrogate_loss)
+        for n, p in trainable.items():
+            g, old = record.per_sample[n], getattr(p, "grad_sample", None)
+            p.grad_sample = g if old is None else torch.cat([old, g])
 
     @property
     def module(self) -> nn.Module:

@@ -17,7 +17,7 @@ from .loader import draw_key, poisson_loader
 from .optimizer import DPOptimizer
 
 ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}  # Opacus' name -> fsdpx's accountant of that kind
-MODES = {"hooks": "vmap", "functorch": "vmap", "ew": "vmap", "ghost": "ghost"}
+MODES = {"hooks": "vmap", "functorch": "vmap", "ew": "vmap", "ghost": "ghost", "ghost_fsdp": "ghost"}
 
 
 def _refuse(what: str, why: str) -> None:
@@ -28,7 +28,7 @@ class PrivacyEngine:
     """Opacus' ``PrivacyEngine``: :meth:`make_private`, :meth:`make_private_with_epsilon`,
     :meth:`get_epsilon`. ``accountant``: "rdp", or "prv" / "pld" (fsdpx's PLD accountant, an
     upper bound of the same kind as Opacus' PRV). What Opacus offers and this entry does not
-    (``secure_mode``, the "gdp" accountant, per-layer or adaptive clipping, ``ghost_fsdp``, ...)
+    (``secure_mode``, the "gdp" accountant, per-layer or adaptive clipping, ...)
     raises :class:`PrivacyError` naming it; nothing is ignored."""
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False) -> None:
@@ -54,20 +54,35 @@ class PrivacyEngine:
         in Opacus, the noise key comes from ``noise_generator`` (a seeded ``torch.Generator``) or
         else from torch's global generator at the first step, and the batches' key from the data
         loader's ``generator`` or else the global generator (two unseeded runs differ;
-        ``torch.manual_seed`` reproduces one). Guarantee: with ``noise_multiplier=0`` the parameters after each step
-        equal Opacus' (``tests/test_opacus_entry.py``)."""
+        ``torch.manual_seed`` reproduces one). ``grad_sample_mode="ghost_fsdp"``: ``module`` is a
+        model wrapped by ``fsdpx.runtime.opacus_fsdp.FSDP2Wrapper`` in every rank of a torchrun
+        job (refused otherwise, and the wrapped model in any other mode); the keys are rank 0's
+        on every rank, drawn now if not given, and each rank's loader yields its chunk of each
+        Poisson batch. Guarantee: with ``noise_multiplier=0`` the parameters after each step
+        equal Opacus' (``tests/test_opacus_entry.py``); ``ghost_fsdp`` steps equal the
+        one-process ``ghost`` steps on the union of the ranks' rows, noise included
+        (``tests/test_opacus_fsdp.py``)."""
         _check_supported(batch_first, loss_reduction, clipping, grad_sample_mode, wrap_model, rand_on_empty,
                          max_grad_norm, kwargs)
+        _check_sharding(module, grad_sample_mode)
         _check_same_parameters(module, optimizer)
         sample_rate = 1.0 / len(data_loader)
         expected = int(len(data_loader.dataset) * sample_rate)
         model = PrivateModule(module, method=MODES[grad_sample_mode], loss_reduction=loss_reduction)
-        private = DPOptimizer(optimizer, model, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                              expected_batch_size=expected, loss_reduction=loss_reduction,
-                              key=key if key is not None or noise_generator is None else draw_key(noise_generator))
+        noise_key = key if key is not None or noise_generator is None else draw_key(noise_generator)
+        settings = dict(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected,
+                        loss_reduction=loss_reduction)
+        if grad_sample_mode == "ghost_fsdp":  # one key on every rank: rank 0's, drawn now
+            batch_key = module.agreed_key(key if key is not None else draw_key(data_loader.generator))
+            noise_key = module.agreed_key(noise_key if noise_key is not None else draw_key(None))
+            private = module.private_optimizer(optimizer, model, key=noise_key, sample_rate=sample_rate,
+                                               num_examples=len(data_loader.dataset), **settings)
+            loader = poisson_loader(data_loader, key=batch_key, share=module.share) if poisson_sampling else data_loader
+        else:
+            private = DPOptimizer(optimizer, model, key=noise_key, **settings)
+            loader = poisson_loader(data_loader, key=key) if poisson_sampling else data_loader
         private.attach_step_hook(lambda _: self._record(noise_multiplier, sample_rate))
-        loader = poisson_loader(data_loader, key=key) if poisson_sampling else data_loader
-        if grad_sample_mode == "ghost":
+        if grad_sample_mode in ("ghost", "ghost_fsdp"):
             loss = SequenceCriterion(criterion if criterion is not None else nn.CrossEntropyLoss(), loss_reduction)
             return model, private, loss, loader
         return model, private, loader
@@ -97,9 +112,7 @@ def _check_supported(batch_first: bool, loss_reduction: str, clipping: str, mode
     if extra:
         _refuse(f"argument {sorted(extra)[0]!r}", "this entry takes Opacus' make_private arguments only")
     if mode not in MODES:
-        why = ("sharded private training runs through fsdpx itself (fsdpx train --strategy zero3)"
-               if mode == "ghost_fsdp" else f"use one of {sorted(MODES)}")
-        _refuse(f"grad_sample_mode={mode!r}", why)
+        _refuse(f"grad_sample_mode={mode!r}", f"use one of {sorted(MODES)}")
     if not batch_first:
         _refuse("batch_first=False", "the examples are the first dimension of every input")
     if loss_reduction not in ("mean", "sum"):
@@ -110,6 +123,17 @@ def _check_supported(batch_first: bool, loss_reduction: str, clipping: str, mode
         _refuse("wrap_model=False", "use the returned model")
     if rand_on_empty:
         _refuse("rand_on_empty=True", "an empty Poisson batch is taken as it is (zero gradient, the step counts)")
+
+
+def _check_sharding(module: nn.Module, mode: str) -> None:
+    """``ghost_fsdp`` takes a model sharded by ``fsdpx.runtime.opacus_fsdp.FSDP2Wrapper`` (found by
+    its ``private_optimizer``: ``privacy`` sits below the runtime), and only that mode takes one."""
+    sharded = hasattr(module, "private_optimizer")
+    if mode == "ghost_fsdp" and not sharded:
+        _refuse("grad_sample_mode='ghost_fsdp' on a model not wrapped by FSDP2Wrapper",
+                "wrap it first: from fsdpx.runtime.opacus_fsdp import FSDP2Wrapper; model = FSDP2Wrapper(model)")
+    if sharded and mode != "ghost_fsdp":
+        _refuse(f"grad_sample_mode={mode!r} on a model wrapped by FSDP2Wrapper", "use grad_sample_mode='ghost_fsdp'")
 
 
 def _check_same_parameters(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -17,17 +17,20 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 from torch.utils.data._utils.collate import default_collate
 
+from fsdpx.sharding.layout import chunk_bounds
 from privacy.sampling import PoissonSampler
 
 
 class PoissonBatches(Sampler[list[int]]):
     """``steps`` batches of indices per epoch, each drawn by ``sampler`` at the run's next step;
     ``expected_batch_size``: ``sample_rate * examples`` (what ``BatchMemoryManager``'s ``len()``
-    reads)."""
+    reads). ``share=(rank, ranks)``: of each draw, only chunk ``rank`` of ``ranks``
+    (``chunk_bounds``, the rows the sharded step gives that rank), so the ranks' batches
+    together are the one-process batch; the expected size is then the rank's share."""
 
-    def __init__(self, examples: int, steps: int, key: int | None) -> None:
-        self.examples, self.steps, self.epoch, self.key = examples, steps, 0, key
-        self.expected_batch_size = examples / steps
+    def __init__(self, examples: int, steps: int, key: int | None, share: tuple[int, int] = (0, 1)) -> None:
+        self.examples, self.steps, self.epoch, self.key, self.share = examples, steps, 0, key, share
+        self.expected_batch_size = examples / steps / share[1]
 
     @property
     def sampler(self) -> PoissonSampler:
@@ -42,8 +45,11 @@ class PoissonBatches(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         first, sampler = self.epoch * self.steps, self.sampler
         self.epoch += 1
+        rank, ranks = self.share
         for t in range(first, first + self.steps):
-            yield sampler.indices(t).tolist()
+            drawn = sampler.indices(t)
+            a, b = chunk_bounds(len(drawn), ranks, rank)
+            yield drawn[a:b].tolist()
 
 
 def draw_key(generator: torch.Generator | None) -> int:
@@ -62,18 +68,20 @@ def _empty_aware(collate: Callable[[list], Any], dataset: Any) -> Callable[[list
     return collate_batch
 
 
-def poisson_loader(loader: DataLoader, *, key: int | None) -> DataLoader:
+def poisson_loader(loader: DataLoader, *, key: int | None, share: tuple[int, int] = (0, 1)) -> DataLoader:
     """A ``DataLoader`` over ``loader``'s dataset whose batches are Poisson samples with rate
     ``1 / len(loader)`` (module doc); ``len()`` is ``len(loader)``. Guarantee: the batch of step
     ``t`` is ``PoissonSampler(len(dataset), 1 / len(loader), key=key).indices(t)``
     (``tests/test_opacus_entry.py::test_batches_are_the_poisson_sampler_s``). ``key=None``: drawn
     from ``loader.generator`` now if it has one, else from torch's global generator when the
     first epoch starts (Opacus' behaviour: ``tests/test_opacus_entry.py::
-    test_unkeyed_runs_take_their_randomness_from_torch_seeds_as_opacus_does``)."""
+    test_unkeyed_runs_take_their_randomness_from_torch_seeds_as_opacus_does``). ``share=(rank,
+    ranks)`` (a torchrun job, ``grad_sample_mode="ghost_fsdp"``): this rank's chunk of each
+    batch (:class:`PoissonBatches`); every rank must pass the same ``key``."""
     dataset = loader.dataset
     if key is None and loader.generator is not None:
         key = draw_key(loader.generator)
-    return DataLoader(dataset, batch_sampler=PoissonBatches(len(dataset), len(loader), key),
+    return DataLoader(dataset, batch_sampler=PoissonBatches(len(dataset), len(loader), key, share),
                       collate_fn=_empty_aware(loader.collate_fn or default_collate, dataset),
                       num_workers=loader.num_workers, pin_memory=loader.pin_memory,
                       worker_init_fn=loader.worker_init_fn, generator=loader.generator)

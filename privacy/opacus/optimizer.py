@@ -15,12 +15,13 @@ parameter's ``.grad``; then the user's optimizer steps. A skipped step (virtual 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from privacy.clipping import clipped_grad
+from privacy.clipping import clip_per_sample, clipped_grad
 from privacy.noise import gaussian_noise
 
 from .capture import PrivateModule, surrogate_loss
@@ -64,23 +65,34 @@ class DPOptimizer:
         """Call ``fn(self)`` after every step that updates the parameters."""
         self.step_hooks.append(fn)
 
+    def physical_pieces(self, rows: int, size: int) -> int:
+        """How many physical batches a logical batch of ``rows`` rows is cut into
+        (:class:`privacy.opacus.BatchMemoryManager`): ``ceil(rows / size)``, at least 1. A sharded
+        optimizer takes the most over its ranks, so every rank runs as many forwards."""
+        return max(1, math.ceil(rows / size))
+
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` only accumulate the clipped sum (a physical batch of a larger
         logical one)."""
         self._skip_next = do_skip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' ``.grad`` (the clipped sum of a skipped step is kept)."""
+        """Clear the parameters' ``.grad`` and set ``.grad_sample`` to ``None``, as Opacus does
+        (the clipped sum of a skipped step is kept)."""
+        self.module.clear_grad_samples()
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def accumulate(self) -> None:
         """Add the clipped per-example gradients of every batch recorded since the last call to
         the clipped sum."""
         params = {n: p.detach() for n, p in self._trained().items()}
-        for inputs, cotangent in self.module.take():
-            grads, _ = clipped_grad(self.module.module, params, (inputs, cotangent), surrogate_loss,
-                                    clip_norm=self.max_grad_norm, method=self.module.method,
-                                    clipping="opacus_flat")
+        for inputs, cotangent, per_sample in self.module.take():
+            if per_sample is not None and per_sample.keys() == params.keys():  # formed at backward (vmap modes)
+                grads, _ = clip_per_sample(per_sample, params, clip_norm=self.max_grad_norm, clipping="opacus_flat")
+            else:
+                grads, _ = clipped_grad(self.module.module, params, (inputs, cotangent), surrogate_loss,
+                                        clip_norm=self.max_grad_norm, method=self.module.method,
+                                        clipping="opacus_flat")
             if self._summed is None:
                 self._summed = grads
             else:
