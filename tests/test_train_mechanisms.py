@@ -9,12 +9,14 @@ import json
 import pytest
 import torch
 
-from fsdpx import cli
+import ckpt
+from fsdpx import Mesh, cli
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import sgd
 from privacy import DPConfig, clipped_grad, init_state, make_private_step
 from privacy.accounting import Accountant
-from privacy.mechanisms import CyclicPoissonSampler, banded, banded_epsilon, correlated_gaussian_noise
+from privacy.mechanisms import CyclicPoissonSampler, banded, banded_epsilon, dense_strategy
+from privacy.noise import noise_slice
 
 from support.threads import one_thread  # noqa: F401
 
@@ -23,7 +25,7 @@ TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16
 MECH = banded((0.8, 0.5, 0.3))
 
 
-def test_the_step_adds_the_mechanisms_regenerated_noise():
+def test_the_step_adds_the_mechanisms_streamed_noise():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=17, block_size=5, n_layer=1, n_head=1, n_embd=4)).double()
     ids = torch.randint(0, 17, (6, 5))
@@ -32,14 +34,18 @@ def test_the_step_adds_the_mechanisms_regenerated_noise():
     opt = sgd(1.0)
     state = init_state(dict(model.named_parameters()), opt, key=9, config=config)
     step = make_private_step(model, token_loss, opt, config, num_examples=100)
+    inverse = torch.linalg.inv(dense_strategy(MECH, 4))
     for t in range(4):
         before = {k: v.clone() for k, v in state.params.items()}
         clipped, _ = clipped_grad(model, before, batch, token_loss, clip_norm=0.7)
-        noise = correlated_gaussian_noise(MECH, before, key=9, step=t, std=1.3 * 0.7)
         state, _ = step(state, batch)
-        for k, p in before.items():
-            torch.testing.assert_close(state.params[k], p - (clipped[k] + noise[k]) / (0.05 * 100),
+        for k, p in before.items():  # the dense product C^{-1} z, row t
+            z = torch.stack([noise_slice(k, p.numel(), 0, p.numel(), key=9, step=s, std=1.0, dtype=torch.float64)
+                             for s in range(t + 1)])
+            noise = (1.3 * 0.7 * inverse[t, :t + 1] @ z).view(p.shape)
+            torch.testing.assert_close(state.params[k], p - (clipped[k] + noise) / (0.05 * 100),
                                        rtol=1e-12, atol=1e-14)
+    assert len(state.noise_history) == 2 and state.noise_history[0].keys() == state.params.keys()
     assert state.accountant.bands == 3 and state.accountant.steps == 4
     assert DPConfig(**{**config.__dict__, "mechanism": MECH.to_dict()}) == config  # read back from a checkpoint
 
@@ -85,6 +91,32 @@ def test_a_resume_continues_the_banded_mechanism_and_refuses_a_change(tmp_path, 
     segments = json.loads((tmp_path / "ck" / "run.json").read_text())["segments"]
     first, second = (s["derived"]["mechanism"] for s in segments)
     assert first == second and first["kind"] == "banded"  # optimised for 4 steps, kept for 6
+    # the noise history travels in the checkpoint: steps 5, 6 are those of the run branched from step 4
+    _train(tmp_path, "--steps", "6", "--name", "b", "--resume-from", str(tmp_path / "ck" / "step_4"),
+           *flags[2:4], "--noise-mechanism", "banded", "--bands", "2")
+    resumed, branched = (_rows(tmp_path / n / "metrics.jsonl")[-2:] for n in ("r", "b"))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in branched]
+
+
+def test_a_checkpoint_without_the_noise_history_is_refused_by_flag(tmp_path, capsys):
+    flags = ["--target-epsilon", "4", "--noise-mechanism", "banded", "--bands", "2"]
+    _train(tmp_path, "--steps", "2", "--name", "o", "--ckpt-dir", str(tmp_path / "ck"), *flags)
+    saved = tmp_path / "ck" / "step_2"
+    state = ckpt.load(saved, mesh=Mesh(), strategy=None)
+    assert len(state.noise_history) == 1 and state.noise_history[0].keys() == state.params.keys()
+    old = tmp_path / "ck" / "old"  # as saved before the noise streamed: no history
+    ckpt.save(old, state._replace(noise_history=()), mesh=Mesh(), strategy=None, private=True, step=2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        _train(tmp_path, "--steps", "4", "--name", "n", "--resume-from", str(old), *flags)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "--noise-mechanism banded: the checkpoint" in last
+    assert "holds 0 past noise outputs" in last
+    assert not (tmp_path / "n").exists()
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("flags,words", [

@@ -23,8 +23,6 @@ import math
 
 from privacy.errors import PrivacyError
 
-from .toeplitz import inverse_coefficients
-
 KINDS = ("independent", "banded")
 
 
@@ -71,11 +69,6 @@ class Mechanism:
         """The largest column norm of ``C`` over any number of steps: 1.0 by normalisation
         (the first column holds every coefficient; later ones a prefix of them)."""
         return math.sqrt(math.fsum(x * x for x in self.coefficients))
-
-    def noising_coefficients(self, steps: int) -> tuple[float, ...]:
-        """The first column of ``C^{-1}`` over ``steps`` steps, float64: step ``t``'s noise is
-        ``sum_{j=0..t} d[j] z_{t-j}`` (``privacy.mechanisms.correlated``)."""
-        return inverse_coefficients(self.coefficients, steps)
 
     def to_dict(self) -> dict:
         """JSON types: ``{"kind": ..., "coefficients": [...]}``."""
