@@ -120,7 +120,7 @@ def _rows(path):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--noise-mechanism", "blt"], "--noise-mechanism \"blt\" (buffered Toeplitz) is not built yet"),
+    (["--noise-mechanism", "blt"], "--noise-mechanism \"blt\" (buffered Toeplitz) is not built yet for training"),
     (["--noise-mechanism", "banded"], "--noise-mechanism \"banded\" needs --bands B"),
     (["--bands", "3"], "--bands=3 is for --noise-mechanism banded"),
     (["--noise-mechanism", "banded", "--bands", "2", "--non-private"],

@@ -76,14 +76,15 @@ def next_output(mechanism: Mechanism, z: Tensor, past: Sequence[Tensor | None]) 
       * Elementwise, in a fixed order of float64 operations: any block of the inputs gives the
         same block of the output, bit for bit.
     Edge cases: ``past`` longer than ``bands - 1`` raises ``ValueError``; a ``past`` shaped
-    unlike ``z`` raises torch's broadcasting error."""
+    unlike ``z`` raises torch's broadcasting error; a ``past`` on another device is read on
+    ``z``'s (a history loaded from a checkpoint), and the output is on ``z``'s."""
     c = mechanism.coefficients
     if len(past) > len(c) - 1:
         raise ValueError(f"{len(past)} past outputs for a mechanism of {len(c)} bands (at most {len(c) - 1})")
     acc = z.to(torch.float64)
     for coef, w in zip(c[1:], past):
-        if w is not None:
-            acc = acc - w * coef  # two roundings, no fused multiply-add: the same bits on every device
+        if w is not None:  # a history read from a checkpoint may still be on the host: moved to z's device
+            acc = acc - w.to(acc.device) * coef  # two roundings, no fused multiply-add: the same bits on every device
     return acc / c[0]
 
 

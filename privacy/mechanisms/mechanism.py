@@ -13,7 +13,8 @@ Kinds:
     (``c[0] > 0``), normalised to unit column norm so that its sensitivity per participation is 1.
     ``b = steps`` is the dense Toeplitz strategy of a small run.
 
-A buffered Toeplitz (BLT) kind is not built (``privacy.mechanisms`` refuses it by name).
+A buffered Toeplitz (BLT) strategy is data of its own (``privacy.mechanisms.blt``), not yet a
+kind the private step runs (``fsdpx train --noise-mechanism blt`` is refused by name).
 """
 
 from __future__ import annotations
