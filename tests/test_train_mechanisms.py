@@ -5,6 +5,8 @@ continues it, and the settings refused by name."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,6 +115,29 @@ def test_a_checkpoint_without_the_noise_history_is_refused_by_flag(tmp_path, cap
     assert exit_.value.code == 2 and "--noise-mechanism banded: the checkpoint" in last
     assert "holds 0 past noise outputs" in last
     assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.slow
+def test_a_sharded_banded_run_branched_into_tensor_parallelism_continues_its_noise(tmp_path):
+    """zero3 on 2 gloo processes, saved at step 2, branched from there into tp=2: steps 3 and 4
+    add the straight run's noise (the history resharded from the optimizer-state layout), so the
+    losses agree to the float32 sums of two layouts."""
+    args = ["--corpus-chars", "20000", "--batch-size", "32", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+            "--seed", "3", "--noise-multiplier", "1.0", "--noise-mechanism", "banded", "--bands", "2",
+            "--no-progress", "--strategy", "zero3", "--nproc", "2", "--steps", "4", "--out", str(tmp_path)]
+
+    def fsdpx(*extra):
+        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *args, *extra], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    fsdpx("--name", "straight", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2")
+    fsdpx("--name", "branch", "--tp", "2", "--resume-from", str(tmp_path / "ck" / "step_2"))
+    straight, branch = (_rows(tmp_path / n / "metrics.jsonl") for n in ("straight", "branch"))
+    assert [r["step"] for r in branch] == [1, 2, 3, 4]
+    assert [r["loss"] for r in branch[:2]] == [r["loss"] for r in straight[:2]]
+    assert [r["loss"] for r in branch[2:]] == pytest.approx([r["loss"] for r in straight[2:]], rel=1e-5)
+    assert branch[-1]["epsilon"] == straight[-1]["epsilon"]
 
 
 def _rows(path):
