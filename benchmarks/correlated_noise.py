@@ -10,10 +10,13 @@ corpus, AdamW, clip norm 1, expected batch ``--batch-size``, ``--steps`` steps (
 noise calibrated to the same target epsilon at delta 1e-5 by each mechanism's own accounting:
 independent noise with Poisson batches, and ``--noise-mechanism banded --bands B`` with cyclic
 Poisson batches (``privacy.mechanisms``). Each configuration runs once per seed; runs are
-sequential (their losses do not depend on load). Reported per run: the noise multiplier, the
-final epsilon, the mean training loss of the last 10 steps, and the held-out loss (mean token
-loss on the next ``--corpus-chars // 4`` characters of the corpus) at the last step; then, per
-mechanism, the mean over seeds and its ratio to independent noise's.
+sequential, the mechanisms of a seed one after the other (their losses do not depend on load;
+their times do, so they are compared within one invocation). Reported per run: the noise
+multiplier, the final epsilon, the mean training loss of the last 10 steps, the held-out loss
+(mean token loss on the next ``--corpus-chars // 4`` characters of the corpus) at the last step
+and the wall time (``seconds``, the whole run: data, steps, evaluation); then, per mechanism, the
+mean over seeds and its ratios to independent noise's (``held_out_vs_independent``,
+``seconds_vs_independent``).
 
 ``--optimizer sgd``: the same runs with SGD (``--momentum``) in place of the loop's AdamW, the
 workload the banded coefficients are optimised for (prefix sums of the noised gradients), built
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--reverse", action="store_true",
+                   help="run each seed's mechanisms in reverse order (banded first): the order's share of the times")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     log = logger("correlated_noise")
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         held = Path(tmp) / "held_out.txt"
         held.write_text(corpus(args.corpus_chars + args.corpus_chars // 4)[args.corpus_chars:])
         for seed in args.seeds:
-            for kind, bands in mechanisms:
+            for kind, bands in (mechanisms[::-1] if args.reverse else mechanisms):
                 config = RunConfig.of(**MODEL, steps=args.steps, corpus_chars=args.corpus_chars, lr=args.lr,
                                       batch_size=args.batch_size, target_epsilon=args.epsilon, seed=seed,
                                       noise_mechanism=kind, bands=bands, out=tmp, name=f"{kind}{bands}-{seed}",
@@ -84,10 +89,12 @@ def main(argv: list[str] | None = None) -> dict:
     for kind, bands in mechanisms:
         mine = [r for r in runs if (r["mechanism"], r["bands"]) == (kind, bands)]
         summary[f"{kind}{'' if bands is None else f' b={bands}'}"] = {
-            k: statistics.mean(r[k] for r in mine) for k in ("train_loss", "held_out_loss", "noise_multiplier")}
+            k: statistics.mean(r[k] for r in mine) for k in ("train_loss", "held_out_loss", "noise_multiplier",
+                                                            "seconds")}
     base = summary["independent"]
     for (kind, bands), v in zip(mechanisms, summary.values()):
         v["held_out_vs_independent"] = v["held_out_loss"] / base["held_out_loss"]
+        v["seconds_vs_independent"] = v["seconds"] / base["seconds"]
         v["noise_rmse_vs_independent"] = (v["noise_multiplier"] / base["noise_multiplier"]
                                           * (prefix_error(bands, args.steps) / prefix_error(None, args.steps)) ** 0.5)
     result = {"args": vars(args), "runs": runs, "summary": summary}

@@ -1,12 +1,14 @@
 """Which ``Spec`` a state tensor has, and in which global shape: the one place save and load decide it.
 
 ``strategy_rule(strategy)`` is the default. With a ``Strategy``: under ``params/`` a tensor
-follows ``strategy.param_at_rest``, under ``opt_state/`` ``strategy.opt_state`` (the optimizer's
-tensors are shaped like the parameters: ``fsdpx.optim``), everything else is replicated; with
+follows ``strategy.param_at_rest``, under ``opt_state/`` and ``noise_history/``
+(:data:`LIKE_OPT_STATE`) ``strategy.opt_state`` (the optimizer's tensors are shaped like the
+parameters: ``fsdpx.optim``; a banded mechanism's past noise is drawn on the optimizer's blocks:
+``privacy.mechanisms.correlated``), everything else is replicated; with
 ``strategy=None`` everything is replicated (an unsharded run). With a ``ShardingPlan``
 (``fsdpx.sharding.plan``: per-parameter layouts, tensor parallelism included) a tensor whose
 path ends in a parameter's name follows that parameter's ``at_rest`` / ``opt_state``, in the
-layout's shape, which may be a VIEW of the parameter (q|k|v split by heads): the manifest then
+layout's shape (``noise_history/`` as ``opt_state/``), which may be a VIEW of the parameter (q|k|v split by heads): the manifest then
 records the parameter's own shape too, and a load into another view (or none) re-cuts the
 whole stored tensor. ``make_rule`` lets a mapping ``{path: Spec}`` override it for some paths,
 or a callable replace it.
@@ -25,6 +27,9 @@ from fsdpx.sharding import Spec
 from fsdpx.sharding.plan import ParamLayout, ShardingPlan
 from fsdpx.sharding.strategies import Strategy
 
+LIKE_OPT_STATE = ("opt_state", "noise_history")
+"""The state's top-level keys whose tensors are laid out like the optimizer state."""
+
 SpecRule = Callable[[str, int], Spec]
 Specs = Union[None, Mapping[str, Spec], SpecRule]
 Layouts = Union[Strategy, ShardingPlan, None]
@@ -42,7 +47,7 @@ class Rule:
     def layout(self, path: str) -> ParamLayout | None:
         """The plan's layout of the parameter ``path`` belongs to, if any: the last part of the
         path that names a parameter (``opt_state/mu/w``; an offloading optimizer's
-        ``opt_state/host/w/master``, whose tensors are blocks of ``w``'s rows)."""
+        ``opt_state/host/w/master``, whose tensors are blocks of ``w``'s rows; ``noise_history/0/w``)."""
         if self.plan is None:
             return None
         name = param_of(path, self.plan.params)
@@ -84,7 +89,7 @@ def strategy_rule(strategy: Layouts) -> Rule:
         top = path.split("/", 1)[0]
         if top == "params":
             return strategy.param_at_rest(ndim)
-        if top == "opt_state":
+        if top in LIKE_OPT_STATE:
             return strategy.opt_state(ndim)
         return Spec.replicated(ndim)
 
@@ -153,10 +158,10 @@ def pipeline_holders(plan_meta: dict | None, path: str) -> list[int] | None:
 
 
 def param_of(path: str, names: Mapping[str, object]) -> str | None:
-    """The parameter a state tensor at ``path`` belongs to: the last component after ``params/``
-    or ``opt_state/`` that is a key of ``names`` (``opt_state/mu/w`` and ZenFlow's
-    ``opt_state/host/w/master`` both give ``w``), or None."""
+    """The parameter a state tensor at ``path`` belongs to: the last component after ``params/``,
+    ``opt_state/`` or ``noise_history/`` that is a key of ``names`` (``opt_state/mu/w``, ZenFlow's
+    ``opt_state/host/w/master`` and ``noise_history/0/w`` all give ``w``), or None."""
     parts = path.split("/")
-    if parts[0] not in ("params", "opt_state") or len(parts) < 2:
+    if parts[0] not in ("params", *LIKE_OPT_STATE) or len(parts) < 2:
         return None
     return next((unquote(p) for p in reversed(parts[1:]) if unquote(p) in names), None)

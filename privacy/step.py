@@ -13,8 +13,9 @@ batch size ``q N`` (the Poisson batch size is random; a fixed divisor keeps the 
 fixed) -> optimizer update -> accountant record.
 
 With a correlated-noise mechanism (``DPConfig.mechanism``, :mod:`privacy.mechanisms`) the noise of
-step ``t`` is the mechanism's ``sum_k C^{-1}[t, k] z_k``, each ``z_k`` the draw above for step
-``k``, regenerated; batches then come from ``privacy.mechanisms.CyclicPoissonSampler`` with
+step ``t`` is the mechanism's ``(C^{-1} z)_t``, each ``z_k`` the draw above for step ``k`` in
+float64, streamed from this step's draw and the last ``b - 1`` outputs, which the state keeps
+(``TrainState.noise_history``, :mod:`privacy.mechanisms.correlated`); batches then come from ``privacy.mechanisms.CyclicPoissonSampler`` with
 ``bands`` groups, and the accountant (its ``bands``) composes each group's own steps.
 """
 
@@ -35,7 +36,7 @@ from privacy.batch import real_count
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
 from privacy.gradient_canaries import GradientCanaries
-from privacy.mechanisms.correlated import correlated_gaussian_noise
+from privacy.mechanisms.correlated import NoiseHistory, empty_history, streamed_noise
 from privacy.mechanisms.mechanism import INDEPENDENT, Mechanism
 from privacy.noise import add_gaussian_noise_
 from privacy.sampling import PoissonSampler
@@ -91,6 +92,7 @@ class TrainState(NamedTuple):
     step: int
     key: int
     accountant: Accountant
+    noise_history: NoiseHistory = ()  # a banded mechanism's last outputs (privacy.mechanisms.correlated)
 
 
 # ckpt stores states without pickle, by registered type: privacy registers its own types
@@ -100,11 +102,12 @@ register_type("DPConfig", DPConfig, dataclasses.asdict, lambda d: DPConfig(**d))
 
 def init_state(params: Params, optimizer: Optimizer, *, key: int, config: DPConfig) -> TrainState:
     """The state before the first step: detached copies of ``params``, fresh optimizer state,
-    step 0 and an empty accountant carrying the run's budget and delta."""
+    step 0, an empty accountant carrying the run's budget and delta, and the mechanism's empty
+    noise history (``()`` for independent noise)."""
     params = {k: v.detach().clone() for k, v in params.items()}
     accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget,
                             bands=config.mechanism.bands)
-    return TrainState(params, optimizer.init(params), 0, key, accountant)
+    return TrainState(params, optimizer.init(params), 0, key, accountant, empty_history(config.mechanism))
 
 
 def sample_batch(data: tuple[Tensor, Tensor], sampler: PoissonSampler, step: int) -> tuple[Tensor, Tensor]:
@@ -170,9 +173,10 @@ def make_private_step(
             config.canaries.add_(clipped.grads, state.step)
         # in place on the fresh clipped sums: the bits of (g + gaussian_noise(...)) / qN, and on
         # the CPU no parameter-sized noise tensor is ever allocated; on a CUDA device it is drawn there
-        if correlated:  # sum_k C^{-1}[t, k] z_k, each z_k drawn again from its key
-            noise = correlated_gaussian_noise(mechanism, clipped.grads, key=state.key, step=state.step,
-                                              std=config.noise_std)
+        history = state.noise_history
+        if correlated:  # (C^{-1} z)_t from z_t and the last bands - 1 outputs
+            noise, history = streamed_noise(mechanism, clipped.grads, history, key=state.key, step=state.step,
+                                            std=config.noise_std)
             noised = {k: g.add_(noise.pop(k)) for k, g in clipped.grads.items()}
         else:
             noised = add_gaussian_noise_(clipped.grads, key=state.key, step=state.step, std=config.noise_std)
@@ -183,7 +187,7 @@ def make_private_step(
             params, opt_state = update(noised, state.opt_state, state.params)
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate)
         metrics = _metrics(clipped.norms, clipped.losses, config, real_count(batch))
-        return TrainState(params, opt_state, state.step + 1, state.key, accountant), metrics
+        return TrainState(params, opt_state, state.step + 1, state.key, accountant, history), metrics
 
     return step
 

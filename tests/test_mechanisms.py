@@ -12,10 +12,10 @@ import torch
 
 from privacy.errors import PrivacyError
 from privacy.mechanisms import (INDEPENDENT, CyclicPoissonSampler, Mechanism, banded, banded_epsilon,
-                                banded_noise_multiplier, banded_sensitivity, correlated_gaussian_noise,
-                                correlated_noise_slice, dense_strategy, min_sep_sensitivity, optimal_banded,
-                                prefix_sum_error)
-from privacy.mechanisms.toeplitz import inverse_coefficients, toeplitz_matrix
+                                banded_noise_multiplier, banded_sensitivity, dense_strategy, empty_history,
+                                min_sep_sensitivity, next_output, optimal_banded, prefix_sum_error, streamed_noise)
+from privacy.mechanisms.correlated import advanced_history
+from privacy.mechanisms.toeplitz import toeplitz_matrix
 from privacy.noise import gaussian_noise, noise_slice
 from privacy.sampling import PoissonSampler
 
@@ -24,14 +24,13 @@ from support.threads import one_thread  # noqa: F401
 MECH = banded((0.8, 0.5, 0.3))
 
 
-def test_inverse_coefficients_invert_the_toeplitz_matrix():
+def test_toeplitz_matrix_holds_its_column_on_every_diagonal():
     c = (0.7, -0.2, 0.4, 0.1)
-    d = inverse_coefficients(c, 12)
     strategy = toeplitz_matrix(torch.tensor(c, dtype=torch.float64), 12)
-    assert strategy[5, 2].item() == c[3] and strategy[2, 5].item() == 0.0 and strategy[9, 2].item() == 0.0
-    product = toeplitz_matrix(torch.tensor(d, dtype=torch.float64), 12) @ strategy
-    torch.testing.assert_close(product, torch.eye(12, dtype=torch.float64), rtol=0, atol=1e-12)
-    assert inverse_coefficients(c, 5) == d[:5]
+    for t in range(12):
+        for k in range(12):
+            assert strategy[t, k].item() == (c[t - k] if 0 <= t - k < len(c) else 0.0)
+    assert toeplitz_matrix(torch.tensor(c, dtype=torch.float64), 2).tolist() == [[0.7, 0.0], [-0.2, 0.7]]
 
 
 def test_banded_columns_have_norm_at_most_one():
@@ -89,43 +88,49 @@ def test_overlapping_participations_have_no_closed_form_and_a_larger_brute_force
 
 
 def test_independent_mechanism_is_todays_noise():
-    kw = dict(key=7, step=3, std=1.5)
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(correlated_noise_slice(INDEPENDENT, "w", 100, 10, 90, dtype=dtype, **kw),
-                           noise_slice("w", 100, 10, 90, dtype=dtype, **kw))
-    like = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float64)}
-    for name, t in correlated_gaussian_noise(INDEPENDENT, like, **kw).items():
-        assert torch.equal(t, gaussian_noise(like, **kw)[name])
+    like = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    noise, history = streamed_noise(INDEPENDENT, like, (), key=7, step=3, std=1.5)
+    assert history == () and empty_history(INDEPENDENT) == ()
+    for name, t in gaussian_noise(like, key=7, step=3, std=1.5).items():
+        assert torch.equal(noise[name], t)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_correlated_slices_concatenate_to_the_full_draw(dtype):
-    numel, step = 70_000, 5  # two noise blocks
-    full = correlated_noise_slice(MECH, "layer.w", numel, 0, numel, key=3, step=step, std=0.7, dtype=dtype)
-    for cuts in ([0, 1, 65_535, 65_537, numel], [0, 33_333, numel], [0, numel // 2, numel // 2, numel]):
-        parts = [correlated_noise_slice(MECH, "layer.w", numel, a, b, key=3, step=step, std=0.7, dtype=dtype)
-                 for a, b in zip(cuts, cuts[1:])]
-        assert torch.equal(torch.cat(parts), full)
-    shaped = correlated_gaussian_noise(MECH, {"layer.w": torch.zeros(7, 10_000, dtype=dtype)}, key=3, step=step,
-                                       std=0.7)["layer.w"]
-    assert shaped.shape == (7, 10_000) and torch.equal(shaped.flatten(), full)
+def _streamed(mech, numel, steps, *, key, std=1.0, dtype=torch.float64):
+    """Steps 0..steps-1 of one parameter ``p`` of ``numel`` elements, streamed from the empty history."""
+    like, history, out = {"p": torch.zeros(numel, dtype=dtype)}, empty_history(mech), []
+    for t in range(steps):
+        noise, history = streamed_noise(mech, like, history, key=key, step=t, std=std)
+        out.append(noise["p"])
+    return torch.stack(out)  # (steps, numel)
 
 
-def test_correlated_noise_is_the_inverse_strategy_times_the_draws():
-    n, numel = 6, 50
+@pytest.mark.parametrize("mech", [MECH, banded((0.5, -0.3)), banded((1.0, 0.9, 0.7, 0.2, 0.1))])
+def test_streamed_noise_is_the_inverse_strategy_times_the_draws(mech):
+    n, numel = 8, 50
     z = torch.stack([noise_slice("p", numel, 0, numel, key=11, step=k, std=1.0, dtype=torch.float64)
                      for k in range(n)])  # (n, numel)
-    dense = torch.linalg.inv(dense_strategy(MECH, n)) @ z
-    for t in range(n):
-        got = correlated_noise_slice(MECH, "p", numel, 0, numel, key=11, step=t, std=1.0, dtype=torch.float64)
-        torch.testing.assert_close(got, dense[t], rtol=0, atol=1e-12)
+    dense = torch.linalg.inv(dense_strategy(mech, n)) @ z
+    torch.testing.assert_close(_streamed(mech, numel, n, key=11), dense, rtol=0, atol=1e-12)
+    scaled = _streamed(mech, numel, n, key=11, std=0.7, dtype=torch.float32)
+    assert scaled.dtype == torch.float32  # std times the float64 output, rounded once
+    torch.testing.assert_close(scaled, (dense * 0.7).to(torch.float32), rtol=1e-6, atol=1e-7)
 
 
-def test_correlated_noise_has_the_mechanisms_covariance():
+def test_a_frozen_step_restarts_a_parameters_history():
+    w = {n: torch.full((2,), float(i)) for i, n in enumerate("abc")}
+    history = advanced_history(({"a": w["b"], "b": w["c"]}, {"a": w["c"]}), {"a": w["a"]})
+    assert history == ({"a": w["a"]}, {"a": w["b"]})  # b was frozen: its history is gone
+    assert advanced_history((), {"a": w["a"]}) == ()
+    with pytest.raises(PrivacyError, match="noise_history has 0 entries"):
+        streamed_noise(MECH, {"p": torch.zeros(3)}, (), key=1, step=4, std=1.0)
+    with pytest.raises(ValueError, match="at most 2"):
+        next_output(MECH, torch.zeros(3), [None, None, None])
+
+
+def test_streamed_noise_has_the_mechanisms_covariance():
     n, numel, std = 5, 6_000, 2.0
-    samples = torch.cat([torch.stack([correlated_noise_slice(MECH, "p", numel, 0, numel, key=key, step=t, std=std,
-                                                             dtype=torch.float64) for t in range(n)], 1)
-                         for key in range(4)])  # (4 numel, n): each element of each key one draw
+    samples = torch.cat([_streamed(MECH, numel, n, key=key, std=std).T for key in range(4)])
+    # (4 numel, n): each element of each key one draw
     inv = torch.linalg.inv(dense_strategy(MECH, n))
     expected = std**2 * inv @ inv.T
     empirical = samples.T @ samples / samples.shape[0]

@@ -1,29 +1,32 @@
 """A banded mechanism on sharded layouts (in-process mesh): each rank's noise of its block is the
-unsharded draw, bit for bit, and sharded steps equal the one-process steps."""
+unsharded draw, bit for bit; sharded steps equal the one-process steps, and their noise history
+is the one-process history bit for bit; a run saved and resumed, in its own layout or another,
+continues its noise bit for bit."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 
-from fsdpx import Mesh, run_threads, strategies, unshard
+import ckpt
+from fsdpx import Mesh, strategies
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.optim import sgd
 from fsdpx.runtime.owned_noise import mechanism_noise
-from fsdpx.runtime.sharded_state import init_sharded
-from fsdpx.runtime.step import make_sharded_step
+from fsdpx.sharding.cost_model import as_plan
 from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline, unshard_stages
 from fsdpx.sharding.tensor_parallel import resolve
 from privacy import DPConfig, init_state, make_private_step
-from privacy.mechanisms import INDEPENDENT, banded, correlated_noise_slice
+from privacy.mechanisms import INDEPENDENT, banded, empty_history, streamed_noise
 from privacy.noise import noise_slice
 
+from support.mesh_runs import rank_runs
 from support.threads import one_thread  # noqa: F401
 
 MECH = banded((0.8, 0.5, 0.3))
+GPT_CONFIG = GPTConfig(vocab_size=13, block_size=4, n_layer=2, n_head=2, n_embd=6)
+CONFIG = DPConfig(clip_norm=0.5, noise_multiplier=0.5, sample_rate=0.1, method="ghost", mechanism=MECH)
 
 
 @pytest.mark.parametrize("shape, box", [
@@ -34,55 +37,88 @@ MECH = banded((0.8, 0.5, 0.3))
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_mechanism_noise_of_a_box_is_the_unsharded_draw(shape, box, dtype):
+    cut = tuple(slice(a, b) for a, b in box)
+    like, history = {"w": torch.zeros(shape, dtype=dtype)}, empty_history(MECH)
+    for t in range(4):
+        _, history = streamed_noise(MECH, like, history, key=3, step=t, std=0.5)
+    full, after = streamed_noise(MECH, like, history, key=3, step=4, std=0.5)
+    got, output = mechanism_noise(MECH, "w", shape, box, key=3, step=4, std=0.5, dtype=dtype,
+                                  past=[h["w"][cut] for h in history])
+    assert got.shape == full["w"][cut].shape and torch.equal(got, full["w"][cut])
+    assert torch.equal(output, after[0]["w"][cut]) and output.dtype == torch.float64
     numel = shape[0] * shape[1]
-    full = correlated_noise_slice(MECH, "w", numel, 0, numel, key=3, step=4, std=0.5, dtype=dtype).view(shape)
-    want = full[tuple(slice(a, b) for a, b in box)]
-    got = mechanism_noise(MECH, "w", shape, box, key=3, step=4, std=0.5, dtype=dtype)
-    assert got.shape == want.shape and torch.equal(got, want)
-    assert torch.equal(mechanism_noise(INDEPENDENT, "w", shape, box, key=3, step=4, std=0.5, dtype=dtype),
-                       noise_slice("w", numel, 0, numel, key=3, step=4, std=0.5, dtype=dtype).view(shape)[
-                           tuple(slice(a, b) for a, b in box)])
+    indep, none = mechanism_noise(INDEPENDENT, "w", shape, box, key=3, step=4, std=0.5, dtype=dtype)
+    assert none is None and torch.equal(indep, noise_slice("w", numel, 0, numel, key=3, step=4, std=0.5,
+                                                           dtype=dtype).view(shape)[cut])
+
+
+def _model_and_batches(steps):
+    torch.manual_seed(0)
+    model = GPT(GPT_CONFIG).double()
+    g = torch.Generator().manual_seed(1)
+    return model, [(torch.randint(0, 13, (5, 4), generator=g), torch.randint(0, 13, (5, 4), generator=g))
+                   for _ in range(steps)]
+
+
+def _plan(model, layout):
+    mesh = {"tp2": Mesh(dp=1, tp=2), "pp2": Mesh(dp=1, pp=2)}.get(layout, Mesh(dp=2))
+    shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    if layout == "tp2":
+        return resolve(model, gpt_plan(GPT_CONFIG), strategies.zero3(), mesh), mesh
+    if layout == "pp2":
+        return resolve_pipeline(model, resolve(model, None, strategies.ddp(), mesh),
+                                PipelineParallel(schedule="1f1b", microbatches=3), mesh), mesh
+    return as_plan(getattr(strategies, layout)(), shapes), mesh
+
+
+def _whole(results, plan, mesh, model):
+    """The ranks' parameters and noise history, unsharded in the parameters' own shapes."""
+    shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    states = [r[0] for r in results]
+    params = unshard_stages([s.params for s in states], plan, mesh)
+    history = [unshard_stages([s.noise_history[j] for s in states], plan, mesh, layout="opt_state")
+               for j in range(len(states[0].noise_history))]
+    return ({k: t.reshape(shapes[k]) for k, t in params.items()},
+            [{k: t.reshape(shapes[k]) for k, t in h.items()} for h in history])
 
 
 @pytest.mark.parametrize("layout", ["zero3", "ddp", "tp2", "pp2"])
 def test_sharded_banded_steps_equal_the_one_process_steps(layout):
-    torch.manual_seed(0)
-    gpt = GPTConfig(vocab_size=13, block_size=4, n_layer=2, n_head=2, n_embd=6)
-    model = GPT(gpt).double()
-    mesh = {"tp2": Mesh(dp=1, tp=2), "pp2": Mesh(dp=1, pp=2)}.get(layout, Mesh(dp=2))
-    if layout == "tp2":
-        plan = resolve(model, gpt_plan(gpt), strategies.zero3(), mesh)
-    elif layout == "pp2":
-        plan = resolve_pipeline(model, resolve(model, None, strategies.ddp(), mesh),
-                                PipelineParallel(schedule="1f1b", microbatches=3), mesh)
-    else:
-        plan = getattr(strategies, layout)()
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    g = torch.Generator().manual_seed(1)
-    batch = torch.randint(0, 13, (5, 4), generator=g), torch.randint(0, 13, (5, 4), generator=g)
-    config = DPConfig(clip_norm=0.5, noise_multiplier=0.5, sample_rate=0.1, method="ghost", mechanism=MECH)
+    model, batches = _model_and_batches(4)
     opt = sgd(0.1)
-    ref = init_state(params, opt, key=2, config=config)
-    step = make_private_step(model, token_loss, opt, config, num_examples=50)
-    for _ in range(4):
-        ref, _ = step(ref, batch)
-    shapes = {k: tuple(v.shape) for k, v in params.items()}
-
-    def rank(comm):
-        m = copy.deepcopy(model)
-        sharded = make_sharded_step(m, token_loss, opt, plan, comm, param_shapes=shapes, config=config,
-                                    num_examples=50)
-        state = init_sharded(params, opt, plan, comm, key=2, config=config)
-        for _ in range(4):
-            state, _ = sharded(state, batch)
-        return state
-
-    results = run_threads(mesh, rank)
-    if layout in ("tp2", "pp2"):
-        whole = unshard_stages([r.params for r in results], plan, mesh)
-        got = {k: whole[k].reshape(shapes[k]) for k in shapes}
-    else:
-        got = {k: unshard([r.params[k] for r in results], plan.param_at_rest(len(shapes[k])), mesh) for k in shapes}
+    ref = init_state(dict(model.named_parameters()), opt, key=2, config=CONFIG)
+    step = make_private_step(model, token_loss, opt, CONFIG, num_examples=50)
+    for b in batches:
+        ref, _ = step(ref, b)
+    plan, mesh = _plan(model, layout)
+    results = rank_runs(model, batches, opt, CONFIG, plan, mesh, key=2)
+    params, history = _whole(results, plan, mesh, model)
     for k, want in ref.params.items():
-        torch.testing.assert_close(got[k], want, rtol=1e-10, atol=1e-12, msg=k)
-    assert results[0].accountant.bands == 3 and results[0].accountant.steps == 4
+        torch.testing.assert_close(params[k], want, rtol=1e-10, atol=1e-12, msg=k)
+    assert len(history) == len(ref.noise_history) == 2
+    for mine, theirs in zip(history, ref.noise_history):  # the recursion is elementwise: the same bits
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert results[0][0].accountant.bands == 3 and results[0][0].accountant.steps == 4
+
+
+def test_a_banded_run_resumes_bit_for_bit_in_its_own_layout_and_another(tmp_path):
+    model, batches = _model_and_batches(4)
+    opt = sgd(0.1)
+    plan, mesh = _plan(model, "zero3")
+    straight = rank_runs(model, batches, opt, CONFIG, plan, mesh, key=2)
+    ckpt.save_ranks(tmp_path / "c", [s for s, _ in rank_runs(model, batches[:2], opt, CONFIG, plan, mesh, key=2)],
+                    mesh=mesh, strategy=plan, private=True)
+    same = rank_runs(model, batches[2:], opt, CONFIG, plan, mesh,
+                     states=ckpt.load_ranks(tmp_path / "c", mesh=mesh, strategy=plan, private=True))
+    for (mine, _), (theirs, _) in zip(same, straight):
+        assert all(torch.equal(mine.params[k], theirs.params[k]) for k in theirs.params)
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(mine.noise_history, theirs.noise_history) for k in b)
+    tp_plan, tp_mesh = _plan(model, "tp2")  # the same checkpoint, resharded into a tensor-parallel plan
+    other = rank_runs(model, batches[2:], opt, CONFIG, tp_plan, tp_mesh,
+                      states=ckpt.load_ranks(tmp_path / "c", mesh=tp_mesh, strategy=tp_plan, private=True))
+    want_params, want_history = _whole(straight, plan, mesh, model)
+    got_params, got_history = _whole(other, tp_plan, tp_mesh, model)
+    for mine, theirs in zip(got_history, want_history):
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    for k, want in want_params.items():  # the layouts sum gradients in other orders
+        torch.testing.assert_close(got_params[k], want, rtol=1e-10, atol=1e-12, msg=k)

@@ -5,16 +5,20 @@ continues it, and the settings refused by name."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from fsdpx import cli
+import ckpt
+from fsdpx import Mesh, cli
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import sgd
 from privacy import DPConfig, clipped_grad, init_state, make_private_step
 from privacy.accounting import Accountant
-from privacy.mechanisms import CyclicPoissonSampler, banded, banded_epsilon, correlated_gaussian_noise
+from privacy.mechanisms import CyclicPoissonSampler, banded, banded_epsilon, dense_strategy
+from privacy.noise import noise_slice
 
 from support.threads import one_thread  # noqa: F401
 
@@ -23,7 +27,7 @@ TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16
 MECH = banded((0.8, 0.5, 0.3))
 
 
-def test_the_step_adds_the_mechanisms_regenerated_noise():
+def test_the_step_adds_the_mechanisms_streamed_noise():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=17, block_size=5, n_layer=1, n_head=1, n_embd=4)).double()
     ids = torch.randint(0, 17, (6, 5))
@@ -32,14 +36,18 @@ def test_the_step_adds_the_mechanisms_regenerated_noise():
     opt = sgd(1.0)
     state = init_state(dict(model.named_parameters()), opt, key=9, config=config)
     step = make_private_step(model, token_loss, opt, config, num_examples=100)
+    inverse = torch.linalg.inv(dense_strategy(MECH, 4))
     for t in range(4):
         before = {k: v.clone() for k, v in state.params.items()}
         clipped, _ = clipped_grad(model, before, batch, token_loss, clip_norm=0.7)
-        noise = correlated_gaussian_noise(MECH, before, key=9, step=t, std=1.3 * 0.7)
         state, _ = step(state, batch)
-        for k, p in before.items():
-            torch.testing.assert_close(state.params[k], p - (clipped[k] + noise[k]) / (0.05 * 100),
+        for k, p in before.items():  # the dense product C^{-1} z, row t
+            z = torch.stack([noise_slice(k, p.numel(), 0, p.numel(), key=9, step=s, std=1.0, dtype=torch.float64)
+                             for s in range(t + 1)])
+            noise = (1.3 * 0.7 * inverse[t, :t + 1] @ z).view(p.shape)
+            torch.testing.assert_close(state.params[k], p - (clipped[k] + noise) / (0.05 * 100),
                                        rtol=1e-12, atol=1e-14)
+    assert len(state.noise_history) == 2 and state.noise_history[0].keys() == state.params.keys()
     assert state.accountant.bands == 3 and state.accountant.steps == 4
     assert DPConfig(**{**config.__dict__, "mechanism": MECH.to_dict()}) == config  # read back from a checkpoint
 
@@ -85,10 +93,59 @@ def test_a_resume_continues_the_banded_mechanism_and_refuses_a_change(tmp_path, 
     segments = json.loads((tmp_path / "ck" / "run.json").read_text())["segments"]
     first, second = (s["derived"]["mechanism"] for s in segments)
     assert first == second and first["kind"] == "banded"  # optimised for 4 steps, kept for 6
+    # the noise history travels in the checkpoint: steps 5, 6 are those of the run branched from step 4
+    _train(tmp_path, "--steps", "6", "--name", "b", "--resume-from", str(tmp_path / "ck" / "step_4"),
+           *flags[2:4], "--noise-mechanism", "banded", "--bands", "2")
+    resumed, branched = (_rows(tmp_path / n / "metrics.jsonl")[-2:] for n in ("r", "b"))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in branched]
+
+
+def test_a_checkpoint_without_the_noise_history_is_refused_by_flag(tmp_path, capsys):
+    flags = ["--target-epsilon", "4", "--noise-mechanism", "banded", "--bands", "2"]
+    _train(tmp_path, "--steps", "2", "--name", "o", "--ckpt-dir", str(tmp_path / "ck"), *flags)
+    saved = tmp_path / "ck" / "step_2"
+    state = ckpt.load(saved, mesh=Mesh(), strategy=None)
+    assert len(state.noise_history) == 1 and state.noise_history[0].keys() == state.params.keys()
+    old = tmp_path / "ck" / "old"  # as saved before the noise streamed: no history
+    ckpt.save(old, state._replace(noise_history=()), mesh=Mesh(), strategy=None, private=True, step=2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        _train(tmp_path, "--steps", "4", "--name", "n", "--resume-from", str(old), *flags)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2 and "--noise-mechanism banded: the checkpoint" in last
+    assert "holds 0 past noise outputs" in last
+    assert not (tmp_path / "n").exists()
+
+
+@pytest.mark.slow
+def test_a_sharded_banded_run_branched_into_tensor_parallelism_continues_its_noise(tmp_path):
+    """zero3 on 2 gloo processes, saved at step 2, branched from there into tp=2: steps 3 and 4
+    add the straight run's noise (the history resharded from the optimizer-state layout), so the
+    losses agree to the float32 sums of two layouts."""
+    args = ["--corpus-chars", "20000", "--batch-size", "32", "--n-layer", "1", "--n-embd", "16", "--n-head", "2",
+            "--seed", "3", "--noise-multiplier", "1.0", "--noise-mechanism", "banded", "--bands", "2",
+            "--no-progress", "--strategy", "zero3", "--nproc", "2", "--steps", "4", "--out", str(tmp_path)]
+
+    def fsdpx(*extra):
+        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *args, *extra], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    fsdpx("--name", "straight", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2")
+    fsdpx("--name", "branch", "--tp", "2", "--resume-from", str(tmp_path / "ck" / "step_2"))
+    straight, branch = (_rows(tmp_path / n / "metrics.jsonl") for n in ("straight", "branch"))
+    assert [r["step"] for r in branch] == [1, 2, 3, 4]
+    assert [r["loss"] for r in branch[:2]] == [r["loss"] for r in straight[:2]]
+    assert [r["loss"] for r in branch[2:]] == pytest.approx([r["loss"] for r in straight[2:]], rel=1e-5)
+    assert branch[-1]["epsilon"] == straight[-1]["epsilon"]
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--noise-mechanism", "blt"], "--noise-mechanism \"blt\" (buffered Toeplitz) is not built yet"),
+    (["--noise-mechanism", "blt"], "--noise-mechanism \"blt\" (buffered Toeplitz) is not built yet for training"),
     (["--noise-mechanism", "banded"], "--noise-mechanism \"banded\" needs --bands B"),
     (["--bands", "3"], "--bands=3 is for --noise-mechanism banded"),
     (["--noise-mechanism", "banded", "--bands", "2", "--non-private"],

@@ -5,14 +5,15 @@ exactly the elements it updates, so the ranks together add one unsharded draw.
 bits of an element do not depend on who draws it or in what order; replicas draw identical bits.
 ``flat_runs`` turns a rank's block (a box of global indices) into flat index ranges,
 ``shard_noise`` draws a box, ``mechanism_noise`` a correlated-noise mechanism's noise of a box
-(``privacy.mechanisms``: each earlier step's ``shard_noise`` drawn again and combined), and ``OwnedNoise`` draws each parameter's optimizer-state block when
-the reduction adds it (``fsdpx.runtime.reduce.reduce_and_update``).
+(``privacy.mechanisms.correlated``: one draw and the box's last ``b - 1`` outputs, which the
+state keeps), and ``OwnedNoise`` draws each parameter's optimizer-state block when the reduction
+adds it (``fsdpx.runtime.reduce.reduce_and_update``) and gives the step the history after it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Collection
+from typing import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -20,6 +21,8 @@ from torch import Tensor
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_box
 from fsdpx.sharding.plan import ShardingPlan
+from privacy.mechanisms.correlated import (NoiseHistory, advanced_history, check_history, next_output,
+                                          past_outputs, scaled)
 from privacy.mechanisms.mechanism import Mechanism
 from privacy.noise import BLOCK, noise_slice
 from privacy.step import DPConfig
@@ -67,22 +70,20 @@ def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, 
 
 
 def mechanism_noise(mechanism: Mechanism, name: str, shape: tuple[int, ...], box, *, key: int, step: int,
-                    std: float, dtype, device: torch.device | str = "cpu") -> Tensor:
-    """The unsharded run's noise of ``mechanism`` for the elements of ``box``: for independent
-    noise :func:`shard_noise`; otherwise ``std * sum_{j=0..step} d[j] z_{step-j}`` with each
-    ``z_k`` the box's unit float64 draw of step ``k`` and ``d`` the first column of ``C^{-1}``,
-    in the operations (and so the bits) of ``privacy.mechanisms.correlated_noise_slice``: a
-    sharded banded run adds the one-process run's noise bit for bit
+                    std: float, dtype, device: torch.device | str = "cpu",
+                    past: Sequence[Tensor | None] = ()) -> tuple[Tensor, Tensor | None]:
+    """``(noise, output)``: the unsharded run's noise of ``mechanism`` for the elements of
+    ``box``, and its unit output ``w_t`` to keep in the history (``None`` for independent noise).
+    Independent: :func:`shard_noise`. Banded: ``std * w_t`` with ``w_t`` the streaming step
+    (``privacy.mechanisms.correlated.next_output``) of the box's unit float64 draw and ``past``,
+    the box's earlier outputs, all on ``device``: the operations (and so the bits) of
+    ``privacy.mechanisms.correlated.streamed_noise`` on the whole parameter, cut to the box
     (``tests/test_mechanisms_sharded.py::test_mechanism_noise_of_a_box_is_the_unsharded_draw``)."""
     if mechanism.kind == "independent":
-        return shard_noise(name, shape, box, key=key, step=step, std=std, dtype=dtype, device=device)
-    size = tuple(b - a for a, b in box)
-    acc = torch.zeros(size, dtype=torch.float64)
-    if std != 0.0:
-        for j, coef in enumerate(mechanism.noising_coefficients(step + 1)):
-            acc.add_(shard_noise(name, shape, box, key=key, step=step - j, std=1.0, dtype=torch.float64).mul_(coef))
-        acc.mul_(std)
-    return acc.to(dtype).to(device)
+        return shard_noise(name, shape, box, key=key, step=step, std=std, dtype=dtype, device=device), None
+    z = shard_noise(name, shape, box, key=key, step=step, std=1.0, dtype=torch.float64, device=device)
+    output = next_output(mechanism, z, past)
+    return scaled(output, std, dtype), output
 
 
 def _clusters(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -104,17 +105,19 @@ class OwnedNoise:
     the unsharded run's draw for exactly those global indices (a fused view keeps the
     parameter's flat order, so the indices are the parameter's own). Drawn by :meth:`pop`, when
     the reduction adds it, so one parameter's noise is alive at a time, never the whole model's
-    (a full gradient's worth under DDP). The bits do not depend on the order of the draws: each
-    is a pure function of (key, step, name, index). Only the ``trainable`` ones exist when a
-    freezing schedule gives them: a frozen parameter gets none (``pop`` raises ``KeyError``),
-    and the others' bits are the same (noise is per parameter name). An audit's gradient
-    canaries (``DPConfig.canaries``) ride with the noise: those on the block's elements are added
-    to it (the one-process step adds them to the clipped sum: equal up to rounding)."""
+    (a full gradient's worth under DDP); a banded mechanism's unit output of each block is kept
+    for :meth:`history` (``b - 1`` of them are the state's ``noise_history``). The bits do not
+    depend on the order of the draws: each is a pure function of (key, step, name, index) and
+    the block's history. Only the ``trainable`` ones exist when a freezing schedule gives them:
+    a frozen parameter gets none (``pop`` raises ``KeyError``), and the others' bits are the
+    same (noise is per parameter name)."""
 
     def __init__(self, state: ShardedState, plan: ShardingPlan, comm: Comm, config: DPConfig,
                  trainable: Collection[str] | None = None):
         self.state, self.plan, self.comm, self.config = state, plan, comm, config
         self.names = frozenset(plan.params if trainable is None else (n for n in plan.params if n in trainable))
+        self.outputs: dict[str, Tensor] = {}
+        check_history(config.mechanism, state.noise_history)
 
     def pop(self, name: str) -> Tensor:
         """Parameter ``name``'s noise on this rank's optimizer-state block, shaped like that
@@ -124,8 +127,17 @@ class OwnedNoise:
         lay = self.plan.params[name]
         box = local_box(lay.shape, lay.opt_state, self.comm.mesh, self.comm.rank)
         held = self.state.params[name]
-        noise = mechanism_noise(self.config.mechanism, name, lay.shape, box, key=self.state.key, step=self.state.step,
-                                std=self.config.noise_std, dtype=held.dtype, device=held.device)
+        noise, output = mechanism_noise(self.config.mechanism, name, lay.shape, box, key=self.state.key,
+                                        step=self.state.step, std=self.config.noise_std, dtype=held.dtype,
+                                        device=held.device, past=past_outputs(self.state.noise_history, name))
+        if output is not None:
+            self.outputs[name] = output
         if self.config.canaries is not None:  # an audit's canaries on these elements, as the unsharded sum gets them
             self.config.canaries.add_box_(noise, name, lay.shape, box, self.state.step)
         return noise
+
+    def history(self) -> NoiseHistory:
+        """The state's ``noise_history`` after this step: the outputs drawn by :meth:`pop` first
+        (``privacy.mechanisms.correlated.advanced_history``); call it once every trainable
+        parameter has been popped."""
+        return advanced_history(self.state.noise_history, self.outputs)

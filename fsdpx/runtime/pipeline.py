@@ -226,17 +226,17 @@ class PipelineStep:
         self._sum_shared(raw)
         units = [Unit("", tuple(self.local_plan.params), ())]
         update = trainable_update(self.optimizer, self.donate, self.trainable)
+        noise = OwnedNoise(state, self.local_plan, self.group, self.config, self.now) if self.config else None
         new_params, opt_state, resident = reduce_and_update(raw, state, self.local_plan, self.group, units, update,
                                                             gradient_divisor(batch, self.config, self.num_examples),
-                                                            OwnedNoise(state, self.local_plan, self.group, self.config,
-                                                                       self.now) if self.config else None, self.now,
-                                                            self.replicas)
+                                                            noise, self.now, self.replicas)
         metrics = global_metrics(self.comm, run.stats(), self.config)
         metrics["comm_bytes"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
         metrics["resident_bytes"] = resident
         accountant = state.accountant.record(self.config.noise_multiplier, self.config.sample_rate) \
             if self.config else (None if state.accountant is None else state.accountant.record(0.0, 1.0))
-        return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
+        history = noise.history() if noise is not None else state.noise_history
+        return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant, history), metrics
 
     def all_reduce_norms(self, sq: Tensor) -> Tensor:
         """Each example's squared norm summed over the ranks sharing its examples: the pipeline

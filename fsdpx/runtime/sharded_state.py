@@ -24,6 +24,7 @@ from fsdpx.sharding.mesh import Mesh
 from fsdpx.sharding.pipeline import rank_plan
 from fsdpx.sharding.spec import Spec
 from privacy.accounting import Accountant
+from privacy.mechanisms.correlated import NoiseHistory, empty_history
 from privacy.step import DPConfig
 
 Params = dict[str, Tensor]
@@ -37,6 +38,8 @@ class ShardedState(NamedTuple):
     step: int
     key: int
     accountant: Accountant | None
+    # a banded mechanism's last outputs, each over the opt_state layout (privacy.mechanisms.correlated)
+    noise_history: NoiseHistory = ()
 
 
 # ckpt stores states without pickle, by registered type; it sits below the runtime, so the
@@ -59,7 +62,7 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
                  config: DPConfig | None = None, read: ReadBlock | None = None) -> ShardedState:
     """This rank's state before step 0, cut from the full ``params`` (every rank passes the same
     full values): parameters at rest, optimizer state initialised on the opt_state layout, each
-    in the plan's (view) shape. ``strategy``: a ``Strategy`` or a resolved ``ShardingPlan``; with
+    in the plan's (view) shape; a private ``config``'s empty noise history. ``strategy``: a ``Strategy`` or a resolved ``ShardingPlan``; with
     a pipeline, only the parameters of this rank's stages (``fsdpx.sharding.pipeline.rank_plan``).
 
     With ``read``, ``params`` give only shapes and dtypes (they may be on ``meta``) and each block
@@ -83,11 +86,12 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
                 at_opt[n] = at_rest[n][tuple(slice(c - a, d - a) for (a, _), (c, d) in zip(rest, opt))]
             else:
                 at_opt[n] = read(n, opt, lay.fused)
-    accountant = None
+    accountant, history = None, ()
     if config is not None:
         accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget,
                                 bands=config.mechanism.bands)
-    return ShardedState(at_rest, own_storage(optimizer.init(at_opt), at_rest), 0, key, accountant)
+        history = empty_history(config.mechanism)
+    return ShardedState(at_rest, own_storage(optimizer.init(at_opt), at_rest), 0, key, accountant, history)
 
 
 def own_storage(opt_state: Any, params: Params) -> Any:

@@ -183,16 +183,17 @@ def make_sharded_step(
         raw, stats = _local_grads(model, loss_fn, gatherer, tensor_parallel, local, config, norms)
         gatherer.finish()
         update = trainable_update(optimizer, donate, sets)
+        noise = OwnedNoise(state, plan, comm, config, names) if config else None
         new_params, opt_state, resident = reduce_and_update(raw, state, plan, comm, units, update,
                                                             gradient_divisor(batch, config, num_examples),
-                                                            OwnedNoise(state, plan, comm, config, names)
-                                                            if config else None, names, replicas)
+                                                            noise, names, replicas)
         metrics = global_metrics(comm, stats if counts else NO_STATS, config)
         metrics["comm_bytes"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
         metrics["resident_bytes"] = resident
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else (
             None if state.accountant is None else state.accountant.record(0.0, 1.0))  # plain: epsilon inf, as unsharded
-        return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant), metrics
+        history = noise.history() if noise is not None else state.noise_history
+        return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant, history), metrics
 
     return step
 

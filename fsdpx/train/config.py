@@ -312,8 +312,9 @@ def _check_mechanism(p: PrivacySettings) -> None:
     if p.noise_mechanism not in NOISE_MECHANISMS:
         raise ConfigError(f"noise_mechanism must be one of {NOISE_MECHANISMS}, got {p.noise_mechanism!r}")
     if p.noise_mechanism == "blt":
-        raise ConfigError("noise_mechanism \"blt\" (buffered Toeplitz) is not built yet; use --noise-mechanism banded"
-                          " --bands B")
+        raise ConfigError("noise_mechanism \"blt\" (buffered Toeplitz) is not built yet for training (its strategy,"
+                          " noise, sensitivity and optimiser are privacy.mechanisms.blt; its accounting under cyclic"
+                          " Poisson batches is not); use --noise-mechanism banded --bands B")
     if p.noise_mechanism == "banded":
         if p.bands is None or isinstance(p.bands, bool) or p.bands < 1:
             raise ConfigError(f"noise_mechanism \"banded\" needs --bands B (an integer >= 1), got bands={p.bands}")

@@ -146,6 +146,7 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
         current = last.noise_multiplier if last is not None and last.sample_rate == dp.sample_rate else None
         dp = _plan_noise(config, dp, acc, current=current)
         dp = continued_mechanism(dp, wrote, source)
+        check_noise_history(dp, state, source)
     entry = _entry(config, state.step, source, dp, new_fp, world, budget_changed_from=increased_from,
                    new_data=recorded is not None and recorded["data"] != new_fp["data"])
     resuming = config.checkpoints.resume or config.checkpoints.resume_if_present
@@ -198,6 +199,19 @@ def continued_mechanism(dp: DPConfig, wrote: Mapping[str, Any] | None, source: P
         raise MechanismChangeError(f"--noise-mechanism {words(dp.mechanism)}: the checkpoint's steps used"
                                    f" --noise-mechanism {words(used)}; the mechanism cannot change within a run")
     return dp if used == dp.mechanism else dataclasses.replace(dp, mechanism=used)
+
+
+def check_noise_history(dp: DPConfig, state: Any, source: Path) -> None:
+    """Raise :class:`MechanismChangeError` naming ``--noise-mechanism`` when the checkpoint's state
+    lacks the ``bands - 1`` past outputs its banded mechanism streams from
+    (``privacy.mechanisms.correlated``): a checkpoint saved before banded noise was streamed
+    cannot continue its noise
+    (``tests/test_train_mechanisms.py::test_a_checkpoint_without_the_noise_history_is_refused_by_flag``)."""
+    have, need = len(getattr(state, "noise_history", ())), dp.mechanism.bands - 1
+    if have != need:
+        raise MechanismChangeError(f"--noise-mechanism {dp.mechanism.kind}: the checkpoint {source} holds {have} past"
+                                   f" noise outputs, its mechanism streams from {need} (saved before banded noise was"
+                                   " streamed); it cannot be continued")
 
 
 def _entry(config: RunConfig, start: int, source: Path | None, dp: DPConfig | None, fp: dict[str, Any], world: int,

@@ -1,72 +1,133 @@
-"""The correlated noise of a matrix-factorization mechanism, regenerated, for any flat slice.
+"""The correlated noise of a banded mechanism, streamed: ``C w = z`` solved one step at a time.
 
-Step ``t``'s noise is ``w_t = sum_{k<=t} C^{-1}[t, k] z_k = sum_{j=0..t} d[j] z_{t-j}`` with
-``z_k`` the independent noise of step ``k`` (``privacy.noise.noise_slice``, ``step=k``) and ``d``
-the first column of the Toeplitz ``C^{-1}``. No ``z_k`` is stored: each is drawn again from its
-key, so the correlated noise of any flat range of any parameter is a pure function of
-``(mechanism, key, step, name, range)`` like today's noise, and a sharded run adds the
-unsharded run's bits (``tests/test_mechanisms.py::test_correlated_slices_concatenate_to_the_full_draw``).
+Step ``t``'s noise is ``w_t = (C^{-1} z)_t``, ``z_k`` the independent unit draw of step ``k``
+(``privacy.noise.noise_slice``, ``step=k``, float64). ``C`` is lower-triangular Toeplitz with
+``b`` bands (first column ``c``), so row ``t`` of ``C w = z`` reads
+``c_0 w_t + sum_{j=1..b-1} c_j w_{t-j} = z_t``, and
 
-Cost: ``C^{-1}`` of a banded ``C`` is dense, so step ``t`` draws ``t + 1`` slices: O(t) per
-step, O(n^2) over a run. That suits the small runs the tests and the benchmark make; a long run
-wants the streaming form (``b - 1`` stored outputs, or BLT buffers), which is not built.
+    w_t = (z_t - sum_{j=1..b-1} c_j w_{t-j}) / c_0
+
+needs ONE draw and the last ``b - 1`` outputs: O(b) work per element and step, whatever the
+step (``C^{-1}`` itself is dense). Those outputs are the :data:`NoiseHistory`, part of the train
+state (``TrainState.noise_history``, ``ShardedState.noise_history``): checkpointed with the run
+and laid out like the optimizer state (``ckpt.rules``), so a resume continues bit for bit in
+any layout.
+
+Every element takes the same float64 operations (a multiply, a subtract per band, a divide)
+whatever the shard, so a sharded run's noise is the unsharded run's bit for bit
+(``fsdpx.runtime.owned_noise.mechanism_noise``).
+
+Freezing: a parameter frozen at a step gets no noise and its history is dropped, so its noise
+restarts (zero history) when it trains again. Each run of consecutive trainable steps of a
+parameter is then the same banded mechanism started afresh: ``C`` is block-diagonal over those
+runs, its columns keep norm at most 1 and participations ``b`` apart still touch disjoint rows,
+so the sensitivity (``privacy.mechanisms.sensitivity``) is unchanged.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from privacy.noise import noise_slice
+from privacy.errors import PrivacyError
+from privacy.noise import gaussian_noise, noise_slice
 
 from .mechanism import Mechanism
 
+NoiseHistory = tuple[dict[str, Tensor], ...]
+"""A banded mechanism's past unit outputs: entry ``j`` maps a parameter's name to its
+``w_{t-1-j}`` (float64, shaped like the parameter or the rank's block of it), ``b - 1`` entries.
+A name absent from an entry has output 0 there (before its first step, or after a frozen step)."""
 
-def correlated_noise_slice(mechanism: Mechanism, name: str, numel: int, start: int, stop: int, *, key: int,
-                           step: int, std: float, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``std * sum_{j=0..step} d[j] z_{step-j}[start:stop]`` for flat elements ``[start, stop)``
-    of parameter ``name``, a 1-D CPU tensor of ``dtype``.
 
-    Each unit draw ``z_k`` is ``noise_slice(..., step=k, std=1.0, dtype=float64)``; the sum runs
-    from ``j = 0`` up, one multiply and one add per term, in float64, then ``* std`` and a
-    rounding to ``dtype``: every element takes the same operations wherever the slice is cut.
+def empty_history(mechanism: Mechanism) -> NoiseHistory:
+    """The history before step 0: ``bands - 1`` empty entries (``()`` for independent noise)."""
+    return tuple({} for _ in range(mechanism.bands - 1))
+
+
+def check_history(mechanism: Mechanism, history: NoiseHistory) -> None:
+    """Raise ``PrivacyError`` unless ``history`` has the mechanism's ``bands - 1`` entries: a
+    state saved before noise was streamed (no history) or by another mechanism would restart
+    the noise silently, so it is refused."""
+    if len(history) != mechanism.bands - 1:
+        raise PrivacyError(f"the state's noise_history has {len(history)} entries; the {mechanism.kind} mechanism of"
+                           f" {mechanism.bands} bands keeps {mechanism.bands - 1} (a state saved before banded noise"
+                           " was streamed, or by another mechanism, cannot continue it)")
+
+
+def past_outputs(history: NoiseHistory, name: str) -> list[Tensor | None]:
+    """Parameter ``name``'s ``w_{t-1}, ..., w_{t-b+1}`` (``None`` where it is 0)."""
+    return [entry.get(name) for entry in history]
+
+
+def next_output(mechanism: Mechanism, z: Tensor, past: Sequence[Tensor | None]) -> Tensor:
+    """``w_t = (z_t - sum_{j=1..b-1} c_j w_{t-j}) / c_0`` elementwise in float64, ``z`` the unit
+    draw of step ``t`` and ``past`` the outputs ``w_{t-1}, ..., w_{t-b+1}`` (``None``: 0).
 
     Formal Guarantees:
-      * Independent mechanism: exactly ``noise_slice(..., std=std, dtype=dtype)``, today's bits
-        (``test_independent_mechanism_is_todays_noise``).
-      * Partition invariance, as for ``noise_slice``: slices concatenate to the full draw bit
-        for bit (``test_correlated_slices_concatenate_to_the_full_draw``).
-      * Equals ``C^{-1}`` times the stacked unit draws ``z_0..z_t`` (dense product) to float64
-        rounding (``test_correlated_noise_is_the_inverse_strategy_times_the_draws``); its
-        covariance over keys is ``std^2 (C^{-1} C^{-T})[t, t']`` between steps ``t, t'``
-        (``test_correlated_noise_has_the_mechanisms_covariance``).
-    Edge cases: as ``noise_slice`` (``std == 0`` gives zeros; bad ranges raise ``ValueError``).
-    """
+      * Stepping from ``empty_history`` gives ``C^{-1}`` times the stacked draws (the dense
+        product) to float64 rounding
+        (``tests/test_mechanisms.py::test_streamed_noise_is_the_inverse_strategy_times_the_draws``);
+        its covariance over keys is ``(C^{-1} C^{-T})[t, t']``
+        (``test_streamed_noise_has_the_mechanisms_covariance``).
+      * Elementwise, in a fixed order of float64 operations: any block of the inputs gives the
+        same block of the output, bit for bit.
+    Edge cases: ``past`` longer than ``bands - 1`` raises ``ValueError``; a ``past`` shaped
+    unlike ``z`` raises torch's broadcasting error; a ``past`` on another device is read on
+    ``z``'s (a history loaded from a checkpoint), and the output is on ``z``'s."""
+    c = mechanism.coefficients
+    if len(past) > len(c) - 1:
+        raise ValueError(f"{len(past)} past outputs for a mechanism of {len(c)} bands (at most {len(c) - 1})")
+    acc = z.to(torch.float64)
+    for coef, w in zip(c[1:], past):
+        if w is not None:  # a history read from a checkpoint may still be on the host: moved to z's device
+            acc = acc - w.to(acc.device) * coef  # two roundings, no fused multiply-add: the same bits on every device
+    return acc / c[0]
+
+
+def advanced_history(history: NoiseHistory, outputs: Mapping[str, Tensor]) -> NoiseHistory:
+    """The history after a step whose outputs are ``outputs`` (the parameters that trained):
+    ``outputs`` first, then the older entries cut to those names (a frozen parameter's history
+    is dropped: see the module doc), the oldest entry falling off. ``()`` stays ``()``."""
+    if not history:
+        return ()
+    return (dict(outputs), *({n: t for n, t in entry.items() if n in outputs} for entry in history[:-1]))
+
+
+def streamed_noise(mechanism: Mechanism, params_like: Mapping[str, Tensor], history: NoiseHistory, *, key: int,
+                   step: int, std: float) -> tuple[dict[str, Tensor], NoiseHistory]:
+    """Step ``step``'s noise of every parameter of ``params_like`` and the history after it:
+    per name ``std * w_t`` (:func:`next_output` of the whole parameter's unit float64 draw, drawn
+    on its device), reshaped like it, rounded to its dtype. Reads names, shapes, dtypes and
+    devices only. ``history`` must be this mechanism's (``bands - 1`` entries); names it lacks
+    start from zero.
+
+    Formal Guarantees: for the independent mechanism, ``privacy.noise.gaussian_noise``'s bits
+    and ``()`` (``tests/test_mechanisms.py::test_independent_mechanism_is_todays_noise``); else
+    the noise of each name is the sharded
+    ``fsdpx.runtime.owned_noise.mechanism_noise`` of its blocks, concatenated, bit for bit
+    (``tests/test_mechanisms_sharded.py::test_mechanism_noise_of_a_box_is_the_unsharded_draw``);
+    ``std == 0`` gives zeros and still advances the history. Edge cases: a history of another
+    length raises :func:`check_history`'s ``PrivacyError``; bad ``std``, ``step`` or ``key`` as
+    ``noise_slice``."""
     if mechanism.kind == "independent":
-        return noise_slice(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got step={step}")
-    d = mechanism.noising_coefficients(step + 1)
-    acc = torch.zeros(stop - start, dtype=torch.float64)
-    if std == 0.0 or start == stop:
-        noise_slice(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)  # validates
-        return acc.to(dtype)
-    if not math.isfinite(std) or std < 0:
+        return gaussian_noise(dict(params_like), key=key, step=step, std=std), ()
+    check_history(mechanism, history)
+    noise, outputs = {}, {}
+    for name, t in params_like.items():
+        z = noise_slice(name, t.numel(), 0, t.numel(), key=key, step=step, std=1.0, dtype=torch.float64,
+                        device=t.device).view(t.shape)
+        outputs[name] = next_output(mechanism, z, past_outputs(history, name))
+        noise[name] = scaled(outputs[name], std, t.dtype)
+    return noise, advanced_history(history, outputs)
+
+
+def scaled(output: Tensor, std: float, dtype: torch.dtype) -> Tensor:
+    """``std * output`` in float64, rounded to ``dtype``: the noise a step adds. A negative or
+    non-finite ``std`` raises ``ValueError`` naming it."""
+    if not (math.isfinite(std) and std >= 0):
         raise ValueError(f"std must be finite and >= 0, got std={std}")
-    for j, coef in enumerate(d):
-        z = noise_slice(name, numel, start, stop, key=key, step=step - j, std=1.0, dtype=torch.float64)
-        acc.add_(z.mul_(coef))
-    return acc.mul_(std).to(dtype)
-
-
-def correlated_gaussian_noise(mechanism: Mechanism, params_like: dict[str, Tensor], *, key: int, step: int,
-                              std: float) -> dict[str, Tensor]:
-    """The mechanism's noise shaped like ``params_like``: per name the full
-    :func:`correlated_noise_slice`, reshaped, in the tensor's dtype and on its device. Reads
-    names, shapes, dtypes and devices only. For the independent mechanism, the bits of
-    ``privacy.noise.gaussian_noise``."""
-    return {name: correlated_noise_slice(mechanism, name, t.numel(), 0, t.numel(), key=key, step=step, std=std,
-                                         dtype=t.dtype).view(t.shape).to(t.device)
-            for name, t in params_like.items()}
+    return (output * std).to(dtype)

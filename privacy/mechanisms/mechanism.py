@@ -13,7 +13,8 @@ Kinds:
     (``c[0] > 0``), normalised to unit column norm so that its sensitivity per participation is 1.
     ``b = steps`` is the dense Toeplitz strategy of a small run.
 
-A buffered Toeplitz (BLT) kind is not built (``privacy.mechanisms`` refuses it by name).
+A buffered Toeplitz (BLT) strategy is data of its own (``privacy.mechanisms.blt``), not yet a
+kind the private step runs (``fsdpx train --noise-mechanism blt`` is refused by name).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import dataclasses
 import math
 
 from privacy.errors import PrivacyError
-
-from .toeplitz import inverse_coefficients
 
 KINDS = ("independent", "banded")
 
@@ -71,11 +70,6 @@ class Mechanism:
         """The largest column norm of ``C`` over any number of steps: 1.0 by normalisation
         (the first column holds every coefficient; later ones a prefix of them)."""
         return math.sqrt(math.fsum(x * x for x in self.coefficients))
-
-    def noising_coefficients(self, steps: int) -> tuple[float, ...]:
-        """The first column of ``C^{-1}`` over ``steps`` steps, float64: step ``t``'s noise is
-        ``sum_{j=0..t} d[j] z_{t-j}`` (``privacy.mechanisms.correlated``)."""
-        return inverse_coefficients(self.coefficients, steps)
 
     def to_dict(self) -> dict:
         """JSON types: ``{"kind": ..., "coefficients": [...]}``."""
