@@ -12,6 +12,7 @@ from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_box
 from fsdpx.sharding.plan import ShardingPlan
 from offload.checkpoint_form import Shapes, from_checkpoint, is_checkpoint_form, to_checkpoint
+from offload.zero_offload import per_parameter_counts
 
 from .config import RunConfig
 from .errors import RunFailure
@@ -49,6 +50,8 @@ def savable(state: Any, manager: ckpt.CheckpointManager | None = None) -> Any:
         return state
     if "selected" in opt:
         opt = to_checkpoint(opt, _blocks(manager))
+    elif "master" in opt and "inner" in opt:  # ZeRO-Offload: the same kind of count on every stage
+        opt = per_parameter_counts(opt)
     if isinstance(opt.get("metrics"), dict):
         opt = {**opt, "metrics": {k: type(v)() for k, v in opt["metrics"].items()}}
     return state._replace(opt_state=opt)
@@ -57,12 +60,28 @@ def savable(state: Any, manager: ckpt.CheckpointManager | None = None) -> Any:
 def restored(state: Any, fresh: Any) -> Any:
     """A loaded ``state`` ready to train: a ZenFlow optimizer state in its checkpoint form
     (:func:`savable`) turned back into this rank's runtime state, shaped and placed as in
-    ``fresh`` (the segment's ``init`` state); anything else as it is. Raises ``KeyError``
+    ``fresh`` (the segment's ``init`` state); per-parameter step counts cut to the parameters
+    this rank holds (:func:`_held_counts`); anything else as it is. Raises ``KeyError``
     naming a weight the checkpoint holds no ZenFlow state for."""
     opt = getattr(state, "opt_state", None)
-    if not is_checkpoint_form(opt):
+    if not isinstance(opt, dict):
         return state
-    return state._replace(opt_state=from_checkpoint(opt, fresh.opt_state))
+    if is_checkpoint_form(opt):
+        return state._replace(opt_state=from_checkpoint(opt, fresh.opt_state))
+    return state._replace(opt_state=_held_counts(opt, set(getattr(state, "params", None) or {})))
+
+
+def _held_counts(opt: dict, names: set[str]) -> dict:
+    """``opt`` with every per-parameter ``count`` (``{name: int}``, an optimizer under a
+    freezing schedule, or ZeRO-Offload's ``inner``) cut to the parameters this rank holds: a
+    pipeline checkpoint's tree lists every stage's counts, and a count this rank never updates
+    would differ from its stage's at the next save."""
+    out = dict(opt)
+    if isinstance(out.get("count"), dict):
+        out["count"] = {k: v for k, v in out["count"].items() if k in names}
+    if isinstance(out.get("inner"), dict):
+        out["inner"] = _held_counts(out["inner"], names)
+    return out
 
 
 def _blocks(manager: ckpt.CheckpointManager | None) -> Shapes:
