@@ -67,11 +67,14 @@ class Rule:
         index = mesh.index(rank, pipeline.axis)
         return any(s % pipeline.degree() == index for s in pipeline.param_stages[name])
 
-    def param_shape(self, path: str) -> tuple[int, ...] | None:
-        """The parameter's own shape when the plan stores ``path`` in a view of it, else None."""
+    def param_shape(self, path: str, ndim: int) -> tuple[int, ...] | None:
+        """The parameter's own shape when the plan stores ``path`` (an ``ndim``-dim tensor) in a
+        view of it, else None: a tensor not shaped like the layout (a per-column one, an index
+        list) is not a view of the parameter."""
         lay = self.layout(path)
-        per_column = path.startswith(COLUMNS)
-        return None if lay is None or lay.fused is None or per_column else lay.param_shape(lay.shape)
+        if lay is None or lay.fused is None or path.startswith(COLUMNS) or ndim != len(lay.shape):
+            return None
+        return lay.param_shape(lay.shape)
 
     def target_shape(self, path: str, stored: Sequence[int], param_shape: Sequence[int] | None) -> tuple[int, ...]:
         """The global shape a load lays ``path`` out in: the plan's view when it has one for

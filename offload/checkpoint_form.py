@@ -15,6 +15,8 @@ column of the weight. So the checkpoint form stores
   weight's shape, zero where they hold no column;
 * ``columns[w]``: one value per column, sharded as the weight's columns: ``count``, and as
   masks ``selected``, ``pending`` (with ``pending_count``) and ``stale`` (landed while frozen);
+* ``chosen[w]``: the weight's whole selection (sorted column indices, the same on every rank),
+  which the ``"auto"`` coverage rule reads where columns are split;
 * the non-weight parameters' device state and the scalars as they are.
 
 Every rank derives its runtime part back from its blocks (:func:`from_checkpoint`), so a
@@ -59,6 +61,7 @@ def to_checkpoint(state: State, shapes: Shapes) -> State:
     selected, unselected = state["selected"] or {}, state["unselected"] or {}
     pending = (state["pending"] or {}).get("result", {})
     stale = state.get("stale", {})
+    chosen = state.get("chosen", selected)
     host, columns, acc, results = {}, {}, {}, {}
     for k, h in state["host"].items():
         rows, cols = h["master"].shape
@@ -87,7 +90,8 @@ def to_checkpoint(state: State, shapes: Shapes) -> State:
         columns[k] = c
     device = {k: d for k, d in state["device"].items() if k not in state["host"]}
     return {**{f: state[f] for f in _SCALARS if f in state}, "has_selection": state["selected"] is not None,
-            "host": host, "device": device, "columns": columns, "acc": acc, "pending": results}
+            "host": host, "device": device, "columns": columns, "acc": acc, "pending": results,
+            "chosen": {k: v.clone() for k, v in chosen.items() if k in state["host"]}}
 
 
 def from_checkpoint(saved: State, like: State) -> State:
@@ -127,6 +131,8 @@ def from_checkpoint(saved: State, like: State) -> State:
             device[k] = saved["device"][k]
     trained = {k: v for k, v in saved.get("window_trained", {}).items() if k in like["host"]}
     extra = {**({"stale": stale} if stale else {}), **({"window_trained": trained} if trained else {})}
+    if "chosen" in like:  # columns split over ranks: the whole selections
+        extra["chosen"] = {k: v for k, v in saved["chosen"].items() if k in like["host"] and k in selected}
     return {**{f: saved[f] for f in _SCALARS if f in saved and f != "window_trained"}, **extra,
             "selected": selected if has_selection else None, "unselected": unselected if has_selection else None,
             "host": host, "device": device, "acc": acc, "pending": {"result": results} if results else None}

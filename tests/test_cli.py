@@ -235,8 +235,6 @@ def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
     (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3"], "--virtual-stages=2 needs an interleaved kind"),
     (["--pp", "2", "--virtual-stages", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b"],
      "4 pipeline stages but only 2 blocks: every stage needs a block"),
-    (["--pp", "2", "--strategy", "zero3", "--offload", "zenflow", "--offload-interval", "auto"],
-     '--offload-interval "auto" with --pp > 1 is not supported'),
     (["--pp", "2", "--strategy", "zero3", "--schedule", "interleaved_1f1b", "--n-layer", "4", "--virtual-stages",
       "2", "--microbatches", "3"], "multiple"),
     (["--tp", "2"], "error: --tp needs a strategy"),

@@ -476,8 +476,6 @@ class RunConfig:
                               " its examples from data_fn: drop eval_data")
         if layout.tp > 1 and model.kind == "gpt" and model.n_head % layout.tp:
             raise ConfigError(f"n_head={model.n_head} does not divide by tp={layout.tp}: a rank holds whole heads")
-        if (layout.tp > 1 or layout.pp > 1) and offload == "zenflow":
-            _check_zenflow_on_split_columns(self.offload, "tp" if layout.tp > 1 else "pp")
         if model.lora is not None:
             _check_lora(self)
         if layout.strategy is not None and self.privacy.private and self.privacy.method == "vmap":
@@ -577,17 +575,6 @@ def _check_sources(model: ModelSettings, data_: DataSettings, layout: Layout) ->
             raise ConfigError("sequence_parallel is for the built-in GPT")
     elif data_.kind == "python":
         raise ConfigError("data = \"python\" is data_fn's, with model = \"python\"")
-
-
-def _check_zenflow_on_split_columns(off: OffloadSettings, flag: str) -> None:
-    """ZenFlow with tensor or pipeline parallelism (``flag``) chooses its columns on fixed
-    intervals only: the ``"auto"`` rules' window statistics are not combined across a weight's
-    split columns, so they are refused by name."""
-    if off.offload_interval == "auto":
-        raise ConfigError(f"offload_interval \"auto\" with {flag} > 1 is not supported: give an integer window")
-    if off.offload_select_interval == "auto":
-        raise ConfigError(f"offload_select_interval \"auto\" with {flag} > 1 is not supported: give an integer"
-                          " or choose offload_select_strategy \"epoch\"")
 
 
 def _check_lora(config: RunConfig) -> None:
