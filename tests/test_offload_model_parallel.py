@@ -33,10 +33,12 @@ def _train(tmp_path, name: str, *extra: str) -> list[float]:
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--microbatches", "2"]], ids=["tp2", "pp2"])
 def test_zenflow_under_a_schedule_on_two_gloo_ranks_follows_one_process(tmp_path, layout):
     """Private, with a freezing schedule (a 2-D weight frozen mid-window: its landed columns
-    wait): ``--tp 2`` (row-parallel weights' columns split, selected on the whole vector) and
-    ``--pp 2`` (each stage its own weights) give the one-process losses (float32, rel 1e-5)."""
-    one = _train(tmp_path, "one", *ZENFLOW, *FREEZE)
-    two = _train(tmp_path, "two", *ZENFLOW, *FREEZE, "--strategy", "zero3", "--nproc", "2", *layout)
+    wait) and the ``"auto"`` intervals: ``--tp 2`` (row-parallel weights' columns split,
+    selected on the whole vector) and ``--pp 2`` (each stage its own weights; the window rule's
+    sums all-reduced over both stages) give the one-process losses (float32, rel 1e-5)."""
+    auto = [*ZENFLOW[:2], "--offload-topk", "0.25", "--offload-interval", "auto", "--offload-select-interval", "auto"]
+    one = _train(tmp_path, "one", *auto, *FREEZE)
+    two = _train(tmp_path, "two", *auto, *FREEZE, "--strategy", "zero3", "--nproc", "2", *layout)
     assert len(one) == 6 and two == pytest.approx(one, rel=1e-5)
 
 
