@@ -13,6 +13,8 @@
   run does (``offload.sharded``); ``layout_scores(comm, layouts)``: the same per weight, rows or
   columns split (tensor parallelism), ``weight_layouts(plan)`` giving each weight's layout;
   ``layout_stats(comm, plan)``: the ``"auto"`` window rule's sums over every rank's blocks.
+- ``offload.checkpoint_form``: a ZenFlow state as a checkpoint holds it, one selection per
+  weight in every layout (``to_checkpoint`` / ``from_checkpoint``).
 """
 
 from offload.auto import AutoConfig

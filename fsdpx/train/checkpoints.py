@@ -68,7 +68,8 @@ def restored(state: Any, fresh: Any) -> Any:
         return state
     if is_checkpoint_form(opt):
         return state._replace(opt_state=from_checkpoint(opt, fresh.opt_state))
-    return state._replace(opt_state=_held_counts(opt, set(getattr(state, "params", None) or {})))
+    names = set(getattr(state, "params", None) or {})
+    return state._replace(opt_state=_held_counts(opt, names)) if names else state
 
 
 def _held_counts(opt: dict, names: set[str]) -> dict:
