@@ -160,16 +160,37 @@ def test_pipelined_zenflow_selects_and_updates_as_the_unsharded_run(case, privat
     check_pipelined(case, private)
 
 
-@settings(max_examples=4, deadline=None)
-@given(st.data(), st.sampled_from(MESHES[:2]), st.booleans())
-def test_auto_intervals_decide_as_the_unsharded_run(data, case, private):
-    """``"auto"`` windows and reselections under tensor parallelism: each weight's window sums
-    are combined over its blocks on every rank (``offload.layout_stats``) and the coverage rule
-    reads the whole selection, so every rank closes each window and reselects when the
-    unsharded run does; selections and parameters are its own (rel 1e-10)."""
+@pytest.mark.parametrize("case", [MESHES[1], MESHES[3]], ids=["zero2_dp2_tp2", "ddp_dp2_tp2"])
+@settings(max_examples=2, deadline=None)
+@given(st.data(), st.booleans())
+def test_auto_intervals_decide_as_the_unsharded_run(case, data, private):
+    """``"auto"`` windows and reselections under tensor parallelism, over ZeRO's row blocks or
+    DDP's replicas (counted once): each weight's window sums are combined over its blocks on
+    every rank (``offload.layout_stats``) and the coverage rule reads the whole selection, so
+    every rank closes each window and reselects when the unsharded run does; selections and
+    parameters are its own (rel 1e-10)."""
     name, mesh = case
     model, batches = data.draw(problems(mesh.axis_size("tp")))
     check(model, batches, name, mesh, private, knobs=AUTO)
+
+
+@pytest.mark.parametrize("case", MESHES, ids=[f"{n}_{m}" for n, m in MESHES])
+def test_window_sums_count_each_block_of_a_weight_once(case):
+    """``offload.layout_stats``: every rank reports 1 for each weight it holds; each weight's
+    combined value is its number of distinct blocks (the product of the axes splitting its
+    optimizer state), never the replicas' (DDP's data axis, a weight not split over tp)."""
+    name, mesh = case
+    model = GPT(GPTConfig(vocab_size=8, block_size=2, n_layer=1, n_head=mesh.axis_size("tp"), n_embd=12)).to(F64)
+    plan = resolve(model, gpt_plan(model.config), strategies.ALL[name](), mesh)
+    layouts = offload.weight_layouts(plan)
+
+    def rank(comm):
+        return offload.layout_stats(comm, plan)({k: torch.ones(2, dtype=F64) for k in layouts})
+
+    for got in run_threads(mesh, rank, timeout=60):
+        for k, (spec, _, _) in layouts.items():
+            blocks = mesh.axis_size([a for d in range(spec.ndim) for a in spec.axes(d)])
+            assert got[k].tolist() == [blocks, blocks], k
 
 
 @settings(max_examples=3, deadline=None)
