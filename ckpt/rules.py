@@ -13,6 +13,11 @@ records the parameter's own shape too, and a load into another view (or none) re
 whole stored tensor. ``make_rule`` lets a mapping ``{path: Spec}`` override it for some paths,
 or a callable replace it.
 
+A tensor under ``opt_state/columns/`` (:data:`COLUMNS`) holds one value per column of its
+parameter (ZenFlow's per-column counts and selection masks, ``offload.checkpoint_form``): its
+dims are the parameter's trailing dims (those of the layout's shape whose product matches), and
+it follows those dims of the parameter's ``opt_state`` spec; without a plan it is replicated.
+
 The GLOBAL shape is never a rule: ``save`` infers it from all ranks' local shapes
 (``ckpt.boxes.global_shape``) and ``load`` reads it from the manifest (or the target view).
 """
@@ -29,6 +34,8 @@ from fsdpx.sharding.strategies import Strategy
 
 LIKE_OPT_STATE = ("opt_state", "noise_history")
 """The state's top-level keys whose tensors are laid out like the optimizer state."""
+COLUMNS = "opt_state/columns/"
+"""The path prefix of per-column tensors (see the module doc)."""
 
 SpecRule = Callable[[str, int], Spec]
 Specs = Union[None, Mapping[str, Spec], SpecRule]
@@ -64,16 +71,23 @@ class Rule:
         index = mesh.index(rank, pipeline.axis)
         return any(s % pipeline.degree() == index for s in pipeline.param_stages[name])
 
-    def param_shape(self, path: str) -> tuple[int, ...] | None:
-        """The parameter's own shape when the plan stores ``path`` in a view of it, else None."""
+    def param_shape(self, path: str, ndim: int) -> tuple[int, ...] | None:
+        """The parameter's own shape when the plan stores ``path`` (an ``ndim``-dim tensor) in a
+        view of it, else None: a tensor not shaped like the layout (a per-column one, an index
+        list) is not a view of the parameter."""
         lay = self.layout(path)
-        return None if lay is None or lay.fused is None else lay.param_shape(lay.shape)
+        if lay is None or lay.fused is None or path.startswith(COLUMNS) or ndim != len(lay.shape):
+            return None
+        return lay.param_shape(lay.shape)
 
     def target_shape(self, path: str, stored: Sequence[int], param_shape: Sequence[int] | None) -> tuple[int, ...]:
         """The global shape a load lays ``path`` out in: the plan's view when it has one for
         the path's parameter, else the parameter's own shape (``param_shape``, recorded when
         the checkpoint stored a view), else the stored shape."""
         lay = self.layout(path)
+        if lay is not None and path.startswith(COLUMNS):  # the layout's column dims holding as many values
+            return next((lay.shape[b:] for b in reversed(range(len(lay.shape)))
+                         if math.prod(lay.shape[b:]) == math.prod(stored)), tuple(stored))
         if lay is not None and math.prod(lay.shape) == math.prod(stored):  # shaped like the parameter
             return lay.shape
         return tuple(param_shape) if param_shape is not None else tuple(stored)
@@ -87,6 +101,8 @@ def strategy_rule(strategy: Layouts) -> Rule:
         if strategy is None:
             return Spec.replicated(ndim)
         top = path.split("/", 1)[0]
+        if path.startswith(COLUMNS):  # a strategy never splits a weight's columns
+            return Spec.replicated(ndim)
         if top == "params":
             return strategy.param_at_rest(ndim)
         if top in LIKE_OPT_STATE:
@@ -99,6 +115,8 @@ def strategy_rule(strategy: Layouts) -> Rule:
 def _plan_rule(plan: ShardingPlan) -> Rule:
     def rule(path: str, ndim: int) -> Spec:
         lay = holder.layout(path)
+        if lay is not None and path.startswith(COLUMNS) and 0 < ndim <= len(lay.shape):
+            return Spec(*lay.opt_state.dims[len(lay.shape) - ndim:])
         if lay is None or len(lay.shape) != ndim:
             return Spec.replicated(ndim)  # non-parameter state, or a tensor not shaped like one
         # (a load asks for the target shape's ndim: the view's when the tensor is parameter-shaped)

@@ -210,7 +210,7 @@ def rank_report(tmp: Path, rank: int, tree: Tree, tensors: dict[str, Tensor], ru
         "file": None if result is None else {"name": name, "size": result.size, "checksum": result.checksum},
         "tensors": {
             p: {"shape": list(t.shape), "dtype": fmt.dtype_name(t.dtype), "spec": repr(specs[p]),
-                "param_shape": rule.param_shape(p),
+                "param_shape": rule.param_shape(p, t.dim()),
                 "stored": None if result is None or p not in result.stored else vars(result.stored[p])}
             for p, t in tensors.items()
         },

@@ -11,13 +11,16 @@
   auto) as the steps ``zenflow`` counts (``offload.schedule``).
 - ``sharded_scores(comm, axes)``: ZenFlow on ZeRO-2/3 row shards, selecting as one unsharded
   run does (``offload.sharded``); ``layout_scores(comm, layouts)``: the same per weight, rows or
-  columns split (tensor parallelism), ``weight_layouts(plan)`` giving each weight's layout.
+  columns split (tensor parallelism), ``weight_layouts(plan)`` giving each weight's layout;
+  ``layout_stats(comm, plan)``: the ``"auto"`` window rule's sums over every rank's blocks.
+- ``offload.checkpoint_form``: a ZenFlow state as a checkpoint holds it, one selection per
+  weight in every layout (``to_checkpoint`` / ``from_checkpoint``).
 """
 
 from offload.auto import AutoConfig
 from offload.columns import column_scores, select_columns
 from offload.schedule import select_interval_steps, steps_per_epoch
-from offload.sharded import layout_scores, matrix_views, sharded_scores, weight_layouts
+from offload.sharded import layout_scores, layout_stats, matrix_views, sharded_scores, weight_layouts
 from offload.zenflow import element_state, master_params, materialize, zenflow
 from offload.zero_offload import zero_offload
 
@@ -26,6 +29,7 @@ __all__ = [
     "column_scores",
     "element_state",
     "layout_scores",
+    "layout_stats",
     "master_params",
     "materialize",
     "matrix_views",

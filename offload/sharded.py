@@ -23,7 +23,7 @@ from fsdpx.sharding.layout import local_box
 from fsdpx.sharding.mesh import as_axes
 from fsdpx.sharding.plan import ShardingPlan
 from fsdpx.sharding.spec import Spec
-from offload.zenflow import CombineScores, LocalColumns
+from offload.zenflow import CombineScores, CombineStats, LocalColumns
 
 
 def sharded_scores(comm: Comm, axes: str | tuple[str, ...]) -> CombineScores:
@@ -116,6 +116,46 @@ def layout_scores(comm: Comm, layouts: Mapping[str, tuple[Spec, tuple[int, ...],
         return every[tuple(slice(s, e) for s, e in box)].reshape(-1)
 
     return combine, local_columns
+
+
+def layout_stats(comm: Comm, sharding: ShardingPlan) -> CombineStats:
+    """``combine_stats`` for ``offload.zenflow`` under a sharding plan (tensor and pipeline
+    parallelism, ZeRO's data axes): every weight's sums over all ranks' blocks, each block
+    counted once, for every 2-D weight of the plan in its order (the unsharded run's). A rank
+    contributes the weights it holds and trains where it is the first replica of its block (the
+    first stage holding the weight, coordinate 0 on every axis that does not split it); one
+    all-reduce over the whole mesh of ``2 * weights`` float64 values per call, so every rank of
+    every stage gets the same bits and makes the same ``"auto"`` window decision.
+
+    Guarantee (``property_tests/test_zenflow_model_parallel.py::
+    test_auto_intervals_decide_as_the_unsharded_run``): each weight's sums are its unsharded
+    sums up to float64 rounding of the block sums; a frozen weight's are 0."""
+    layouts = weight_layouts(sharding)
+    names = list(layouts)
+    pipeline = sharding.pipeline
+    coords = comm.mesh.coords(comm.rank)
+
+    def first_replica(name: str) -> bool:
+        split = {a for d in range(layouts[name][0].ndim) for a in layouts[name][0].axes(d)}
+        stage = None if pipeline is None else pipeline.axis
+        if stage is not None and min(s % pipeline.degree() for s in pipeline.param_stages[name]) != coords[stage]:
+            return False
+        return all(c == 0 for a, c in coords.items() if a not in split and a != stage)
+
+    counted = {n for n in names if first_replica(n)}
+
+    def combine(local: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        width = len(next(iter(local.values()))) if local else 2
+        out = torch.zeros((len(names), width), dtype=torch.float64)
+        for i, n in enumerate(names):
+            if n in local and n in counted:
+                out[i] = local[n]
+        every = Spec(None, None, partial=comm.mesh.axis_names)
+        for c in plan(every, Spec(None, None), tuple(out.shape), comm.mesh, torch.float64):
+            out = comm.run(c, out)
+        return {n: out[i] for i, n in enumerate(names)}
+
+    return combine
 
 
 def weight_layouts(plan: ShardingPlan) -> dict[str, tuple[Spec, tuple[int, ...], int]]:

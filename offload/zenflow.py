@@ -162,6 +162,10 @@ State = dict[str, Any]
 CombineScores = Callable[[str, Tensor], Tensor]
 """``(weight name, this rank's row sums) -> the sums over every rank's rows`` (float64 vectors):
 with columns split over ranks too, the whole vector of every column's sum."""
+CombineStats = Callable[[Mapping[str, Tensor]], Mapping[str, Tensor]]
+"""``{weight name: this rank's float64 vector of sums over its block}`` (the weights it holds and
+trains) ``-> {weight name: the sums over every rank's blocks}`` for every weight of the model, in
+the unsharded run's order (an all-reduce: ``offload.layout_stats``)."""
 LocalColumns = Callable[[str], Tensor]
 """``weight name -> sorted LongTensor``: the columns this rank holds, as indices into
 ``CombineScores``' vector (its own columns in order)."""
@@ -386,6 +390,7 @@ _ASYNC_ON_CPU = False
 _SUM_JOB = "window_sum_job"  # state key, only while a window-sum job is in flight
 _BUFFERS = "window_sum_buffers"  # donated state key: {"free": {name: T}, "busy": {name: T}} (materialize drops it)
 _STALE = "stale"  # state key, only while a frozen weight holds landed columns: {name: host cols}
+_CHOSEN = "chosen"  # state key with local_columns: {name: the weight's whole selection, sorted global indices}
 _TRAINED = "window_trained"  # state key, only while a weight trained fewer steps than the window: {name: steps}
 
 
@@ -469,6 +474,7 @@ def zenflow(
     full_warm_up_rounds: int = 0,
     local_columns: LocalColumns | None = None,
     matrices: Mapping[str, int] | None = None,
+    combine_stats: CombineStats | None = None,
 ) -> Optimizer:
     """ZenFlow selective update around the elementwise optimizer ``inner`` (default
     ``adamw(lr=1e-3)``); semantics in the module docstring.
@@ -494,8 +500,12 @@ def zenflow(
       - With columns split too (tensor parallelism: ``combine_scores`` returns every column's
         score, ``local_columns`` this rank's range of them), the top-k is chosen on the whole
         vector and each rank keeps the chosen columns it holds: the unsharded run's selection,
-        cut (``property_tests/test_zenflow_model_parallel.py``). Fixed intervals only: the
-        ``"auto"`` rules with ``local_columns`` raise ``ValueError``. ``matrices``: ``{name: b}``
+        cut (``property_tests/test_zenflow_model_parallel.py``). The ``"auto"`` rules then read
+        the unsharded run's statistics: the coverage rule the whole score vector and the
+        weight's whole selection (kept under ``state["chosen"]``), the window rule every
+        weight's sums over all ranks' blocks, combined by ``combine_stats`` (required with
+        ``update_interval="auto"`` and ``local_columns``; the sums are added in the unsharded
+        order: ``test_auto_intervals_decide_as_the_unsharded_run``). ``matrices``: ``{name: b}``
         for a parameter whose tensor is a view (a tensor-parallel plan's fused ``[3, n, in]`` of
         a ``[3n, in]`` weight): its dims before ``b`` are the weight's rows, the rest its
         columns, and ZenFlow treats it as that matrix, as the unsharded run does; ``b = 0``: not
@@ -527,9 +537,9 @@ def zenflow(
         raise ValueError(f"select_interval ({select_interval}) must be a multiple of update_interval "
                          f"({update_interval}) so that every reselection falls on a window end")
     check_config(auto)
-    if local_columns is not None and "auto" in (select_interval, update_interval):
-        raise ValueError("the \"auto\" intervals are not supported with columns split over ranks (local_columns):"
-                         " give select_interval and update_interval as ints")
+    if local_columns is not None and update_interval == "auto" and combine_stats is None:
+        raise ValueError("update_interval=\"auto\" with columns split over ranks (local_columns) needs"
+                         " combine_stats: the window rule reads every weight's sums over all ranks")
     if not (isinstance(full_warm_up_rounds, int) and not isinstance(full_warm_up_rounds, bool)
             and full_warm_up_rounds >= 0):
         raise ValueError(f"full_warm_up_rounds must be an int >= 0, got {full_warm_up_rounds!r}")
@@ -574,6 +584,7 @@ def zenflow(
             "since_selection": 0,
             "pending": None,  # delay=1: {"result": Future | {name: host result}}
             "metrics": {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0},
+            **({_CHOSEN: {}} if local_columns is not None else {}),  # {name: the whole selection, global indices}
         }
 
     def update(grads: Params, state: State, params: Params) -> tuple[Params, State]:
@@ -611,9 +622,11 @@ def zenflow(
 
         # A weight's first selection is made at its first trained step, from that step's gradient.
         selected, unselected = dict(state["selected"] or {}), dict(state["unselected"] or {})
+        chosen = dict(state.get(_CHOSEN, {}))
         for k in host:
             if k in grads and k not in selected:
-                sel = choose(k, grads[k])
+                chosen[k] = choose(k, grads[k])
+                sel = local_part(k, chosen[k])
                 host[k], device[k] = _handover(host[k], device[k], sel[:0], sel, metrics)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
 
@@ -649,6 +662,7 @@ def zenflow(
         sum_job = state.get(_SUM_JOB)
         trained = {} if opening else dict(state.get(_TRAINED, {}))  # steps trained, where fewer than the window's
         adds = []
+        local_stats: dict[str, Tensor] = {}
         for k in host:
             if k in frozen:
                 if k in acc:  # its window sum waits; it trained fewer steps than the window
@@ -684,10 +698,17 @@ def zenflow(
                 # added on the host: the same one rounding per element as the pass above.
                 g = to_host(gather_columns(grads[k], uns.to(grads[k].device))).to(host[k]["master"].dtype)
                 acc[k] = acc[k].add_(g) if in_place_sum else g if first else acc[k] + g
-                if update_interval == "auto":
+                if update_interval == "auto" and combine_stats is not None:
+                    local_stats[k] = torch.stack([g.double().square().sum(), acc[k].double().square().sum()])
+                elif update_interval == "auto":
                     g_sq, s_sq = window_stats(k, g, acc[k])
                     window_sq += g_sq
                     norm_sq_of_sum += s_sq
+        if update_interval == "auto" and combine_stats is not None:  # every weight's, in the unsharded order
+            for v in combine_stats(local_stats).values():
+                g_sq, s_sq = v.tolist()
+                window_sq += g_sq
+                norm_sq_of_sum += s_sq
         if adds:
             sum_job = worker.submit(_add_to_window_sum, adds)
         window_steps, since = state["window_steps"] + 1, since + 1
@@ -699,10 +720,11 @@ def zenflow(
             closing = window_steps == update_interval
         pending = state["pending"]
         if closing:
-            reselect = _reselection(grads, selected, since)
+            reselect = _reselection(grads, selected, chosen, since)
             if reselect is not None and select_interval != "auto":
                 since = 0
-            reselect = reselect or {}
+            chosen.update(reselect or {})
+            reselect = {k: local_part(k, glob) for k, glob in (reselect or {}).items()}
             # A donated, overlapped delay=1 window end without reselection reads no host column on
             # the loop: the landed window's master and slots are written into the host state by the
             # background thread, just before it gathers the next window's inputs (materialize waits
@@ -757,6 +779,8 @@ def zenflow(
             acc, window_steps, window_sq, trained = {}, 0, 0.0, {}
 
         extra = {_SUM_JOB: sum_job} if sum_job is not None else {}
+        if local_columns is not None:
+            extra[_CHOSEN] = chosen
         if reuse:
             extra[_BUFFERS] = {"free": free, "busy": busy}
         if stale:
@@ -764,7 +788,7 @@ def zenflow(
         if trained:
             extra[_TRAINED] = trained
         return new_params, {
-            **{f: v for f, v in state.items() if f not in (_SUM_JOB, _BUFFERS, _STALE, _TRAINED)},
+            **{f: v for f, v in state.items() if f not in (_SUM_JOB, _BUFFERS, _STALE, _TRAINED, _CHOSEN)},
             **extra,
             "step": state["step"] + 1,
             "selected": selected,
@@ -785,13 +809,16 @@ def zenflow(
         return local if combine_scores is None else combine_scores(name, local)
 
     def choose(name: str, grad: Tensor) -> Tensor:
-        """The selected columns of weight ``name`` this rank holds (sorted host indices): the
-        top-k of the scores over all its rows and columns."""
-        sel = select_columns(scores_of(name, grad), topk_ratio).to(HOST)
+        """The selected columns of weight ``name`` (sorted host indices into the whole score
+        vector): the top-k of the scores over all its rows and columns."""
+        return select_columns(scores_of(name, grad), topk_ratio).to(HOST)
+
+    def local_part(name: str, glob: Tensor) -> Tensor:
+        """The columns of the selection ``glob`` this rank holds, as indices into its block."""
         if local_columns is None:
-            return sel
+            return glob
         held = local_columns(name)
-        return torch.searchsorted(held, sel[torch.isin(sel, held)])
+        return torch.searchsorted(held, glob[torch.isin(glob, held)])
 
     def window_stats(name: str, g: Tensor, acc: Tensor) -> tuple[float, float]:
         """``(|g|^2, |acc|^2)`` of weight ``name``'s unselected columns over all its rows."""
@@ -801,8 +828,9 @@ def zenflow(
         g_sq, s_sq = local.tolist()
         return g_sq, s_sq
 
-    def _reselection(grads: Params, selected: dict, since: int) -> dict[str, Tensor] | None:
-        """New selections of the weights that reselect at this window end (``None``: not due)."""
+    def _reselection(grads: Params, selected: dict, chosen: dict, since: int) -> dict[str, Tensor] | None:
+        """New selections (global indices) of the weights that reselect at this window end
+        (``None``: not due). ``chosen``: the weights' whole selections where columns are split."""
         if select_interval != "auto":
             if since < select_interval:
                 return None
@@ -813,7 +841,8 @@ def zenflow(
                 continue
             scores = scores_of(k, grads[k])
             best = select_columns(scores, topk_ratio)
-            captured = scores[sel.to(scores.device)].sum().item()
+            whole = chosen[k] if local_columns is not None else sel
+            captured = scores[whole.to(scores.device)].sum().item()
             if reselect_due(captured, scores[best].sum().item(), auto):
                 out[k] = best.to(HOST)
         return out

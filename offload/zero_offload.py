@@ -88,3 +88,16 @@ def zero_offload(inner: Optimizer) -> Optimizer:
         return new_params, {"master": master, "inner": inner_state, "metrics": metrics}
 
     return Optimizer(init, update, update_inplace, partial_grads=True)
+
+
+def per_parameter_counts(state: State) -> State:
+    """``state`` (``zero_offload``'s) with ``inner``'s ``count`` one per parameter
+    (``{name: count}``; already so once a parameter was frozen). Continuing from it gives the
+    same bits (``update_trainable`` with every count equal is one ``inner`` update), and under
+    a freezing schedule every pipeline stage's state then holds the same kind of count, whether
+    or not its own weights were frozen yet: what a checkpoint of the stages together needs
+    (``tests/test_offload_model_parallel.py::test_zero_offload_under_a_schedule_with_model_parallelism_resumes_bit_for_bit``)."""
+    count = state["inner"].get("count") if isinstance(state.get("inner"), dict) else None
+    if not isinstance(count, int):
+        return state
+    return {**state, "inner": {**state["inner"], "count": dict.fromkeys(state["master"], count)}}

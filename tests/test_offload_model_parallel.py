@@ -33,23 +33,43 @@ def _train(tmp_path, name: str, *extra: str) -> list[float]:
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--microbatches", "2"]], ids=["tp2", "pp2"])
 def test_zenflow_under_a_schedule_on_two_gloo_ranks_follows_one_process(tmp_path, layout):
     """Private, with a freezing schedule (a 2-D weight frozen mid-window: its landed columns
-    wait): ``--tp 2`` (row-parallel weights' columns split, selected on the whole vector) and
-    ``--pp 2`` (each stage its own weights) give the one-process losses (float32, rel 1e-5)."""
-    one = _train(tmp_path, "one", *ZENFLOW, *FREEZE)
-    two = _train(tmp_path, "two", *ZENFLOW, *FREEZE, "--strategy", "zero3", "--nproc", "2", *layout)
+    wait) and the ``"auto"`` intervals: ``--tp 2`` (row-parallel weights' columns split,
+    selected on the whole vector) and ``--pp 2`` (each stage its own weights; the window rule's
+    sums all-reduced over both stages) give the one-process losses (float32, rel 1e-5)."""
+    auto = [*ZENFLOW[:2], "--offload-topk", "0.25", "--offload-interval", "auto", "--offload-select-interval", "auto"]
+    one = _train(tmp_path, "one", *auto, *FREEZE)
+    two = _train(tmp_path, "two", *auto, *FREEZE, "--strategy", "zero3", "--nproc", "2", *layout)
     assert len(one) == 6 and two == pytest.approx(one, rel=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--microbatches", "2"]], ids=["tp2", "pp2"])
-def test_zero_offload_with_model_parallelism_resumes_from_its_checkpoint(tmp_path, layout):
-    """ZeRO-Offload's state is per parameter, so a ``--tp 2`` or ``--pp 2`` run checkpoints and
-    resumes as any sharded run does: the resumed losses are the straight run's, bit for bit.
-    (Without a freezing schedule: its per-parameter counts differ between pipeline stages, which
-    a checkpoint's non-tensor state may not.)"""
-    two = ["--offload", "zero", "--strategy", "zero3", "--nproc", "2", *layout]
-    straight = _train(tmp_path, "straight", *two)
-    ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "3"]
-    _train(tmp_path, "resumed", *two, *ck, "--steps", "3")
-    resumed = _train(tmp_path, "resumed", *two, *ck, "--resume")
-    assert resumed == straight and len(straight) == 6
+def test_zero_offload_under_a_schedule_with_model_parallelism_resumes_bit_for_bit(tmp_path, layout):
+    """ZeRO-Offload's state is per parameter, so a ``--tp 2`` or ``--pp 2`` run under a freezing
+    schedule that freezes the first stage's weights only checkpoints and resumes as any sharded
+    run does: the stages' counts are saved one per parameter (``offload.zero_offload.
+    per_parameter_counts``) and each rank keeps its own stage's on loading; a run branched from
+    step 3 gives the straight run's losses bit for bit and saves its own step 6."""
+    two = ["--offload", "zero", "--freeze", "blocks.0.mlp.fc@2-5", "--strategy", "zero3", "--nproc", "2", *layout]
+    straight = _train(tmp_path, "straight", *two, "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "3")
+    branch = _train(tmp_path, "branch", *two, "--resume-from", str(tmp_path / "ck" / "step_3"))
+    assert branch == straight and len(straight) == 6
+    assert (tmp_path / "branch" / "ckpt" / "step_6").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2", "--microbatches", "2"]], ids=["tp2", "pp2"])
+def test_zenflow_with_model_parallelism_resumes_bit_for_bit(tmp_path, layout):
+    """ZenFlow's checkpoint under ``--tp 2`` / ``--pp 2`` (private, a freezing schedule) holds the
+    in-flight window at step 3 (interval 2: a window sum open, the last window's host result in
+    flight) as one global selection per weight (``offload.checkpoint_form``): a run branched
+    from it in the same layout gives the straight run's losses bit for bit, and one process
+    resumes from it too (float32, rel 1e-5: another layout sums in another order)."""
+    two = [*ZENFLOW, *FREEZE, "--strategy", "zero3"]
+    straight = _train(tmp_path, "straight", *two, "--nproc", "2", *layout, "--ckpt-dir", str(tmp_path / "ck"),
+                      "--ckpt-every", "3")
+    from_ck = ["--resume-from", str(tmp_path / "ck" / "step_3")]
+    branch = _train(tmp_path, "branch", *two, "--nproc", "2", *layout, *from_ck)
+    one = _train(tmp_path, "one", *two, *from_ck)
+    assert len(straight) == 6 and branch == straight
+    assert one[:3] == straight[:3] and one == pytest.approx(straight, rel=1e-5)

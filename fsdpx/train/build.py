@@ -175,7 +175,8 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
     what one unsharded run would; with tensor or pipeline parallelism (``plan``, the run's
     resolved layout) each weight by its own layout (``offload.layout_scores``: a row-parallel
     weight's scores also gathered over ``tp``, the top-k chosen on the whole vector, each rank
-    keeping the chosen columns it holds; a pipeline stage's weights among its own ranks).
+    keeping the chosen columns it holds; a pipeline stage's weights among its own ranks; the
+    ``"auto"`` window rule's sums over every rank's blocks, ``offload.layout_stats``).
     ZenFlow's knobs (``config.offload``) are resolved by
     :mod:`offload.schedule`, an epoch being ``steps_per_epoch(sample_rate)`` steps; a
     combination it refuses is a :class:`ConfigError` naming the settings, raised before any
@@ -186,12 +187,13 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
         return offload.zero_offload(inner)
     if off.kind == "none":
         return inner
-    combine, columns, views = None, None, None
+    combine, columns, views, stats = None, None, None, None
     layout = config.parallelism
     if comm is not None and plan is not None and (layout.tp > 1 or layout.pp > 1):
         stages = plan.pipeline.axis if plan.pipeline is not None else None
         combine, columns = offload.layout_scores(comm, offload.weight_layouts(plan), stage_axis=stages)
         views = offload.matrix_views(plan)
+        stats = offload.layout_stats(comm, plan)
     elif comm is not None:
         rows = layout.data_parallel().opt_state(2).axes(0)  # the axes a weight's rows are split over
         combine = offload.sharded_scores(comm, rows) if rows else None
@@ -204,7 +206,7 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
     return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=off.offload_interval,
                            select_interval=select, overlap=off.offload_overlap_step,
                            full_warm_up_rounds=off.offload_full_warm_up_rounds, combine_scores=combine,
-                           local_columns=columns, matrices=views)
+                           local_columns=columns, matrices=views, combine_stats=stats)
 
 
 def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:

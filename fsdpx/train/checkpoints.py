@@ -9,6 +9,10 @@ from typing import Any
 import ckpt
 import offload
 from fsdpx.sharding.comm import Comm
+from fsdpx.sharding.layout import local_box
+from fsdpx.sharding.plan import ShardingPlan
+from offload.checkpoint_form import Shapes, from_checkpoint, is_checkpoint_form, to_checkpoint
+from offload.zero_offload import per_parameter_counts
 
 from .config import RunConfig
 from .errors import RunFailure
@@ -30,21 +34,68 @@ def checkpoint_manager(config: RunConfig, comm: Comm | None, *, private: bool,
                                   every_n_steps=c.ckpt_every, private=private)
 
 
-def savable(state: Any) -> Any:
-    """``state`` with any in-flight ZenFlow host window finished and folded in, and an
+def savable(state: Any, manager: ckpt.CheckpointManager | None = None) -> Any:
+    """``state`` as a checkpoint holds it: a ZenFlow state with any in-flight host window
+    finished, in its checkpoint form (``offload.checkpoint_form``: every tensor this rank's
+    block of a weight-shaped or per-column one, in ``manager``'s layout, so a tensor- or
+    pipeline-parallel run's per-rank selections are one global selection per weight), and an
     offloading optimizer's last-step ``metrics`` (seconds and bytes each rank measured for its
     own loop and shard, so they differ between ranks) zeroed: plain data, the same on every
-    rank, that a checkpoint can hold; training continues bit for bit from it (the metrics are
+    rank; training continues bit for bit from it after :func:`restored` (the metrics are
     reported, never read by the update:
-    ``tests/test_train_resume.py::test_sharded_zero3_run_resumes_bit_for_bit``)."""
+    ``tests/test_train_resume.py::test_sharded_zero3_run_resumes_bit_for_bit``,
+    ``tests/test_offload_model_parallel.py::test_zenflow_with_model_parallelism_resumes_bit_for_bit``)."""
     opt = state.opt_state
     if not isinstance(opt, dict):
         return state
     if "selected" in opt:
-        opt = offload.materialize(opt)
+        opt = to_checkpoint(opt, _blocks(manager))
+    elif "master" in opt and "inner" in opt:  # ZeRO-Offload: the same kind of count on every stage
+        opt = per_parameter_counts(opt)
     if isinstance(opt.get("metrics"), dict):
         opt = {**opt, "metrics": {k: type(v)() for k, v in opt["metrics"].items()}}
     return state._replace(opt_state=opt)
+
+
+def restored(state: Any, fresh: Any) -> Any:
+    """A loaded ``state`` ready to train: a ZenFlow optimizer state in its checkpoint form
+    (:func:`savable`) turned back into this rank's runtime state, shaped and placed as in
+    ``fresh`` (the segment's ``init`` state); per-parameter step counts cut to the parameters
+    this rank holds (:func:`_held_counts`); anything else as it is. Raises ``KeyError``
+    naming a weight the checkpoint holds no ZenFlow state for."""
+    opt = getattr(state, "opt_state", None)
+    if not isinstance(opt, dict):
+        return state
+    if is_checkpoint_form(opt):
+        return state._replace(opt_state=from_checkpoint(opt, fresh.opt_state))
+    names = set(getattr(state, "params", None) or {})
+    return state._replace(opt_state=_held_counts(opt, names)) if names else state
+
+
+def _held_counts(opt: dict, names: set[str]) -> dict:
+    """``opt`` with every per-parameter ``count`` (``{name: int}``, an optimizer under a
+    freezing schedule, or ZeRO-Offload's ``inner``) cut to the parameters this rank holds: a
+    pipeline checkpoint's tree lists every stage's counts, and a count this rank never updates
+    would differ from its stage's at the next save."""
+    out = dict(opt)
+    if isinstance(out.get("count"), dict):
+        out["count"] = {k: v for k, v in out["count"].items() if k in names}
+    if isinstance(out.get("inner"), dict):
+        out["inner"] = _held_counts(out["inner"], names)
+    return out
+
+
+def _blocks(manager: ckpt.CheckpointManager | None) -> Shapes:
+    """Each weight's block shape and where its columns start on this rank, from the manager's
+    plan (a view of a fused weight included); ``{}`` without one (every weight a plain matrix)."""
+    plan = None if manager is None else manager.strategy
+    if not isinstance(plan, ShardingPlan):
+        return {}
+    out = {}
+    for name, (spec, shape, b) in offload.weight_layouts(plan).items():
+        box = local_box(shape, spec, manager.mesh, manager.coordinator.rank)
+        out[name] = (tuple(e - s for s, e in box), b)
+    return out
 
 
 def newest_checkpoint(manager: ckpt.CheckpointManager | None) -> Path | None:

@@ -499,14 +499,6 @@ class RunConfig:
                               " its examples from data_fn: drop eval_data")
         if layout.tp > 1 and model.kind == "gpt" and model.n_head % layout.tp:
             raise ConfigError(f"n_head={model.n_head} does not divide by tp={layout.tp}: a rank holds whole heads")
-        if (layout.tp > 1 or layout.pp > 1) and offload == "zenflow":
-            _check_zenflow_on_split_columns(self.offload, "tp" if layout.tp > 1 else "pp", self.checkpoints)
-        if layout.pp > 1 and offload == "zero" and self.run.freeze and self.checkpoints.ckpt_dir is not None:
-            # each stage's ZeRO-Offload state counts the steps of its own weights: a freezing
-            # schedule makes the stages' counts differ, which one checkpoint cannot hold yet
-            raise ConfigError("freeze with offload \"zero\", pp > 1 and ckpt_dir is not supported yet: the stages'"
-                              " per-weight step counts differ and the checkpoint format keeps one (drop ckpt_dir or the"
-                              " freezing schedule, or use offload \"none\")")
         if model.lora is not None:
             _check_lora(self)
         if self.privacy.audit_canaries is not None and (model.lora is not None or self.run.freeze):
@@ -610,23 +602,6 @@ def _check_sources(model: ModelSettings, data_: DataSettings, layout: Layout) ->
             raise ConfigError("sequence_parallel is for the built-in GPT")
     elif data_.kind == "python":
         raise ConfigError("data = \"python\" is data_fn's, with model = \"python\"")
-
-
-def _check_zenflow_on_split_columns(off: OffloadSettings, flag: str, checkpoints: CheckpointSettings) -> None:
-    """ZenFlow with tensor or pipeline parallelism (``flag``) chooses its columns on fixed
-    intervals only: the ``"auto"`` rules' window statistics are not combined across a weight's
-    split columns, so they are refused by name. Its checkpoints are refused too: each rank's
-    selection is its own part of the weight's (a row-parallel weight's columns, a stage's
-    weights), which the checkpoint format, keeping one selection per weight, cannot hold yet."""
-    if checkpoints.ckpt_dir is not None:
-        raise ConfigError(f"ckpt_dir with offload \"zenflow\" and {flag} > 1 is not supported yet: ZenFlow's"
-                          " per-rank column selection is not in the checkpoint format (drop ckpt_dir, or use"
-                          " offload \"zero\", or a data-parallel strategy alone)")
-    if off.offload_interval == "auto":
-        raise ConfigError(f"offload_interval \"auto\" with {flag} > 1 is not supported: give an integer window")
-    if off.offload_select_interval == "auto":
-        raise ConfigError(f"offload_select_interval \"auto\" with {flag} > 1 is not supported: give an integer"
-                          " or choose offload_select_strategy \"epoch\"")
 
 
 def _check_lora(config: RunConfig) -> None:

@@ -320,7 +320,7 @@ def _save(manager: Any, state: Any, step: int, *, force: bool = False) -> None:
     ``RunFailure``: the run stops at ``step``, the newest intact checkpoint named
     (``tests/test_fault_injection.py``: a disk that fills up)."""
     try:
-        manager.save(step, savable(state), force=force, blocking=False)
+        manager.save(step, savable(state, manager), force=force, blocking=False)
     except Exception as err:  # noqa: BLE001 - ckpt.SaveError, or an OSError of a save that could not start
         raise save_failure(err, step, manager) from err
 

@@ -25,7 +25,7 @@ from privacy.step import DPConfig
 
 from .budget import check_budget_change, segment_noise
 from .build import build_step, resolve_privacy, resolve_sample_rate
-from .checkpoints import checkpoint_manager
+from .checkpoints import checkpoint_manager, restored
 from .config import RunConfig
 from .preflight import NothingToResumeError
 from .report import json_safe
@@ -132,6 +132,7 @@ def plan_segment(config: RunConfig, *, params: Mapping[str, Any], fresh: Any, dp
                              checkpoint_private=manifest.private, allow_new_data=config.checkpoints.allow_new_data)
     state = ckpt.load(source, mesh=manager.mesh, strategy=manager.strategy, specs=manager.specs,
                       rank=manager.coordinator.rank, private=manager.private, like=fresh)  # on the run's device
+    state = restored(state, fresh)
     increased_from = None
     if dp is not None:
         spent = state.accountant
