@@ -54,3 +54,6 @@ def main(path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    import gc
+
+    gc.freeze()  # the process ends: no last collection over torch's objects (as fsdpx.__main__)
