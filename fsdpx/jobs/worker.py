@@ -53,7 +53,8 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    import atexit
     import gc
 
-    gc.freeze()  # the process ends: no last collection over torch's objects (as fsdpx.__main__)
+    atexit.register(gc.freeze)  # at exit, no last collection over torch's objects (as fsdpx.__main__)
+    main(sys.argv[1])

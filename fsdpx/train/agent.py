@@ -67,8 +67,8 @@ def _record(err) -> None:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    import atexit
     import gc
 
-    gc.freeze()  # the process ends: no last collection over torch's objects (as fsdpx.__main__)
-    sys.exit(code)
+    atexit.register(gc.freeze)  # at exit, no last collection over torch's objects (as fsdpx.__main__)
+    sys.exit(main(sys.argv[1:]))
