@@ -23,13 +23,14 @@ import dataclasses
 import functools
 import math
 import numbers
-from typing import Any, NamedTuple
-
-import dp_accounting
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckpt.flatten import register_type
 from privacy.errors import BudgetExhaustedError, PrivacyError
+
+if TYPE_CHECKING:
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 ACCOUNTANTS = ("pld", "rdp")
 DEFAULT_PLD_DISCRETIZATION = 1e-4
@@ -103,14 +104,30 @@ def _canonical_events(events: Any) -> tuple[Event, ...]:
 # --------------------------------------------------------------------------- composition (cached)
 
 
+def _dp():
+    """``dp_accounting``, imported when an epsilon is first composed: its import (scipy's signal,
+    stats and optimize) takes about a second, which a process that never composes one does not
+    pay (the launcher of a sharded run, a non-private run)."""
+    import dp_accounting
+    import dp_accounting.pld.privacy_loss_distribution  # noqa: F401 - pld_lib below
+    import dp_accounting.rdp  # noqa: F401
+
+    return dp_accounting
+
+
+def _pld():
+    """``dp_accounting.pld.privacy_loss_distribution`` (see :func:`_dp`)."""
+    return _dp().pld.privacy_loss_distribution
+
+
 @functools.lru_cache(maxsize=16)
 def _step_pld(noise_multiplier: float, sample_rate: float, interval: float) -> pld_lib.PrivacyLossDistribution:
     # What PLDAccountant builds for one PoissonSampledDpEvent of a GaussianDpEvent.
-    return pld_lib.from_gaussian_mechanism(
+    return _pld().from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
         value_discretization_interval=interval,
         sampling_prob=sample_rate,
-        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        neighboring_relation=_dp().NeighboringRelation.ADD_OR_REMOVE_ONE,
     )
 
 
@@ -128,14 +145,14 @@ def _composed_pld(events: tuple[Event, ...], interval: float) -> pld_lib.Privacy
         _PLD_CACHE.move_to_end(key)
         return _PLD_CACHE[key]
     if not events:
-        return pld_lib.identity(value_discretization_interval=interval)
+        return _pld().identity(value_discretization_interval=interval)
     *head, last = events
     head_key = (tuple(head), interval)
     if head_key in _PLD_CACHE:
         _PLD_CACHE.move_to_end(head_key)
         pld = _PLD_CACHE[head_key]
     else:  # iterative, not recursive: a noise schedule can make thousands of events
-        pld = pld_lib.identity(value_discretization_interval=interval)
+        pld = _pld().identity(value_discretization_interval=interval)
         for e in head:
             pld = pld.compose(_step_pld(e.noise_multiplier, e.sample_rate, interval).self_compose(e.steps))
         _remember(head_key, pld)
@@ -157,14 +174,16 @@ def _composed_epsilon(events: tuple[Event, ...], delta: float, accountant: str, 
     if any(e.noise_multiplier == 0.0 for e in events):
         return math.inf  # a step without noise is not private at all
     if accountant == "rdp":
-        ledger = dp_accounting.ComposedDpEvent([_dp_event(e) for e in events])
-        return float(dp_accounting.rdp.RdpAccountant().compose(ledger).get_epsilon(delta))
+        dp = _dp()
+        ledger = dp.ComposedDpEvent([_dp_event(e) for e in events])
+        return float(dp.rdp.RdpAccountant().compose(ledger).get_epsilon(delta))
     return float(_composed_pld(events, interval).get_epsilon_for_delta(delta))
 
 
 def _dp_event(e: Event) -> dp_accounting.DpEvent:
-    step = dp_accounting.PoissonSampledDpEvent(e.sample_rate, dp_accounting.GaussianDpEvent(e.noise_multiplier))
-    return dp_accounting.SelfComposedDpEvent(step, e.steps)
+    dp = _dp()
+    step = dp.PoissonSampledDpEvent(e.sample_rate, dp.GaussianDpEvent(e.noise_multiplier))
+    return dp.SelfComposedDpEvent(step, e.steps)
 
 
 # --------------------------------------------------------------------------- public functions

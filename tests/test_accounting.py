@@ -151,14 +151,16 @@ def test_cached_compositions_do_not_leak_between_ledgers():
 
 
 def test_appending_steps_reuses_the_cached_prefix(monkeypatch):
+    from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
     from privacy import accounting
 
     accounting._PLD_CACHE.clear()
     acc = Accountant(delta=1e-5, value_discretization_interval=COARSE).record(1.3, 0.05, 20).record(0.9, 0.05, 5)
     acc.epsilon()
     starts = []
-    real = accounting.pld_lib.identity
-    monkeypatch.setattr(accounting.pld_lib, "identity", lambda **kw: starts.append(1) or real(**kw))
+    real = pld_lib.identity
+    monkeypatch.setattr(pld_lib, "identity", lambda **kw: starts.append(1) or real(**kw))
     # The loop's pattern: check, then record, then report epsilon.
     after = acc.check(0.9, 0.05)  # one more step of the last event
     acc = acc.record(0.9, 0.05)
@@ -259,3 +261,21 @@ def test_noise_for_the_rest_keeps_the_whole_run_within_the_target():
     assert past.record(sigma20, q, 10).epsilon() > 8.0  # keeping the old noise would overspend
     with pytest.raises(PrivacyError, match="already taken spent epsilon"):
         noise_multiplier(1.0, delta, q, 10, history=past.events)
+
+
+def test_dp_accounting_is_imported_only_when_an_epsilon_is_composed():
+    """A process that never composes an epsilon (the launcher of a sharded run, which builds the
+    step's modules to check the layout) does not pay dp_accounting's import (scipy's signal and
+    stats: about a second); the first epsilon imports it."""
+    import subprocess
+    import sys
+
+    from support.processes import python_env
+
+    script = ("import sys\nimport fsdpx.train.build\nfrom privacy.accounting import epsilon\n"
+              "before = 'dp_accounting' in sys.modules\nepsilon(1.0, 0.01, 10, 1e-5)\n"
+              "print(before, 'dp_accounting' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=python_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]

@@ -200,33 +200,42 @@ PARALLEL = {  # flags (with --strategy zero3) -> the mesh the run must report
 }
 
 
+PARALLEL_FLAGS = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
+                  "--no-progress"]
+
+
+def _fsdpx_run(out, *extra):
+    """``python -m fsdpx train PARALLEL_FLAGS EXTRA --out OUT``: its stderr, and each step's loss and
+    batch size."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *PARALLEL_FLAGS, *extra, "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
+    return done.stderr, [r["loss"] for r in records], [r["batch_size"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The one-process run every parallel layout must follow: the same flags, run once for all."""
+    return _fsdpx_run(tmp_path_factory.mktemp("one"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(PARALLEL))
-def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case):
+def test_a_parallel_main_job_follows_the_single_process_run(tmp_path, case, one_process_run):
     """``fsdpx train --strategy zero3`` with tensor parallelism and sequence parallelism on 4
     processes, a pipeline alone on 2 (zero-bubble), and the full 3-D ``--pp 2 --tp 2`` on 8
     (1F1B): the same batches and noise as one process, so the same losses (float32, rel 1e-5)
-    and batch sizes at every step (issue 28: under --tp 2, batch_size was twice the batch)."""
-    import json
-    import subprocess
-    import sys
-
-    flags = ["--steps", "3", "--corpus-chars", "20000", "--batch-size", "32", "--n-embd", "16", "--n-head", "2",
-             "--no-progress"]
+    and batch sizes at every step (issue 28: under --tp 2, batch_size was twice the batch). The
+    one-process run is the same command for every case, run once (``one_process_run``)."""
     parallel, mesh = PARALLEL[case]
-    losses, batches = {}, {}
-    for name, extra in {"parallel": [*parallel, "--strategy", "zero3"], "one": []}.items():
-        out = tmp_path / name
-        done = subprocess.run([sys.executable, "-m", "fsdpx", "train", *flags, *extra, "--out", str(out)],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        records = [json.loads(line) for line in (out / "private" / "metrics.jsonl").read_text().splitlines()]
-        losses[name] = [r["loss"] for r in records]
-        batches[name] = [r["batch_size"] for r in records]
-        if name == "parallel":
-            assert f"zero3 on {mesh}" in done.stderr
-    assert losses["parallel"] == pytest.approx(losses["one"], rel=1e-5)
-    assert batches["parallel"] == batches["one"]
+    stderr, losses, batches = _fsdpx_run(tmp_path / "parallel", *parallel, "--strategy", "zero3")
+    assert f"zero3 on {mesh}" in stderr
+    _, one_losses, one_batches = one_process_run
+    assert losses == pytest.approx(one_losses, rel=1e-5)
+    assert batches == one_batches
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -28,12 +28,12 @@ def test_bf16_zero3_fine_tune_with_evaluation_exports_what_from_pretrained_loads
     held_out.write_text(HELD_OUT)
     run = cli(["train", "--out", str(tmp_path / "runs"), "--name", "ft", "--ckpt-dir", str(tmp_path / "ckpt"),
                "--model", "transformers", "--model-path", str(base), "--precision", "bf16", "--strategy", "zero3",
-               "--eval-data", str(held_out), "--eval-every", "10", "--steps", "20", "--corpus-chars", "4000",
+               "--eval-data", str(held_out), "--eval-every", "3", "--steps", "6", "--corpus-chars", "4000",
                "--block-size", "8", "--batch-size", "16", "--no-progress"], nproc=2)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "runs" / "ft" / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if r.get("eval_loss") is not None]
-    assert [r["step"] for r in evaluated] == [10, 20]
+    assert [r["step"] for r in evaluated] == [3, 6]  # every --eval-every steps (6 steps: 20 only took longer)
     assert all(math.isfinite(r["eval_loss"]) and r["eval_ppl"] > 1 for r in evaluated)
     assert json.loads((tmp_path / "runs" / "ft" / "config.json").read_text())["run"]["precision"] == "bf16"
     out = tmp_path / "exported"

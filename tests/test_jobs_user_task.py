@@ -153,18 +153,23 @@ def test_a_stopped_user_task_resumes_bit_for_bit(tmp_path):
     the unmoved run's losses bit for bit, and its epsilon."""
     task = gpt_user_task("g", 16)
     backend = LocalBackend()
-    kind, ref = wait(backend.start(attempt(task, "zero3-private", 2, tmp_path / "ref")))
-    assert kind == "ok" and ref.ok, ref
-    root = tmp_path / "moved"
-    handle = backend.start(attempt(task, "zero3-private", 2, root))
-    while read_progress(root / "g").step < 7:
-        assert handle.poll() is None, "the first attempt ended before it could be moved"
-        time.sleep(0.05)
-    handle.stop()
-    at = checkpoint_step(root / "g")
-    assert 5 <= at < 16
-    kind, result = wait(backend.start(attempt(task, "zero3-private", 2, root)))
-    assert kind == "ok" and result.ok, result
+    unmoved, ref = backend.start(attempt(task, "zero3-private", 2, tmp_path / "ref")), None  # side by side
+    try:
+        root = tmp_path / "moved"
+        handle = backend.start(attempt(task, "zero3-private", 2, root))
+        while read_progress(root / "g").step < 7:
+            assert handle.poll() is None, "the first attempt ended before it could be moved"
+            time.sleep(0.05)
+        handle.stop()
+        at = checkpoint_step(root / "g")
+        assert 5 <= at < 16
+        kind, result = wait(backend.start(attempt(task, "zero3-private", 2, root)))
+        assert kind == "ok" and result.ok, result
+        kind, ref = wait(unmoved)
+        assert kind == "ok" and ref.ok, ref
+    finally:
+        if ref is None:  # the test failed before the unmoved run was waited for: nothing left running
+            unmoved.stop()
     assert result.summary["start_step"] == at
     assert losses(root / "g" / "run") == losses(tmp_path / "ref" / "g" / "run")
     assert result.summary["epsilon"] == ref.summary["epsilon"]

@@ -24,8 +24,8 @@ from support.threads import one_thread  # noqa: E402,F401
 
 from fsdpx.cli import main  # noqa: E402
 from support import finetune  # noqa: E402
-from support.finetune import (checkpoint_params, cli, final_logits, hf_logits, last_checkpoint, tensors,  # noqa: E402
-                              tiny, tokens, train)
+from support.finetune import (checkpoint_params, cli_side_by_side, final_logits, hf_logits,  # noqa: E402
+                              last_checkpoint, tensors, tiny, tokens, train)
 
 QV = 'r = 4, alpha = 8, targets = ["q_proj", "v_proj"]'
 
@@ -136,12 +136,12 @@ def test_a_sharded_lora_run_equals_one_process(tmp_path):
     over two ranks is added in another order), the base weights bit for bit as saved."""
     base = saved("llama", tmp_path / "base")
     run = ["--model", "transformers", "--model-path", str(base), "--lora", QV, "--steps", "2"]
-    one = cli(train(tmp_path, "one", *run))
+    one, *twos = cli_side_by_side((train(tmp_path, "one", *run), None),  # independent runs: all at once
+                                  *[(train(tmp_path, s, *run, "--strategy", s), 2) for s in ("zero3", "ddp")])
     assert one.returncode == 0, one.stderr[-2000:]
     a = tensors(tmp_path / "runs" / "one" / "model" / "adapter_model.safetensors")
     original = tensors(base / "model.safetensors")
-    for strategy in ("zero3", "ddp"):
-        two = cli(train(tmp_path, strategy, *run, "--strategy", strategy), nproc=2)
+    for strategy, two in zip(("zero3", "ddp"), twos):
         assert two.returncode == 0, (strategy, two.stderr[-3000:])
         b = tensors(tmp_path / "runs" / strategy / "model" / "adapter_model.safetensors")
         assert sorted(a) == sorted(b) and len(a) == 8

@@ -24,7 +24,7 @@ from fsdpx.train.parallel import resolve_parallel
 from fsdpx.train.pretrained import ReadLog, file_names
 from fsdpx.train.sources import build_source
 
-from support.finetune import SMALL, checkpoint_params, cli, saved, tiny, train
+from support.finetune import SMALL, checkpoint_params, cli_started, finished, saved, tiny, train
 
 pytest.importorskip("transformers")
 
@@ -59,13 +59,18 @@ def expected_reads(model_path: Path, layout: Layout, world: int) -> list[dict[st
 
 
 def run_pair(tmp_path: Path, family: str, layout: str) -> tuple[Path, Path]:
-    """The one-process run (in this process) and the pipelined one (torchrun, gloo) of the same
-    save and flags; returns their run directories (the checkpoints beside them)."""
+    """The one-process run (in this process) and the pipelined one (torchrun, gloo, started
+    first and run meanwhile) of the same save and flags; returns their run directories (the
+    checkpoints beside them)."""
     path = saved(tiny(family), tmp_path / "model")
-    main(["train", "--model", "transformers", "--model-path", str(path), *STEPS, "--out", str(tmp_path / "runs"),
-          "--name", "one", "--ckpt-dir", str(tmp_path / "one"), *SMALL])
     flags, _, world = LAYOUTS[layout]
-    done = cli(train(tmp_path, "pp", "--model", "transformers", "--model-path", str(path), *STEPS, *flags), nproc=world)
+    pipelined = cli_started(train(tmp_path, "pp", "--model", "transformers", "--model-path", str(path), *STEPS,
+                                  *flags), nproc=world)
+    try:  # the one-process run meanwhile, here
+        main(["train", "--model", "transformers", "--model-path", str(path), *STEPS, "--out", str(tmp_path / "runs"),
+              "--name", "one", "--ckpt-dir", str(tmp_path / "one"), *SMALL])
+    finally:
+        done = finished(pipelined)
     assert done.returncode == 0, done.stderr[-3000:]
     return tmp_path / "runs" / "one", tmp_path / "runs" / "pp"
 

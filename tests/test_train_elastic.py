@@ -79,10 +79,10 @@ def _final_tensors(root: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_run_whose_worker_is_killed_twice_ends_where_an_uninterrupted_run_ends(tmp_path):
-    straight = subprocess.run([sys.executable, "-m", "fsdpx", "train", *ARGS, "--out", str(tmp_path / "a"),
-                               "--ckpt-dir", str(tmp_path / "a_ck")], capture_output=True, text=True, timeout=400)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-
+    # the uninterrupted run, side by side with the restarted one (waited for at the end)
+    straight = subprocess.Popen([sys.executable, "-m", "fsdpx", "train", *ARGS, "--out", str(tmp_path / "a"),
+                                 "--ckpt-dir", str(tmp_path / "a_ck")], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     rng = random.Random(int(os.environ.get("PYTEST_SEED", "14")))
     kills = sorted(rng.sample(range(3, STEPS - 2), 2))
     out, root = tmp_path / "b", tmp_path / "b_ck"
@@ -102,10 +102,13 @@ def test_a_run_whose_worker_is_killed_twice_ends_where_an_uninterrupted_run_ends
             os.kill(victim, signal.SIGKILL)
             killed.add(victim)
         stdout, stderr = launcher.communicate(timeout=400)
+        straight_out, straight_err = straight.communicate(timeout=400)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        for proc in (launcher, straight):
+            if proc.poll() is None:
+                proc.kill()
     assert launcher.returncode == 0, stderr[-3000:]
+    assert straight.returncode == 0, straight_err[-3000:]
 
     a = [json.loads(r) for r in (tmp_path / "a" / "private" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(r) for r in metrics.read_text().splitlines()]
@@ -115,4 +118,4 @@ def test_a_run_whose_worker_is_killed_twice_ends_where_an_uninterrupted_run_ends
     want, got = _final_tensors(tmp_path / "a_ck"), _final_tensors(root)
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
-    assert stdout.splitlines()[-1] == straight.stdout.splitlines()[-1].replace(str(tmp_path / "a"), str(out))
+    assert stdout.splitlines()[-1] == straight_out.splitlines()[-1].replace(str(tmp_path / "a"), str(out))

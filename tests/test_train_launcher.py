@@ -62,8 +62,14 @@ def test_sigkill_of_the_launcher_leaves_no_worker_and_no_write(tmp_path):
         launcher.wait()
         time.sleep(1.0)
         after_kill = _snapshot(tmp_path)
-        time.sleep(10.0)
+        # every child gone within 10 s (polled: a dead process writes nothing more), then the
+        # files as they were 1 s after the kill, and still so 2 s later
+        deadline = time.monotonic() + 10.0
+        while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert [pid for pid in children if _alive(pid)] == []
+        assert _snapshot(tmp_path) == after_kill
+        time.sleep(2.0)
         assert _snapshot(tmp_path) == after_kill
     finally:
         if launcher.poll() is None:

@@ -18,6 +18,22 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _fsdpx_side_by_side(*argvs):
+    """``python -m fsdpx train ARGV`` for each argv, all at once (independent runs: the straight
+    one and the first segment of the resumed one); each must succeed."""
+    procs = [subprocess.Popen([sys.executable, "-m", "fsdpx", "train", *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for argv in argvs]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_training_k_steps_saving_and_resuming_equals_training_straight(tmp_path):
     torch.set_num_threads(1)
     straight = run(RunConfig.of(steps=5, out=str(tmp_path), name="straight", **COMMON), progress=False)
@@ -67,8 +83,8 @@ def test_sharded_zero3_run_resumes_bit_for_bit(tmp_path, offload, steps, save_at
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
 
-    fsdpx("--steps", str(steps), "--name", "straight")
-    fsdpx("--steps", str(save_at), "--name", "resumed", *ck)
+    _fsdpx_side_by_side([*args, "--steps", str(steps), "--name", "straight"],
+                        [*args, "--steps", str(save_at), "--name", "resumed", *ck])
     fsdpx("--steps", str(steps), "--name", "resumed", *ck, "--resume")
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [(r["step"], r["loss"], r["epsilon"]) for r in a] == [(r["step"], r["loss"], r["epsilon"]) for r in b]
@@ -106,8 +122,8 @@ def test_a_tensor_parallel_run_resumes_into_plain_zero3(tmp_path):
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
 
-    fsdpx("--steps", "4", "--name", "straight", "--tp", "2", "--nproc", "4")
-    fsdpx("--steps", "2", "--name", "resumed", "--tp", "2", "--nproc", "4", *ck)
+    _fsdpx_side_by_side([*args, "--steps", "4", "--name", "straight", "--tp", "2", "--nproc", "4"],
+                        [*args, "--steps", "2", "--name", "resumed", "--tp", "2", "--nproc", "4", *ck])
     fsdpx("--steps", "4", "--name", "resumed", "--nproc", "2", *ck, "--resume")
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
@@ -130,8 +146,8 @@ def test_a_pipelined_run_resumes_into_plain_zero3(tmp_path):
                               text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
 
-    fsdpx("--steps", "4", "--name", "straight", *pipe)
-    fsdpx("--steps", "2", "--name", "resumed", *pipe, *ck)
+    _fsdpx_side_by_side([*args, "--steps", "4", "--name", "straight", *pipe],
+                        [*args, "--steps", "2", "--name", "resumed", *pipe, *ck])
     fsdpx("--steps", "4", "--name", "resumed", "--nproc", "2", *ck, "--resume")
     a, b = _records(tmp_path / "straight" / "metrics.jsonl"), _records(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]

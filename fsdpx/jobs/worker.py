@@ -53,4 +53,8 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)  # at exit, no last collection over torch's objects (as fsdpx.__main__)
     main(sys.argv[1])

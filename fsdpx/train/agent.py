@@ -67,4 +67,8 @@ def _record(err) -> None:
 
 
 if __name__ == "__main__":
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)  # at exit, no last collection over torch's objects (as fsdpx.__main__)
     sys.exit(main(sys.argv[1:]))

@@ -95,6 +95,39 @@ def cli(args: list[str], nproc: int | None = None) -> subprocess.CompletedProces
                           timeout=600)
 
 
+def cli_started(args: list[str], nproc: int | None = None) -> subprocess.Popen:
+    """:func:`cli` started and not waited for (its output in pipes: wait with :func:`finished`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    extra = ["--nproc", str(nproc)] if nproc else []
+    return subprocess.Popen([sys.executable, "-m", "fsdpx", *args, *extra], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
+    """What :func:`cli` returns, for a :func:`cli_started` process (killed if it is still running
+    after ``timeout`` seconds, or if waiting fails)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def cli_side_by_side(*calls: tuple[list[str], int | None]) -> list[subprocess.CompletedProcess]:
+    """:func:`cli` of each ``(args, nproc)``, all started at once (independent runs, e.g. the
+    layouts compared with one process); their results in order."""
+    procs = [cli_started(args, nproc) for args, nproc in calls]
+    try:
+        return [finished(p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def train(tmp_path: Path, name: str, *args: str) -> list[str]:
     """``fsdpx train`` arguments of a small run ``name`` writing under ``tmp_path``."""
     return ["train", "--out", str(tmp_path / "runs"), "--name", name, "--ckpt-dir", str(tmp_path / name), *SMALL,

@@ -54,11 +54,11 @@ def job_losses(job_dir: Path) -> list[float]:
     return run_losses(job_dir / "run")
 
 
-def attempt(task, technique: str, n: int, steps: int, root: Path) -> Attempt:
+def attempt(task, technique: str, n: int, steps: int, root: Path, first_core: int = 0) -> Attempt:
     """An attempt of ``task`` by ``technique`` on ``n`` devices pinned to this machine's cores (in
-    turn), ``steps`` steps, checkpoints under ``root/<task>/ckpt``."""
-    return Attempt(task, technique, jobs.Devices(n, 2**30, ids=tuple(CORES[i % len(CORES)] for i in range(n))),
-                   {}, steps, root / task.name / "ckpt")
+    turn, from ``CORES[first_core]``), ``steps`` steps, checkpoints under ``root/<task>/ckpt``."""
+    ids = tuple(CORES[(first_core + i) % len(CORES)] for i in range(n))
+    return Attempt(task, technique, jobs.Devices(n, 2**30, ids=ids), {}, steps, root / task.name / "ckpt")
 
 
 def check_segments(report: RunReport) -> None:
