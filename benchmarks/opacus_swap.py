@@ -46,7 +46,7 @@ KINDS = [  # (kind, pattern in the failure's whole text); the first that matches
     ("refused by name (PrivacyError)", r"PrivacyError"),
     ("needs torchvision (not installed here)", r"No module named 'torchvision'"),
     ("reads Opacus internals (functorch fallback, p.grad_sample, GradSampleModule)",
-     r"ft_compute_sample_grad|\.grad_sample\b|summed_grad|GradSampleModule"),
+     r"ft_compute_sample_grad|\.grad_sample\b|summed_grad|GradSampleModule|is not an instance of <class 'opacus\."),
     ("Opacus refuses it (expanded weights on a module they do not cover); fsdpx trains it",
      r"RuntimeError not raised"),
 ]

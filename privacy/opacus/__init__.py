@@ -15,8 +15,9 @@ batches are :class:`privacy.PoissonSampler` draws (:mod:`privacy.opacus.loader`)
 :class:`privacy.Accountant`'s. See ``docs/from_opacus.md``.
 """
 
+from .adaclip import AdaClipDPOptimizer
 from .batch_memory import BatchMemoryManager
 from .engine import PrivacyEngine
 from .optimizer import DPOptimizer
 
-__all__ = ["BatchMemoryManager", "DPOptimizer", "PrivacyEngine"]
+__all__ = ["AdaClipDPOptimizer", "BatchMemoryManager", "DPOptimizer", "PrivacyEngine"]

@@ -14,6 +14,7 @@ from privacy.errors import PrivacyError
 from .capture import PrivateModule
 from .criterion import SequenceCriterion
 from .loader import draw_key, poisson_loader
+from .adaclip import ADAPTIVE_ARGUMENTS, AdaClipDPOptimizer
 from .optimizer import DPOptimizer
 
 ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}  # Opacus' name -> fsdpx's accountant of that kind
@@ -28,7 +29,7 @@ class PrivacyEngine:
     """Opacus' ``PrivacyEngine``: :meth:`make_private`, :meth:`make_private_with_epsilon`,
     :meth:`get_epsilon`. ``accountant``: "rdp", or "prv" / "pld" (fsdpx's PLD accountant, an
     upper bound of the same kind as Opacus' PRV). What Opacus offers and this entry does not
-    (``secure_mode``, the "gdp" accountant, per-layer or adaptive clipping, ...)
+    (``secure_mode``, the "gdp" accountant, per-layer clipping, ...)
     raises :class:`PrivacyError` naming it; nothing is ignored."""
 
     def __init__(self, *, accountant: str = "prv", secure_mode: bool = False) -> None:
@@ -62,6 +63,7 @@ class PrivacyEngine:
         equal Opacus' (``tests/test_opacus_entry.py``); ``ghost_fsdp`` steps equal the
         one-process ``ghost`` steps on the union of the ranks' rows, noise included
         (``tests/test_opacus_fsdp.py``)."""
+        adaptive = _adaptive_arguments(clipping, grad_sample_mode, kwargs)
         _check_supported(batch_first, loss_reduction, clipping, grad_sample_mode, wrap_model, rand_on_empty,
                          max_grad_norm, kwargs)
         _check_sharding(module, grad_sample_mode)
@@ -79,7 +81,8 @@ class PrivacyEngine:
                                                num_examples=len(data_loader.dataset), **settings)
             loader = poisson_loader(data_loader, key=batch_key, share=module.share) if poisson_sampling else data_loader
         else:
-            private = DPOptimizer(optimizer, model, key=noise_key, **settings)
+            private = (AdaClipDPOptimizer(optimizer, model, key=noise_key, **settings, **adaptive) if adaptive
+                       else DPOptimizer(optimizer, model, key=noise_key, **settings))
             loader = poisson_loader(data_loader, key=key) if poisson_sampling else data_loader
         private.attach_step_hook(lambda _: self._record(noise_multiplier, sample_rate))
         if grad_sample_mode in ("ghost", "ghost_fsdp"):
@@ -117,12 +120,27 @@ def _check_supported(batch_first: bool, loss_reduction: str, clipping: str, mode
         _refuse("batch_first=False", "the examples are the first dimension of every input")
     if loss_reduction not in ("mean", "sum"):
         _refuse(f"loss_reduction={loss_reduction!r}", "use 'mean' or 'sum'")
-    if clipping != "flat" or isinstance(max_grad_norm, (list, tuple)):
-        _refuse(f"clipping={clipping!r}", "only flat clipping (one max_grad_norm over all parameters)")
+    if clipping not in ("flat", "adaptive") or isinstance(max_grad_norm, (list, tuple)):
+        _refuse(f"clipping={clipping!r}", "flat or adaptive clipping (one max_grad_norm over all parameters)")
     if not wrap_model:
         _refuse("wrap_model=False", "use the returned model")
     if rand_on_empty:
         _refuse("rand_on_empty=True", "an empty Poisson batch is taken as it is (zero gradient, the step counts)")
+
+
+def _adaptive_arguments(clipping: str, mode: str, kwargs: dict) -> dict | None:
+    """Adaptive clipping's five arguments taken out of ``kwargs`` (:mod:`privacy.opacus.adaclip`),
+    or None for flat clipping; adaptive clipping needs all five and a one-process mode."""
+    if clipping != "adaptive":
+        return None
+    missing = [a for a in ADAPTIVE_ARGUMENTS if a not in kwargs]
+    if missing:
+        _refuse("clipping='adaptive' without " + ", ".join(missing), "Opacus' AdaClipDPOptimizer needs all of "
+                + ", ".join(ADAPTIVE_ARGUMENTS))
+    if mode == "ghost_fsdp":
+        _refuse("clipping='adaptive' with grad_sample_mode='ghost_fsdp'", "adaptive clipping runs in one process"
+                " (Opacus' AdaClipDPOptimizer is not distributed either)")
+    return {a: kwargs.pop(a) for a in ADAPTIVE_ARGUMENTS}
 
 
 def _check_sharding(module: nn.Module, mode: str) -> None:

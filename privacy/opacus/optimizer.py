@@ -88,16 +88,29 @@ class DPOptimizer:
         params = {n: p.detach() for n, p in self._trained().items()}
         for inputs, cotangent, per_sample in self.module.take():
             if per_sample is not None and per_sample.keys() == params.keys():  # formed at backward (vmap modes)
-                grads, _ = clip_per_sample(per_sample, params, clip_norm=self.max_grad_norm, clipping="opacus_flat")
+                grads, norms = clip_per_sample(per_sample, params, clip_norm=self.max_grad_norm,
+                                               clipping="opacus_flat")
             else:
-                grads, _ = clipped_grad(self.module.module, params, (inputs, cotangent), surrogate_loss,
-                                        clip_norm=self.max_grad_norm, method=self.module.method,
-                                        clipping="opacus_flat")
+                grads, norms = clipped_grad(self.module.module, params, (inputs, cotangent), surrogate_loss,
+                                            clip_norm=self.max_grad_norm, method=self.module.method,
+                                            clipping="opacus_flat")
+            self.count_clipped(norms)
             if self._summed is None:
                 self._summed = grads
             else:
                 for n, g in grads.items():
                     self._summed[n] += g
+
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier of the gradient sum: ``noise_multiplier`` (adaptive clipping
+        spends part of it on its count: :mod:`privacy.opacus.adaclip`)."""
+        return self.noise_multiplier
+
+    def count_clipped(self, norms: Tensor) -> None:
+        """Called with each recorded batch's per-example norms (adaptive clipping counts them)."""
+
+    def after_noise(self) -> None:
+        """Called once a real step's noisy gradient is formed, before the step is counted."""
 
     def pre_step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Opacus' ``pre_step``: accumulate; unless this step is skipped, set each parameter's
@@ -115,7 +128,7 @@ class DPOptimizer:
             return False
         trained = self._trained()
         summed = self._summed or {n: torch.zeros_like(p) for n, p in trained.items()}
-        std = self.noise_multiplier * self.max_grad_norm
+        std = self.gradient_noise_multiplier() * self.max_grad_norm
         key = self.noise_key
         noise = gaussian_noise(summed, key=key, step=self.steps, std=std) if std > 0 else None
         scale = 1.0 / self.expected_batch_size if self.loss_reduction == "mean" else 1.0
@@ -123,6 +136,7 @@ class DPOptimizer:
             g = summed[n] if noise is None else summed[n] + noise[n]
             p.grad = (g * scale).to(p.dtype)
         self._summed = None
+        self.after_noise()
         self.steps += 1
         for hook in self.step_hooks:
             hook(self)
