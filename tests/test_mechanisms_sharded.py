@@ -21,7 +21,7 @@ from privacy import DPConfig, init_state, make_private_step
 from privacy.mechanisms import INDEPENDENT, banded, empty_history, streamed_noise
 from privacy.noise import noise_slice
 
-from support.mesh_runs import rank_runs
+from support.mesh_runs import rank_runs, sharded_run
 from support.threads import one_thread  # noqa: F401
 
 MECH = banded((0.8, 0.5, 0.3))
@@ -122,3 +122,19 @@ def test_a_banded_run_resumes_bit_for_bit_in_its_own_layout_and_another(tmp_path
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
     for k, want in want_params.items():  # the layouts sum gradients in other orders
         torch.testing.assert_close(got_params[k], want, rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_resident_bytes_count_the_noise_history(one_thread):
+    """A banded zero3 step's resident bytes exceed an independent one's by the history: over the
+    ranks, ``bands - 1`` float64 copies of every parameter (the ranks' blocks partition them)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=13, block_size=4, n_layer=1, n_head=2, n_embd=6)).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 13, (5, 4), generator=g), torch.randint(0, 13, (5, 4), generator=g))] * 3
+    resident = {}
+    for mech in (INDEPENDENT, MECH):
+        config = DPConfig(clip_norm=0.5, noise_multiplier=0.5, sample_rate=0.1, method="ghost", mechanism=mech)
+        _, metrics, _ = sharded_run(model, batches, sgd(0.1), config, strategies.zero3(), Mesh(dp=2))
+        resident[mech.kind] = sum(m["resident_bytes"] for m in metrics)
+    numel = sum(p.numel() for p in model.parameters())
+    assert resident["banded"] - resident["independent"] == (MECH.bands - 1) * 8 * numel

@@ -60,7 +60,7 @@ from .stages import StageExit, StageForward, absent_uses
 from .stage_links import zero_parameters
 from .parts_p2p import recv_parts, send_parts
 from .owned_noise import OwnedNoise
-from .reduce import gradient_divisor, reduce_and_update, trainable_update
+from .reduce import gradient_divisor, reduce_and_update, tensor_bytes, trainable_update
 from .replicas import ReplicaCheck
 from .sharded_clipping import needs_fallback, sharded_norms
 from .sharded_state import ShardedState
@@ -232,10 +232,10 @@ class PipelineStep:
                                                             noise, self.now, self.replicas)
         metrics = global_metrics(self.comm, run.stats(), self.config)
         metrics["comm_bytes"] = {k: v - before.get(k, 0) for k, v in self.comm.counts().items()}
-        metrics["resident_bytes"] = resident
         accountant = state.accountant.record(self.config.noise_multiplier, self.config.sample_rate) \
             if self.config else (None if state.accountant is None else state.accountant.record(0.0, 1.0))
         history = noise.history() if noise is not None else state.noise_history
+        metrics["resident_bytes"] = resident + tensor_bytes(history)  # a banded mechanism's past outputs too
         return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant, history), metrics
 
     def all_reduce_norms(self, sq: Tensor) -> Tensor:

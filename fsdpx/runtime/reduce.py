@@ -91,18 +91,18 @@ def reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm
         lay = plan.params[name]
         new_params[name] = state.params[name] if name not in grads_upd else _run_plan(
             comm, plan_collectives(lay.opt_state, lay.at_rest, lay.shape, mesh, new_upd[name].dtype), new_upd[name])
-    resident = grad_bytes + _tensor_bytes(new_params) + _tensor_bytes(opt_state)
+    resident = grad_bytes + tensor_bytes(new_params) + tensor_bytes(opt_state)
     return new_params, opt_state, resident
 
 
-def _tensor_bytes(tree: Any) -> int:
+def tensor_bytes(tree: Any) -> int:
     """Bytes of every tensor in a nested structure of dicts, lists and tuples."""
     if isinstance(tree, Tensor):
         return tree.numel() * tree.element_size()
     if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
+        return sum(tensor_bytes(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
+        return sum(tensor_bytes(v) for v in tree)
     return 0
 
 

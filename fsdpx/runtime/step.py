@@ -53,7 +53,7 @@ from .gather import Gatherer
 from .global_batch import NO_STATS, counts_its_share, device_stats, global_metrics, masked_losses, my_share
 from .owned_noise import OwnedNoise
 from .pipeline import PipelineStep
-from .reduce import gradient_divisor, reduce_and_update, trainable_update
+from .reduce import gradient_divisor, reduce_and_update, tensor_bytes, trainable_update
 from .replicas import ReplicaCheck
 from .sharded_clipping import needs_fallback, sharded_norms
 from .sharded_state import ShardedState
@@ -118,7 +118,8 @@ def make_sharded_step(
     Metrics: loss (global mean), batch_size (the global batch's real examples, each counted
     once on every layout: ``tests/test_step_metrics.py``), comm_bytes (bytes per collective
     kind moved by this step), resident_bytes (this rank's parameters at rest + reduced
-    gradients + optimizer state, to compare with ``fsdpx.memory_by_rank``), and for private
+    gradients + optimizer state + a banded mechanism's noise history; without it, to compare with
+    ``fsdpx.memory_by_rank``), and for private
     runs clipped_fraction, mean_norm. All but comm_bytes (ThreadComm: rank 0's; DistComm: this
     rank's) and resident_bytes are identical on every rank.
     ``donate=True`` (JAX's ``donate_argnums``): the caller gives up ``state``; its tensors may be
@@ -189,10 +190,10 @@ def make_sharded_step(
                                                             noise, names, replicas)
         metrics = global_metrics(comm, stats if counts else NO_STATS, config)
         metrics["comm_bytes"] = {k: v - before.get(k, 0) for k, v in comm.counts().items()}
-        metrics["resident_bytes"] = resident
         accountant = state.accountant.record(config.noise_multiplier, config.sample_rate) if config else (
             None if state.accountant is None else state.accountant.record(0.0, 1.0))  # plain: epsilon inf, as unsharded
         history = noise.history() if noise is not None else state.noise_history
+        metrics["resident_bytes"] = resident + tensor_bytes(history)  # a banded mechanism's past outputs too
         return ShardedState(new_params, opt_state, state.step + 1, state.key, accountant, history), metrics
 
     return step
