@@ -217,20 +217,9 @@ class ShardedDPOptimizer(DPOptimizer):
         """Keep the batches recorded since the last call for the next real step."""
         self._pending += self.module.take()
 
-    def pre_step(self, closure: Any = None) -> bool:
-        """As :meth:`privacy.opacus.DPOptimizer.pre_step`, the clipped sum and noise formed by
-        the sharded step over every rank (module doc); every rank must call it together."""
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        self.accumulate()
-        if self._skip_next:
-            self._skip_next = False
-            return False
+    def form_gradient(self) -> None:
+        """The clipped sum and noise of the recorded batches, formed by the sharded step over
+        every rank (module doc): every rank must step together."""
         batch, self._pending = joined(self._pending), []
         state = ShardedState(self.sharded.at_rest(), {}, self.steps, self.noise_key, self._accountant)
         self._step(state, batch)
-        self.steps += 1
-        for hook in self.step_hooks:
-            hook(self)
-        return True

@@ -126,6 +126,16 @@ class DPOptimizer:
         if self._skip_next:
             self._skip_next = False
             return False
+        self.form_gradient()
+        self.steps += 1
+        for hook in self.step_hooks:
+            hook(self)
+        return True
+
+    def form_gradient(self) -> None:
+        """Set each trained parameter's ``.grad`` to the noisy clipped sum of the batches
+        accumulated, scaled for the loss reduction, and start a new sum (a sharded optimizer
+        forms it with the sharded step instead: ``fsdpx.runtime.opacus_fsdp``)."""
         trained = self._trained()
         summed = self._summed or {n: torch.zeros_like(p) for n, p in trained.items()}
         std = self.gradient_noise_multiplier() * self.max_grad_norm
@@ -137,10 +147,6 @@ class DPOptimizer:
             p.grad = (g * scale).to(p.dtype)
         self._summed = None
         self.after_noise()
-        self.steps += 1
-        for hook in self.step_hooks:
-            hook(self)
-        return True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """:meth:`pre_step`, then the original optimizer's step unless this step is skipped.
