@@ -70,6 +70,14 @@ def test_fdp_bound_grows_with_right_guesses():
     assert bounds == sorted(bounds) and bounds[0] == 0.0 and bounds[-1] > 3
 
 
+def test_the_overshoot_does_not_grow_with_mu():
+    """The root search assumes it: a larger mu (a weaker claim) is never rejected more."""
+    for guesses, correct in ((100, 70), (200, 150), (200, 200)):
+        values = [gdp_claim_rejected(guesses, correct, canaries=1000, mu=mu, level=0.05)
+                  for mu in np.linspace(0.01, 6.0, 60)]
+        assert all(a >= b for a, b in zip(values, values[1:])), (guesses, correct)
+
+
 def test_the_bound_is_the_root_where_the_claim_stops_being_rejected():
     guesses, correct, level, delta = 200, 150, 0.05, 1e-5
     e = fdp_epsilon_lower_bound(guesses, correct, canaries=1000, delta=delta, confidence=1 - level)

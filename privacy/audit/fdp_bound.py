@@ -67,7 +67,8 @@ def gdp_claim_rejected(guesses: int, correct: int, *, canaries: int, mu: float, 
     1). The result is ``right + wrong - guesses / m``: the total mass the walk needs beyond
     what ``guesses`` guesses can carry.
 
-    Formal Guarantees (``tests/test_audit_fdp.py``): non-increasing in ``mu``; for a run that is
+    Formal Guarantees (``tests/test_audit_fdp.py``): non-increasing in ``mu``
+    (``test_the_overshoot_does_not_grow_with_mu``); for a run that is
     ``mu``-GDP the rejection happens in at most a ``level`` fraction of runs
     (``test_a_gdp_mechanisms_bound_stays_below_its_epsilon``).
     Edge cases: ``correct == 0`` -> never rejected; counts out of order -> :class:`PrivacyError`."""
