@@ -75,8 +75,14 @@ class GradientCanaries:
         return np.random.default_rng([self.key, _MEMBER]).random(self.count) < 0.5
 
     def joining(self, step: int) -> np.ndarray:
-        """The canaries in step ``step``'s batch: in, and their Poisson draw below the rate."""
-        return self.included & (np.random.default_rng([self.key, step, _JOIN]).random(self.count) < self.sample_rate)
+        """The canaries in step ``step``'s batch: in, and their Poisson draw below the rate (drawn
+        once per step: every parameter's block asks for it)."""
+        last = self.__dict__.get("_joining")
+        if last is None or last[0] != step:
+            draw = np.random.default_rng([self.key, step, _JOIN]).random(self.count) < self.sample_rate
+            last = (step, self.included & draw)
+            self.__dict__["_joining"] = last
+        return last[1]
 
     def _of(self, name: str, step: int) -> np.ndarray:
         """The flat indices in parameter ``name`` of the canaries joining step ``step``."""
@@ -116,5 +122,10 @@ class GradientCanaries:
     def values(self, params: dict[str, Tensor]) -> np.ndarray:
         """The canaries' coordinates read from whole ``params`` (float64, one per canary)."""
         which, index = self.coordinates
-        flat = {n: params[n].detach().reshape(-1) for n, _ in self.params}
-        return np.array([float(flat[self.params[w][0]][i]) for w, i in zip(which, index)], dtype=np.float64)
+        out = np.empty(self.count, dtype=np.float64)
+        for position, (name, _) in enumerate(self.params):  # one gather (and one copy) per parameter
+            mine = which == position
+            if mine.any():
+                flat = params[name].detach().reshape(-1)
+                out[mine] = flat[torch.from_numpy(index[mine]).to(flat.device)].double().cpu().numpy()
+        return out
