@@ -26,6 +26,7 @@ import numbers
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ckpt.flatten import register_type
+from privacy.blt_sensitivity import cyclic_blt_sensitivity
 from privacy.errors import BudgetExhaustedError, PrivacyError
 
 if TYPE_CHECKING:
@@ -410,6 +411,16 @@ class Accountant:
     the groups of the composition of the steps each samples (:func:`group_events`;
     ``tests/test_mechanisms.py::test_a_banded_ledger_spends_the_epsilon_of_its_participations``).
 
+    ``blt`` (default None): ``(decays, scales)`` of a buffered linear Toeplitz strategy
+    (``privacy.mechanisms.blt``), its participations ``bands`` (the min separation) steps apart by
+    cyclic groups: the ledger of the whole run as ONE Gaussian mechanism of noise multiplier
+    ``min(sigma) / sens``, ``sens`` the BLT's sensitivity for ``ceil(steps / bands)``
+    participations over the steps so far (:func:`privacy.blt_sensitivity.cyclic_blt_sensitivity`,
+    recomputed for the total steps whenever steps are recorded, so resumes and branches compose
+    like one run). No amplification by the Poisson draws within a group is claimed: an upper bound
+    on epsilon (``privacy.mechanisms.accounting`` says why;
+    ``tests/test_blt_accounting.py::test_a_blt_ledger_is_one_gaussian_at_sigma_over_the_sensitivity``).
+
     Edge cases: no events gives epsilon 0.0; an event with ``noise_multiplier == 0`` gives inf;
     ``record(..., steps=0)`` returns an equal ledger; ``epsilon_budget`` must be None or finite
     and > 0; ``delta`` must be in (0, 1).
@@ -421,9 +432,15 @@ class Accountant:
     epsilon_budget: float | None = None
     value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION
     bands: int = 1
+    blt: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "events", _canonical_events(self.events))
+        if self.blt is not None:
+            decays, scales = (tuple(float(x) for x in part) for part in self.blt)
+            if not decays or len(decays) != len(scales):
+                raise PrivacyError(f"blt must be (decays, scales) of equal, non-zero lengths, got {self.blt!r}")
+            object.__setattr__(self, "blt", (decays, scales))
         if isinstance(self.bands, bool) or not isinstance(self.bands, numbers.Integral) or self.bands < 1:
             raise PrivacyError(f"bands must be an int >= 1, got bands={self.bands!r}")
         object.__setattr__(self, "bands", int(self.bands))
@@ -457,10 +474,26 @@ class Accountant:
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (default: ``self.delta``)."""
         delta = self.delta if delta is None else _check_delta(delta)
+        if self.blt is not None:
+            return self._blt_epsilon(delta)
         if self.bands == 1:
             return _composed_epsilon(self.events, delta, self.accountant, self.value_discretization_interval)
         return max(_composed_epsilon(events, delta, self.accountant, self.value_discretization_interval)
                    for events in set(group_events(self.events, self.bands)))
+
+    @property
+    def is_dp_sgd(self) -> bool:
+        """Whether the ledger composes DP-SGD steps over the whole dataset (no cyclic groups, no
+        BLT): the one ``max_steps`` and ``noise_multiplier``'s ``history`` know."""
+        return self.bands == 1 and self.blt is None
+
+    def _blt_epsilon(self, delta: float) -> float:
+        if not self.events:
+            return 0.0
+        sens = cyclic_blt_sensitivity(*self.blt, self.steps, self.bands)
+        sigma = min(e.noise_multiplier for e in self.events)  # the least noise bounds every step's
+        return _composed_epsilon(_canonical_events([(sigma / sens, 1.0, 1)]), delta, self.accountant,
+                                 self.value_discretization_interval)
 
     def check(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> float:
         """Raise ``BudgetExhaustedError`` if recording these steps would exceed the budget.
@@ -479,7 +512,7 @@ class Accountant:
 
     def to_dict(self) -> dict[str, Any]:
         """The ledger as JSON types (lists, dicts, str, float, int, None); ``bands`` only when
-        it is not 1 (the ledgers written before it existed read back unchanged)."""
+        it is not 1 and ``blt`` only when set (the ledgers written before them read back unchanged)."""
         return {
             "accountant": self.accountant,
             "delta": self.delta,
@@ -487,14 +520,14 @@ class Accountant:
             "value_discretization_interval": self.value_discretization_interval,
             "events": [e._asdict() for e in self.events],
             **({"bands": self.bands} if self.bands != 1 else {}),
+            **({"blt": {"decays": list(self.blt[0]), "scales": list(self.blt[1])}} if self.blt is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Accountant:
         """Inverse of ``to_dict``; unknown or missing fields raise ``PrivacyError``."""
         expected = {"accountant", "delta", "epsilon_budget", "value_discretization_interval", "events"}
-        if "bands" in data:
-            expected.add("bands")
+        expected |= {"bands", "blt"} & set(data)
         if set(data) != expected:
             raise PrivacyError(
                 f"Accountant data needs exactly {sorted(expected)}, got missing "
@@ -512,6 +545,7 @@ class Accountant:
             epsilon_budget=data["epsilon_budget"],
             value_discretization_interval=data["value_discretization_interval"],
             bands=data.get("bands", 1),
+            blt=(tuple(data["blt"]["decays"]), tuple(data["blt"]["scales"])) if "blt" in data else None,
         )
 
 

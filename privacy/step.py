@@ -106,7 +106,7 @@ def init_state(params: Params, optimizer: Optimizer, *, key: int, config: DPConf
     noise history (``()`` for independent noise)."""
     params = {k: v.detach().clone() for k, v in params.items()}
     accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget,
-                            bands=config.mechanism.bands)
+                            **config.mechanism.ledger_fields)
     return TrainState(params, optimizer.init(params), 0, key, accountant, empty_history(config.mechanism))
 
 
@@ -201,7 +201,7 @@ def check_budget(accountant: Accountant, config: DPConfig) -> None:
     if accountant.epsilon_budget is None:
         return
     sigma, q = config.noise_multiplier, config.sample_rate
-    if accountant.bands == 1 and all((e.noise_multiplier, e.sample_rate) == (sigma, q) for e in accountant.events):
+    if accountant.is_dp_sgd and all((e.noise_multiplier, e.sample_rate) == (sigma, q) for e in accountant.events):
         allowed = max_steps(sigma, q, accountant.delta, accountant.epsilon_budget, accountant=accountant.accountant,
                             value_discretization_interval=accountant.value_discretization_interval)
         if accountant.steps + 1 <= allowed:

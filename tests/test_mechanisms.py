@@ -14,7 +14,7 @@ from privacy.errors import PrivacyError
 from privacy.mechanisms import (INDEPENDENT, CyclicPoissonSampler, Mechanism, banded, banded_epsilon,
                                 banded_noise_multiplier, banded_sensitivity, dense_strategy, empty_history,
                                 min_sep_sensitivity, next_output, optimal_banded, prefix_sum_error, streamed_noise)
-from privacy.mechanisms.correlated import advanced_history
+from privacy.mechanisms.correlated import history_after
 from privacy.mechanisms.toeplitz import toeplitz_matrix
 from privacy.noise import gaussian_noise, noise_slice
 from privacy.sampling import PoissonSampler
@@ -45,7 +45,11 @@ def test_banded_columns_have_norm_at_most_one():
     with pytest.raises(PrivacyError, match="independent"):
         Mechanism("independent", (1.0, 0.5))
     with pytest.raises(PrivacyError, match="noise mechanism"):
+        Mechanism("dense", (1.0,))
+    with pytest.raises(PrivacyError, match="blt mechanism needs >= 1 buffer"):
         Mechanism("blt", (1.0,))
+    with pytest.raises(PrivacyError, match="not 'banded'"):
+        Mechanism("banded", (1.0, 0.5), decays=(0.5,), scales=(0.5,))
     assert Mechanism.from_dict(MECH.to_dict()) == MECH
 
 
@@ -118,9 +122,10 @@ def test_streamed_noise_is_the_inverse_strategy_times_the_draws(mech):
 
 def test_a_frozen_step_restarts_a_parameters_history():
     w = {n: torch.full((2,), float(i)) for i, n in enumerate("abc")}
-    history = advanced_history(({"a": w["b"], "b": w["c"]}, {"a": w["c"]}), {"a": w["a"]})
+    history = history_after(2, {"a": [w["a"], w["b"]]})  # only a trained: b (frozen) is left out
     assert history == ({"a": w["a"]}, {"a": w["b"]})  # b was frozen: its history is gone
-    assert advanced_history((), {"a": w["a"]}) == ()
+    assert history_after(1, {"a": [w["a"]], "b": [None]}) == ({"a": w["a"]},)
+    assert history_after(0, {"a": []}) == ()
     with pytest.raises(PrivacyError, match="noise_history has 0 entries"):
         streamed_noise(MECH, {"p": torch.zeros(3)}, (), key=1, step=4, std=1.0)
     with pytest.raises(ValueError, match="at most 2"):

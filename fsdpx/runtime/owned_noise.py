@@ -21,8 +21,7 @@ from torch import Tensor
 from fsdpx.sharding.comm import Comm
 from fsdpx.sharding.layout import local_box
 from fsdpx.sharding.plan import ShardingPlan
-from privacy.mechanisms.correlated import (NoiseHistory, advanced_history, check_history, next_output,
-                                          past_outputs, scaled)
+from privacy.mechanisms.correlated import NoiseHistory, check_history, history_after, past_outputs, scaled, stream_step
 from privacy.mechanisms.mechanism import Mechanism
 from privacy.noise import BLOCK, noise_slice
 from privacy.step import DPConfig
@@ -71,19 +70,19 @@ def shard_noise(name: str, shape: tuple[int, ...], box, *, key: int, step: int, 
 
 def mechanism_noise(mechanism: Mechanism, name: str, shape: tuple[int, ...], box, *, key: int, step: int,
                     std: float, dtype, device: torch.device | str = "cpu",
-                    past: Sequence[Tensor | None] = ()) -> tuple[Tensor, Tensor | None]:
-    """``(noise, output)``: the unsharded run's noise of ``mechanism`` for the elements of
-    ``box``, and its unit output ``w_t`` to keep in the history (``None`` for independent noise).
-    Independent: :func:`shard_noise`. Banded: ``std * w_t`` with ``w_t`` the streaming step
-    (``privacy.mechanisms.correlated.next_output``) of the box's unit float64 draw and ``past``,
-    the box's earlier outputs, all on ``device``: the operations (and so the bits) of
+                    past: Sequence[Tensor | None] = ()) -> tuple[Tensor, list[Tensor | None] | None]:
+    """``(noise, kept)``: the unsharded run's noise of ``mechanism`` for the elements of
+    ``box``, and the history entries to keep after it (``None`` for independent noise).
+    Independent: :func:`shard_noise`. Banded or BLT: ``std * w_t`` with ``w_t`` the streaming step
+    (``privacy.mechanisms.correlated.stream_step``) of the box's unit float64 draw and ``past``,
+    the box's history entries (past outputs, or a BLT's buffers), all on ``device``: the operations (and so the bits) of
     ``privacy.mechanisms.correlated.streamed_noise`` on the whole parameter, cut to the box
     (``tests/test_mechanisms_sharded.py::test_mechanism_noise_of_a_box_is_the_unsharded_draw``)."""
     if mechanism.kind == "independent":
         return shard_noise(name, shape, box, key=key, step=step, std=std, dtype=dtype, device=device), None
     z = shard_noise(name, shape, box, key=key, step=step, std=1.0, dtype=torch.float64, device=device)
-    output = next_output(mechanism, z, past)
-    return scaled(output, std, dtype), output
+    output, kept = stream_step(mechanism, z, past)
+    return scaled(output, std, dtype), kept
 
 
 def _clusters(runs: list[tuple[int, int]], gap: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
@@ -116,7 +115,7 @@ class OwnedNoise:
                  trainable: Collection[str] | None = None):
         self.state, self.plan, self.comm, self.config = state, plan, comm, config
         self.names = frozenset(plan.params if trainable is None else (n for n in plan.params if n in trainable))
-        self.outputs: dict[str, Tensor] = {}
+        self.kept: dict[str, list[Tensor | None]] = {}
         check_history(config.mechanism, state.noise_history)
 
     def pop(self, name: str) -> Tensor:
@@ -127,17 +126,17 @@ class OwnedNoise:
         lay = self.plan.params[name]
         box = local_box(lay.shape, lay.opt_state, self.comm.mesh, self.comm.rank)
         held = self.state.params[name]
-        noise, output = mechanism_noise(self.config.mechanism, name, lay.shape, box, key=self.state.key,
+        noise, kept = mechanism_noise(self.config.mechanism, name, lay.shape, box, key=self.state.key,
                                         step=self.state.step, std=self.config.noise_std, dtype=held.dtype,
                                         device=held.device, past=past_outputs(self.state.noise_history, name))
-        if output is not None:
-            self.outputs[name] = output
+        if kept is not None:
+            self.kept[name] = kept
         if self.config.canaries is not None:  # an audit's canaries on these elements, as the unsharded sum gets them
             self.config.canaries.add_box_(noise, name, lay.shape, box, self.state.step)
         return noise
 
     def history(self) -> NoiseHistory:
-        """The state's ``noise_history`` after this step: the outputs drawn by :meth:`pop` first
-        (``privacy.mechanisms.correlated.advanced_history``); call it once every trainable
+        """The state's ``noise_history`` after this step: the entries each :meth:`pop` kept
+        (``privacy.mechanisms.correlated.history_after``); call it once every trainable
         parameter has been popped."""
-        return advanced_history(self.state.noise_history, self.outputs)
+        return history_after(self.config.mechanism.history_length, self.kept)

@@ -89,7 +89,7 @@ def init_sharded(params: Params, optimizer: Optimizer, strategy: PlanLike, comm:
     accountant, history = None, ()
     if config is not None:
         accountant = Accountant(accountant=config.accountant, delta=config.delta, epsilon_budget=config.epsilon_budget,
-                                bands=config.mechanism.bands)
+                                **config.mechanism.ledger_fields)
         history = empty_history(config.mechanism)
     return ShardedState(at_rest, own_storage(optimizer.init(at_opt), at_rest), 0, key, accountant, history)
 

@@ -76,7 +76,7 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
             return current
     fits = lambda s: spent.record(s, sample_rate, steps).epsilon() <= target  # noqa: E731
     try:
-        if spent.bands > 1:  # the calibrator below knows DP-SGD's ledger, not one of cyclic groups
+        if not spent.is_dp_sgd:  # the calibrator below knows DP-SGD's ledger, not cyclic groups' or a BLT's
             sigma = _first_fitting(fits)
         else:
             sigma = noise_multiplier(target, spent.delta, sample_rate, steps, accountant=spent.accountant,
@@ -90,7 +90,7 @@ def segment_noise(spent: Accountant, *, target: float, sample_rate: float, steps
     if sigma <= max_noise:
         return sigma
     at = current if current is not None else max_noise
-    if spent.bands > 1:  # max_steps composes DP-SGD's ledger; a banded one composes each group's steps
+    if not spent.is_dp_sgd:  # max_steps composes DP-SGD's ledger; a banded one composes each group's steps
         fit = _last_fitting(lambda s: spent.record(at, sample_rate, s).epsilon() <= target, steps)
     else:
         fit = max_steps(at, sample_rate, spent.delta, target, accountant=spent.accountant,

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from privacy.errors import PrivacyError
 
+from .mechanism import Mechanism, blt_parameters
 from .optimize import prefix_sum_error
 from .toeplitz import toeplitz_matrix
 
@@ -51,15 +52,7 @@ class BufferedToeplitz:
     scales: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        theta, omega = tuple(float(x) for x in self.decays), tuple(float(x) for x in self.scales)
-        if len(theta) != len(omega):
-            raise PrivacyError(f"a BLT needs as many decays as scales, got {len(theta)} and {len(omega)}")
-        if not all(math.isfinite(x) for x in theta + omega):
-            raise PrivacyError(f"a BLT needs finite parameters, got decays={theta} scales={omega}")
-        if not all(0.0 < x < 1.0 for x in theta):
-            raise PrivacyError(f"a BLT's decays must be in (0, 1), got decays={theta}")
-        if not all(x > 0.0 for x in omega) or math.fsum(omega) > 1.0:
-            raise PrivacyError(f"a BLT's scales must be > 0 and sum to at most 1 (c_1 <= c_0), got scales={omega}")
+        theta, omega = blt_parameters(self.decays, self.scales)
         object.__setattr__(self, "decays", theta)
         object.__setattr__(self, "scales", omega)
 
@@ -88,9 +81,10 @@ def empty_buffers(blt: BufferedToeplitz, like: Tensor) -> list[Tensor]:
     return [torch.zeros(like.shape, dtype=torch.float64, device=like.device) for _ in range(blt.buffers)]
 
 
-def blt_step(blt: BufferedToeplitz, z: Tensor, buffers: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+def blt_step(blt: BufferedToeplitz, z: Tensor, buffers: Sequence[Tensor | None]) -> tuple[Tensor, list[Tensor]]:
     """``(w_t, buffers after step t)``: ``w_t = z_t - sum_i omega_i s_i`` and
-    ``s_i <- theta_i s_i + w_t``, elementwise in float64.
+    ``s_i <- theta_i s_i + w_t``, elementwise in float64 on ``z``'s device (a buffer read back
+    from a checkpoint on the host is read there); a ``None`` buffer is zero (not yet written).
 
     Formal Guarantees: from :func:`empty_buffers`, the outputs are ``C^{-1}`` times the stacked
     draws to float64 rounding (``tests/test_blt.py::test_blt_noise_is_the_inverse_strategy_times_the_draws``);
@@ -99,9 +93,24 @@ def blt_step(blt: BufferedToeplitz, z: Tensor, buffers: Sequence[Tensor]) -> tup
     if len(buffers) != blt.buffers:
         raise ValueError(f"{len(buffers)} buffers for a BLT of {blt.buffers}")
     w = z.to(torch.float64)
+    buffers = [None if s is None else s.to(w.device) for s in buffers]
     for omega, s in zip(blt.scales, buffers):
-        w = w - s * omega  # two roundings, no fused multiply-add
-    return w, [s * theta + w for theta, s in zip(blt.decays, buffers)]
+        if s is not None:
+            w = w - s * omega  # two roundings, no fused multiply-add: the same bits on every device
+    return w, [w if s is None else s * theta + w for theta, s in zip(blt.decays, buffers)]
+
+
+def strategy_of(mechanism: Mechanism) -> BufferedToeplitz:
+    """The BLT of a mechanism of kind "blt" (``PrivacyError`` for another kind)."""
+    if mechanism.kind != "blt":
+        raise PrivacyError(f"a mechanism of kind {mechanism.kind!r} has no BLT strategy")
+    return BufferedToeplitz(mechanism.decays, mechanism.scales)
+
+
+def blt_mechanism(blt: BufferedToeplitz, min_sep: int) -> Mechanism:
+    """The noise mechanism that streams ``blt``'s noise, accounted for participations at least
+    ``min_sep`` steps apart (cyclic groups of ``min_sep``)."""
+    return Mechanism("blt", decays=blt.decays, scales=blt.scales, min_sep=min_sep)
 
 
 def blt_sensitivity(blt: BufferedToeplitz, steps: int, *, participations: int, min_sep: int) -> float:

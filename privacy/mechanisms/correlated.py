@@ -35,6 +35,7 @@ from torch import Tensor
 from privacy.errors import PrivacyError
 from privacy.noise import gaussian_noise, noise_slice
 
+from .blt import blt_step, strategy_of
 from .mechanism import Mechanism
 
 NoiseHistory = tuple[dict[str, Tensor], ...]
@@ -44,18 +45,19 @@ A name absent from an entry has output 0 there (before its first step, or after 
 
 
 def empty_history(mechanism: Mechanism) -> NoiseHistory:
-    """The history before step 0: ``bands - 1`` empty entries (``()`` for independent noise)."""
-    return tuple({} for _ in range(mechanism.bands - 1))
+    """The history before step 0: ``history_length`` empty entries (``bands - 1``; a BLT's ``D``;
+    ``()`` for independent noise)."""
+    return tuple({} for _ in range(mechanism.history_length))
 
 
 def check_history(mechanism: Mechanism, history: NoiseHistory) -> None:
     """Raise ``PrivacyError`` unless ``history`` has the mechanism's ``bands - 1`` entries: a
     state saved before noise was streamed (no history) or by another mechanism would restart
     the noise silently, so it is refused."""
-    if len(history) != mechanism.bands - 1:
-        raise PrivacyError(f"the state's noise_history has {len(history)} entries; the {mechanism.kind} mechanism of"
-                           f" {mechanism.bands} bands keeps {mechanism.bands - 1} (a state saved before banded noise"
-                           " was streamed, or by another mechanism, cannot continue it)")
+    if len(history) != mechanism.history_length:
+        raise PrivacyError(f"the state's noise_history has {len(history)} entries; the {mechanism.kind} mechanism"
+                           f" keeps {mechanism.history_length} (a state saved before its noise was streamed, or by"
+                           " another mechanism, cannot continue it)")
 
 
 def past_outputs(history: NoiseHistory, name: str) -> list[Tensor | None]:
@@ -88,13 +90,23 @@ def next_output(mechanism: Mechanism, z: Tensor, past: Sequence[Tensor | None]) 
     return acc / c[0]
 
 
-def advanced_history(history: NoiseHistory, outputs: Mapping[str, Tensor]) -> NoiseHistory:
-    """The history after a step whose outputs are ``outputs`` (the parameters that trained):
-    ``outputs`` first, then the older entries cut to those names (a frozen parameter's history
-    is dropped: see the module doc), the oldest entry falling off. ``()`` stays ``()``."""
-    if not history:
-        return ()
-    return (dict(outputs), *({n: t for n, t in entry.items() if n in outputs} for entry in history[:-1]))
+def stream_step(mechanism: Mechanism, z: Tensor, past: Sequence[Tensor | None]) -> tuple[Tensor, list[Tensor]]:
+    """``(w_t, kept)``: the unit output of step ``t`` from its draw ``z`` and the parameter's
+    history entries ``past`` (:func:`past_outputs`), and the entries to keep for step ``t + 1``
+    (``history_length`` of them, ``None`` where 0). Banded: :func:`next_output`, then ``w_t`` and
+    the older outputs but the oldest. BLT: ``privacy.mechanisms.blt.blt_step`` on the ``D``
+    buffers. Elementwise in both: a block of the inputs gives that block of the outputs, bit for bit."""
+    if mechanism.kind == "blt":
+        return blt_step(strategy_of(mechanism), z, past)
+    w = next_output(mechanism, z, past)
+    return w, [w, *past][:mechanism.history_length]
+
+
+def history_after(length: int, kept: Mapping[str, Sequence[Tensor | None]]) -> NoiseHistory:
+    """The history after a step whose parameters that trained kept ``kept[name]`` (``length``
+    entries each, :func:`stream_step`): entry ``j`` maps each name to its ``j``-th, ``None`` left
+    out. A parameter that did not train (frozen) is dropped: its noise restarts (module doc)."""
+    return tuple({n: e[j] for n, e in kept.items() if e[j] is not None} for j in range(length))
 
 
 def streamed_noise(mechanism: Mechanism, params_like: Mapping[str, Tensor], history: NoiseHistory, *, key: int,
@@ -116,13 +128,13 @@ def streamed_noise(mechanism: Mechanism, params_like: Mapping[str, Tensor], hist
     if mechanism.kind == "independent":
         return gaussian_noise(dict(params_like), key=key, step=step, std=std), ()
     check_history(mechanism, history)
-    noise, outputs = {}, {}
+    noise, kept = {}, {}
     for name, t in params_like.items():
         z = noise_slice(name, t.numel(), 0, t.numel(), key=key, step=step, std=1.0, dtype=torch.float64,
                         device=t.device).view(t.shape)
-        outputs[name] = next_output(mechanism, z, past_outputs(history, name))
-        noise[name] = scaled(outputs[name], std, t.dtype)
-    return noise, advanced_history(history, outputs)
+        output, kept[name] = stream_step(mechanism, z, past_outputs(history, name))
+        noise[name] = scaled(output, std, t.dtype)
+    return noise, history_after(mechanism.history_length, kept)
 
 
 def scaled(output: Tensor, std: float, dtype: torch.dtype) -> Tensor:

@@ -13,8 +13,11 @@ Kinds:
     (``c[0] > 0``), normalised to unit column norm so that its sensitivity per participation is 1.
     ``b = steps`` is the dense Toeplitz strategy of a small run.
 
-A buffered Toeplitz (BLT) strategy is data of its own (``privacy.mechanisms.blt``), not yet a
-kind the private step runs (``fsdpx train --noise-mechanism blt`` is refused by name).
+  * ``blt``: a buffered linear Toeplitz ``C`` (``privacy.mechanisms.blt``: first column ``1``,
+    then ``sum_i scales_i decays_i^(j-1)``) with ``D`` buffer ``decays`` and output ``scales``,
+    for participations at least ``min_sep`` steps apart (cyclic groups of ``min_sep``), which its
+    accounting needs (``privacy.mechanisms.accounting.blt_epsilon``). Its noise keeps ``D``
+    buffers, not past outputs (:attr:`Mechanism.history_length`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import math
 
 from privacy.errors import PrivacyError
 
-KINDS = ("independent", "banded")
+KINDS = ("independent", "banded", "blt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +42,34 @@ class Mechanism:
         (``test_banded_columns_have_norm_at_most_one``).
       * ``bands == len(coefficients)``.
 
+    Kind ``blt``: ``decays``, ``scales`` (checked by :func:`blt_parameters`) and ``min_sep >= 1``;
+    ``coefficients`` stays ``(1.0,)`` (``c_0``). The other kinds take none of the three.
+
     Edge cases: unknown ``kind``, an empty, non-finite or all-zero column, ``c[0] == 0`` (``C``
-    singular) or ``independent`` with a column other than ``(1.0,)`` raise ``PrivacyError``.
+    singular) or ``independent`` with a column other than ``(1.0,)`` raise ``PrivacyError``; so do
+    BLT fields on another kind, or a ``blt`` without buffers.
     """
 
     kind: str = "independent"
     coefficients: tuple[float, ...] = (1.0,)
+    decays: tuple[float, ...] = ()
+    scales: tuple[float, ...] = ()
+    min_sep: int = 1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise PrivacyError(f"noise mechanism must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "blt":
+            theta, omega = blt_parameters(self.decays, self.scales)
+            if not theta or self.coefficients != (1.0,):
+                raise PrivacyError(f"a blt mechanism needs >= 1 buffer and coefficients (1.0,), got decays={theta}")
+            if isinstance(self.min_sep, bool) or not isinstance(self.min_sep, int) or self.min_sep < 1:
+                raise PrivacyError(f"a blt mechanism's min_sep must be an int >= 1, got {self.min_sep!r}")
+            object.__setattr__(self, "decays", theta)
+            object.__setattr__(self, "scales", omega)
+            return
+        if self.decays or self.scales or self.min_sep != 1:
+            raise PrivacyError(f"decays, scales and min_sep are a blt mechanism's, not {self.kind!r}'s")
         c = tuple(float(x) for x in self.coefficients)
         if not c or not all(math.isfinite(x) for x in c):
             raise PrivacyError(f"a mechanism needs finite coefficients, got {self.coefficients!r}")
@@ -66,25 +87,64 @@ class Mechanism:
         return len(self.coefficients)
 
     @property
+    def history_length(self) -> int:
+        """The entries of its noise history: ``bands - 1`` past outputs (banded, independent: 0),
+        or ``D`` buffers (blt)."""
+        return len(self.decays) if self.kind == "blt" else self.bands - 1
+
+    @property
+    def groups(self) -> int:
+        """The cyclic sampling groups its accounting assumes: ``bands`` (banded), ``min_sep``
+        (blt), 1 (independent)."""
+        return self.min_sep if self.kind == "blt" else self.bands
+
+    @property
+    def ledger_fields(self) -> dict:
+        """The ``privacy.accounting.Accountant`` fields of its ledger: ``bands`` (the cyclic
+        groups) and ``blt`` (``(decays, scales)`` of a BLT, else None)."""
+        return {"bands": self.groups, "blt": (self.decays, self.scales) if self.kind == "blt" else None}
+
+    @property
     def max_column_norm(self) -> float:
         """The largest column norm of ``C`` over any number of steps: 1.0 by normalisation
         (the first column holds every coefficient; later ones a prefix of them)."""
         return math.sqrt(math.fsum(x * x for x in self.coefficients))
 
     def to_dict(self) -> dict:
-        """JSON types: ``{"kind": ..., "coefficients": [...]}``."""
-        return {"kind": self.kind, "coefficients": list(self.coefficients)}
+        """JSON types: ``{"kind": ..., "coefficients": [...]}``, and for a blt its ``decays``,
+        ``scales`` and ``min_sep`` too."""
+        blt = {"decays": list(self.decays), "scales": list(self.scales), "min_sep": self.min_sep}
+        return {"kind": self.kind, "coefficients": list(self.coefficients), **(blt if self.kind == "blt" else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> Mechanism:
         """Inverse of ``to_dict``; other keys raise ``PrivacyError``."""
-        if set(data) != {"kind", "coefficients"}:
-            raise PrivacyError(f"a mechanism needs exactly kind and coefficients, got {sorted(data)}")
-        return cls(data["kind"], tuple(data["coefficients"]))
+        keys = {"kind", "coefficients"} | ({"decays", "scales", "min_sep"} if data.get("kind") == "blt" else set())
+        if set(data) != keys:
+            raise PrivacyError(f"a {data.get('kind')} mechanism needs exactly {sorted(keys)}, got {sorted(data)}")
+        blt = ({"decays": tuple(data["decays"]), "scales": tuple(data["scales"]), "min_sep": data["min_sep"]}
+               if data["kind"] == "blt" else {})
+        return cls(data["kind"], tuple(data["coefficients"]), **blt)
 
 
 INDEPENDENT = Mechanism()
 """DP-SGD's independent noise: ``C = I``."""
+
+
+def blt_parameters(decays, scales) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``(decays, scales)`` as float tuples, checked: equal lengths, finite, every decay in
+    ``(0, 1)``, every scale ``> 0`` and their sum at most 1 (so ``C``'s first column is positive
+    and non-increasing, which the BLT's sensitivity needs); otherwise ``PrivacyError`` naming them."""
+    theta, omega = tuple(float(x) for x in decays), tuple(float(x) for x in scales)
+    if len(theta) != len(omega):
+        raise PrivacyError(f"a BLT needs as many decays as scales, got {len(theta)} and {len(omega)}")
+    if not all(math.isfinite(x) for x in theta + omega):
+        raise PrivacyError(f"a BLT needs finite parameters, got decays={theta} scales={omega}")
+    if not all(0.0 < x < 1.0 for x in theta):
+        raise PrivacyError(f"a BLT's decays must be in (0, 1), got decays={theta}")
+    if not all(x > 0.0 for x in omega) or math.fsum(omega) > 1.0:
+        raise PrivacyError(f"a BLT's scales must be > 0 and sum to at most 1 (c_1 <= c_0), got scales={omega}")
+    return theta, omega
 
 
 def banded(coefficients: tuple[float, ...]) -> Mechanism:
