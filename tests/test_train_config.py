@@ -139,6 +139,8 @@ def test_full_field_names_work_in_their_section_and_top_level_keys_are_the_run_s
     ("logging = 3", "logging must be a table: [logging]"),
     ("[data\npath = 'x'", "not valid TOML"),
     ("[model]\nkind = 'transformers'", "a transformers model needs one of [model] path"),
+    ("[privacy]\nbuffers = 2", "--buffers 2 is for --noise-mechanism blt, not 'independent'"),
+    ("[privacy]\nnoise_mechanism = 'blt'\nbuffers = 0", "[privacy] buffers: must be an integer >= 1, got 0"),
     ("[model]\nclass = 'GPT2Config'",
      "[model] class describe a transformers model: add [model] kind = \"transformers\""),
 ])
@@ -162,6 +164,7 @@ def test_a_missing_config_file_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("config", [
     RunConfig(),
     RunConfig.of(steps=5, noise_multiplier=1.25, sample_rate=0.03, offload="zenflow", ckpt_dir="ck", name="x"),
+    RunConfig.of(target_epsilon=2.0, noise_mechanism="blt", buffers=2, min_separation=3),
     RunConfig.of(private=False, model="transformers", model_class="GPT2Config",
               model_fields={"n_embd": 8, "n_head": 2, "layer_norm_epsilon": 1e-6, "architectures": ["GPT2LMHeadModel"],
                             "nested": {"a b": "c\"d"}}, data_path="notes.txt", tokenizer="bytes"),

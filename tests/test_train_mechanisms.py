@@ -1,5 +1,5 @@
 """A banded matrix-factorization mechanism in the private step and in ``fsdpx train``
-(``--noise-mechanism banded --bands B``): its noise, its ledger, its batches, a resume that
+(``--noise-mechanism banded --bands B``; a BLT's run: ``--noise-mechanism blt --buffers D``): its noise, its ledger, its batches, a resume that
 continues it, and the settings refused by name."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import sgd
 from privacy import DPConfig, clipped_grad, init_state, make_private_step
 from privacy.accounting import Accountant
-from privacy.mechanisms import CyclicPoissonSampler, banded, banded_epsilon, dense_strategy
+from privacy.mechanisms import CyclicPoissonSampler, Mechanism, banded, banded_epsilon, blt_epsilon, dense_strategy
 from privacy.noise import noise_slice
 
 from support.threads import one_thread  # noqa: F401
@@ -100,6 +100,32 @@ def test_a_resume_continues_the_banded_mechanism_and_refuses_a_change(tmp_path, 
     assert [r["loss"] for r in resumed] == [r["loss"] for r in branched]
 
 
+def test_a_blt_run_resumes_bit_for_bit_and_refuses_other_buffers(tmp_path, capsys):
+    """``--noise-mechanism blt``: its epsilon is the un-amplified ledger's, its coefficients are
+    recorded with the run and kept by a branch, whose steps 3 and 4 (the D buffers read back from
+    the checkpoint) are the straight run's bit for bit; other buffers are refused by flag."""
+    flags = ["--target-epsilon", "4", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "2",
+             "--noise-mechanism", "blt", "--min-separation", "2"]
+    _train(tmp_path, "--steps", "4", "--name", "s", *flags, "--buffers", "2")
+    segment = json.loads((tmp_path / "ck" / "run.json").read_text())["segments"][0]
+    mechanism, sigma = Mechanism.from_dict(segment["derived"]["mechanism"]), segment["derived"]["noise_multiplier"]
+    assert mechanism.kind == "blt" and mechanism.min_sep == 2 and len(mechanism.decays) == 2
+    straight = _rows(tmp_path / "s" / "metrics.jsonl")
+    assert straight[-1]["epsilon"] == blt_epsilon(sigma, mechanism, 4, 1e-5, value_discretization_interval=1e-2)
+    assert 4 * (1 - 2e-3) <= straight[-1]["epsilon"] <= 4
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        _train(tmp_path, "--steps", "4", "--name", "x", "--resume-from", str(tmp_path / "ck" / "step_2"), *flags[:2],
+               *flags[6:], "--buffers", "3")
+    assert exit_.value.code == 2 and not (tmp_path / "x").exists()
+    assert "the checkpoint's steps used --noise-mechanism blt --buffers 2 --min-separation 2" in capsys.readouterr().err
+    _train(tmp_path, "--steps", "4", "--name", "b", "--resume-from", str(tmp_path / "ck" / "step_2"), *flags[:2],
+           *flags[6:], "--buffers", "2")
+    branched = _rows(tmp_path / "b" / "metrics.jsonl")
+    assert [r["loss"] for r in branched] == [r["loss"] for r in straight]
+    assert [r["epsilon"] for r in branched] == [r["epsilon"] for r in straight]
+
+
 def test_a_checkpoint_without_the_noise_history_is_refused_by_flag(tmp_path, capsys):
     flags = ["--target-epsilon", "4", "--noise-mechanism", "banded", "--bands", "2"]
     _train(tmp_path, "--steps", "2", "--name", "o", "--ckpt-dir", str(tmp_path / "ck"), *flags)
@@ -145,7 +171,16 @@ def _rows(path):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--noise-mechanism", "blt"], "--noise-mechanism \"blt\" (buffered Toeplitz) is not built yet for training"),
+    (["--noise-mechanism", "blt"], "--noise-mechanism blt needs --buffers D"),
+    (["--buffers", "2"], "--buffers 2 is for --noise-mechanism blt, not 'independent'"),
+    (["--noise-mechanism", "banded", "--bands", "2", "--min-separation", "2"],
+     "--min-separation 2 is for --noise-mechanism blt, not 'banded'"),
+    (["--noise-mechanism", "blt", "--buffers", "2", "--non-private"],
+     "--noise-mechanism blt is a way to add noise: a non-private run has none"),
+    (["--noise-mechanism", "blt", "--buffers", "1", "--min-separation", "5000"],
+     "--min-separation 5000 is larger than the dataset (1249 examples)"),
+    (["--noise-mechanism", "blt", "--buffers", "2", "--audit-canaries", "4"], "with --noise-mechanism 'blt' is not"),
+    (["--noise-mechanism", "blt", "--buffers", "0"], "argument --buffers: must be an integer >= 1"),
     (["--noise-mechanism", "banded"], "--noise-mechanism \"banded\" needs --bands B"),
     (["--bands", "3"], "--bands=3 is for --noise-mechanism banded"),
     (["--noise-mechanism", "banded", "--bands", "2", "--non-private"],
@@ -154,8 +189,10 @@ def _rows(path):
 def test_mechanism_settings_it_cannot_run_are_refused_by_flag(tmp_path, capsys, flags, words):
     with pytest.raises(SystemExit) as exit_:
         _train(tmp_path, "--steps", "2", *flags)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1
+    *before, last = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and words in last
+    # before it at most argparse's usage, or the run's header (a refusal that needs the dataset's size)
+    assert all(line.startswith(("usage:", " ", "fsdpx train: 2 steps")) for line in before)
     assert not (tmp_path / "run").exists() and not any(tmp_path.iterdir())
 
 

@@ -200,10 +200,16 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                          " resumed run's remaining noise is calibrated so the whole run stays within it)")
     dp.add_argument("--accountant", choices=("pld", "rdp"), default=d.accountant, help="(default %(default)s)")
     dp.add_argument("--noise-mechanism", choices=("independent", "banded", "blt"), default=d.noise_mechanism,
-                    help="independent (DP-SGD) or banded matrix-factorization noise, correlated over --bands steps,"
-                         " with cyclic Poisson batches (privacy.mechanisms); blt is refused (default %(default)s)")
+                    help="independent (DP-SGD), banded matrix-factorization noise correlated over --bands steps, or"
+                         " buffered linear Toeplitz (blt) noise from --buffers buffers, both with cyclic Poisson"
+                         " batches (privacy.mechanisms; default %(default)s)")
     dp.add_argument("--bands", type=_positive_int, metavar="B", default=None,
                     help="bands of --noise-mechanism banded (an example is sampled at most once every B steps)")
+    dp.add_argument("--buffers", type=_positive_int, metavar="D", default=None,
+                    help="buffers of --noise-mechanism blt: D parameter-sized float64 buffers carry its correlation")
+    dp.add_argument("--min-separation", type=_positive_int, metavar="B", default=None,
+                    help="--noise-mechanism blt: an example is sampled at most once every B steps (cyclic groups;"
+                         " default 1); its epsilon counts ceil(steps / B) participations, without amplification")
     dp.add_argument("--audit-canaries", type=_positive_int, metavar="M", default=None,
                     help="audit the run: M gradient canaries, each in with probability 1/2, ride in its batches; the"
                          " summary ends with the epsilon lower bound their scores prove (privacy.audit)")
@@ -655,6 +661,9 @@ def _plan_line(config: RunConfig, comm=None) -> str:
         privacy = f"DP-SGD with noise multiplier {p.noise_multiplier:g}"
     if p.private and p.noise_mechanism == "banded":  # DP-SGD's step with banded matrix-factorization noise
         privacy = privacy.replace("DP-SGD", f"DP-SGD with banded noise ({p.bands} bands)", 1)
+    if p.private and p.noise_mechanism == "blt":  # DP-SGD's step with buffered Toeplitz noise
+        words = f"DP-SGD with BLT noise ({p.buffers} buffers, min separation {p.groups})"
+        privacy = privacy.replace("DP-SGD", words, 1)
     where = f", {config.parallelism.strategy} on {comm.mesh}" if comm is not None else ""
     off = config.offload
     where += {"none": "", "zero": ", ZeRO-Offload (the optimizer on the host)",

@@ -65,7 +65,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OFFLOAD_KINDS = ("none", "zenflow", "zero")
 PRECISIONS = ("fp32", "bf16")  # privacy.precision.PRECISIONS, named here without torch
 SELECT_STRATEGIES = ("step", "epoch", "auto")
-NOISE_MECHANISMS = ("independent", "banded", "blt")  # privacy.mechanisms; "blt" is named and refused
+NOISE_MECHANISMS = ("independent", "banded", "blt")  # privacy.mechanisms
 
 MAX_NOISE_MULTIPLIER = 10.0
 """Default largest noise multiplier a segment may be given (``--max-noise-multiplier``,
@@ -268,6 +268,8 @@ class PrivacySettings:
     max_noise_multiplier: float = MAX_NOISE_MULTIPLIER
     noise_mechanism: str = "independent"
     bands: int | None = None
+    buffers: int | None = None
+    min_separation: int | None = None
     audit_canaries: int | None = None
 
     def __post_init__(self) -> None:
@@ -293,7 +295,10 @@ class PrivacySettings:
     @property
     def groups(self) -> int:
         """The cyclic sampling groups of the run (``privacy.mechanisms.cyclic_sampling``): ``bands``
-        of a banded mechanism, else 1 (Poisson sampling over the whole dataset)."""
+        of a banded mechanism, ``min_separation`` of a BLT (1 when not given), else 1 (Poisson
+        sampling over the whole dataset)."""
+        if self.noise_mechanism == "blt":
+            return self.min_separation or 1
         return self.bands if self.noise_mechanism == "banded" else 1
 
     @property
@@ -307,14 +312,23 @@ class PrivacySettings:
 
 
 def _check_mechanism(p: PrivacySettings) -> None:
-    """``noise_mechanism`` and ``bands`` (``--noise-mechanism``, ``--bands``): banded needs its
-    bands, nothing else takes them; a mechanism needs a private run; "blt" is refused by name."""
+    """``noise_mechanism``, ``bands``, ``buffers`` and ``min_separation`` (``--noise-mechanism``,
+    ``--bands``, ``--buffers``, ``--min-separation``): banded needs its bands, blt its buffers (its
+    min separation is optional: 1), nothing else takes them; a mechanism needs a private run.
+    Each refusal names the flag. (A min separation larger than the dataset is refused where the
+    dataset's size is known: ``fsdpx.train.build.resolve_sample_rate``.)"""
     if p.noise_mechanism not in NOISE_MECHANISMS:
         raise ConfigError(f"noise_mechanism must be one of {NOISE_MECHANISMS}, got {p.noise_mechanism!r}")
+    for flag, value in (("--buffers", p.buffers), ("--min-separation", p.min_separation)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+        if value is not None and p.noise_mechanism != "blt":
+            raise ConfigError(f"{flag} {value} is for --noise-mechanism blt, not {p.noise_mechanism!r}")
     if p.noise_mechanism == "blt":
-        raise ConfigError("noise_mechanism \"blt\" (buffered Toeplitz) is not built yet for training (its strategy,"
-                          " noise, sensitivity and optimiser are privacy.mechanisms.blt; its accounting under cyclic"
-                          " Poisson batches is not); use --noise-mechanism banded --bands B")
+        if p.buffers is None:
+            raise ConfigError("--noise-mechanism blt needs --buffers D (an integer >= 1)")
+        if not p.private:
+            raise ConfigError("--noise-mechanism blt is a way to add noise: a non-private run has none")
     if p.noise_mechanism == "banded":
         if p.bands is None or isinstance(p.bands, bool) or p.bands < 1:
             raise ConfigError(f"noise_mechanism \"banded\" needs --bands B (an integer >= 1), got bands={p.bands}")

@@ -176,7 +176,8 @@ def _plan_noise(config: RunConfig, dp: DPConfig | None, spent: Any, *, current: 
 
 
 class MechanismChangeError(ResumeError):
-    """The run's noise mechanism (``--noise-mechanism``, ``--bands``) differs from the one its
+    """The run's noise mechanism (``--noise-mechanism``, ``--bands``, ``--buffers``,
+    ``--min-separation``) differs from the one its
     checkpoint's steps used: a matrix-factorization mechanism's guarantee holds for one strategy
     over the whole run."""
 
@@ -184,10 +185,12 @@ class MechanismChangeError(ResumeError):
 def continued_mechanism(dp: DPConfig, wrote: Mapping[str, Any] | None, source: Path) -> DPConfig:
     """``dp`` with the mechanism the checkpoint's run used (its segment record's
     ``derived.mechanism``; records from before mechanisms existed: independent), so a resumed or
-    branched banded run keeps its coefficients whatever its new ``--steps``. Raises
-    :class:`MechanismChangeError` naming ``--noise-mechanism`` when the kind or the bands differ,
-    or when a banded run's checkpoint has no record to take them from
-    (``tests/test_train_mechanisms.py::test_a_resume_continues_the_banded_mechanism_and_refuses_a_change``)."""
+    branched banded or BLT run keeps its coefficients whatever its new ``--steps``. Raises
+    :class:`MechanismChangeError` naming ``--noise-mechanism`` and the flags that differ (the kind,
+    the bands, a BLT's buffers or min separation), or when a correlated run's checkpoint has no
+    record to take them from
+    (``tests/test_train_mechanisms.py::test_a_resume_continues_the_banded_mechanism_and_refuses_a_change``,
+    ``tests/test_train_mechanisms.py::test_a_blt_run_resumes_bit_for_bit_and_refuses_other_buffers``)."""
     if wrote is None:
         if dp.mechanism.kind != "independent":
             raise MechanismChangeError(f"--noise-mechanism {dp.mechanism.kind}: the checkpoint {source} has no"
@@ -195,20 +198,32 @@ def continued_mechanism(dp: DPConfig, wrote: Mapping[str, Any] | None, source: P
         return dp
     recorded = (wrote.get("derived") or {}).get("mechanism")
     used = Mechanism.from_dict(recorded) if recorded else INDEPENDENT
-    if (used.kind, used.bands) != (dp.mechanism.kind, dp.mechanism.bands):
-        words = lambda m: m.kind + (f" --bands {m.bands}" if m.kind == "banded" else "")  # noqa: E731
-        raise MechanismChangeError(f"--noise-mechanism {words(dp.mechanism)}: the checkpoint's steps used"
-                                   f" --noise-mechanism {words(used)}; the mechanism cannot change within a run")
+    if mechanism_words(used) != mechanism_words(dp.mechanism):
+        raise MechanismChangeError(f"--noise-mechanism {mechanism_words(dp.mechanism)}: the checkpoint's steps used"
+                                   f" --noise-mechanism {mechanism_words(used)}; the mechanism cannot change within a"
+                                   " run")
     return dp if used == dp.mechanism else dataclasses.replace(dp, mechanism=used)
+
+
+def mechanism_words(m: Mechanism) -> str:
+    """The flags that choose mechanism ``m``: ``banded --bands 3``, ``blt --buffers 2 --min-separation 4``."""
+    if m.kind == "blt":
+        return f"blt --buffers {len(m.decays)} --min-separation {m.min_sep}"
+    return m.kind + (f" --bands {m.bands}" if m.kind == "banded" else "")
 
 
 def check_noise_history(dp: DPConfig, state: Any, source: Path) -> None:
     """Raise :class:`MechanismChangeError` naming ``--noise-mechanism`` when the checkpoint's state
-    lacks the ``bands - 1`` past outputs its banded mechanism streams from
-    (``privacy.mechanisms.correlated``): a checkpoint saved before banded noise was streamed
-    cannot continue its noise
+    lacks the ``history_length`` entries its mechanism streams from (a banded one's ``bands - 1``
+    past outputs, a BLT's ``D`` buffers: ``privacy.mechanisms.correlated``): a checkpoint saved
+    before its noise was streamed cannot continue it; or when a BLT checkpoint's ledger accounts
+    other coefficients than the run's record (its epsilon would not be this mechanism's)
     (``tests/test_train_mechanisms.py::test_a_checkpoint_without_the_noise_history_is_refused_by_flag``)."""
-    have, need = len(getattr(state, "noise_history", ())), dp.mechanism.bands - 1
+    ledger = dp.mechanism.ledger_fields["blt"]
+    if ledger is not None and getattr(state.accountant, "blt", None) != ledger:
+        raise MechanismChangeError(f"--noise-mechanism blt: the checkpoint {source} accounts BLT coefficients"
+                                   f" {state.accountant.blt}, its run's record {ledger}; it cannot be continued")
+    have, need = len(getattr(state, "noise_history", ())), dp.mechanism.history_length
     if have != need:
         raise MechanismChangeError(f"--noise-mechanism {dp.mechanism.kind}: the checkpoint {source} holds {have} past"
                                    f" noise outputs, its mechanism streams from {need} (saved before banded noise was"
