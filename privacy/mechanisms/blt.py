@@ -14,9 +14,13 @@ earlier output enters ``C w = z``, but through ``D`` geometric sums: with buffer
 so a step's noise needs one draw and ``D`` buffers the size of the parameter, whatever ``t``
 (:func:`blt_step`).
 
-Not wired into training: ``fsdpx train --noise-mechanism blt`` stays refused by name, because a
-BLT's columns overlap across participations and the amplified accounting of cyclic Poisson
-batches for it (which ``privacy.mechanisms.accounting`` gives banded strategies) is not built.
+In training it is the ``blt`` kind of ``privacy.mechanisms.Mechanism`` (:func:`blt_mechanism`,
+``fsdpx train --noise-mechanism blt --buffers D --min-separation B``): the ``D`` buffers are the
+state's ``noise_history`` (float64, like a banded history: the recursion must give the same bits
+on every shard, and float32 buffers would round differently from the dense ``C^{-1} z`` it
+streams), advanced by ``privacy.mechanisms.correlated.stream_step``. Its columns overlap across
+participations, so it is accounted without amplification, as one Gaussian mechanism at its
+min-separation sensitivity (``privacy.mechanisms.accounting``, module doc).
 """
 
 from __future__ import annotations

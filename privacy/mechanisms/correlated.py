@@ -1,4 +1,9 @@
-"""The correlated noise of a banded mechanism, streamed: ``C w = z`` solved one step at a time.
+"""The correlated noise of a banded (or BLT) mechanism, streamed: ``C w = z`` solved one step at a time.
+
+A BLT (``privacy.mechanisms.blt``) streams the same way from ``D`` buffers instead of past
+outputs (:func:`stream_step`); its history entries are those buffers, everything below about the
+history (layout, checkpoints, freezing: the restarted BLT's non-negative columns sum to no more)
+holds for it too.
 
 Step ``t``'s noise is ``w_t = (C^{-1} z)_t``, ``z_k`` the independent unit draw of step ``k``
 (``privacy.noise.noise_slice``, ``step=k``, float64). ``C`` is lower-triangular Toeplitz with
