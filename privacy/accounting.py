@@ -363,6 +363,22 @@ def noise_multiplier(
     return hi
 
 
+def gaussian_epsilon(noise_multiplier: float, delta: float, *, accountant: str = "pld",
+                     value_discretization_interval: float = DEFAULT_PLD_DISCRETIZATION) -> float:
+    """The epsilon at ``delta`` of ONE Gaussian mechanism (no sampling) of noise multiplier
+    ``noise_multiplier`` (noise std over sensitivity): :func:`epsilon` at rate 1 and one step,
+    except below ``1/16`` with ``"pld"``, where the PLD's grid would hold millions of points
+    (epsilon is then above 100): there the RDP accountant's figure, also an upper bound.
+
+    Formal Guarantee: an upper bound on the mechanism's epsilon, equal to :func:`epsilon`'s at
+    and above ``1/16`` (``tests/test_blt_accounting.py::test_blt_epsilon_is_the_analytic_gaussian_at_sigma_over_the_sensitivity``).
+    Edge cases: 0 gives inf; others as :func:`epsilon`."""
+    if accountant == "pld" and 0.0 < noise_multiplier < _MIN_NOISE_MULTIPLIER:
+        accountant = "rdp"
+    return epsilon(noise_multiplier, 1.0, 1, delta, accountant=accountant,
+                   value_discretization_interval=value_discretization_interval)
+
+
 def group_events(events: tuple[Event, ...], bands: int) -> list[tuple[Event, ...]]:
     """Per cyclic group ``g`` of ``bands`` (``privacy.mechanisms.cyclic_sampling``: group
     ``t mod bands`` samples at step ``t``), the canonical events of the steps it samples: an
@@ -492,8 +508,8 @@ class Accountant:
             return 0.0
         sens = cyclic_blt_sensitivity(*self.blt, self.steps, self.bands)
         sigma = min(e.noise_multiplier for e in self.events)  # the least noise bounds every step's
-        return _composed_epsilon(_canonical_events([(sigma / sens, 1.0, 1)]), delta, self.accountant,
-                                 self.value_discretization_interval)
+        return gaussian_epsilon(sigma / sens, delta, accountant=self.accountant,
+                                value_discretization_interval=self.value_discretization_interval)
 
     def check(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> float:
         """Raise ``BudgetExhaustedError`` if recording these steps would exceed the budget.

@@ -45,8 +45,8 @@ def _analytic_gaussian_epsilon(mu: float, delta: float) -> float:
     """Balle and Wang (2018), Theorem 8: the exact epsilon at ``delta`` of a Gaussian mechanism of
     sensitivity over noise ``mu``: the root of ``Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu) = delta``."""
     def excess(eps):
-        return stats.norm.cdf(mu / 2 - eps / mu) - math.exp(eps) * stats.norm.cdf(-mu / 2 - eps / mu) - delta
-    return optimize.brentq(excess, 0.0, 100.0, xtol=1e-12)
+        return stats.norm.cdf(mu / 2 - eps / mu) - math.exp(eps + stats.norm.logcdf(-mu / 2 - eps / mu)) - delta
+    return optimize.brentq(excess, 0.0, 1e5, xtol=1e-12)
 
 
 @pytest.mark.parametrize("sigma, steps", [(2.0, 10), (5.0, 30), (1.0, 4)])
@@ -58,6 +58,8 @@ def test_blt_epsilon_is_the_analytic_gaussian_at_sigma_over_the_sensitivity(sigm
     assert exact <= got <= exact * (1 + 2e-3)  # PLD rounds pessimistically, by about its interval
     assert blt_epsilon(sigma, MECH, steps, delta, accountant="rdp") >= exact  # RDP: a looser upper bound
     assert blt_epsilon(sigma, MECH, 0, delta) == 0.0 and blt_epsilon(0.0, MECH, steps, delta) == math.inf
+    tiny = 0.01 * sens  # multiplier 1/100: the RDP bound (a PLD would hold millions of points), still above exact
+    assert _analytic_gaussian_epsilon(100.0, delta) <= blt_epsilon(tiny, MECH, steps, delta) < math.inf
     with pytest.raises(PrivacyError, match="kind 'blt'"):
         blt_epsilon(sigma, INDEPENDENT, steps, delta)
 
@@ -129,3 +131,16 @@ def test_blt_noise_has_the_covariance_of_the_inverse_strategy():
     tol = 5 * math.sqrt(2 / samples.shape[0]) * expected.diagonal().max().item()
     assert (empirical - expected).abs().max().item() < tol
     assert expected[1, 0].abs().item() > 5 * tol  # correlated: the test can tell it from I
+
+
+def test_a_blt_segment_is_planned_on_its_ledger():
+    """A resumed BLT run's remaining noise (``fsdpx.train.budget.segment_noise``) keeps the whole
+    run's un-amplified epsilon within the target; more steps than any noise allows are refused."""
+    from fsdpx.train.budget import SegmentDoesNotFitError, segment_noise
+
+    spent = Accountant(delta=1e-5, value_discretization_interval=1e-2, **MECH.ledger_fields).record(3.0, 0.2, 6)
+    target = 1.5 * spent.record(3.0, 0.2, 6).epsilon()
+    sigma = segment_noise(spent, target=target, sample_rate=0.2, steps=6)
+    assert sigma < 3.0 and target * (1 - 2e-3) <= spent.record(sigma, 0.2, 6).epsilon() <= target
+    with pytest.raises(SegmentDoesNotFitError):  # the steps so far at 3.0 bound the rest: 400 more cannot fit
+        segment_noise(spent, target=target, sample_rate=0.2, steps=400, max_noise=3.0)

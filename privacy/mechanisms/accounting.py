@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 
-from privacy.accounting import DEFAULT_PLD_DISCRETIZATION, epsilon, noise_multiplier
+from privacy.accounting import DEFAULT_PLD_DISCRETIZATION, epsilon, gaussian_epsilon, noise_multiplier
 from privacy.blt_sensitivity import cyclic_blt_sensitivity
 from privacy.errors import PrivacyError
 
@@ -103,8 +103,8 @@ def blt_epsilon(noise_multiplier_: float, mechanism: Mechanism, steps: int, delt
     if steps == 0:
         return 0.0
     sens = blt_ledger_sensitivity(mechanism, steps)
-    return epsilon(noise_multiplier_ / sens, 1.0, 1, delta, accountant=accountant,
-                   value_discretization_interval=value_discretization_interval)
+    return gaussian_epsilon(noise_multiplier_ / sens, delta, accountant=accountant,
+                            value_discretization_interval=value_discretization_interval)
 
 
 def blt_noise_multiplier(target_epsilon: float, delta: float, mechanism: Mechanism, steps: int, *,
