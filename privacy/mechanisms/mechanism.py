@@ -118,13 +118,16 @@ class Mechanism:
 
     @classmethod
     def from_dict(cls, data: dict) -> Mechanism:
-        """Inverse of ``to_dict``; other keys raise ``PrivacyError``."""
-        keys = {"kind", "coefficients"} | ({"decays", "scales", "min_sep"} if data.get("kind") == "blt" else set())
-        if set(data) != keys:
-            raise PrivacyError(f"a {data.get('kind')} mechanism needs exactly {sorted(keys)}, got {sorted(data)}")
-        blt = ({"decays": tuple(data["decays"]), "scales": tuple(data["scales"]), "min_sep": data["min_sep"]}
-               if data["kind"] == "blt" else {})
-        return cls(data["kind"], tuple(data["coefficients"]), **blt)
+        """Inverse of ``to_dict``, and of ``dataclasses.asdict`` (a checkpointed ``DPConfig``'s
+        form: every field, the BLT ones at their defaults for the other kinds); other or missing
+        keys raise ``PrivacyError``."""
+        blt = {"decays", "scales", "min_sep"}
+        need = {"kind", "coefficients"} | (blt if data.get("kind") == "blt" else set())
+        if not need <= set(data) <= need | blt:
+            raise PrivacyError(f"a {data.get('kind')} mechanism needs {sorted(need)} (and at most {sorted(blt)}),"
+                               f" got {sorted(data)}")
+        extra = {k: tuple(data[k]) if k != "min_sep" else data[k] for k in blt & set(data)}
+        return cls(data["kind"], tuple(data["coefficients"]), **extra)
 
 
 INDEPENDENT = Mechanism()
