@@ -49,7 +49,7 @@ def _analytic_gaussian_epsilon(mu: float, delta: float) -> float:
     return optimize.brentq(excess, 0.0, 1e5, xtol=1e-12)
 
 
-@pytest.mark.parametrize("sigma, steps", [(2.0, 10), (5.0, 30), (1.0, 4)])
+@pytest.mark.parametrize("sigma, steps", [(2.0, 10), (1.0, 4)])
 def test_blt_epsilon_is_the_analytic_gaussian_at_sigma_over_the_sensitivity(sigma, steps):
     delta = 1e-5
     sens = cyclic_blt_sensitivity(MECH.decays, MECH.scales, steps, 3)
