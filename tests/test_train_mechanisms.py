@@ -15,9 +15,11 @@ import ckpt
 from fsdpx import Mesh, cli
 from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import sgd
+from fsdpx.train.resume import MechanismChangeError, check_noise_history
 from privacy import DPConfig, clipped_grad, init_state, make_private_step
 from privacy.accounting import Accountant
-from privacy.mechanisms import CyclicPoissonSampler, Mechanism, banded, banded_epsilon, blt_epsilon, dense_strategy
+from privacy.mechanisms import (BufferedToeplitz, CyclicPoissonSampler, Mechanism, banded, banded_epsilon, blt_epsilon,
+                                blt_mechanism, dense_strategy)
 from privacy.noise import noise_slice
 
 from support.threads import one_thread  # noqa: F401
@@ -206,3 +208,17 @@ def test_a_banded_segment_is_planned_on_its_groups_ledger():
         segment_noise(spent, target=4.0, sample_rate=0.2, steps=400, max_noise=1.0)
     fit = err.value.steps_fit
     assert spent.record(1.0, 0.2, fit).epsilon() <= 4.0 < spent.record(1.0, 0.2, fit + 1).epsilon()
+
+
+def test_a_blt_checkpoint_accounting_other_coefficients_is_refused_by_flag(tmp_path):
+    """A resume takes the BLT its run recorded; a checkpoint whose ledger accounts other
+    coefficients (or lacks the D buffers) cannot continue it: refused naming --noise-mechanism."""
+    mech = blt_mechanism(BufferedToeplitz((0.9, 0.3), (0.4, 0.2)), min_sep=2)
+    dp = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.1, mechanism=mech)
+    state = init_state({"w": torch.zeros(3)}, sgd(0.1), key=0, config=dp)
+    check_noise_history(dp, state, tmp_path)  # its own: accepted
+    other = Accountant(delta=1e-5, bands=2, blt=((0.8, 0.3), (0.4, 0.2)))
+    with pytest.raises(MechanismChangeError, match="--noise-mechanism blt: the checkpoint .* accounts BLT"):
+        check_noise_history(dp, state._replace(accountant=other), tmp_path)
+    with pytest.raises(MechanismChangeError, match="holds 1 past noise outputs, its mechanism streams from 2"):
+        check_noise_history(dp, state._replace(noise_history=({},)), tmp_path)
