@@ -47,7 +47,7 @@ import numbers
 import operator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -99,6 +99,7 @@ def noise_slice(
     std: float,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    checked: bool = True,
 ) -> Tensor:
     """Gaussian noise ``N(0, std**2)`` for flat elements ``[start, stop)`` of parameter ``name``.
 
@@ -111,6 +112,11 @@ def noise_slice(
       dtype: float16, bfloat16, float32 or float64.
       device: where to draw and return it (default CPU). Off the CPU the draw is made there in
         torch ops (:mod:`privacy.ziggurat_ops`): only the block seeds travel from the host.
+      checked: off the CPU, ``False`` skips the draw's one read from the device: an element
+        the sampler's fixed rounds left open (about one in ``1.7e19``) is NaN, and the caller
+        finds it with :func:`open_names` over many draws (one read) and draws that slice again
+        checked (``fsdpx.runtime.owned_noise.OwnedNoise.settle``). On the CPU the draw is
+        always exact.
 
     Returns:
       A 1-D tensor of ``stop - start`` elements of ``dtype`` on ``device``, the same bits on
@@ -157,7 +163,8 @@ def noise_slice(
     if _on_device(device):
         numel, start, stop, key, step, std = _validate(name, numel, start, stop, key=key, step=step, std=std,
                                                        dtype=dtype)
-        return _device_noise(name, start, stop, key=key, step=step, std=std, dtype=dtype, device=torch.device(device))
+        return _device_noise(name, start, stop, key=key, step=step, std=std, dtype=dtype, device=torch.device(device),
+                             checked=checked)
     out, tasks, std = _prepare(name, numel, start, stop, key=key, step=step, std=std, dtype=dtype)
     _run(tasks)
     return _finish(out, std, dtype, stop - start)
@@ -166,6 +173,12 @@ def noise_slice(
 def _on_device(device: torch.device | str | None) -> bool:
     """Whether noise for ``device`` is drawn there in torch ops (anything but the CPU)."""
     return device is not None and torch.device(device).type != "cpu"
+
+
+def draws_on_device(device: torch.device | str | None) -> bool:
+    """Whether :func:`noise_slice` draws for ``device`` there, in torch ops (any device but the
+    CPU), so that ``checked=False`` may leave NaN for the caller to check."""
+    return _on_device(device)
 
 
 def _device_noise(name: str, start: int, stop: int, *, key: int, step: int, std: float, dtype: torch.dtype,
@@ -264,9 +277,11 @@ def _full_draw(name: str, t: Tensor, *, key: int, step: int, std: float, checked
                          checked=checked).view(t.shape)
 
 
-def _any_open(flags: dict[str, Tensor]) -> list[str]:
-    """The names whose flag is set: one boolean read from the device for all of them (nothing
-    read when there are no flags), the names read only when it is set (rare)."""
+def open_names(flags: dict[Any, Tensor]) -> list[Any]:
+    """The keys whose flag (a 0-d boolean tensor: "this unchecked draw holds a NaN") is set:
+    one boolean read from the device for all of them (nothing read when there are no flags),
+    the keys read one by one only when it is set (rare).
+    (``tests/test_step_syncs.py::test_device_noise_for_many_tensors_is_checked_with_one_read``)"""
     if not flags or not bool(torch.stack(list(flags.values())).any()):
         return []
     return [name for name, flag in flags.items() if bool(flag)]
@@ -339,7 +354,7 @@ def _device_draws(params_like: dict[str, Tensor], *, key: int, step: int, std: f
         for i, (draw, names) in enumerate(_grouped_unit_draws(on, key=key, step=step)):
             draws.update(_group_slices(draw, names, on, checked))
             flags[(device, i)] = (draw.isnan().any(), names)
-    for group in _any_open({k: f for k, (f, _) in flags.items()}):
+    for group in open_names({k: f for k, (f, _) in flags.items()}):
         for name in flags[group][1]:
             draws[name] = _full_draw(name, params_like[name], key=key, step=step, std=std)
     return {n: draws[n] for n in params_like}
@@ -364,7 +379,7 @@ def _add_device_noise_(tensors: dict[str, Tensor], *, key: int, step: int, std: 
                 t = tensors[name]
                 torch.where(noise.isnan(), t, t + noise, out=t)
             flags[(device, i)] = (draw.isnan().any(), names)
-    for group in _any_open({k: f for k, (f, _) in flags.items()}):
+    for group in open_names({k: f for k, (f, _) in flags.items()}):
         for name in flags[group][1]:
             t = tensors[name]
             open_ = _full_draw(name, t, key=key, step=step, std=std, checked=False).isnan()

@@ -16,7 +16,7 @@ from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.models.tp_plans import gpt_plan
 from fsdpx.optim import sgd
 from fsdpx.runtime.owned_noise import mechanism_noise
-from fsdpx.sharding.cost_model import as_plan
+from fsdpx.sharding.cost_model import as_plan, memory_by_rank
 from fsdpx.sharding.pipeline import PipelineParallel, resolve_pipeline, unshard_stages
 from fsdpx.sharding.tensor_parallel import resolve
 from privacy import DPConfig, init_state, make_private_step
@@ -134,7 +134,8 @@ def test_a_mechanisms_run_resumes_bit_for_bit_in_its_own_layout_and_another(tmp_
 
 def test_resident_bytes_count_the_noise_history(one_thread):
     """A banded zero3 step's resident bytes exceed an independent one's by the history: over the
-    ranks, ``bands - 1`` float64 copies of every parameter (the ranks' blocks partition them)."""
+    ranks, ``bands - 1`` float64 copies of every parameter (the ranks' blocks partition them);
+    on each rank exactly what ``memory_by_rank(..., history_copies=bands - 1)`` adds."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=13, block_size=4, n_layer=1, n_head=2, n_embd=6)).double()
     g = torch.Generator().manual_seed(1)
@@ -143,6 +144,11 @@ def test_resident_bytes_count_the_noise_history(one_thread):
     for mech in (INDEPENDENT, MECH):
         config = DPConfig(clip_norm=0.5, noise_multiplier=0.5, sample_rate=0.1, method="ghost", mechanism=mech)
         _, metrics, _ = sharded_run(model, batches, sgd(0.1), config, strategies.zero3(), Mesh(dp=2))
-        resident[mech.kind] = sum(m["resident_bytes"] for m in metrics)
+        resident[mech.kind] = [m["resident_bytes"] for m in metrics]
     numel = sum(p.numel() for p in model.parameters())
-    assert resident["banded"] - resident["independent"] == (MECH.bands - 1) * 8 * numel
+    assert sum(resident["banded"]) - sum(resident["independent"]) == (MECH.bands - 1) * 8 * numel
+    shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+    copies = len(empty_history(MECH))
+    extra = [a - b for a, b in zip(*(memory_by_rank(strategies.zero3(), shapes, Mesh(dp=2), "sgd", torch.float64,
+                                                    history_copies=c) for c in (copies, 0)))]
+    assert [a - b for a, b in zip(resident["banded"], resident["independent"])] == extra

@@ -64,12 +64,16 @@ def test_zenflow_with_model_parallelism_resumes_bit_for_bit(tmp_path, layout):
     in-flight window at step 3 (interval 2: a window sum open, the last window's host result in
     flight) as one global selection per weight (``offload.checkpoint_form``): a run branched
     from it in the same layout gives the straight run's losses bit for bit, and one process
-    resumes from it too (float32, rel 1e-5: another layout sums in another order)."""
+    resumes from it too (float32, rel 1e-5: another layout sums in another order); and the
+    other way: that one process's checkpoint at step 4 (mid-window again) resumes in the layout,
+    its last two losses within rel 1e-5 of the one process's."""
     two = [*ZENFLOW, *FREEZE, "--strategy", "zero3"]
     straight = _train(tmp_path, "straight", *two, "--nproc", "2", *layout, "--ckpt-dir", str(tmp_path / "ck"),
                       "--ckpt-every", "3")
     from_ck = ["--resume-from", str(tmp_path / "ck" / "step_3")]
     branch = _train(tmp_path, "branch", *two, "--nproc", "2", *layout, *from_ck)
-    one = _train(tmp_path, "one", *two, *from_ck)
+    one = _train(tmp_path, "one", *two, *from_ck, "--ckpt-dir", str(tmp_path / "ck1"), "--ckpt-every", "4")
     assert len(straight) == 6 and branch == straight
     assert one[:3] == straight[:3] and one == pytest.approx(straight, rel=1e-5)
+    back = _train(tmp_path, "back", *two, "--nproc", "2", *layout, "--resume-from", str(tmp_path / "ck1" / "step_4"))
+    assert back[:4] == one[:4] and back == pytest.approx(one, rel=1e-5)

@@ -11,8 +11,9 @@ The documented exceptions: the non-finite guard (``privacy.clipping.guarded_clip
 reads one boolean per step, ``any`` over the batch's norms, to raise
 :class:`NonFiniteGradientError` before an update; and noise drawn on a device
 (:mod:`privacy.ziggurat_ops`: fixed rounds, no read) is checked with one boolean for all the
-parameters (:func:`privacy.noise.add_gaussian_noise_`), whose rare ``True`` (about once in 1e11
-steps of GPT-2 small) sends the unsettled elements to the host sampler. Here the device path runs
+parameters (:func:`privacy.noise.add_gaussian_noise_`; a sharded step's blocks:
+``fsdpx.runtime.owned_noise.OwnedNoise.settle``), whose rare ``True`` (about once in 1e11
+steps of GPT-2 small) has the unsettled elements drawn again, checked. Here the device path runs
 on CPU tensors by routing them to it (``noise._on_device``).
 """
 
@@ -263,3 +264,56 @@ def test_a_cuda_private_step_synchronises_at_most_at_the_guard():
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= GUARD + DEVICE_NOISE_CHECK, syncs
     assert metrics["batch_size"] == 4
+
+
+def _sharded_steps(mechanism, steps: int = 2):
+    """Each rank's parameters and history after ``steps`` private zero3 steps on two simulated
+    ranks, and what each rank read in the last one."""
+    from privacy.mechanisms import INDEPENDENT
+
+    model, (ids, targets) = tiny()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    shapes = {k: tuple(v.shape) for k, v in params.items()}
+    config = DPConfig(clip_norm=1.0, noise_multiplier=1.0, sample_rate=0.05, method="ghost",
+                      mechanism=mechanism or INDEPENDENT)
+    opt, layout = adamw(1e-3), strategies.zero3()
+
+    def rank(comm):
+        step = make_sharded_step(copy.deepcopy(model), token_loss, opt, layout, comm, param_shapes=shapes,
+                                 config=config, num_examples=50)
+        state = init_sharded(params, opt, layout, comm, key=7, config=config)
+        for _ in range(steps - 1):
+            state, _ = step(state, (ids, targets))
+        with HostReads() as reads:
+            state, _ = step(state, (ids, targets))
+        return dict(reads.counts), state.params, state.noise_history
+
+    return run_threads(Mesh(dp=2), rank)
+
+
+@pytest.mark.parametrize("kind, rounds", [("independent", "fixed"), ("banded", "fixed"), ("blt", "cut")],
+                         ids=["independent", "banded", "blt-rounds-cut"])
+def test_a_sharded_step_with_device_noise_reads_the_guard_and_one_noise_check(monkeypatch, kind, rounds):
+    """A zero3 step whose noise takes the device path reads the guard and ONE check for all of
+    its parameters' unchecked draws (``OwnedNoise.settle``), not one per parameter, and ends with
+    the host path's bits, a banded history or BLT buffers included. With the sampler's rounds
+    cut to one call, every block has open elements: each is drawn again checked (more reads in
+    that rare path) and the bits, buffers included, are still the host's."""
+    import privacy.ziggurat_ops as ops
+    from privacy.mechanisms import BufferedToeplitz, banded, blt_mechanism
+
+    mechanism = {"independent": None, "banded": banded((0.8, 0.5)),
+                 "blt": blt_mechanism(BufferedToeplitz((0.9, 0.3), (0.4, 0.2)), min_sep=2)}[kind]
+    host = _sharded_steps(mechanism)
+    _as_device(monkeypatch)
+    if rounds == "cut":
+        monkeypatch.setattr(ops, "ROUNDS_A", 1)
+        monkeypatch.setattr(ops, "ROUNDS_B", 0)
+    device = _sharded_steps(mechanism)
+    for (counts, params, history), (_, want, want_history) in zip(device, host):
+        if rounds == "fixed":
+            assert counts == {"_local_scalar_dense": GUARD + DEVICE_NOISE_CHECK}
+        assert all(torch.equal(params[k], want[k]) for k in want)
+        assert len(history) == len(want_history)
+        for mine, theirs in zip(history, want_history):
+            assert all(torch.equal(mine[k], theirs[k]) for k in theirs)

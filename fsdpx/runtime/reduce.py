@@ -76,10 +76,14 @@ def reduce_and_update(raw: Params, state: ShardedState, plan: ShardingPlan, comm
             grad_bytes += g.numel() * g.element_size()
             g = _run_plan(comm, plan_collectives(lay.grad, lay.opt_state, lay.shape, mesh, g.dtype), g)
             if noise is not None:
-                g = g + noise.pop(name)  # drawn now: one parameter's noise alive at a time
-            grads_upd[name] = g / divisor
+                g = noise.add_to(name, g)  # drawn now: one parameter's noise alive at a time
+            grads_upd[name] = g if noise is not None else g / divisor
             p = state.params[name]
             params_upd[name] = _run_plan(comm, plan_collectives(lay.at_rest, lay.opt_state, lay.shape, mesh, p.dtype), p)
+    if noise is not None:
+        noise.settle(grads_upd)  # device draws: one read for all of them
+        for n in grads_upd:  # one at a time: each undivided sum is freed as its quotient is made
+            grads_upd[n] = grads_upd[n] / divisor
     if replicas is not None:
         replicas.finish()  # a plan that does not fit the model stops here, before anything changes
     order = list(state.params)

@@ -52,12 +52,21 @@ def _local_numel(shape: Sequence[int], spec: Spec, mesh: Mesh, rank: int) -> int
     return math.prod(local_shape(tuple(shape), spec, mesh, rank))
 
 
+HISTORY_DTYPE = torch.float64
+"""The dtype of a correlated-noise mechanism's kept outputs (``privacy.mechanisms.correlated``)."""
+
+
 def memory_by_rank(
-    strategy: PlanLike, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
+    strategy: PlanLike, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32,
+    *, history_copies: int = 0,
 ) -> list[int]:
     """Resident bytes per rank (index = rank) between steps: each parameter at
     ``param_at_rest``, its gradient at ``grad`` (reduced), and ``OPTIMIZER_STATES[optimizer]``
-    state tensors at ``opt_state``, all of ``dtype``, unpadded.
+    state tensors at ``opt_state``, all of ``dtype``, unpadded; plus ``history_copies`` float64
+    tensors at ``opt_state``: a correlated-noise mechanism's noise history, which each rank keeps
+    for the block of noise it draws, its optimizer-state block (``len(privacy.mechanisms.
+    empty_history(mechanism))``: ``bands - 1`` for a banded mechanism). Negative copies raise ``ValueError``. Equals the runtime's ``resident_bytes``
+    metric (``tests/test_mechanisms_sharded.py::test_resident_bytes_count_the_noise_history``).
 
     Excludes everything transient: gathered parameters during compute (``peak_gathered_bytes``),
     the unreduced gradient of the unit being reduced, activations, communication buffers.
@@ -68,24 +77,28 @@ def memory_by_rank(
     """
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZER_STATES)}")
+    if history_copies < 0:
+        raise ValueError(f"history_copies must be >= 0, got {history_copies}")
     states = OPTIMIZER_STATES[optimizer]
     plan = as_plan(strategy, param_shapes)
     out = [0] * mesh.size
     for lay in plan.params.values():
         for r in range(mesh.size):
+            opt_numel = _local_numel(lay.shape, lay.opt_state, mesh, r)
             out[r] += (
                 _local_numel(lay.shape, lay.at_rest, mesh, r)
                 + _local_numel(lay.shape, lay.grad, mesh, r)
-                + states * _local_numel(lay.shape, lay.opt_state, mesh, r)
-            ) * dtype.itemsize
+                + states * opt_numel
+            ) * dtype.itemsize + history_copies * opt_numel * HISTORY_DTYPE.itemsize
     return out
 
 
 def memory_per_rank(
-    strategy: PlanLike, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32
+    strategy: PlanLike, param_shapes: Shapes, mesh: Mesh, optimizer: str = "adamw", dtype: torch.dtype = torch.float32,
+    *, history_copies: int = 0,
 ) -> int:
     """The worst rank's ``memory_by_rank``."""
-    return max(memory_by_rank(strategy, param_shapes, mesh, optimizer, dtype))
+    return max(memory_by_rank(strategy, param_shapes, mesh, optimizer, dtype, history_copies=history_copies))
 
 
 def _check_units(units: Sequence[Sequence[str]], param_shapes: Shapes) -> None:
