@@ -30,16 +30,25 @@ from privacy.errors import PrivacyError
 KINDS = ("independent", "banded", "blt")
 
 
+_UNIT = 8 * 2.0 ** -52
+"""How far from 1 the squared norm of a column normalised in float64 can be (a few roundings):
+such a column is not scaled again, so ``Mechanism(kind, m.coefficients) == m`` bit for bit."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Mechanism:
     """A noise mechanism: ``kind`` and the first column ``coefficients`` of its lower-triangular
     Toeplitz strategy ``C`` (``(1.0,)`` for independent noise).
 
     Formal Guarantees:
-      * ``coefficients`` has unit L2 norm and a positive first entry after construction (the
-        given column is scaled by ``1 / norm``; its sign flipped when ``c[0] < 0``, which changes
-        neither the error nor the sensitivity): every column of ``C`` has norm at most 1
-        (``test_banded_columns_have_norm_at_most_one``).
+      * ``coefficients`` has unit L2 norm (to float64 rounding) and a positive first entry after
+        construction (the given column is scaled by ``1 / norm``; its sign flipped when
+        ``c[0] < 0``, which changes neither the error nor the sensitivity): every column of ``C``
+        has norm at most 1 (``test_banded_columns_have_norm_at_most_one``).
+      * Idempotent: a column that is unit already (its squared norm within ``_UNIT`` of 1, as
+        any normalised one is) is kept bit for bit, so ``from_dict(to_dict())`` and a resumed
+        run's mechanism equal the original exactly
+        (``tests/test_mechanisms.py::test_a_normalised_column_is_kept_bit_for_bit``).
       * ``bands == len(coefficients)``.
 
     Kind ``blt``: ``decays``, ``scales`` (checked by :func:`blt_parameters`) and ``min_sep >= 1``;
@@ -75,8 +84,10 @@ class Mechanism:
             raise PrivacyError(f"a mechanism needs finite coefficients, got {self.coefficients!r}")
         if c[0] == 0.0:
             raise PrivacyError("the first coefficient of a strategy must be non-zero (C would be singular)")
-        norm = math.sqrt(math.fsum(x * x for x in c)) * (1.0 if c[0] > 0 else -1.0)
-        c = tuple(x / norm for x in c)
+        square = math.fsum(x * x for x in c)
+        if c[0] < 0 or abs(square - 1.0) > _UNIT:  # a column normalised already stays as it is (idempotent)
+            norm = math.sqrt(square) * (1.0 if c[0] > 0 else -1.0)
+            c = tuple(x / norm for x in c)
         if self.kind == "independent" and c != (1.0,):
             raise PrivacyError(f"the independent mechanism has coefficients (1.0,), got {self.coefficients!r}")
         object.__setattr__(self, "coefficients", c)
