@@ -723,23 +723,28 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu", mod
                                                                              clip_norm=CLIP_NORM),
              f"noise ({numel / 1e6:.1f}M normals)": lambda: add_gaussian_noise_(sums, key=0, step=0, std=1.0)}
     times: dict[str, list[float]] = {k: [] for k in parts}
+    cpu: dict[str, list[float]] = {k: [] for k in parts}  # process CPU time: steadier on a loaded machine
     for i in range(rounds + 1):
         for label, fn in parts.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             sync(device)
             if i:  # round 0 warms up
                 times[label].append(time.perf_counter() - t0)
+                cpu[label].append(time.process_time() - c0)
         log(f"[{name}] phases round {i}/{rounds}")
-    base = times["non-private torch step"]
-    lines = [f"**{name}** phases on {device}, {rounds} interleaved rounds, {torch.get_num_threads()} threads", "",
-             "| part | median s | vs non-private step (median of same-round ratios) |", "|---|---:|---:|"]
+    base, cpu_base = times["non-private torch step"], cpu["non-private torch step"]
+    lines = [f"**{name}** phases on {device}, {rounds} interleaved rounds, {torch.get_num_threads()} threads, "
+             f"model {model_name}, load {[round(x, 1) for x in loadavg()]}", "",
+             "| part | median s | vs non-private step (median of same-round ratios) | median CPU s | "
+             "vs non-private step, CPU time |", "|---|---:|---:|---:|---:|"]
     for label, ts in times.items():
-        ratio = median_ratio(ts, base)
-        lines.append(f"| {label} | {statistics.median(ts):.3f} | {ratio:.2f}x |")
-    noise_s = statistics.median(times[f"noise ({numel / 1e6:.1f}M normals)"])
-    lines.append(f"\nnoise: {noise_s / numel * 1e9:.1f} ns per normal (wall, all threads)")
+        lines.append(f"| {label} | {statistics.median(ts):.3f} | {median_ratio(ts, base):.2f}x | "
+                     f"{statistics.median(cpu[label]):.3f} | {median_ratio(cpu[label], cpu_base):.3f}x |")
+    noise = f"noise ({numel / 1e6:.1f}M normals)"
+    lines.append(f"\nnoise: {statistics.median(times[noise]) / numel * 1e9:.1f} ns per normal (wall, all threads), "
+                 f"{statistics.median(cpu[noise]) / numel * 1e9:.1f} (process CPU time)")
     return "\n".join(lines) + "\n"
 
 
