@@ -52,6 +52,8 @@ cuda: each mode in turn in the same process once the timing is done, the peak of
     .venv/bin/python benchmarks/privacy_step.py --model hf-llama --precision bf16 --steps 20
     .venv/bin/python benchmarks/privacy_step.py --config small --profile    # + torch.profiler tables
     .venv/bin/python benchmarks/privacy_step.py --config both --phases      # where the private step's time goes
+    GLIBC_TUNABLES=glibc.malloc.check=0 .venv/bin/python benchmarks/privacy_step.py --phases  # the same, malloc left
+                        # as glibc's defaults (the environment configures malloc: privacy/host_pages.py then sets nothing)
     python3 benchmarks/privacy_step.py --device cuda --smoke && \
         python3 benchmarks/privacy_step.py --device cuda --steps 10 --out privacy_step_gpu.json
 
@@ -700,7 +702,8 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu", mod
     """Where a private step's time goes: the non-private torch step and its forward+backward,
     fsdpx's whole private step, ``clip_and_sum`` alone and the noise alone (drawn and added in
     place to parameter-shaped buffers, as the step does), interleaved in each round; medians, and
-    ratios to the non-private step (same-round medians)."""
+    ratios to the non-private step (same-round medians), of wall time, of process CPU time, and
+    the minor page faults of each part (fresh host pages it touched)."""
     from privacy.clipping import clip_and_sum
     from privacy.noise import add_gaussian_noise_
 
@@ -723,24 +726,37 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu", mod
                                                                              clip_norm=CLIP_NORM),
              f"noise ({numel / 1e6:.1f}M normals)": lambda: add_gaussian_noise_(sums, key=0, step=0, std=1.0)}
     times: dict[str, list[float]] = {k: [] for k in parts}
+    cpu: dict[str, list[float]] = {k: [] for k in parts}  # process CPU time: steadier on a loaded machine
+    faults: dict[str, list[int]] = {k: [] for k in parts}  # minor page faults: fresh host pages touched
     for i in range(rounds + 1):
         for label, fn in parts.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0, c0, f0 = time.perf_counter(), time.process_time(), minor_faults()
             fn()
             sync(device)
             if i:  # round 0 warms up
                 times[label].append(time.perf_counter() - t0)
+                cpu[label].append(time.process_time() - c0)
+                faults[label].append(minor_faults() - f0)
         log(f"[{name}] phases round {i}/{rounds}")
-    base = times["non-private torch step"]
-    lines = [f"**{name}** phases on {device}, {rounds} interleaved rounds, {torch.get_num_threads()} threads", "",
-             "| part | median s | vs non-private step (median of same-round ratios) |", "|---|---:|---:|"]
+    base, cpu_base = times["non-private torch step"], cpu["non-private torch step"]
+    lines = [f"**{name}** phases on {device}, {rounds} interleaved rounds, {torch.get_num_threads()} threads, "
+             f"model {model_name}, load {[round(x, 1) for x in loadavg()]}", "",
+             "| part | median s | vs non-private step (median of same-round ratios) | median CPU s | "
+             "vs non-private step, CPU time | minor page faults (median) |", "|---|---:|---:|---:|---:|---:|"]
     for label, ts in times.items():
-        ratio = median_ratio(ts, base)
-        lines.append(f"| {label} | {statistics.median(ts):.3f} | {ratio:.2f}x |")
-    noise_s = statistics.median(times[f"noise ({numel / 1e6:.1f}M normals)"])
-    lines.append(f"\nnoise: {noise_s / numel * 1e9:.1f} ns per normal (wall, all threads)")
+        lines.append(f"| {label} | {statistics.median(ts):.3f} | {median_ratio(ts, base):.2f}x | "
+                     f"{statistics.median(cpu[label]):.3f} | {median_ratio(cpu[label], cpu_base):.3f}x | "
+                     f"{statistics.median(faults[label]):.0f} |")
+    noise = f"noise ({numel / 1e6:.1f}M normals)"
+    lines.append(f"\nnoise: {statistics.median(times[noise]) / numel * 1e9:.1f} ns per normal (wall, all threads), "
+                 f"{statistics.median(cpu[noise]) / numel * 1e9:.1f} (process CPU time)")
     return "\n".join(lines) + "\n"
+
+
+def minor_faults() -> int:
+    """The process's minor page faults so far: each is a fresh 4 KiB host page touched."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def device_name(device: str) -> str:

@@ -36,6 +36,7 @@ from privacy.batch import real_count
 from privacy.clipping import CLIPPINGS, METHODS, clip_and_sum
 from privacy.errors import PrivacyError
 from privacy.gradient_canaries import GradientCanaries
+from privacy.host_pages import keep_freed_pages
 from privacy.mechanisms.correlated import NoiseHistory, empty_history, streamed_noise
 from privacy.mechanisms.mechanism import INDEPENDENT, Mechanism
 from privacy.noise import add_gaussian_noise_
@@ -138,7 +139,9 @@ def make_private_step(
     write the new parameters and moments into its tensors (``Optimizer.update_inplace``), with
     the same bits (``tests/test_private_step.py::test_donated_state_gives_the_same_bits``).
     A model with a module that mixes examples (BatchNorm in training mode) raises
-    :class:`privacy.errors.PerExampleError` here, naming it.
+    :class:`privacy.errors.PerExampleError` here, naming it. Making a step sets glibc's malloc
+    to keep the host pages a step frees for the next one (:mod:`privacy.host_pages`; not where
+    the environment configures malloc): allocation only, no value changes.
 
     ``trainable`` (``fsdpx.optim.Freezing`` or a callable ``step -> names``) changes which of
     ``state.params`` train, step by step. Formal Guarantees: a parameter frozen at a step adds
@@ -149,6 +152,7 @@ def make_private_step(
     the guarantee); a trainable parameter's noise bits do not depend on which others are frozen
     (``property_tests/test_freezing_properties.py``)."""
     check_model(model)  # a layer that mixes examples is named now, before any step
+    keep_freed_pages()  # each step reuses the host pages the last one freed (privacy/host_pages.py)
     expected_batch = config.sample_rate * num_examples
     if expected_batch <= 0:
         raise PrivacyError(f"num_examples must be >= 1, got {num_examples}")

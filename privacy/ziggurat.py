@@ -99,6 +99,7 @@ _32 = np.uint64(32)
 _1 = np.uint64(1)
 _SHIFT = np.uint64(COUNTER_SHIFT)
 _STRIP_MASK = np.uint64(STRIPS - 1)
+_SIGNED_STRIP_MASK = np.uint64(2 * STRIPS - 1)
 
 
 @numba.njit(inline="always")
@@ -113,6 +114,12 @@ def _normal(c1, c2, c3, k0, k1, offset, accept, scale, height):  # noqa: ANN001,
     """The standard normal at ``offset`` of the block with seed ``(c1, c2, c3, k0, k1)``."""
     y0, y1, y2, y3 = philox_host(offset >> _1, c1, c2, c3, k0, k1)  # the pair call
     p = (y2 | (y3 << _32)) if offset & _1 else (y0 | (y1 << _32))
+    return _from_word(c1, c2, c3, k0, k1, offset, p, accept, scale, height)
+
+
+@numba.njit(inline="always")
+def _from_word(c1, c2, c3, k0, k1, offset, p, accept, scale, height):  # noqa: ANN001, ANN202, PLR0913
+    """:func:`_normal` given its pair call's word ``p`` (the kernel has it already)."""
     n = np.uint64(1)
     while True:
         strip = p & _STRIP_MASK
@@ -153,14 +160,20 @@ def _kernel(c1, c2, c3, k0, k1, first, out, mode, std, accept, scale, height):  
 
     Chunk by chunk of ``_CHUNK`` offsets (scratch that stays in the L1 cache): a loop without
     branches computes call 0's ``W0`` for each (the compiler vectorises Philox's 32x32-bit
-    multiplies: about 1.6 ns a call instead of 20 for the scalar loop), the next turns it into
-    a candidate, the scalar :func:`_normal` settles the 1.5% call 0 leaves (recomputing their
-    call 0), and the last stores or adds."""
+    multiplies: about 1.6 ns a call instead of 20 for the scalar loop); a second loop without
+    branches turns each word into its candidate (strip and sign read together from a table of
+    signed scales: ``u * -s`` is exactly ``-(u * s)``) and stores it, or adds it, into ``out``
+    at every offset, noting the offsets call 0 leaves open (1.5%; an entry is written at every
+    offset and the count advanced only at those) with, when adding, the value ``out`` had
+    there; the scalar :func:`_from_word` then settles each noted offset from its word and
+    stores it, or adds it to the noted value. Every element ends as the same operations on the
+    same draw as storing it, or scaling and adding it."""
     n = out.shape[0]
     words = np.empty(_CHUNK + 2, dtype=np.uint64)
-    xs = np.empty(_CHUNK, dtype=np.float64)
-    unsettled = np.empty(_CHUNK, dtype=np.uint8)
-    accept_signed = accept.view(np.int64)  # thresholds below 2^52: the same order signed
+    noted = np.empty(_CHUNK + 1, dtype=np.int64)
+    before = np.empty(_CHUNK + 1, dtype=out.dtype)
+    signed_scale = _signed(scale)
+    accept_signed = _signed_accept(accept)
     std32 = np.float32(std)
     for c0 in range(0, n, _CHUNK):
         m = min(_CHUNK, n - c0)
@@ -171,31 +184,50 @@ def _kernel(c1, c2, c3, k0, k1, first, out, mode, std, accept, scale, height):  
             words[2 * q] = y0 | (y1 << _32)
             words[2 * q + 1] = y2 | (y3 << _32)
         shift = base - 2 * pair0  # 1 when the chunk starts at an odd offset
+        open_ = 0
         for j in range(m):
             w = words[j + shift]
-            strip = np.int64(w & _STRIP_MASK)
+            signed_strip = w & _SIGNED_STRIP_MASK  # the strip and, in bit 8, the sign
             u = np.int64(w >> _12)
-            x = np.float64(u) * scale[strip]
-            xs[j] = x * (1.0 - 2.0 * np.float64(np.int64((w >> _8) & _1)))  # times -1.0 is exact negation
-            unsettled[j] = np.uint8(u >= accept_signed[strip])
-        for j in range(m):
-            if unsettled[j]:
-                xs[j] = _settle(c1, c2, c3, k0, k1, np.uint64(base + j), accept, scale, height)
-        if mode == _STORE:
-            for j in range(m):
-                out[c0 + j] = xs[j]
-        elif mode == _ADD32:
-            for j in range(m):
-                out[c0 + j] = out[c0 + j] + np.float32(np.float32(xs[j]) * std32)
-        else:
-            for j in range(m):
-                out[c0 + j] = out[c0 + j] + xs[j] * std
+            x = np.float64(u) * signed_scale[signed_strip]
+            noted[open_] = j
+            before[open_] = out[c0 + j]
+            open_ += np.int64(u >= accept_signed[signed_strip])
+            if mode == _STORE:
+                out[c0 + j] = x
+            elif mode == _ADD32:
+                out[c0 + j] = out[c0 + j] + np.float32(np.float32(x) * std32)
+            else:
+                out[c0 + j] = out[c0 + j] + x * std
+        for k in range(open_):
+            j = noted[k]
+            x = _from_word(c1, c2, c3, k0, k1, np.uint64(base + j), words[j + shift], accept, scale, height)
+            if mode == _STORE:
+                out[c0 + j] = x
+            elif mode == _ADD32:
+                out[c0 + j] = before[k] + np.float32(np.float32(x) * std32)
+            else:
+                out[c0 + j] = before[k] + x * std
 
 
-@numba.njit(nogil=True, cache=True)
-def _settle(c1, c2, c3, k0, k1, offset, accept, scale, height):  # noqa: ANN001, ANN202, PLR0913
-    """:func:`_normal` as a call of its own, out of the vectorised loop (1.5% of offsets)."""
-    return _normal(c1, c2, c3, k0, k1, offset, accept, scale, height)
+@numba.njit(inline="always")
+def _signed(scale):  # noqa: ANN001, ANN202
+    """Per position word's low 9 bits (strip, then sign): the strip's scale with that sign."""
+    out = np.empty(2 * STRIPS, dtype=np.float64)
+    for i in range(STRIPS):
+        out[i] = scale[i]
+        out[STRIPS + i] = -scale[i]
+    return out
+
+
+@numba.njit(inline="always")
+def _signed_accept(accept):  # noqa: ANN001, ANN202
+    """Per position word's low 9 bits: the strip's threshold as int64 (below 2^52: same order)."""
+    out = np.empty(2 * STRIPS, dtype=np.int64)
+    for i in range(STRIPS):
+        out[i] = np.int64(accept[i])
+        out[STRIPS + i] = np.int64(accept[i])
+    return out
 
 
 def _check_out(out: np.ndarray) -> None:
