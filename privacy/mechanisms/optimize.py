@@ -110,7 +110,7 @@ def momentum_workload(steps: int, momentum: float) -> Tensor:
 
     Guarantee: ``momentum == 0`` gives ones (the prefix-sum workload); ``W = toeplitz(w)``
     applied to the gradients is the parameters' displacement per unit learning rate
-    (``tests/test_mechanisms.py::test_momentum_workload_is_what_sgd_with_momentum_applies``).
+    (``tests/test_mechanisms_workload.py::test_momentum_workload_is_what_sgd_with_momentum_applies``).
     Edge cases: ``steps < 1`` or ``momentum`` outside ``[0, 1)`` raise ``PrivacyError``."""
     if steps < 1:
         raise PrivacyError(f"steps must be >= 1, got steps={steps}")
