@@ -18,12 +18,14 @@ and the wall time (``seconds``, the whole run: data, steps, evaluation); then, p
 mean over seeds and its ratios to independent noise's (``held_out_vs_independent``,
 ``seconds_vs_independent``).
 
-``--optimizer sgd``: the same runs with SGD (``--momentum``) in place of the loop's AdamW, the
-workload the banded coefficients are optimised for (prefix sums of the noised gradients), built
-from the loop's own pieces (``build_source``, ``resolve_privacy``, ``sampler_of``,
-``make_private_step``). Also reported, from the accounting alone: ``noise_rmse_vs_independent``,
-the RMS error of the prefix sums (``sigma * sqrt(||A C^{-1}||_F^2)``) relative to independent
-noise's at the same epsilon: the benefit the mechanism promises for SGD, before any training.
+``--optimizer sgd``: the same runs with SGD (heavy-ball ``--momentum``, 0 by default) in place of
+the loop's AdamW, built from the loop's own pieces (``build_source``, ``resolve_privacy``,
+``sampler_of``, ``make_private_step``); without momentum its update is the workload the loop's
+banded coefficients are optimised for (prefix sums of the noised gradients). Also reported,
+from the accounting alone: ``noise_rmse_vs_independent``, the RMS error of the workload's noise
+(``sigma * sqrt(||W C^{-1}||_F^2)``, ``W`` the prefix sums or, with momentum, SGD-with-momentum's
+workload) relative to independent noise's at the same epsilon: the benefit the mechanism
+promises, before any training.
 
 ``--lrs``: a learning-rate grid (in place of ``--lr``); every mechanism runs every rate on
 every seed. The summary then holds one entry per mechanism and rate (``"<mechanism> lr=<lr>"``,
@@ -48,6 +50,7 @@ Results go to stdout as one JSON object; progress to stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -217,6 +220,7 @@ def noise_rmse(row: dict, base: dict, args) -> float:
                / workload_error_of(None, "prefix", args.steps, args.momentum)) ** 0.5)
 
 
+@functools.lru_cache(maxsize=None)
 def workload_error_of(bands: int | None, coefficients: str, steps: int, momentum: float) -> float:
     """``||W C^{-1}||_F^2`` of the mechanism for SGD's workload with ``momentum`` (0: prefix
     sums; independent noise: ``||W||_F^2``)."""
