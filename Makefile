@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/fsdpx train --strategy zero3 --nproc 2 --name demo --overwrite   # its own runs/demo, replaced each time
 
+# two workers (pytest-xdist), a test file's tests on one of them in order (--dist loadfile);
+# PYTEST_ARGS="-n 0" runs in one process, "-n 4" on four
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 pins:
 	.ci/move_pins
