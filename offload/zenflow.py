@@ -143,6 +143,7 @@ would round differently in slices of different widths.)
 from __future__ import annotations
 
 import math
+import os
 import time
 from concurrent.futures import Future
 from functools import partial
@@ -372,6 +373,36 @@ def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None], bool
             acc.add_(g.to(acc.dtype))
 
 
+def _share_written(later: dict[str, dict], landed: dict[str, dict]) -> None:
+    """Move to shared memory (once: a no-op for a tensor already there) the host tensors a donated
+    window job writes or reads in bulk, so the worker process works on them in place: the window
+    sums, the host master and slots its gathers read and its merge writes, and the landed
+    window's result buffers it gathers into. Its column indices and counts go by value."""
+    for job in later.values():
+        job["grad"].share_memory_()
+        for t in job.get("deferred", {}).values():
+            t.share_memory_()
+    for r in landed.values():
+        for f, t in r.items():
+            if f not in ("cols", "count"):
+                t.share_memory_()
+
+
+def check_host_process(inner: Optimizer, threads: int, cores: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` unless ZenFlow's host work can run in a worker process with these
+    settings: ``inner`` has a ``recipe``, ``threads`` is an int >= 1 and ``cores`` are CPUs
+    this process may run on."""
+    if inner.recipe is None:
+        raise ValueError("host_process=True needs an inner optimizer with a recipe (fsdpx.optim.adamw or sgd):"
+                         " the worker process builds its own copy of it")
+    if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+        raise ValueError(f"host_threads must be an int >= 1, got {threads!r}")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    bad = [c for c in cores if not isinstance(c, int) or c not in allowed]
+    if bad:
+        raise ValueError(f"host_cores {bad} are not CPUs this process may run on ({sorted(allowed)})")
+
+
 def _resolve_window_sum(job: Future | None) -> None:
     """Wait for the in-flight window-sum job (if any), re-raising its exception; returns ``None``."""
     if job is not None:
@@ -475,6 +506,9 @@ def zenflow(
     local_columns: LocalColumns | None = None,
     matrices: Mapping[str, int] | None = None,
     combine_stats: CombineStats | None = None,
+    host_process: bool = False,
+    host_threads: int = 1,
+    host_cores: tuple[int, ...] = (),
 ) -> Optimizer:
     """ZenFlow selective update around the elementwise optimizer ``inner`` (default
     ``adamw(lr=1e-3)``); semantics in the module docstring.
@@ -516,10 +550,22 @@ def zenflow(
     ``combine_scores`` must return the same bits on every rank (an all-reduce does), and every
     rank calls it for the same weights in the same order: the ranks' collectives line up.
 
+    ``host_process=True`` runs the host work of ``overlap=True`` in a worker process
+    (``offload.host_process``) instead of the background thread: ``host_threads`` intra-op
+    threads, pinned to ``host_cores`` (empty: not pinned). The same jobs in the same order on the
+    same operands, hence the same bits (``tests/test_zenflow_process.py``). A donated state's host
+    tensors that a job writes or reads in bulk (master, slots, window sums, the landed window's
+    result buffers) are moved to shared memory the first time a job takes them and are reused
+    from then on; everything else a job takes or returns is small and goes by value. Each
+    step's window-sum add stays on the loop (on CUDA it waits for the copy there). A dead worker
+    process is named (``offload.host_process.HostWorkerDied``) at the next wait for it.
+
     Edge cases: ``topk_ratio`` outside ``[0, 1]``, ``delay`` not in ``{0, 1}``, ``reduce`` not
     ``"mean"``/``"sum"``, intervals below 1 or a fixed ``select_interval`` that is not a multiple
     of a fixed ``update_interval`` raise ``ValueError``, as does a ``full_warm_up_rounds`` that
-    is not an int >= 0; an ``inner`` whose state is not
+    is not an int >= 0, ``host_process`` with ``host_threads`` not an int >= 1, ``host_cores``
+    not CPUs this process may run on, or an ``inner`` without a ``recipe`` (it must be rebuilt in
+    the worker process: ``adamw`` and ``sgd`` have one); an ``inner`` whose state is not
     ``{"count": 0, slot: {name: tensor like the parameter}}`` raises ``TypeError`` at ``init``.
     A weight with every column selected never touches the host; with none selected, never the
     device optimizer."""
@@ -543,6 +589,14 @@ def zenflow(
     if not (isinstance(full_warm_up_rounds, int) and not isinstance(full_warm_up_rounds, bool)
             and full_warm_up_rounds >= 0):
         raise ValueError(f"full_warm_up_rounds must be an int >= 0, got {full_warm_up_rounds!r}")
+    if host_process:
+        check_host_process(inner, host_threads, host_cores)
+
+    def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
+        """Hand a host job to the worker thread, or to the worker process."""
+        if host_process:
+            return worker.process(host_threads, tuple(host_cores)).submit(fn, *args)
+        return worker.submit(fn, *args)
 
     def as_matrices(tree: Params) -> Params:
         """``tree`` with every view in ``matrices`` reshaped to its weight's ``[rows, columns]``."""
@@ -680,7 +734,7 @@ def zenflow(
             in_place_sum = reuse and not first  # the window sum is ours to write
             dtype = host[k]["master"].dtype
             spare = _fitting(free.pop(k, None), (grads[k].shape[0], uns.numel()), dtype) if first else None
-            if reuse and overlap and _async_window_sum(grads[k].device):
+            if reuse and overlap and not host_process and _async_window_sum(grads[k].device):
                 g, ready = worker.to_host_async(gather_columns(grads[k], uns.to(grads[k].device)))
                 if first:  # a spare buffer, or an owned CPU gather of the master's dtype as the sum itself
                     fresh = g if g.dtype == dtype and not g.is_pinned() else torch.empty(g.shape, dtype=dtype)
@@ -710,7 +764,7 @@ def zenflow(
                 window_sq += g_sq
                 norm_sq_of_sum += s_sq
         if adds:
-            sum_job = worker.submit(_add_to_window_sum, adds)
+            sum_job = submit(_add_to_window_sum, adds)
         window_steps, since = state["window_steps"] + 1, since + 1
         metrics[_LOOP] += time.perf_counter() - loop_start
 
@@ -767,7 +821,9 @@ def zenflow(
                 job = partial(_host_window, inner, slot_names, divisor, later, owned=inplace and overlap)
                 if defer_merge and landed:
                     job = partial(_merge_then, landed, {k: host[k] for k in landed}, job)
-                pending = {"result": worker.submit(job) if overlap else _timed(metrics, job)}
+                if overlap and host_process and inplace:
+                    _timed(metrics, _share_written, later, landed or {}, key=_LOOP)
+                pending = {"result": submit(job) if overlap else _timed(metrics, job)}
             sum_job = None  # the window job (or the resolve above) runs after every add
             for k, sel in reselect.items():
                 host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics,
