@@ -93,6 +93,12 @@ class HostProcess:
         proc = self._child["proc"]
         return None if proc is None else proc.pid
 
+    @property
+    def storages_sent(self) -> int:
+        """How many shared storages have gone to the child so far (each once): flat in a run
+        that reuses its buffers (``tests/test_zenflow_process.py``)."""
+        return self._next_id
+
     def submit(self, fn: Callable[..., Any], /, *args: Any) -> Future:
         """Run ``fn(*args)`` in the child; returns its ``Future`` (the job's result, or its
         exception re-raised; :class:`HostWorkerDied` if the child is gone). ``fn`` and ``args``

@@ -373,19 +373,21 @@ def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None], bool
             acc.add_(g.to(acc.dtype))
 
 
-def _share_written(later: dict[str, dict], landed: dict[str, dict]) -> None:
+def _share_written(later: dict[str, dict], landed: dict[str, dict], merged: dict[str, dict]) -> None:
     """Move to shared memory (once: a no-op for a tensor already there) the host tensors a donated
     window job writes or reads in bulk, so the worker process works on them in place: the window
-    sums, the host master and slots its gathers read and its merge writes, and the landed
+    sums, the host master and slots its gathers read, those its merge writes (``merged``: every
+    weight of the landed window, a frozen one too, which has no new window), and the landed
     window's result buffers it gathers into. Its column indices and counts go by value."""
     for job in later.values():
         job["grad"].share_memory_()
         for t in job.get("deferred", {}).values():
             t.share_memory_()
-    for r in landed.values():
-        for f, t in r.items():
-            if f not in ("cols", "count"):
-                t.share_memory_()
+    for trees, skip in ((landed, ("cols", "count")), (merged, ("count",))):
+        for r in trees.values():
+            for f, t in r.items():
+                if f not in skip:
+                    t.share_memory_()
 
 
 def check_host_process(inner: Optimizer, threads: int, cores: tuple[int, ...]) -> None:
@@ -819,10 +821,11 @@ def zenflow(
                 _timed(metrics, _merge_host_result, landed, host, True, "state", key=_LOOP)
             if later:
                 job = partial(_host_window, inner, slot_names, divisor, later, owned=inplace and overlap)
-                if defer_merge and landed:
-                    job = partial(_merge_then, landed, {k: host[k] for k in landed}, job)
+                merged = {k: host[k] for k in landed} if defer_merge and landed else {}
+                if merged:
+                    job = partial(_merge_then, landed, merged, job)
                 if overlap and host_process and inplace:
-                    _timed(metrics, _share_written, later, landed or {}, key=_LOOP)
+                    _timed(metrics, _share_written, later, landed if merged else {}, merged, key=_LOOP)
                 pending = {"result": submit(job) if overlap else _timed(metrics, job)}
             sum_job = None  # the window job (or the resolve above) runs after every add
             for k, sel in reselect.items():
