@@ -7,6 +7,7 @@ kills it runs last and drops it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import torch
 
 import offload
 from fsdpx.optim import Optimizer, adamw
+from fsdpx.train import cli
 from offload import worker
 from offload.checkpoint_form import from_checkpoint, to_checkpoint
 from offload.host_process import HostWorkerDied
@@ -27,6 +29,9 @@ from support.threads import one_thread  # noqa: F401
 F64 = torch.float64
 INNER = adamw(lr=0.1, weight_decay=0.01)
 ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-chars", "20000",
+        "--no-progress", "--non-private", "--batch-size", "16", "--no-export", "--offload", "zenflow",
+        "--offload-topk", "0.25", "--offload-interval", "2"]
 
 
 def _problem(dtype: torch.dtype, steps: int, seed: int = 23, freeze: bool = True) -> tuple[dict, list[dict]]:
@@ -114,6 +119,42 @@ def test_a_steady_run_reuses_its_shared_buffers(one_thread):
         offload.materialize(state)
         sent.append(worker.process(1).storages_sent)
     assert sent[5] > 0 and sent[-1] == sent[5]
+
+
+def _train(tmp_path: Path, *flags: str) -> Path:
+    cli.main(["train", "--out", str(tmp_path / "runs"), "--name", "r", *TINY, *flags])
+    return tmp_path / "runs" / "r"
+
+
+def test_fsdpx_train_with_the_host_process_gives_the_threads_losses(tmp_path):
+    """``fsdpx train --offload-host-process``: the losses of the thread worker's run, bit for bit,
+    over 6 steps of 2-step windows (window 1's host result, computed in the worker process, is in
+    the parameters of steps 5 and 6); the setting is recorded in the run's config.toml."""
+    losses = []
+    for name, flags in (("thread", ()), ("process", ("--offload-host-process",))):
+        run = _train(tmp_path / name, "--steps", "6", *flags)
+        losses.append([json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()])
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    assert "host_process = true" in (run / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--offload", "none", "--offload-host-process"], "--offload-host-process runs ZenFlow's host window in a"
+                                                       " process: it needs --offload \"zenflow\", got 'none'"),
+    (["--offload-host-process", "--no-offload-overlap-step"], "it needs --offload-overlap-step"),
+    (["--offload-host-threads", "2"], "--offload-host-threads sets ZenFlow's host worker process: it needs"
+                                      " --offload-host-process"),
+    (["--offload-host-process", "--offload-host-cores", "0-"], "--offload-host-cores must be CPU numbers"),
+    (["--offload-host-process", "--offload-host-cores", "4096"], "CPUs [4096] are not among this process's"),
+])
+def test_host_process_flags_that_cannot_work_are_refused_naming_the_flag(tmp_path, capsys, flags, words):
+    """One line on stderr naming the flag, exit 2, nothing written."""
+    with pytest.raises(SystemExit) as exit_:
+        _train(tmp_path, "--steps", "1", *flags)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert words in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_an_inner_optimizer_the_worker_cannot_rebuild_is_refused():

@@ -590,7 +590,8 @@ def _in_their_words(err: BaseException, args: argparse.Namespace, explicit: set[
 
     if not isinstance(err, ConfigError) or isinstance(err, ConfigFileError):
         return str(err)
-    flags = {a.dest: max(a.option_strings, key=len) for a in args.command_parser._actions if a.option_strings}
+    flags = {a.dest: max([o for o in a.option_strings if not o.startswith("--no-")] or a.option_strings, key=len)
+             for a in args.command_parser._actions if a.option_strings}  # a switch by its own name, not --no-
     return as_given(str(err), spellings(flags, explicit, file if args.config else None))
 
 
