@@ -31,7 +31,8 @@ Semantics
   the end of window ``w+1``, so the host computes while the device runs window ``w+1``. The
   master/moment chain of every element is the same for both delays; only visibility differs.
 * **overlap** only chooses where the host work of ``delay=1`` runs (the background thread of
-  ``offload.worker``, or inline); it never changes a bit. ``delay=0`` needs the host result at
+  ``offload.worker``, the worker process of ``offload.host_process`` with ``host_process=True``,
+  or inline); it never changes a bit. ``delay=0`` needs the host result at
   once, so its host work always runs inline.
 * **Reselection** happens only when a window closes: with fixed intervals at the end of every
   step ``t`` with ``t % select_interval == 0`` (``select_interval`` must be a multiple of
