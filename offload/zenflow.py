@@ -343,9 +343,18 @@ def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
 
 
 def _fitting(buf: Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> Tensor | None:
-    """``buf`` if it is a host tensor of ``shape`` and ``dtype``, else ``None``."""
-    ok = buf is not None and tuple(buf.shape) == shape and buf.dtype == dtype and buf.device.type == HOST.type
-    return buf if ok else None
+    """``buf`` if it is a host tensor of ``shape`` and ``dtype``; a contiguous ``shape`` view of
+    the start of its memory if it is a contiguous host tensor of ``dtype`` with room for one (a
+    reselection changes a window's column count: its buffers are reused, not reallocated, and a
+    worker process keeps the storage it already maps); else ``None``."""
+    if buf is None or buf.dtype != dtype or buf.device.type != HOST.type:
+        return None
+    if tuple(buf.shape) == shape:
+        return buf
+    room = buf.untyped_storage().nbytes() // buf.element_size() - buf.storage_offset()
+    if not buf.is_contiguous() or room < math.prod(shape):
+        return None
+    return torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), buf.storage_offset(), shape)
 
 
 def _merge_then(landed: dict[str, dict], host: dict, window: Callable[..., dict]) -> dict:
@@ -825,6 +834,8 @@ def zenflow(
                 merged = {k: host[k] for k in landed} if defer_merge and landed else {}
                 if merged:
                     job = partial(_merge_then, landed, merged, job)
+                elif landed and inplace and overlap:  # merged above: its tensors are free to gather into
+                    job = partial(job, into=landed)
                 if overlap and host_process and inplace:
                     _timed(metrics, _share_written, later, landed if merged else {}, merged, key=_LOOP)
                 pending = {"result": submit(job) if overlap else _timed(metrics, job)}
