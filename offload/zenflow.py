@@ -707,7 +707,7 @@ def zenflow(
                 sel, idx = selected[k], selected[k].to(p.device)
                 g = gather_columns(grads[k], idx).to(d["master"].dtype)
                 slots = {s: t for s, t in d.items() if s != "master"}
-                master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel])
+                master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel], inplace)
                 device[k] = {"master": master, **slots}
                 host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
                 new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
