@@ -253,7 +253,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                           " (default %(default)s)")
     off.add_argument("--offload-host-process", action=argparse.BooleanOptionalAction, default=d.offload_host_process,
                      help="ZenFlow: run that host window in a worker process of its own instead of a thread of the"
-                          " training process (the same bits; no GIL shared with the loop) (default %(default)s)")
+                          " training process (the same bits; no GIL shared with the loop; on a host with few cores"
+                          " run it with OMP_WAIT_POLICY=PASSIVE: docs/performance.md) (default %(default)s)")
     off.add_argument("--offload-host-threads", type=_positive_int, metavar="N", default=d.offload_host_threads,
                      help="with --offload-host-process: the worker's intra-op threads (default %(default)s)")
     off.add_argument("--offload-host-cores", metavar="CPUS", default=d.offload_host_cores,
