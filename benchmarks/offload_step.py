@@ -31,6 +31,12 @@ Modes, all AdamW with the same hyper-parameters, fp32, one process, the CPU as "
 * ``zero_offload``: ``offload.zero_offload(adamw)``: the whole optimizer on the host, synchronously.
 * ``zenflow``: ``offload.zenflow(adamw, topk_ratio=0.1, update_interval=4, select_interval=16,
   delay=1, overlap=True)``. The timed steps cover one whole selection period (a reselection included).
+* ``zenflow_proc`` (timing part only: its bits are ``zenflow``'s): ``zenflow`` with
+  ``host_process=True``: the host window runs in a worker process (``offload.host_process``) with
+  ``--host-threads`` intra-op threads (default 1), pinned to ``--host-cores`` (default: not
+  pinned). Its CPU seconds and page faults per step include the worker process's (its totals
+  over the timed steps, spread evenly over them); its host peak is reported as the loop's + the
+  worker's (shared memory, the host state, counted in both).
 * ``accumulate`` (loss part only): no offload, AdamW once per ``update_interval`` steps on the
   mean gradient of those steps, i.e. gradient accumulation: the schedule DeepSpeed's ZenFlow runs
   its baseline on (it sets ``gradient_accumulation_steps = update_interval``), and exactly what
@@ -86,7 +92,7 @@ from bench_common import reset_hwm, status_kb
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_VENV = ROOT / ".bench-venv"
 DEEPSPEED = ["torch==2.13.0", "deepspeed==0.19.8"]
-MODES = ["none", "zero_offload", "zenflow", "deepspeed"]
+MODES = ["none", "zero_offload", "zenflow", "zenflow_proc", "deepspeed"]
 LOSS_ONLY_MODES = ["accumulate"]
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 ZENFLOW = {"topk_ratio": 0.1, "update_interval": 4, "select_interval": 16, "delay": 1, "overlap": True}
@@ -212,18 +218,23 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
     gpt, model = build_model(cfg)
     inner = adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD)
     accumulate = {**ZENFLOW, "topk_ratio": 0.0, "delay": 0, "overlap": False}
+    host = {"host_process": True, "host_threads": cfg.get("host_threads", 1),
+            "host_cores": tuple(cfg.get("host_cores", ()))}
     optimizer = {"none": lambda: inner, "zero_offload": lambda: offload.zero_offload(inner),
                  "zenflow": lambda: offload.zenflow(inner, **ZENFLOW),
+                 "zenflow_proc": lambda: offload.zenflow(inner, **ZENFLOW, **host),
                  "accumulate": lambda: offload.zenflow(inner, **accumulate)}[mode]()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = optimizer.init(params)
     update = update_fn(optimizer, donate=True)  # the loop owns its state, as torch's in-place optimizers do
     device = device_of(cfg)
     sync = synchronizer(device)
-    rows, marks = [], {}
+    rows, marks, child = [], {}, None
+    worker_usage(mode, host)  # zenflow_proc: its worker process started (a torch import) before any step
     for step in range(cfg["warmup"] + cfg["steps"]):
         if step == cfg["warmup"]:
             marks = memory_marks(device)
+            child = worker_usage(mode, host)
         x, y = batch_for(cfg, step)
         if sync:
             sync()
@@ -243,15 +254,33 @@ def fsdpx_worker(mode: str, cfg: dict) -> dict:
                               "loop_s": m.get("host_loop_s", 0.0),
                               "bytes": m.get("d2h_bytes", 0) + m.get("h2d_bytes", 0),
                               "loss": float(loss.detach())}, c0))
-        if mode == "zenflow":  # untimed: how much of the gradient the selection updates at once
+        if mode.startswith("zenflow"):  # untimed: how much of the gradient the selection updates at once
             rows[-1]["captured"] = captured_share(grads, state["selected"])
     memory = memory_report(device, marks)
+    if child is not None:  # the worker process's CPU and faults over the timed steps, spread over them
+        offload.materialize(state)
+        after = worker_usage(mode, host)
+        for key in ("user_s", "sys_s", "faults"):
+            for row in rows[cfg["warmup"]:]:
+                row[key] += (after[key] - child[key]) / cfg["steps"]
+        memory["worker_peak_bytes"] = after["peak_rss"]
     x, y = batch_for(cfg, HELD_OUT)
     with torch.no_grad():
         held_out = float(gpt.token_loss(functional_call(model, params, (x,)), y).mean())
     if cfg.get("save"):  # the pretraining run: its weights start every fine-tuning run
         torch.save(params if device.type == "cpu" else {k: v.cpu() for k, v in params.items()}, cfg["save"])
     return {"rows": rows, "held_out": held_out, "model_bytes": sum(p.numel() * 4 for p in params.values()), **memory}
+
+
+def worker_usage(mode: str, host: dict) -> dict | None:
+    """``zenflow_proc``: its worker process's CPU seconds, page faults and peak RSS so far (a job
+    queued behind its window jobs); ``None`` for the other modes."""
+    if mode != "zenflow_proc":
+        return None
+    from offload import worker
+    from offload.host_process import resource_usage
+
+    return worker.process(host["host_threads"], host["host_cores"]).submit(resource_usage).result()
 
 
 def captured_share(grads: dict, selected: dict) -> float:
@@ -380,7 +409,8 @@ def median(xs):
 def timing(args, modes: list[str], log: Path) -> dict:
     cfg = {"vocab": args.vocab, "seq": args.seq, "batch": args.batch, "n_layer": args.n_layer,
            "n_head": args.n_head, "n_embd": args.n_embd, "warmup": args.warmup, "steps": args.steps,
-           "threads": args.threads}
+           "threads": args.threads, "host_threads": args.host_threads,
+           "host_cores": [int(c) for c in args.host_cores.split(",") if c]}
     if args.device != "cpu":  # the CPU's config (and so its JSON) stays as it was
         cfg["device"] = args.device
     skipped = {m: r for m in modes if (r := skip_reason(m, args.device))}
@@ -410,7 +440,8 @@ def timing(args, modes: list[str], log: Path) -> dict:
                   f"wait {statistics.fmean(x['wait_s'] for x in timed):.3f}s load {os.getloadavg()[0]:.1f}"
                   + (f" gpu peak {gpu / 2**30:.2f} GiB" if gpu is not None else "")
                   + f" host peak {res['host_peak_bytes'] / 2**30:.2f} GiB"
-                  f" ({time.perf_counter() - started:.0f}s with start-up)", flush=True)
+                  + (f" + worker {res['worker_peak_bytes'] / 2**30:.2f} GiB" if res.get("worker_peak_bytes") else "")
+                  + f" ({time.perf_counter() - started:.0f}s with start-up)", flush=True)
     table = {}
     for mode, results in runs.items():
         if not results:
@@ -430,7 +461,8 @@ def timing(args, modes: list[str], log: Path) -> dict:
             "bytes_per_step": statistics.fmean(byte_rows) if byte_rows else None,
             "model_bytes": model_bytes,
             "steps": len(timed),
-            "captured": statistics.fmean(x["captured"] for x in timed) if mode == "zenflow" else None,
+            "captured": statistics.fmean(x["captured"] for x in timed) if mode.startswith("zenflow") else None,
+            "worker_peak_bytes": max_or_none(res.get("worker_peak_bytes") for res in results),
             "threads": results[0]["threads"],
             "device": args.device,
             "device_name": results[0]["device_name"],
@@ -457,6 +489,9 @@ def summary(t: dict) -> dict:
     zf, zo = t.get("zenflow", {}), t.get("zero_offload", {})
     return {
         "step_s": step,
+        "zenflow_proc_over_none": ratio(step.get("zenflow_proc"), step.get("none")),
+        "zenflow_proc_over_zenflow": ratio(step.get("zenflow_proc"), step.get("zenflow")),
+        "faults_over_none": {m: ratio(r["faults"], t["none"]["faults"]) for m, r in t.items()} if "none" in t else {},
         "zenflow_over_zero_offload": ratio(step.get("zenflow"), step.get("zero_offload")),
         "zenflow_over_none": ratio(step.get("zenflow"), step.get("none")),
         "zenflow_wait_s": zf.get("wait_s"), "zero_offload_wait_s": zo.get("wait_s"),
@@ -485,6 +520,11 @@ def summary_lines(s: dict, device: str) -> list[str]:
     by_design = ["deepspeed 2.00 (by its design)"] if "deepspeed" in s["step_s"] else []
     lines.append("  host bytes per step / model bytes: "
                  + ", ".join([f"{m} {v:.2f}" for m, v in s["host_bytes_over_model"].items()] + by_design))
+    if s["zenflow_proc_over_none"] is not None:
+        lines.append(f"  zenflow_proc step / none step {x(s['zenflow_proc_over_none'])}, "
+                     f"zenflow_proc step / zenflow step {x(s['zenflow_proc_over_zenflow'])}")
+    if s["faults_over_none"]:
+        lines.append("  page faults per step / none's: " + ", ".join(f"{m} {x(v)}" for m, v in s["faults_over_none"].items()))
     lines.append("  peak memory (timed steps): " + ", ".join(
         f"{m} GPU {gib(s['gpu_peak_bytes'][m])} host {gib(s['host_peak_bytes'][m])}" for m in s["step_s"]))
     return lines
@@ -573,6 +613,8 @@ def markdown(result: dict) -> str:
         frel = f"{100 * (f['held_out'] - ft_ref) / ft_ref:+.2f}%" if f and ft_ref else "-"
         gpu = f"{r['gpu_peak_bytes'] / 2**20:.0f}" if r.get("gpu_peak_bytes") is not None else "-"
         host = f"{r['host_peak_bytes'] / 2**20:.0f}" if r.get("host_peak_bytes") is not None else "-"
+        if r.get("worker_peak_bytes"):
+            host += f" + {r['worker_peak_bytes'] / 2**20:.0f}"
         lines.append(f"| {mode} | {device} | {step} | {cpu} | {opt} | {wait_s} | {vs} | {loop} | {by} | {ratio} | {gpu} "
                      f"| {host} | {ls} | {rel} | {fs} | {frel} |")
     return "\n".join(lines)
@@ -601,6 +643,8 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=None, help="default 768 (cpu), 1024 (cuda)")
     ap.add_argument("--threads", type=int, default=None,
                     help="host threads per worker; default torch's (cpu), the host's cores minus one (cuda)")
+    ap.add_argument("--host-threads", type=int, default=1, help="zenflow_proc: its worker process's threads")
+    ap.add_argument("--host-cores", default="", help="zenflow_proc: pin its worker process to these CPUs (0,1)")
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "offload_step.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -638,7 +682,7 @@ def main() -> None:
     for workload in workloads:
         print(f"loss ({workload})", flush=True)
         key = "loss" if workload == "scratch" else "loss_finetune"
-        result[key] = loss_part(args, modes + LOSS_ONLY_MODES, log, workload)
+        result[key] = loss_part(args, [m for m in modes if m != "zenflow_proc"] + LOSS_ONLY_MODES, log, workload)
     result.setdefault("loss", {"config": {"steps": args.loss_steps}, "table": {}})
     result["load"] = {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()}
     if result["timing"]["table"]:

@@ -13,6 +13,8 @@
   run does (``offload.sharded``); ``layout_scores(comm, layouts)``: the same per weight, rows or
   columns split (tensor parallelism), ``weight_layouts(plan)`` giving each weight's layout;
   ``layout_stats(comm, plan)``: the ``"auto"`` window rule's sums over every rank's blocks.
+- ``offload.host_process``: ZenFlow's host window in a worker process of its own
+  (``zenflow(..., host_process=True)``), shared-memory tensors by reference, the same bits.
 - ``offload.checkpoint_form``: a ZenFlow state as a checkpoint holds it, one selection per
   weight in every layout (``to_checkpoint`` / ``from_checkpoint``).
 """

@@ -4,6 +4,9 @@ move bytes between device and host.
 Host work is always a pure function of tensors it owns (copies made when the work is handed
 over), so running it on the background thread or inline gives the same bits; only the clock
 differs. One background thread serves the whole process; a job never waits on another job.
+:func:`process` gives the other place host work can run: a worker process
+(``offload.host_process``), one per setting of its threads and cores, whose ``submit`` is this
+module's, with the same order and the same bits.
 
 On a CUDA device the per-step gradient copy goes through a pinned host buffer with a
 ``non_blocking`` copy; on any other device (and on this project's CPU-only CI) copies are plain
@@ -19,10 +22,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from offload.host_process import HostProcess
+
 HOST = torch.device("cpu")
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+_processes: dict[tuple[int, tuple[int, ...]], HostProcess] = {}
 
 
 def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
@@ -34,6 +40,28 @@ def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpx-offload")
     return _executor.submit(fn, *args)
+
+
+def process(threads: int, cores: tuple[int, ...] = ()) -> HostProcess:
+    """The process's host worker process with ``threads`` intra-op threads pinned to ``cores``
+    (empty: not pinned), made on the first call with these settings and kept (its child starts on
+    its first ``submit``). A worker whose child died stays dead (its ``submit`` raises
+    ``HostWorkerDied``) until :func:`forget_process` drops it."""
+    key = (threads, tuple(cores))
+    with _executor_lock:
+        if key not in _processes:
+            _processes[key] = HostProcess(threads, key[1])
+        return _processes[key]
+
+
+def forget_process(worker: HostProcess) -> None:
+    """Stop ``worker`` and drop it, so that the next :func:`process` call with its settings makes a
+    new one."""
+    with _executor_lock:
+        for key, p in list(_processes.items()):
+            if p is worker:
+                del _processes[key]
+    worker.close()
 
 
 def resolve(value: Any) -> Any:

@@ -31,7 +31,8 @@ Semantics
   the end of window ``w+1``, so the host computes while the device runs window ``w+1``. The
   master/moment chain of every element is the same for both delays; only visibility differs.
 * **overlap** only chooses where the host work of ``delay=1`` runs (the background thread of
-  ``offload.worker``, or inline); it never changes a bit. ``delay=0`` needs the host result at
+  ``offload.worker``, the worker process of ``offload.host_process`` with ``host_process=True``,
+  or inline); it never changes a bit. ``delay=0`` needs the host result at
   once, so its host work always runs inline.
 * **Reselection** happens only when a window closes: with fixed intervals at the end of every
   step ``t`` with ``t % select_interval == 0`` (``select_interval`` must be a multiple of
@@ -143,6 +144,7 @@ would round differently in slices of different widths.)
 from __future__ import annotations
 
 import math
+import os
 import time
 from concurrent.futures import Future
 from functools import partial
@@ -341,9 +343,18 @@ def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
 
 
 def _fitting(buf: Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> Tensor | None:
-    """``buf`` if it is a host tensor of ``shape`` and ``dtype``, else ``None``."""
-    ok = buf is not None and tuple(buf.shape) == shape and buf.dtype == dtype and buf.device.type == HOST.type
-    return buf if ok else None
+    """``buf`` if it is a host tensor of ``shape`` and ``dtype``; a contiguous ``shape`` view of
+    the start of its memory if it is a contiguous host tensor of ``dtype`` with room for one (a
+    reselection changes a window's column count: its buffers are reused, not reallocated, and a
+    worker process keeps the storage it already maps); else ``None``."""
+    if buf is None or buf.dtype != dtype or buf.device.type != HOST.type:
+        return None
+    if tuple(buf.shape) == shape:
+        return buf
+    room = buf.untyped_storage().nbytes() // buf.element_size() - buf.storage_offset()
+    if not buf.is_contiguous() or room < math.prod(shape):
+        return None
+    return torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), buf.storage_offset(), shape)
 
 
 def _merge_then(landed: dict[str, dict], host: dict, window: Callable[..., dict]) -> dict:
@@ -370,6 +381,38 @@ def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None], bool
             acc.copy_(g)
         else:
             acc.add_(g.to(acc.dtype))
+
+
+def _share_written(later: dict[str, dict], landed: dict[str, dict], merged: dict[str, dict]) -> None:
+    """Move to shared memory (once: a no-op for a tensor already there) the host tensors a donated
+    window job writes or reads in bulk, so the worker process works on them in place: the window
+    sums, the host master and slots its gathers read, those its merge writes (``merged``: every
+    weight of the landed window, a frozen one too, which has no new window), and the landed
+    window's result buffers it gathers into. Its column indices and counts go by value."""
+    for job in later.values():
+        job["grad"].share_memory_()
+        for t in job.get("deferred", {}).values():
+            t.share_memory_()
+    for trees, skip in ((landed, ("cols", "count")), (merged, ("count",))):
+        for r in trees.values():
+            for f, t in r.items():
+                if f not in skip:
+                    t.share_memory_()
+
+
+def check_host_process(inner: Optimizer, threads: int, cores: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` unless ZenFlow's host work can run in a worker process with these
+    settings: ``inner`` has a ``recipe``, ``threads`` is an int >= 1 and ``cores`` are CPUs
+    this process may run on."""
+    if inner.recipe is None:
+        raise ValueError("host_process=True needs an inner optimizer with a recipe (fsdpx.optim.adamw or sgd):"
+                         " the worker process builds its own copy of it")
+    if not (isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1):
+        raise ValueError(f"host_threads must be an int >= 1, got {threads!r}")
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    bad = [c for c in cores if not isinstance(c, int) or c not in allowed]
+    if bad:
+        raise ValueError(f"host_cores {bad} are not CPUs this process may run on ({sorted(allowed)})")
 
 
 def _resolve_window_sum(job: Future | None) -> None:
@@ -475,6 +518,9 @@ def zenflow(
     local_columns: LocalColumns | None = None,
     matrices: Mapping[str, int] | None = None,
     combine_stats: CombineStats | None = None,
+    host_process: bool = False,
+    host_threads: int = 1,
+    host_cores: tuple[int, ...] = (),
 ) -> Optimizer:
     """ZenFlow selective update around the elementwise optimizer ``inner`` (default
     ``adamw(lr=1e-3)``); semantics in the module docstring.
@@ -516,10 +562,22 @@ def zenflow(
     ``combine_scores`` must return the same bits on every rank (an all-reduce does), and every
     rank calls it for the same weights in the same order: the ranks' collectives line up.
 
+    ``host_process=True`` runs the host work of ``overlap=True`` in a worker process
+    (``offload.host_process``) instead of the background thread: ``host_threads`` intra-op
+    threads, pinned to ``host_cores`` (empty: not pinned). The same jobs in the same order on the
+    same operands, hence the same bits (``tests/test_zenflow_process.py``). A donated state's host
+    tensors that a job writes or reads in bulk (master, slots, window sums, the landed window's
+    result buffers) are moved to shared memory the first time a job takes them and are reused
+    from then on; everything else a job takes or returns is small and goes by value. Each
+    step's window-sum add stays on the loop (on CUDA it waits for the copy there). A dead worker
+    process is named (``offload.host_process.HostWorkerDied``) at the next wait for it.
+
     Edge cases: ``topk_ratio`` outside ``[0, 1]``, ``delay`` not in ``{0, 1}``, ``reduce`` not
     ``"mean"``/``"sum"``, intervals below 1 or a fixed ``select_interval`` that is not a multiple
     of a fixed ``update_interval`` raise ``ValueError``, as does a ``full_warm_up_rounds`` that
-    is not an int >= 0; an ``inner`` whose state is not
+    is not an int >= 0, ``host_process`` with ``host_threads`` not an int >= 1, ``host_cores``
+    not CPUs this process may run on, or an ``inner`` without a ``recipe`` (it must be rebuilt in
+    the worker process: ``adamw`` and ``sgd`` have one); an ``inner`` whose state is not
     ``{"count": 0, slot: {name: tensor like the parameter}}`` raises ``TypeError`` at ``init``.
     A weight with every column selected never touches the host; with none selected, never the
     device optimizer."""
@@ -543,6 +601,14 @@ def zenflow(
     if not (isinstance(full_warm_up_rounds, int) and not isinstance(full_warm_up_rounds, bool)
             and full_warm_up_rounds >= 0):
         raise ValueError(f"full_warm_up_rounds must be an int >= 0, got {full_warm_up_rounds!r}")
+    if host_process:
+        check_host_process(inner, host_threads, host_cores)
+
+    def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
+        """Hand a host job to the worker thread, or to the worker process."""
+        if host_process:
+            return worker.process(host_threads, tuple(host_cores)).submit(fn, *args)
+        return worker.submit(fn, *args)
 
     def as_matrices(tree: Params) -> Params:
         """``tree`` with every view in ``matrices`` reshaped to its weight's ``[rows, columns]``."""
@@ -641,7 +707,7 @@ def zenflow(
                 sel, idx = selected[k], selected[k].to(p.device)
                 g = gather_columns(grads[k], idx).to(d["master"].dtype)
                 slots = {s: t for s, t in d.items() if s != "master"}
-                master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel])
+                master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel], inplace)
                 device[k] = {"master": master, **slots}
                 host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
                 new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
@@ -680,7 +746,7 @@ def zenflow(
             in_place_sum = reuse and not first  # the window sum is ours to write
             dtype = host[k]["master"].dtype
             spare = _fitting(free.pop(k, None), (grads[k].shape[0], uns.numel()), dtype) if first else None
-            if reuse and overlap and _async_window_sum(grads[k].device):
+            if reuse and overlap and not host_process and _async_window_sum(grads[k].device):
                 g, ready = worker.to_host_async(gather_columns(grads[k], uns.to(grads[k].device)))
                 if first:  # a spare buffer, or an owned CPU gather of the master's dtype as the sum itself
                     fresh = g if g.dtype == dtype and not g.is_pinned() else torch.empty(g.shape, dtype=dtype)
@@ -710,7 +776,7 @@ def zenflow(
                 window_sq += g_sq
                 norm_sq_of_sum += s_sq
         if adds:
-            sum_job = worker.submit(_add_to_window_sum, adds)
+            sum_job = submit(_add_to_window_sum, adds)
         window_steps, since = state["window_steps"] + 1, since + 1
         metrics[_LOOP] += time.perf_counter() - loop_start
 
@@ -765,9 +831,14 @@ def zenflow(
                 _timed(metrics, _merge_host_result, landed, host, True, "state", key=_LOOP)
             if later:
                 job = partial(_host_window, inner, slot_names, divisor, later, owned=inplace and overlap)
-                if defer_merge and landed:
-                    job = partial(_merge_then, landed, {k: host[k] for k in landed}, job)
-                pending = {"result": worker.submit(job) if overlap else _timed(metrics, job)}
+                merged = {k: host[k] for k in landed} if defer_merge and landed else {}
+                if merged:
+                    job = partial(_merge_then, landed, merged, job)
+                elif landed and inplace and overlap:  # merged above: its tensors are free to gather into
+                    job = partial(job, into=landed)
+                if overlap and host_process and inplace:
+                    _timed(metrics, _share_written, later, landed if merged else {}, merged, key=_LOOP)
+                pending = {"result": submit(job) if overlap else _timed(metrics, job)}
             sum_job = None  # the window job (or the resolve above) runs after every add
             for k, sel in reselect.items():
                 host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics,

@@ -70,7 +70,8 @@ def test_a_deepspeed_file_sets_the_offload_and_flags_win_over_it(tmp_path):
                      " fp16, zero_optimization.stage"]
     assert _offload(tmp_path / "runs" / "r") == {
         "kind": "zenflow", "topk": 0.25, "interval": 3, "select_strategy": "step", "select_interval": 3,
-        "full_warm_up_rounds": 1, "overlap_step": True, "deepspeed_config": str(ds)}
+        "full_warm_up_rounds": 1, "overlap_step": True, "host_process": False, "host_threads": 1, "host_cores": "",
+        "deepspeed_config": str(ds)}
     assert "every 3 steps, after 1 steps of plain AdamW, reselecting every 3 steps" in done.stderr
 
 
@@ -81,6 +82,7 @@ def test_missing_zenflow_keys_take_deepspeeds_defaults_and_config_file_keys_win(
     run_dir = _train(tmp_path, "--config", str(toml))
     assert _offload(run_dir) == {"kind": "zenflow", "topk": 0.2, "interval": "auto", "select_strategy": "auto",
                                  "select_interval": "auto", "full_warm_up_rounds": 0, "overlap_step": False,
+                                 "host_process": False, "host_threads": 1, "host_cores": "",
                                  "deepspeed_config": str(ds)}
 
 

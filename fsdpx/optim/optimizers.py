@@ -52,13 +52,23 @@ class Optimizer(NamedTuple):
     ``partial_grads``: ``update`` takes gradients for a subset of the parameters and keeps the
     others frozen itself (ZenFlow, ZeRO-Offload, whose state is not the per-parameter dict
     ``fsdpx.optim.update_trainable`` cuts); a freezing schedule then calls it directly
-    (``fsdpx.optim.freezing.frozen_update``)."""
+    (``fsdpx.optim.freezing.frozen_update``).
+    ``recipe`` (optional): ``(factory, args)``, a module-level function and the arguments that
+    build this optimizer again; with it the optimizer pickles as that call, so another process
+    can run it (ZenFlow's host worker process, ``offload.host_process``). ``adamw`` and ``sgd``
+    have one; pickling an optimizer without one raises ``TypeError``."""
 
     init: Callable[[Params], OptState]
     update: Callable[[Params, OptState, Params], tuple[Params, OptState]]
     update_inplace: Callable[[Params, OptState, Params], tuple[Params, OptState]] | None = None
     update_columns: ColumnUpdate | None = None
     partial_grads: bool = False
+    recipe: tuple[Callable[..., "Optimizer"], tuple] | None = None
+
+    def __reduce__(self):  # noqa: ANN204 - pickle's protocol
+        if self.recipe is None:
+            raise TypeError("this optimizer has no recipe (Optimizer.recipe): it cannot be rebuilt in another process")
+        return self.recipe
 
 
 def update_fn(optimizer: Optimizer, *, donate: bool) -> Callable[[Params, OptState, Params], tuple[Params, OptState]]:
@@ -108,7 +118,7 @@ def sgd(lr: float, momentum: float = 0.0) -> Optimizer:
                 new_bufs[k] = b
         return new_params, {"count": state["count"] + 1, "momentum": new_bufs}  # type: ignore[operator]
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, recipe=(sgd, (lr, momentum)))
 
 
 def _bias_correction(count: int, *, lr: float, b1: float, b2: float) -> tuple[float, float]:
@@ -356,4 +366,4 @@ def adamw(
                                                  step_size=[x[1] for x in per_col], inplace=inplace)
         return new_p, {"mu": mu, "nu": nu}
 
-    return Optimizer(init, update, update_inplace, update_columns)
+    return Optimizer(init, update, update_inplace, update_columns, recipe=(adamw, (lr, betas, eps, weight_decay)))

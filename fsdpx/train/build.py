@@ -257,7 +257,9 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
     return offload.zenflow(inner, topk_ratio=off.offload_topk, update_interval=off.offload_interval,
                            select_interval=select, overlap=off.offload_overlap_step,
                            full_warm_up_rounds=off.offload_full_warm_up_rounds, combine_scores=combine,
-                           local_columns=columns, matrices=views, combine_stats=stats)
+                           local_columns=columns, matrices=views, combine_stats=stats,
+                           host_process=off.offload_host_process, host_threads=off.offload_host_threads,
+                           host_cores=off.host_cores())
 
 
 def freezing(config: RunConfig, model: torch.nn.Module, params: dict[str, Tensor]) -> Freezing | None:

@@ -257,6 +257,15 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     off.add_argument("--offload-overlap-step", action=argparse.BooleanOptionalAction, default=d.offload_overlap_step,
                      help="ZenFlow: run the host window beside the next steps (the same bits either way)"
                           " (default %(default)s)")
+    off.add_argument("--offload-host-process", action=argparse.BooleanOptionalAction, default=d.offload_host_process,
+                     help="ZenFlow: run that host window in a worker process of its own instead of a thread of the"
+                          " training process (the same bits; no GIL shared with the loop; on a host with few cores"
+                          " run it with OMP_WAIT_POLICY=PASSIVE: docs/performance.md) (default %(default)s)")
+    off.add_argument("--offload-host-threads", type=_positive_int, metavar="N", default=d.offload_host_threads,
+                     help="with --offload-host-process: the worker's intra-op threads (default %(default)s)")
+    off.add_argument("--offload-host-cores", metavar="CPUS", default=d.offload_host_cores,
+                     help="with --offload-host-process: pin the worker to these CPUs, e.g. 2-7 or 0,2"
+                          " (default: not pinned)")
     off.add_argument("--deepspeed-config", metavar="DS.JSON", default=None,
                      help="a DeepSpeed config: its zero_optimization.zenflow and offload_optimizer blocks set the"
                           " offload flags above (flags typed and config-file keys win over it)")
@@ -588,7 +597,8 @@ def _in_their_words(err: BaseException, args: argparse.Namespace, explicit: set[
 
     if not isinstance(err, ConfigError) or isinstance(err, ConfigFileError):
         return str(err)
-    flags = {a.dest: max(a.option_strings, key=len) for a in args.command_parser._actions if a.option_strings}
+    flags = {a.dest: max([o for o in a.option_strings if not o.startswith("--no-")] or a.option_strings, key=len)
+             for a in args.command_parser._actions if a.option_strings}  # a switch by its own name, not --no-
     return as_given(str(err), spellings(flags, explicit, file if args.config else None))
 
 

@@ -40,6 +40,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
 import tomllib
 import typing
@@ -373,7 +374,10 @@ class OffloadSettings:
     (DeepSpeed's: every epoch; ``offload_select_interval`` unset or "auto");
     ``offload_full_warm_up_rounds`` (the first N steps update every parameter, as plain AdamW);
     ``offload_overlap_step`` (the host window runs beside the next steps, or inline: the same
-    bits either way). ``deepspeed_config``: a DeepSpeed JSON whose ``zenflow`` and
+    bits either way). ``offload_host_process`` (that window runs in a worker process of its own
+    instead of a thread of the training process: the same bits; :mod:`offload.host_process`)
+    with ``offload_host_threads`` intra-op threads, pinned to ``offload_host_cores`` ("0,1" or
+    "2-5"; "" not pinned). ``deepspeed_config``: a DeepSpeed JSON whose ``zenflow`` and
     ``offload_optimizer`` blocks set these (:mod:`fsdpx.train.deepspeed`); any of them set by a
     flag or in this file wins over it."""
 
@@ -384,6 +388,9 @@ class OffloadSettings:
     offload_select_interval: int | str | None = None
     offload_full_warm_up_rounds: int = 0
     offload_overlap_step: bool = True
+    offload_host_process: bool = False
+    offload_host_threads: int = 1
+    offload_host_cores: str = ""
     deepspeed_config: str | None = None
 
     def __post_init__(self) -> None:
@@ -411,6 +418,48 @@ class OffloadSettings:
         if not (_is_int(self.offload_full_warm_up_rounds) and self.offload_full_warm_up_rounds >= 0):
             raise ConfigError(f"offload_full_warm_up_rounds must be an integer >= 0,"
                               f" got {self.offload_full_warm_up_rounds!r}")
+        self._check_host_worker()
+
+    def host_cores(self) -> tuple[int, ...]:
+        """``offload_host_cores`` as sorted CPU numbers (``()``: not pinned)."""
+        return parse_cores(self.offload_host_cores)
+
+    def _check_host_worker(self) -> None:
+        if not (_is_int(self.offload_host_threads) and self.offload_host_threads >= 1):
+            raise ConfigError(f"offload_host_threads must be an integer >= 1, got {self.offload_host_threads!r}")
+        cores = self.host_cores()
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(cores)
+        if set(cores) - allowed:
+            raise ConfigError(f"offload_host_cores {self.offload_host_cores!r}: CPUs {sorted(set(cores) - allowed)}"
+                              f" are not among this process's ({_ranges(sorted(allowed))})")
+        if not self.offload_host_process:
+            typed = [n for n, v, d in (("offload_host_threads", self.offload_host_threads, 1),
+                                       ("offload_host_cores", self.offload_host_cores, "")) if v != d]
+            if typed:
+                raise ConfigError(f"{typed[0]} sets ZenFlow's host worker process: it needs offload_host_process")
+            return
+        if self.kind != "zenflow":
+            raise ConfigError(f"offload_host_process runs ZenFlow's host window in a process: it needs"
+                              f" offload = \"zenflow\", got {self.kind!r}")
+        if not self.offload_overlap_step:
+            raise ConfigError("offload_host_process runs the host window beside the next steps: it needs"
+                              " offload_overlap_step (without it the window runs inline, on the loop)")
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """``"0,2-4"`` -> ``(0, 2, 3, 4)`` (sorted, each once); ``""`` -> ``()``. Raises
+    :class:`ConfigError` naming ``offload_host_cores`` on anything else."""
+    cores: set[int] = set()
+    for part in filter(None, (p.strip() for p in str(text).split(","))):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
+            raise ConfigError(f"offload_host_cores must be CPU numbers and ranges such as \"0,2-5\", got {text!r}")
+        cores.update(range(int(m[1]), int(m[2] or m[1]) + 1))
+    return tuple(sorted(cores))
+
+
+def _ranges(cores: list[int]) -> str:
+    return ",".join(str(c) for c in cores)
 
 
 def _is_int(value: Any) -> bool:
