@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--epsilon", type=float, default=8.0)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lrs", type=float, nargs="+", default=None, help="a learning-rate grid (replaces --lr)")
-    p.add_argument("--bands", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--bands", type=int, nargs="*", default=[4, 16], help="banded rows (none: --bands alone)")
     p.add_argument("--coefficients", choices=COEFFICIENTS, nargs="+", default=["prefix"],
                    help="banded coefficients: prefix-sum optimised (the loop's) and/or momentum-workload optimised")
     p.add_argument("--blt-buffers", type=int, nargs="+", default=[],
