@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, when loaded as a module by the tests
 
 from bench_common import logger  # noqa: E402
 
