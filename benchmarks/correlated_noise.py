@@ -46,7 +46,7 @@ Toeplitz) rows, ``--noise-mechanism blt --buffers D --min-separation B``: the lo
 batches of ``B`` groups (``B = 1``: plain Poisson), its noise multiplier from its own accounting,
 which claims no amplification by sampling (one Gaussian at ``sigma`` over the min-separation
 sensitivity, ``privacy.mechanisms.accounting``), so it is conservative; labelled
-``blt D=<D> sep=<B>``. Its ``noise_rmse_vs_independent`` uses its column ``C`` as it is (first
+``blt D=<D> sep=<B>``; ``--bands`` with no value leaves the banded rows out. Its ``noise_rmse_vs_independent`` uses its column ``C`` as it is (first
 entry 1, not normalised) with that multiplier. ``--coefficients momentum`` changes banded rows only.
 
 ``--plan``: no training; for every mechanism, its noise multiplier, within-group sample rate
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
                                           batch_size=args.batch_size, target_epsilon=args.epsilon, seed=seed,
                                           noise_mechanism=kind, bands=bands, buffers=m.buffers,
                                           min_separation=m.min_separation, out=tmp,
-                                          name=f"{kind}{bands or m.buffers}-{seed}", export=False,
+                                          name=run_name(m, lr, seed), export=False,
                                           eval_data=str(held), eval_every=args.steps, accounting_interval=1e-2)
                     if args.plan:
                         dp = privacy.setdefault(m, run_privacy(config, coef, args.momentum))
@@ -183,6 +183,13 @@ def fields_of(m: Mech) -> dict:
     ``buffers`` and ``min_separation``."""
     blt = {"buffers": m.buffers, "min_separation": m.min_separation} if m.kind == "blt" else {}
     return {"mechanism": m.kind, "bands": m.bands, "coefficients": m.coefficients, **blt}
+
+
+def run_name(m: Mech, lr: float, seed: int) -> str:
+    """A run directory's name, distinct for every mechanism, rate and seed of an invocation (the
+    loop refuses to overwrite a run)."""
+    return "-".join([m.kind, *(f"{k}{v}" for k, v in zip(("b", "c", "d", "sep"), m[1:]) if v is not None),
+                     f"lr{lr:g}", f"s{seed}"])
 
 
 def mech_of(row: dict) -> Mech:

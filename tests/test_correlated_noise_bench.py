@@ -52,3 +52,10 @@ def test_blt_sgd_runs_spend_at_most_the_target_epsilon_on_the_blt_ledger():
     assert 7.0 < blt[0]["epsilon"] <= 8.0 + 1e-9  # calibrated to the target on the BLT's own ledger
     assert math.isfinite(blt[0]["held_out_loss"])
     assert set(result["summary"]) == {"independent", "blt D=2 sep=2"}
+
+
+def test_adamw_runs_of_every_mechanism_and_rate_get_their_own_run_directory():
+    result = bench.main(["--steps", "2", "--corpus-chars", "4000", "--batch-size", "8", "--seeds", "0", "--bands", "2",
+                         "--blt-buffers", "2", "--min-separation", "1", "2", "--lrs", "0.01", "0.02"])
+    assert len(result["runs"]) == 8  # 4 mechanisms x 2 rates, none refused as an existing run
+    assert len({bench.run_name(bench.mech_of(r), r["lr"], r["seed"]) for r in result["runs"]}) == 8
