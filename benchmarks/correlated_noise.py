@@ -40,6 +40,15 @@ uses, banded runs with coefficients optimised for the workload of SGD with ``--m
 same bands and so the same accounting and noise multiplier; labelled ``banded b=B momentum-opt``.
 ``noise_rmse_vs_independent`` is then the error of that momentum workload.
 
+``--blt-buffers D ...`` (with ``--min-separation B ...``, 1 by default): BLT (buffered linear
+Toeplitz) rows, ``--noise-mechanism blt --buffers D --min-separation B``: the loop's BLT
+(``run_mechanism``: optimised for prefix sums at its min-separation sensitivity), cyclic Poisson
+batches of ``B`` groups (``B = 1``: plain Poisson), its noise multiplier from its own accounting,
+which claims no amplification by sampling (one Gaussian at ``sigma`` over the min-separation
+sensitivity, ``privacy.mechanisms.accounting``), so it is conservative; labelled
+``blt D=<D> sep=<B>``; ``--bands`` with no value leaves the banded rows out. Its ``noise_rmse_vs_independent`` uses its column ``C`` as it is (first
+entry 1, not normalised) with that multiplier. ``--coefficients momentum`` changes banded rows only.
+
 ``--plan``: no training; for every mechanism, its noise multiplier, within-group sample rate
 and ``noise_rmse_vs_independent`` (both coefficient kinds): the accounting's promise, to pick
 the bands and batch sizes worth training.
@@ -57,8 +66,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_common, when loaded as a module by the tests
 
 from bench_common import logger  # noqa: E402
 
@@ -78,9 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--epsilon", type=float, default=8.0)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--lrs", type=float, nargs="+", default=None, help="a learning-rate grid (replaces --lr)")
-    p.add_argument("--bands", type=int, nargs="+", default=[4, 16])
+    p.add_argument("--bands", type=int, nargs="*", default=[4, 16], help="banded rows (none: --bands alone)")
     p.add_argument("--coefficients", choices=COEFFICIENTS, nargs="+", default=["prefix"],
                    help="banded coefficients: prefix-sum optimised (the loop's) and/or momentum-workload optimised")
+    p.add_argument("--blt-buffers", type=int, nargs="+", default=[],
+                   help="BLT rows with these buffer counts (--noise-mechanism blt --buffers D)")
+    p.add_argument("--min-separation", type=int, nargs="+", default=[1],
+                   help="min separations of the BLT rows (cyclic groups; 1: plain Poisson batches)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--momentum", type=float, default=0.0)
@@ -93,32 +108,35 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     log = logger("correlated_noise")
     lrs = args.lrs or [args.lr]
-    mechanisms = [("independent", None, "prefix")] + [("banded", b, c) for b in args.bands for c in args.coefficients]
-    privacy = {}  # (kind, bands, coefficients) -> DPConfig: calibrated and optimised once, not per run
+    mechanisms = ([Mech("independent", None, "prefix")] + [Mech("banded", b, c) for b in args.bands for c in args.coefficients]
+                  + [Mech("blt", None, "prefix", d, sep) for d in args.blt_buffers for sep in args.min_separation])
+    privacy = {}  # Mech -> DPConfig: calibrated and optimised once, not per run
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         held = Path(tmp) / "held_out.txt"
         held.write_text(corpus(args.corpus_chars + args.corpus_chars // 4)[args.corpus_chars:])
         for seed in args.seeds[:1] if args.plan else args.seeds:
             for lr in lrs[:1] if args.plan else lrs:
-                for kind, bands, coef in (mechanisms[::-1] if args.reverse else mechanisms):
+                for m in (mechanisms[::-1] if args.reverse else mechanisms):
+                    kind, bands, coef = m.kind, m.bands, m.coefficients
                     config = RunConfig.of(**MODEL, steps=args.steps, corpus_chars=args.corpus_chars, lr=lr,
                                           batch_size=args.batch_size, target_epsilon=args.epsilon, seed=seed,
-                                          noise_mechanism=kind, bands=bands, out=tmp, name=f"{kind}{bands}-{seed}",
-                                          export=False, eval_data=str(held), eval_every=args.steps,
-                                          accounting_interval=1e-2)
+                                          noise_mechanism=kind, bands=bands, buffers=m.buffers,
+                                          min_separation=m.min_separation, out=tmp,
+                                          name=run_name(m, lr, seed), export=False,
+                                          eval_data=str(held), eval_every=args.steps, accounting_interval=1e-2)
                     if args.plan:
-                        dp = privacy.setdefault((kind, bands, coef), run_privacy(config, coef, args.momentum))
-                        runs.append(plan_row(kind, bands, coef, dp))
+                        dp = privacy.setdefault(m, run_privacy(config, coef, args.momentum))
+                        runs.append(plan_row(m, dp))
                         log(json.dumps(runs[-1]))
                         continue
                     began = time.perf_counter()
                     if args.optimizer == "adamw":
                         s = run(config, progress=False)
                     else:
-                        dp = privacy.setdefault((kind, bands, coef), run_privacy(config, coef, args.momentum))
+                        dp = privacy.setdefault(m, run_privacy(config, coef, args.momentum))
                         s = sgd_run(config, args, held, dp, lr)
-                    row = {"mechanism": kind, "bands": bands, "coefficients": coef, "lr": lr, "seed": seed,
+                    row = {**fields_of(m), "lr": lr, "seed": seed,
                            "noise_multiplier": s["noise_multiplier"], "sample_rate": s["sample_rate"],
                            "epsilon": s["epsilon"], "train_loss": s["final_loss"], "held_out_loss": s["eval_loss"],
                            "seconds": time.perf_counter() - began}
@@ -131,14 +149,14 @@ def main(argv: list[str] | None = None) -> dict:
         return result
     summary = {}
     for lr in lrs:
-        base = mean_of(runs, "independent", None, "prefix", lr)
-        for kind, bands, coef in mechanisms:
-            v = mean_of(runs, kind, bands, coef, lr)
+        base = mean_of(runs, mechanisms[0], lr)
+        for m in mechanisms:
+            v = mean_of(runs, m, lr)
             v["held_out_vs_independent"] = v["held_out_loss"] / base["held_out_loss"]
             v["seconds_vs_independent"] = v["seconds"] / base["seconds"]
             v["noise_rmse_vs_independent"] = noise_rmse(v, base, args)
-            v["per_seed_held_out_vs_independent"] = per_seed_ratios(runs, kind, bands, coef, lr)
-            summary[label(kind, bands, coef) + ("" if len(lrs) == 1 else f" lr={lr}")] = v
+            v["per_seed_held_out_vs_independent"] = per_seed_ratios(runs, m, lr)
+            summary[label(m) + ("" if len(lrs) == 1 else f" lr={lr}")] = v
     result = {"args": vars(args), "runs": runs, "summary": summary}
     if len(lrs) > 1:
         result["best"] = best_rates(runs, mechanisms, lrs)
@@ -149,38 +167,70 @@ def main(argv: list[str] | None = None) -> dict:
 COEFFICIENTS = ("prefix", "momentum")
 
 
-def label(kind: str, bands: int | None, coef: str) -> str:
-    """The summary's name of a mechanism: ``independent``, ``banded b=4``, ``banded b=4 momentum-opt``."""
-    return kind + ("" if bands is None else f" b={bands}") + (" momentum-opt" if coef == "momentum" else "")
+class Mech(NamedTuple):
+    """One mechanism row: ``kind`` with its ``bands`` (banded), ``coefficients`` ("prefix" or
+    "momentum", banded only) or ``buffers`` and ``min_separation`` (blt)."""
+
+    kind: str
+    bands: int | None
+    coefficients: str
+    buffers: int | None = None
+    min_separation: int | None = None
 
 
-def mean_of(runs: list[dict], kind: str, bands: int | None, coef: str, lr: float) -> dict:
-    """The means over seeds of one mechanism's runs at ``lr`` (with its ``bands`` and
-    ``coefficients`` kept for :func:`noise_rmse`)."""
-    mine = [r for r in runs if (r["mechanism"], r["bands"], r["coefficients"], r["lr"]) == (kind, bands, coef, lr)]
+def fields_of(m: Mech) -> dict:
+    """A row's mechanism fields: ``mechanism``, ``bands``, ``coefficients``, and for a BLT
+    ``buffers`` and ``min_separation``."""
+    blt = {"buffers": m.buffers, "min_separation": m.min_separation} if m.kind == "blt" else {}
+    return {"mechanism": m.kind, "bands": m.bands, "coefficients": m.coefficients, **blt}
+
+
+def run_name(m: Mech, lr: float, seed: int) -> str:
+    """A run directory's name, distinct for every mechanism, rate and seed of an invocation (the
+    loop refuses to overwrite a run)."""
+    return "-".join([m.kind, *(f"{k}{v}" for k, v in zip(("b", "c", "d", "sep"), m[1:]) if v is not None),
+                     f"lr{lr:g}", f"s{seed}"])
+
+
+def mech_of(row: dict) -> Mech:
+    """The mechanism of a run or plan row (the inverse of :func:`fields_of`)."""
+    return Mech(row["mechanism"], row["bands"], row["coefficients"], row.get("buffers"), row.get("min_separation"))
+
+
+def label(m: Mech) -> str:
+    """The summary's name of a mechanism: ``independent``, ``banded b=4``, ``banded b=4 momentum-opt``,
+    ``blt D=2 sep=1``."""
+    if m.kind == "blt":
+        return f"blt D={m.buffers} sep={m.min_separation}"
+    return m.kind + ("" if m.bands is None else f" b={m.bands}") + (" momentum-opt" if m.coefficients == "momentum"
+                                                                    else "")
+
+
+def mean_of(runs: list[dict], m: Mech, lr: float) -> dict:
+    """The means over seeds of one mechanism's runs at ``lr`` (with its fields kept for
+    :func:`noise_rmse`)."""
+    mine = [r for r in runs if mech_of(r) == m and r["lr"] == lr]
     v = {k: statistics.mean(r[k] for r in mine) for k in ("train_loss", "held_out_loss", "noise_multiplier", "seconds")}
-    return dict(v, bands=bands, coefficients=coef, lr=lr, seeds=len(mine))
+    return dict(v, **fields_of(m), lr=lr, seeds=len(mine))
 
 
-def per_seed_ratios(runs: list[dict], kind: str, bands: int | None, coef: str, lr: float) -> dict:
+def per_seed_ratios(runs: list[dict], m: Mech, lr: float) -> dict:
     """Seed -> held-out loss over independent noise's at the same seed and ``lr``."""
-    held = {(r["mechanism"], r["bands"], r["coefficients"], r["seed"]): r["held_out_loss"]
-            for r in runs if r["lr"] == lr}
-    return {seed: held[(k, b, c, seed)] / held[("independent", None, "prefix", seed)]
-            for (k, b, c, seed) in held if (k, b, c) == (kind, bands, coef)}
+    held = {(mech_of(r), r["seed"]): r["held_out_loss"] for r in runs if r["lr"] == lr}
+    base = Mech("independent", None, "prefix")
+    return {seed: held[(k, seed)] / held[(base, seed)] for (k, seed) in held if k == m}
 
 
-def best_rates(runs: list[dict], mechanisms: list[tuple], lrs: list[float]) -> dict:
+def best_rates(runs: list[dict], mechanisms: list[Mech], lrs: list[float]) -> dict:
     """Per mechanism: the rate of the lowest mean held-out loss, that loss, its ratio to
     independent noise's best, and the per-seed losses at that rate."""
     best = {}
-    for kind, bands, coef in mechanisms:
-        means = {lr: mean_of(runs, kind, bands, coef, lr)["held_out_loss"] for lr in lrs}
+    for m in mechanisms:
+        means = {lr: mean_of(runs, m, lr)["held_out_loss"] for lr in lrs}
         lr = min(means, key=means.get)
-        best[label(kind, bands, coef)] = {"lr": lr, "held_out_loss": means[lr], "per_lr": means,
-                                          "per_seed": {r["seed"]: r["held_out_loss"] for r in runs if
-                                                       (r["mechanism"], r["bands"], r["coefficients"], r["lr"])
-                                                       == (kind, bands, coef, lr)}}
+        best[label(m)] = {"lr": lr, "held_out_loss": means[lr], "per_lr": means,
+                          "per_seed": {r["seed"]: r["held_out_loss"] for r in runs
+                                       if mech_of(r) == m and r["lr"] == lr}}
     base = best["independent"]["held_out_loss"]
     for v in best.values():
         v["held_out_vs_independent_best"] = v["held_out_loss"] / base
@@ -205,33 +255,43 @@ def run_privacy(config, coefficients: str, momentum: float):
     return dp
 
 
-def plan_row(kind: str, bands: int | None, coef: str, dp) -> dict:
-    """One mechanism's accounting, for ``--plan``."""
-    return {"mechanism": kind, "bands": bands, "coefficients": coef, "noise_multiplier": dp.noise_multiplier,
-            "sample_rate": dp.sample_rate, "strategy": list(dp.mechanism.coefficients)}
+def plan_row(m: Mech, dp) -> dict:
+    """One mechanism's accounting, for ``--plan`` (a BLT's strategy: its decays and scales)."""
+    strategy = ({"decays": list(dp.mechanism.decays), "scales": list(dp.mechanism.scales)} if m.kind == "blt"
+                else list(dp.mechanism.coefficients))
+    return {**fields_of(m), "noise_multiplier": dp.noise_multiplier, "sample_rate": dp.sample_rate,
+            "strategy": strategy}
 
 
 def noise_rmse(row: dict, base: dict, args) -> float:
     """The RMS error of the workload's noise (prefix sums, or SGD with ``args.momentum``) of
     ``row``'s mechanism relative to ``base``'s (independent noise) at the same epsilon:
     ``sigma * sqrt(||W C^{-1}||_F^2)`` over the same for ``base``."""
+    m = mech_of(row)
     return (row["noise_multiplier"] / base["noise_multiplier"]
-            * (workload_error_of(row["bands"], row["coefficients"], args.steps, args.momentum)
-               / workload_error_of(None, "prefix", args.steps, args.momentum)) ** 0.5)
+            * (workload_error_of(m, args.steps, args.momentum)
+               / workload_error_of(Mech("independent", None, "prefix"), args.steps, args.momentum)) ** 0.5)
 
 
 @functools.lru_cache(maxsize=None)
-def workload_error_of(bands: int | None, coefficients: str, steps: int, momentum: float) -> float:
+def workload_error_of(m: Mech, steps: int, momentum: float) -> float:
     """``||W C^{-1}||_F^2`` of the mechanism for SGD's workload with ``momentum`` (0: prefix
-    sums; independent noise: ``||W||_F^2``)."""
+    sums; independent noise: ``||W||_F^2``). Banded ``C`` has unit columns; a BLT's ``C`` is
+    taken as the step streams it (first entry 1), the scale its noise multiplier is calibrated
+    for: ``workload_error`` normalises the column, so its squared norm is divided back out."""
     import torch
 
+    from fsdpx.train.build import optimal_blt_mechanism
     from privacy.mechanisms import optimal_banded
+    from privacy.mechanisms.blt import strategy_of
     from privacy.mechanisms.optimize import momentum_workload, optimal_banded_for_workload, workload_error
 
     w = momentum_workload(steps, momentum)
-    mechanism = (optimal_banded_for_workload(bands or 1, w) if coefficients == "momentum"
-                 else optimal_banded(bands or 1, steps))
+    if m.kind == "blt":
+        column = strategy_of(optimal_blt_mechanism(m.buffers, steps, m.min_separation)).coefficients(steps)
+        return (workload_error(column, w) / (column * column).sum()).item()
+    mechanism = (optimal_banded_for_workload(m.bands or 1, w) if m.coefficients == "momentum"
+                 else optimal_banded(m.bands or 1, steps))
     return workload_error(torch.tensor(mechanism.coefficients), w).item()
 
 
@@ -255,7 +315,7 @@ def sgd_run(config, args, held: Path, dp, lr: float) -> dict:
     opt = sgd(lr, args.momentum)
     state = init_state(source.params, opt, key=config.run.seed, config=dp)
     state = state._replace(accountant=Accountant(delta=dp.delta, value_discretization_interval=1e-2,
-                                                 bands=dp.mechanism.bands))
+                                                 **dp.mechanism.ledger_fields))
     step = make_private_step(source.model, source.loss_fn, opt, dp, num_examples=n // config.privacy.groups)
     sampler, losses = sampler_of(config, n, rate), []
     for t in range(config.run.steps):
