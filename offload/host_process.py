@@ -23,7 +23,8 @@ A result tensor whose storage is one the parent sent comes back as that tensor o
 Lifetime: the child dies with its parent (``PR_SET_PDEATHSIG`` on Linux, set by the child, which
 also exits when it sees its parent's pid change or its socket close). A child that dies is named:
 the job waiting for it, and every later ``submit``, raise :class:`HostWorkerDied` with its pid and
-exit status, within :data:`POLL_S` seconds of its death (``tests/test_host_process.py``).
+exit status, within :data:`POLL_S` seconds of its death (``tests/test_zenflow_process.py::
+test_a_killed_worker_is_named_at_the_next_wait``, ``test_the_worker_dies_with_its_parent``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Fixtures shared by the test modules of ``tests/`` (pytest hands them to a test by name)."""
+"""Fixtures shared by the test modules of ``tests/`` (pytest hands them to a test by name), and
+the ``alone`` phase of ``make test``."""
+
+import os
 
 import pytest
 
@@ -17,3 +20,21 @@ def counting():
     yield
     for name in ("counting", "raising", "exiting"):
         techniques.unregister(name)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``alone`` assert a timing that other tests on the same cores would falsify.
+    With ``FSDPX_TESTS=alone`` only they run (``make test``'s second command, one process); on
+    pytest-xdist workers (``-n N``, N > 0) they are left out for that phase; a plain ``pytest``
+    runs everything."""
+    alone = [item for item in items if item.get_closest_marker("alone") is not None]
+    if os.environ.get("FSDPX_TESTS") == "alone":
+        drop = [item for item in items if item.get_closest_marker("alone") is None]
+    elif (config.getoption("numprocesses", None) or 0) > 0 or os.environ.get("PYTEST_XDIST_WORKER"):
+        drop = alone
+    else:
+        return
+    if drop:
+        keep = set(map(id, drop))
+        items[:] = [item for item in items if id(item) not in keep]
+        config.hook.pytest_deselected(items=drop)

@@ -225,6 +225,7 @@ def test_a_moved_job_continues_bit_for_bit_with_its_technique(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the makespan bound needs the cores: run after the parallel suite (tests/conftest.py)
 def test_four_real_jobs_equal_their_solo_runs_and_the_predicted_makespan(tmp_path):
     """Issue 13, section 2.3: four small jobs (different sizes, one private) planned from real
     profiles (measured side by side, pinned, as the plan runs them) on this machine's 2 cores and
