@@ -10,17 +10,15 @@ import pytest
 import torch
 from scipy import optimize, stats
 
-from fsdpx.models.gpt import GPT, GPTConfig, token_loss
-from fsdpx.optim import sgd
-from privacy import DPConfig, clipped_grad, init_state, make_private_step
+from privacy import DPConfig
 from privacy.accounting import Accountant
 from privacy.blt_sensitivity import cyclic_blt_sensitivity
 from privacy.errors import PrivacyError
 from privacy.mechanisms import (INDEPENDENT, BufferedToeplitz, blt_epsilon, blt_mechanism, blt_noise_multiplier, blt_sensitivity,
                                 empty_history, min_sep_sensitivity, streamed_noise)
 from privacy.mechanisms.toeplitz import toeplitz_matrix
-from privacy.noise import noise_slice
 
+from support.mechanism_step import steps_add_the_dense_noise
 from support.threads import one_thread  # noqa: F401
 
 STRATEGY = BufferedToeplitz((0.9, 0.3), (0.4, 0.2))
@@ -91,25 +89,7 @@ def test_a_blt_ledger_is_one_gaussian_at_sigma_over_the_sensitivity():
 def test_the_step_adds_the_blts_noise(one_thread):
     """What the private step adds at step ``t`` is row ``t`` of the dense ``C^{-1} z`` times
     ``sigma * clip``, to 1e-12, and its history is the BLT's ``D`` buffers."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=17, block_size=5, n_layer=1, n_head=1, n_embd=4)).double()
-    ids = torch.randint(0, 17, (6, 5))
-    batch = (ids, ids.roll(1, 1))
-    config = DPConfig(clip_norm=0.7, noise_multiplier=1.3, sample_rate=0.05, mechanism=MECH)
-    opt = sgd(1.0)
-    state = init_state(dict(model.named_parameters()), opt, key=9, config=config)
-    step = make_private_step(model, token_loss, opt, config, num_examples=100)
-    inverse = torch.linalg.inv(toeplitz_matrix(STRATEGY.coefficients(5), 5))
-    for t in range(5):
-        before = {k: v.clone() for k, v in state.params.items()}
-        clipped, _ = clipped_grad(model, before, batch, token_loss, clip_norm=0.7)
-        state, _ = step(state, batch)
-        for k, p in before.items():
-            z = torch.stack([noise_slice(k, p.numel(), 0, p.numel(), key=9, step=s, std=1.0, dtype=torch.float64)
-                             for s in range(t + 1)])
-            noise = (1.3 * 0.7 * inverse[t, :t + 1] @ z).view(p.shape)
-            torch.testing.assert_close(state.params[k], p - (clipped[k] + noise) / (0.05 * 100),
-                                       rtol=1e-12, atol=1e-14)
+    state, config = steps_add_the_dense_noise(MECH, torch.linalg.inv(toeplitz_matrix(STRATEGY.coefficients(5), 5)))
     assert len(state.noise_history) == 2 and state.noise_history[0].keys() == state.params.keys()
     assert state.accountant.blt == (MECH.decays, MECH.scales) and state.accountant.bands == 3
     assert DPConfig(**{**config.__dict__, "mechanism": MECH.to_dict()}) == config  # read back from a checkpoint

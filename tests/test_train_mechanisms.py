@@ -13,15 +13,14 @@ import torch
 
 import ckpt
 from fsdpx import Mesh, cli
-from fsdpx.models.gpt import GPT, GPTConfig, token_loss
 from fsdpx.optim import sgd
 from fsdpx.train.resume import MechanismChangeError, check_noise_history
-from privacy import DPConfig, clipped_grad, init_state, make_private_step
+from privacy import DPConfig, init_state
 from privacy.accounting import Accountant
 from privacy.mechanisms import (BufferedToeplitz, CyclicPoissonSampler, Mechanism, banded, banded_epsilon, blt_epsilon,
                                 blt_mechanism, dense_strategy)
-from privacy.noise import noise_slice
 
+from support.mechanism_step import steps_add_the_dense_noise
 from support.threads import one_thread  # noqa: F401
 
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--corpus-chars", "20000",
@@ -30,25 +29,7 @@ MECH = banded((0.8, 0.5, 0.3))
 
 
 def test_the_step_adds_the_mechanisms_streamed_noise():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=17, block_size=5, n_layer=1, n_head=1, n_embd=4)).double()
-    ids = torch.randint(0, 17, (6, 5))
-    batch = (ids, ids.roll(1, 1))
-    config = DPConfig(clip_norm=0.7, noise_multiplier=1.3, sample_rate=0.05, mechanism=MECH)
-    opt = sgd(1.0)
-    state = init_state(dict(model.named_parameters()), opt, key=9, config=config)
-    step = make_private_step(model, token_loss, opt, config, num_examples=100)
-    inverse = torch.linalg.inv(dense_strategy(MECH, 4))
-    for t in range(4):
-        before = {k: v.clone() for k, v in state.params.items()}
-        clipped, _ = clipped_grad(model, before, batch, token_loss, clip_norm=0.7)
-        state, _ = step(state, batch)
-        for k, p in before.items():  # the dense product C^{-1} z, row t
-            z = torch.stack([noise_slice(k, p.numel(), 0, p.numel(), key=9, step=s, std=1.0, dtype=torch.float64)
-                             for s in range(t + 1)])
-            noise = (1.3 * 0.7 * inverse[t, :t + 1] @ z).view(p.shape)
-            torch.testing.assert_close(state.params[k], p - (clipped[k] + noise) / (0.05 * 100),
-                                       rtol=1e-12, atol=1e-14)
+    state, config = steps_add_the_dense_noise(MECH, torch.linalg.inv(dense_strategy(MECH, 4)))
     assert len(state.noise_history) == 2 and state.noise_history[0].keys() == state.params.keys()
     assert state.accountant.bands == 3 and state.accountant.steps == 4
     assert DPConfig(**{**config.__dict__, "mechanism": MECH.to_dict()}) == config  # read back from a checkpoint
