@@ -353,7 +353,7 @@ def _check_audit(p: PrivacySettings) -> None:
         raise ConfigError("audit_canaries audits a private run: a non-private run claims no epsilon to check")
     if p.noise_mechanism != "independent":
         raise ConfigError(f"audit_canaries with noise_mechanism {p.noise_mechanism!r} is not supported: the canaries"
-                          " join batches by Poisson sampling over the whole dataset, a banded run samples groups")
+                          " join batches by Poisson sampling over the whole dataset, a banded or BLT run samples cyclic groups")
     if 2 * m * p.delta > 1:
         raise ConfigError(f"audit_canaries={m} with delta={p.delta:g}: the one-run bound needs"
                           " 2 * canaries * delta <= 1")
