@@ -700,8 +700,9 @@ def profile_tables(prof: dict[str, Any]) -> str:
 def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu", model_name: str = "gpt",
            precision: str = "fp32") -> str:
     """Where a private step's time goes: the non-private torch step and its forward+backward,
-    fsdpx's whole private step, ``clip_and_sum`` alone and the noise alone (drawn and added in
-    place to parameter-shaped buffers, as the step does), interleaved in each round; medians, and
+    fsdpx's whole private step, ``clip_and_sum`` alone, its stages one after the other
+    (:func:`clip_stages`, indented) and the noise alone (drawn and added in place to
+    parameter-shaped buffers, as the step does), interleaved in each round; medians, and
     ratios to the non-private step (same-round medians), of wall time, of process CPU time, and
     the minor page faults of each part (fresh host pages it touched)."""
     from privacy.clipping import clip_and_sum
@@ -724,6 +725,7 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu", mod
              "fsdpx private step (ghost, donated)": fsdpx_runner.step,
              "clip_and_sum (tape, norms, clipped sums)": lambda: clip_and_sum(model, params, batch, step_loss,
                                                                              clip_norm=CLIP_NORM),
+             **clip_stages(model, params, batch),
              f"noise ({numel / 1e6:.1f}M normals)": lambda: add_gaussian_noise_(sums, key=0, step=0, std=1.0)}
     times: dict[str, list[float]] = {k: [] for k in parts}
     cpu: dict[str, list[float]] = {k: [] for k in parts}  # process CPU time: steadier on a loaded machine
@@ -752,6 +754,50 @@ def phases(name: str, cfg: dict[str, int], rounds: int, device: str = "cpu", mod
     lines.append(f"\nnoise: {statistics.median(times[noise]) / numel * 1e9:.1f} ns per normal (wall, all threads), "
                  f"{statistics.median(cpu[noise]) / numel * 1e9:.1f} (process CPU time)")
     return "\n".join(lines) + "\n"
+
+
+def clip_stages(model: torch.nn.Module, params: dict[str, torch.Tensor], batch) -> dict[str, Any]:
+    """The stages of ``clip_and_sum`` (ghost, one process, no mask) as separate parts, each run
+    after the one before it within a round, on what it left: ``--phases`` times them alone. The
+    same calls in the same order as ``privacy.clipping.clip_and_sum``; the last forms every
+    clipped sum (``ClippedSums`` taken whole)."""
+    from privacy import contributions as C
+    from privacy.clipped_sums import ClippedSums
+    from privacy.clipping import clip_factors, guarded_clip_factors
+    from privacy.ghost import contributions
+    from privacy.streaming import choose_streamed, stream_clipped_sums
+    from privacy.tape import record
+
+    shapes = {n: p.shape for n, p in params.items()}
+    st: dict[str, Any] = {}
+
+    def tape() -> None:
+        st["tape"] = record(model, params, batch, step_loss)
+
+    def rules() -> None:
+        t = st.pop("tape")
+        st["losses"], st["parts"] = t.losses, contributions(model, params, t, method="auto")
+
+    def reuse() -> None:
+        st["parts"] = C.instantiate_for_reuse(st["parts"], shapes)
+        st["streamed"] = choose_streamed(st["parts"], shapes)
+
+    def norms() -> None:
+        st["sq"] = sum((C.sq_norms(v, shapes[k]) for k, v in st["parts"].items() if k not in st["streamed"]),
+                       torch.zeros_like(st["losses"]))
+
+    def stream() -> None:
+        st["sums"], st["sq"] = stream_clipped_sums({k: st["parts"].pop(k) for k in st["streamed"]}, shapes,
+                                                   st["sq"], lambda n: clip_factors(n, CLIP_NORM, "flat"))
+
+    def clipped() -> None:
+        factors, parts = guarded_clip_factors(st["sq"].sqrt(), st.pop("parts"), CLIP_NORM, "flat", "raise")
+        dict(ClippedSums(parts, factors, params, ready=st.pop("sums")).items())
+        st.clear()
+
+    return {"  tape: forward + backward to layer outputs": tape, "  ghost rules": rules,
+            "  per-example grads kept for reuse": reuse, "  per-example norms (the rest)": norms,
+            "  streamed norms and clipped sums (LM head)": stream, "  clipped sums (the rest)": clipped}
 
 
 def minor_faults() -> int:
