@@ -66,15 +66,18 @@ def resolve_sample_rate(config: RunConfig, num_examples: int) -> float:
     return p.batch_size / num_examples
 
 
-def resolve_privacy(config: RunConfig, sample_rate: float) -> DPConfig | None:
+def resolve_privacy(config: RunConfig, sample_rate: float, recorded: Mechanism | None = None) -> DPConfig | None:
     """The :class:`DPConfig` of a private run (``None`` for a non-private one). With
     ``target_epsilon``, sigma is the smallest noise multiplier whose epsilon over ``steps`` at
     ``delta`` is at most the target, by the same accountant the run reports with. Invalid
-    privacy values raise :class:`privacy.errors.PrivacyError` naming them."""
+    privacy values raise :class:`privacy.errors.PrivacyError` naming them. ``recorded``: the
+    mechanism a resumed run recorded (:func:`fsdpx.train.resume.recorded_mechanism`), used
+    instead of optimising one when it is of the kind and size ``config`` asks for (a resume
+    continues with it anyway: :func:`fsdpx.train.resume.continued_mechanism`)."""
     p = config.privacy
     if not p.private:
         return None
-    mechanism = run_mechanism(config)
+    mechanism = recorded if recorded is not None and same_choice(recorded, config) else run_mechanism(config)
     sigma = p.noise_multiplier
     accounting = dict(accountant=p.accountant, value_discretization_interval=p.accounting_interval)
     if sigma is None and mechanism.kind == "blt":  # one Gaussian at sigma / sens: no amplification claimed
@@ -97,6 +100,17 @@ def run_mechanism(config: RunConfig) -> Mechanism:
     if p.noise_mechanism == "blt":
         return optimal_blt_mechanism(p.buffers, config.run.steps, p.groups)
     return optimal_banded(p.bands, config.run.steps) if p.noise_mechanism == "banded" else INDEPENDENT
+
+
+def same_choice(m: Mechanism, config: RunConfig) -> bool:
+    """Whether ``m`` is of the kind and size ``config``'s flags choose (``--noise-mechanism``,
+    ``--bands``, ``--buffers``, ``--min-separation``), whatever its coefficients."""
+    p = config.privacy
+    if m.kind != p.noise_mechanism:
+        return False
+    if m.kind == "blt":
+        return len(m.decays) == p.buffers and m.min_sep == p.groups
+    return m.kind != "banded" or m.bands == p.bands
 
 
 BLT_ITERATIONS = 50
