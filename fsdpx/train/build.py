@@ -23,7 +23,7 @@ from torch import Tensor
 
 import offload
 from fsdpx.models.gpt import token_loss
-from fsdpx.optim import Optimizer, adamw
+from fsdpx.optim import Optimizer, adamw, sgd
 from fsdpx.optim.freezing import Freezing, Trainable, bind
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding.comm import Comm
@@ -235,7 +235,8 @@ def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weig
 
 def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.0, *,
                    plan: ShardingPlan | None = None) -> Optimizer:
-    """AdamW, wrapped by the configured offload. In a sharded run ZenFlow scores columns over
+    """The run's optimizer (``config.run.optimizer``: AdamW, or SGD with ``momentum``), wrapped by
+    the configured offload. In a sharded run ZenFlow scores columns over
     the rows of every rank (one all-reduce of ``in`` floats per weight), so all ranks select
     what one unsharded run would; with tensor or pipeline parallelism (``plan``, the run's
     resolved layout) each weight by its own layout (``offload.layout_scores``: a row-parallel
@@ -246,7 +247,8 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
     :mod:`offload.schedule`, an epoch being ``steps_per_epoch(sample_rate)`` steps; a
     combination it refuses is a :class:`ConfigError` naming the settings, raised before any
     step or file."""
-    inner = adamw(config.run.lr)
+    r = config.run
+    inner = sgd(r.lr, r.momentum) if r.optimizer == "sgd" else adamw(r.lr)
     off = config.offload
     if off.kind == "zero":
         return offload.zero_offload(inner)

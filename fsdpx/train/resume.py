@@ -303,13 +303,16 @@ def restarted_config(config: RunConfig, restart: int) -> RunConfig:
 def merge_overrides(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
     """``base`` with ``overrides`` (flat names) applied; an override of one of two exclusive
     fields clears the other (``target_epsilon`` vs ``noise_multiplier``, ``batch_size`` vs
-    ``sample_rate``), so a branch can switch from one to the other."""
+    ``sample_rate``), so a branch can switch from one to the other; an ``optimizer`` other than
+    sgd clears an inherited ``momentum`` (SGD's), so the change is named by its own flag."""
     values = base.flat()
     values.update(overrides)
     for given, cleared in (("target_epsilon", "noise_multiplier"), ("noise_multiplier", "target_epsilon"),
                            ("batch_size", "sample_rate"), ("sample_rate", "batch_size")):
         if overrides.get(given) is not None and given in overrides and cleared not in overrides:
             values[cleared] = None
+    if overrides.get("optimizer", "sgd") != "sgd" and "momentum" not in overrides:
+        values["momentum"] = 0.0
     return RunConfig.of(**values)
 
 
