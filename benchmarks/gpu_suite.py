@@ -9,6 +9,8 @@ fails costs its own slot only; the next part starts anyway):
 ========== ===================================================== ===========================
 part       command                                               measures
 ========== ===================================================== ===========================
+tests      ``pytest -m cuda tests``                               the tests that need CUDA
+                                                                 (skipped elsewhere): pass/fail
 check      ``gpu_check.py`` (``STEPS=10``)                        every ``fsdpx train`` path
                                                                  on CUDA vs CPU: PASS/FAIL
 privacy-*  ``privacy_step.py --device cuda`` (one per model and   private step vs non-private,
@@ -47,7 +49,7 @@ PYTHON = sys.executable
 # (model, precision) of privacy_step.py's runs on the GPU: the GPT-2-small-shaped step
 PRIVACY_RUNS: list[tuple[str, str]] = [("gpt", "fp32"), ("hf-gpt2", "fp32"), ("hf-gpt2", "bf16"), ("hf-llama", "bf16")]
 # each part's share of the budget, in seconds at the default 480 s budget (scaled otherwise)
-SLOTS = {"check": 90, "privacy": 250, "offload": 60, "sharded": 40, "ckpt": 40}
+SLOTS = {"tests": 40, "check": 90, "privacy": 210, "offload": 60, "sharded": 40, "ckpt": 40}
 TAIL_LINES = 40
 
 
@@ -56,6 +58,8 @@ def part_commands(out: Path, device: str, smoke: bool) -> list[tuple[str, str, l
     py = [PYTHON]
     parts: list[tuple[str, str, list[str], dict[str, str]]] = []
     if device == "cuda":
+        parts.append(("tests", "tests", [*py, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                                         str(ROOT / "tests")], {}))
         parts.append(("check", "check", [*py, str(BENCH / "gpu_check.py"), str(out / "check")], {"STEPS": "10"}))
     for model, precision in PRIVACY_RUNS:
         size = ["--smoke"] if smoke else ["--steps", "20", "--memory-steps", "2"]

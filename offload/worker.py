@@ -9,7 +9,8 @@ differs. One background thread serves the whole process; a job never waits on an
 module's, with the same order and the same bits.
 
 On a CUDA device the per-step gradient copy goes through a pinned host buffer with a
-``non_blocking`` copy; on any other device (and on this project's CPU-only CI) copies are plain
+``non_blocking`` copy on a stream of its own (:func:`copy_stream`), so it overlaps the loop's next
+kernels instead of queueing them behind it; on any other device (and on this project's CPU-only CI) copies are plain
 ``.to``. "Device" tensors then live on ``cpu`` too, and the code paths are the same.
 """
 
@@ -29,6 +30,7 @@ HOST = torch.device("cpu")
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
 _processes: dict[tuple[int, tuple[int, ...]], HostProcess] = {}
+_copy_streams: dict[int, Any] = {}  # CUDA device index -> its copy stream (``copy_stream``)
 
 
 def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
@@ -98,12 +100,28 @@ def to_host_async(t: Tensor) -> tuple[Tensor, Callable[[], None]]:
     if t.device.type == "cpu":
         return t, _ready
     if t.device.type == "cuda":
+        compute = torch.cuda.current_stream(t.device)
+        side = copy_stream(t.device)
+        side.wait_stream(compute)  # the copy starts once ``t`` is written
         buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        buf.copy_(t, non_blocking=True)
+        with torch.cuda.stream(side):
+            buf.copy_(t, non_blocking=True)
+        t.record_stream(side)  # the allocator keeps ``t``'s memory until the copy has read it
         done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(t.device))
+        done.record(side)
         return buf, done.synchronize
     return t.to(HOST), _ready
+
+
+def copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The process's stream for device-to-host copies on CUDA ``device`` (one per device, made on
+    first use). A copy enqueued there does not hold up the kernels the loop enqueues after it on
+    its own stream: the next step's forward runs while the gradient crosses the bus."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _executor_lock:
+        if index not in _copy_streams:
+            _copy_streams[index] = torch.cuda.Stream(device=index)
+        return _copy_streams[index]
 
 
 def _ready() -> None:

@@ -237,6 +237,7 @@ def test_noise_drawn_ahead_gives_the_same_bits(std):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_noise_on_cuda_has_the_cpu_bits():
     """On a CUDA device (drawn there in torch ops, scaled and added there), drawn ahead or not,
     the noise is the CPU's bit for bit; a slice drawn on the device is the host's slice."""

@@ -12,7 +12,8 @@ from fsdpx.optim import optimizers
 from fsdpx.optim.optimizers import adamw_foreach, adamw_foreach_, adamw_ops, adamw_ops_
 
 HYPER = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, NO_GPU])]
 
 
 def tensors(dtype, device, seed=0):

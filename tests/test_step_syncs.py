@@ -242,6 +242,7 @@ def test_step_metrics_read_exactly_what_an_eager_conversion_gives():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_a_cuda_private_step_synchronises_at_most_at_the_guard():
     """CUDA's sync debug mode warns at every synchronising call; a step on the GPU makes at most
     the guard's one and the device noise's one check."""

@@ -14,6 +14,7 @@ import torch
 import ckpt
 from fsdpx import Mesh, cli
 from fsdpx.optim import sgd
+from fsdpx.train.build import optimal_blt_mechanism
 from fsdpx.train.resume import MechanismChangeError, check_noise_history
 from privacy import DPConfig, init_state
 from privacy.accounting import Accountant
@@ -107,6 +108,11 @@ def test_a_blt_run_resumes_bit_for_bit_and_refuses_other_buffers(tmp_path, capsy
     branched = _rows(tmp_path / "b" / "metrics.jsonl")
     assert [r["loss"] for r in branched] == [r["loss"] for r in straight]
     assert [r["epsilon"] for r in branched] == [r["epsilon"] for r in straight]
+    optimised = optimal_blt_mechanism.cache_info().misses
+    _train(tmp_path, "--steps", "6", "--name", "l", "--resume-from", str(tmp_path / "ck" / "step_2"),
+           "--target-epsilon", "8", "--allow-budget-increase", *flags[6:], "--buffers", "2")  # keeps the recorded strategy: none optimised
+    assert optimal_blt_mechanism.cache_info().misses == optimised
+    assert len(_rows(tmp_path / "l" / "metrics.jsonl")) == 6
 
 
 def test_a_checkpoint_without_the_noise_history_is_refused_by_flag(tmp_path, capsys):

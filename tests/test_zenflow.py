@@ -483,6 +483,7 @@ def test_default_inner_is_adamw():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("delay, overlap", [(1, True), (0, True), (1, False)])
 def test_cuda_params_keep_the_host_on_cpu_and_donated_equals_pure(delay, overlap):
     """With parameters on a GPU: the returned parameters and the device state stay there, the

@@ -89,6 +89,7 @@ def test_inputs_are_never_written_and_outputs_never_alias_the_state():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 @pytest.mark.parametrize("donate", [False, True])
 def test_cuda_params_give_the_cpu_run_bit_for_bit(donate):
     """Parameters on a GPU: the update runs on the host (pinned gradient copies down, parameters

@@ -23,7 +23,7 @@ from torch import Tensor
 
 import offload
 from fsdpx.models.gpt import token_loss
-from fsdpx.optim import Optimizer, adamw
+from fsdpx.optim import Optimizer, adamw, sgd
 from fsdpx.optim.freezing import Freezing, Trainable, bind
 from fsdpx.runtime import init_sharded, make_sharded_step, plain_step
 from fsdpx.sharding.comm import Comm
@@ -66,15 +66,18 @@ def resolve_sample_rate(config: RunConfig, num_examples: int) -> float:
     return p.batch_size / num_examples
 
 
-def resolve_privacy(config: RunConfig, sample_rate: float) -> DPConfig | None:
+def resolve_privacy(config: RunConfig, sample_rate: float, recorded: Mechanism | None = None) -> DPConfig | None:
     """The :class:`DPConfig` of a private run (``None`` for a non-private one). With
     ``target_epsilon``, sigma is the smallest noise multiplier whose epsilon over ``steps`` at
     ``delta`` is at most the target, by the same accountant the run reports with. Invalid
-    privacy values raise :class:`privacy.errors.PrivacyError` naming them."""
+    privacy values raise :class:`privacy.errors.PrivacyError` naming them. ``recorded``: the
+    mechanism a resumed run recorded (:func:`fsdpx.train.resume.recorded_mechanism`), used
+    instead of optimising one when it is of the kind and size ``config`` asks for (a resume
+    continues with it anyway: :func:`fsdpx.train.resume.continued_mechanism`)."""
     p = config.privacy
     if not p.private:
         return None
-    mechanism = run_mechanism(config)
+    mechanism = recorded if recorded is not None and same_choice(recorded, config) else run_mechanism(config)
     sigma = p.noise_multiplier
     accounting = dict(accountant=p.accountant, value_discretization_interval=p.accounting_interval)
     if sigma is None and mechanism.kind == "blt":  # one Gaussian at sigma / sens: no amplification claimed
@@ -97,6 +100,17 @@ def run_mechanism(config: RunConfig) -> Mechanism:
     if p.noise_mechanism == "blt":
         return optimal_blt_mechanism(p.buffers, config.run.steps, p.groups)
     return optimal_banded(p.bands, config.run.steps) if p.noise_mechanism == "banded" else INDEPENDENT
+
+
+def same_choice(m: Mechanism, config: RunConfig) -> bool:
+    """Whether ``m`` is of the kind and size ``config``'s flags choose (``--noise-mechanism``,
+    ``--bands``, ``--buffers``, ``--min-separation``), whatever its coefficients."""
+    p = config.privacy
+    if m.kind != p.noise_mechanism:
+        return False
+    if m.kind == "blt":
+        return len(m.decays) == p.buffers and m.min_sep == p.groups
+    return m.kind != "banded" or m.bands == p.bands
 
 
 BLT_ITERATIONS = 50
@@ -221,7 +235,8 @@ def rank_reader(model: torch.nn.Module, params: dict[str, Tensor], weights: Weig
 
 def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.0, *,
                    plan: ShardingPlan | None = None) -> Optimizer:
-    """AdamW, wrapped by the configured offload. In a sharded run ZenFlow scores columns over
+    """The run's optimizer (``config.run.optimizer``: AdamW, or SGD with ``momentum``), wrapped by
+    the configured offload. In a sharded run ZenFlow scores columns over
     the rows of every rank (one all-reduce of ``in`` floats per weight), so all ranks select
     what one unsharded run would; with tensor or pipeline parallelism (``plan``, the run's
     resolved layout) each weight by its own layout (``offload.layout_scores``: a row-parallel
@@ -232,7 +247,8 @@ def make_optimizer(config: RunConfig, comm: Comm | None, sample_rate: float = 1.
     :mod:`offload.schedule`, an epoch being ``steps_per_epoch(sample_rate)`` steps; a
     combination it refuses is a :class:`ConfigError` naming the settings, raised before any
     step or file."""
-    inner = adamw(config.run.lr)
+    r = config.run
+    inner = sgd(r.lr, r.momentum) if r.optimizer == "sgd" else adamw(r.lr)
     off = config.offload
     if off.kind == "zero":
         return offload.zero_offload(inner)

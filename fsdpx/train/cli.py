@@ -31,7 +31,7 @@ from typing import Any, Callable, NoReturn
 # Only light modules here: the parser and its defaults come before torch, the privacy core and
 # the runtime, which main() imports once the arguments parse (``--help`` and a bad flag answer in
 # well under a second: ``tests/test_fast_feedback.py``).
-from .config import (DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, PRECISIONS, SELECT_STRATEGIES, TOKEN_DTYPES,
+from .config import (DATA_KINDS, DEVICES, FIELDS, MODEL_KINDS, OPTIMIZERS, PRECISIONS, SELECT_STRATEGIES, TOKEN_DTYPES,
                      RunConfig, merge, read_file)
 from .deepspeed import read_deepspeed
 from .errors import ConfigError
@@ -86,6 +86,13 @@ def _half_open_unit(text: str) -> float:
     return value
 
 
+def _unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
 def _interval(text: str) -> int | str:
     """``--offload-interval``, ``--offload-select-interval``: an integer >= 1 or "auto"."""
     if text == "auto":
@@ -102,11 +109,11 @@ def _interval(text: str) -> int | str:
 # argparse names the type function in its message when it raises ValueError ("invalid
 # _positive_int value"); these names read better.
 _positive_int.__name__ = _non_negative_int.__name__ = "integer"
-for _f in (_positive_float, _non_negative_float, _open_unit, _half_open_unit):
+for _f in (_positive_float, _non_negative_float, _open_unit, _half_open_unit, _unit_interval):
     _f.__name__ = "number"
 _interval.__name__ = "interval"
 _VALUE_CHECKS = (_positive_int, _non_negative_int, _positive_float, _non_negative_float, _open_unit, _half_open_unit,
-                 _interval)
+                 _unit_interval, _interval)
 
 
 def _table(text: str) -> dict[str, Any]:
@@ -171,7 +178,12 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--block-size", type=_positive_int, metavar="N", default=d.block_size,
                        help="characters per example (default %(default)s)")
     model.add_argument("--lr", type=_non_negative_float, metavar="X", default=d.lr,
-                       help="AdamW learning rate (default %(default)s)")
+                       help="learning rate of the optimizer (default %(default)s)")
+    model.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer,
+                       help="adamw (torch's AdamW defaults, weight decay 0.01) or sgd (torch's SGD, with"
+                            " --momentum); a resume keeps it (default %(default)s)")
+    model.add_argument("--momentum", type=_unit_interval, metavar="X", default=d.momentum,
+                       help="sgd's heavy-ball momentum in [0, 1), e.g. 0.9 (default %(default)s)")
     model.add_argument("--freeze", metavar="SPEC", default=None,
                        help="freeze parameters for a span of steps: 'wte,wpe@0-100;lm_head@50-' (names,"
                             " tied aliases or modules; start <= step < stop; a bare name: the whole run)")

@@ -67,6 +67,7 @@ OFFLOAD_KINDS = ("none", "zenflow", "zero")
 PRECISIONS = ("fp32", "bf16")  # privacy.precision.PRECISIONS, named here without torch
 SELECT_STRATEGIES = ("step", "epoch", "auto")
 NOISE_MECHANISMS = ("independent", "banded", "blt")  # privacy.mechanisms
+OPTIMIZERS = ("adamw", "sgd")  # fsdpx.optim
 
 MAX_NOISE_MULTIPLIER = 10.0
 """Default largest noise multiplier a segment may be given (``--max-noise-multiplier``,
@@ -82,7 +83,13 @@ def _set(obj: Any, **values: Any) -> None:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """``[run]``: how long, from which seed, at which learning rate, with what frozen, and where.
+    """``[run]``: how long, from which seed, with which optimizer, with what frozen, and where.
+
+    ``optimizer``: "adamw" (``fsdpx.optim.adamw``: torch's AdamW defaults, weight decay 0.01) or
+    "sgd" (``fsdpx.optim.sgd``: torch's SGD, heavy-ball ``momentum``, 0 by default; the setting
+    banded noise helps most, ``docs/performance.md``), at learning rate ``lr``. A resume keeps
+    the optimizer (its state is in the checkpoint) and may change ``lr`` and a nonzero
+    ``momentum``'s value.
 
     ``device``: where the model, optimizer state and each step's batch live
     (:mod:`fsdpx.train.device`): "cpu", "cuda" (cuda:LOCAL_RANK under torchrun, NCCL between
@@ -100,6 +107,8 @@ class RunSettings:
     steps: int = 300
     seed: int = 0
     lr: float = 1e-2
+    optimizer: str = "adamw"
+    momentum: float = 0.0
     freeze: str | None = None
     device: str = "cpu"
     precision: str = "fp32"
@@ -116,6 +125,13 @@ class RunSettings:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if not self.lr >= 0:  # 0: the model's loss on the run's batches, its weights kept (a loaded model checked)
             raise ConfigError(f"lr must be >= 0, got {self.lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.momentum and self.optimizer != "sgd":
+            raise ConfigError(f"momentum {self.momentum:g} is sgd's: it needs optimizer sgd ({self.optimizer}'s first"
+                              " moment decays at 0.9, its default)")
         if self.freeze:
             from fsdpx.optim.freezing import Freezing
 

@@ -71,7 +71,7 @@ from .evaluation import EvalSet, build_eval_set, eval_batch_size, eval_loss, eva
 from .export import export_at_end
 from .parallel import Parallel, resolve_parallel
 from .preflight import check_before_writing
-from .resume import SegmentPlan, plan_segment
+from .resume import SegmentPlan, plan_segment, recorded_mechanism
 from .segments import BranchError, cut_back, later_digest, read_metrics, write_metrics, write_record
 from .sources import Source, build_source, read_mode, sample_text
 
@@ -138,7 +138,7 @@ def run(config: RunConfig, *, progress: bool = True, comm: Comm | None = None) -
     model, params, inputs, targets = source.model, source.params, source.inputs, source.targets
     num_examples = int(inputs.shape[0])
     sample_rate = resolve_sample_rate(config, num_examples)
-    dp = resolve_privacy(config, sample_rate)
+    dp = resolve_privacy(config, sample_rate, recorded=recorded_mechanism(config))
     parallel = resolve_parallel(config.parallelism, model, comm.mesh, inputs[:1]) if comm is not None else None
     # refused (EvalDataError) before anything is written, like the training data
     held = build_eval_set(config, source, batch_size=eval_batch_size(config, num_examples))

@@ -205,6 +205,37 @@ def continued_mechanism(dp: DPConfig, wrote: Mapping[str, Any] | None, source: P
     return dp if used == dp.mechanism else dataclasses.replace(dp, mechanism=used)
 
 
+def recorded_mechanism(config: RunConfig) -> Mechanism | None:
+    """The noise mechanism recorded by the run a resume or branch continues (the ``run.json`` of
+    ``--ckpt-dir`` with ``resume`` / ``resume_if_present``, of ``--resume-from``'s root, the
+    segment that wrote its step when it names one), so that the run does not optimise a BLT
+    strategy it would not use; ``None`` for a fresh run, or when there is no record to read
+    (nothing is checked here: :func:`plan_segment` checks and refuses, and keeps the checkpoint's
+    own mechanism in any case) (``tests/test_train_mechanisms.py::
+    test_a_blt_run_resumes_bit_for_bit_and_refuses_other_buffers``)."""
+    c = config.checkpoints
+    if c.resume_from is not None:
+        path = Path(c.resume_from)
+        named = (path / MANIFEST).is_file()
+        root, step = (path.parent, _step_of(path.name)) if named else (path, None)
+    elif (c.resume or c.resume_if_present) and c.ckpt_dir is not None:
+        root, step = Path(c.ckpt_dir), None
+    else:
+        return None
+    try:
+        segments = (read_record(root) or {}).get("segments") or []
+    except (OSError, ValueError):
+        return None
+    wrote = owner(segments, step) if step is not None else (segments[-1] if segments else None)
+    recorded = ((wrote or {}).get("derived") or {}).get("mechanism")
+    return Mechanism.from_dict(recorded) if recorded else None
+
+
+def _step_of(name: str) -> int | None:
+    tail = name.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
 def mechanism_words(m: Mechanism) -> str:
     """The flags that choose mechanism ``m``: ``banded --bands 3``, ``blt --buffers 2 --min-separation 4``."""
     if m.kind == "blt":
@@ -272,13 +303,16 @@ def restarted_config(config: RunConfig, restart: int) -> RunConfig:
 def merge_overrides(base: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
     """``base`` with ``overrides`` (flat names) applied; an override of one of two exclusive
     fields clears the other (``target_epsilon`` vs ``noise_multiplier``, ``batch_size`` vs
-    ``sample_rate``), so a branch can switch from one to the other."""
+    ``sample_rate``), so a branch can switch from one to the other; an ``optimizer`` other than
+    sgd clears an inherited ``momentum`` (SGD's), so the change is named by its own flag."""
     values = base.flat()
     values.update(overrides)
     for given, cleared in (("target_epsilon", "noise_multiplier"), ("noise_multiplier", "target_epsilon"),
                            ("batch_size", "sample_rate"), ("sample_rate", "batch_size")):
         if overrides.get(given) is not None and given in overrides and cleared not in overrides:
             values[cleared] = None
+    if overrides.get("optimizer", "sgd") != "sgd" and "momentum" not in overrides:
+        values["momentum"] = 0.0
     return RunConfig.of(**values)
 
 
@@ -362,7 +396,7 @@ def resume_from(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     source = build_source(config)
     num_examples = int(source.inputs.shape[0])
     sample_rate = resolve_sample_rate(config, num_examples)
-    dp = resolve_privacy(config, sample_rate)
+    dp = resolve_privacy(config, sample_rate, recorded=recorded_mechanism(config))
     fresh, _ = build_step(config, source.model, source.params, dp, num_examples=num_examples,
                           loss_fn=source.loss_fn)
     manager = checkpoint_manager(config, None, private=dp is not None)

@@ -16,7 +16,8 @@ norm and clipping, batch size / sample rate, noise and target (a larger budget o
 ``allow_budget_increase``, see :mod:`fsdpx.train.budget`), steps, checkpoint cadence and
 directory, and the sharding strategy and process count (the checkpoint reshards). What may not,
 each a named error before anything runs (:func:`check_compatible`): the model's shape
-(:class:`ModelChangeError`), the LoRA adapters (:class:`LoraChangeError`), the data
+(:class:`ModelChangeError`), the optimizer (:class:`OptimizerChangeError`: AdamW, SGD, SGD with
+momentum; a nonzero momentum's value may change), the LoRA adapters (:class:`LoraChangeError`), the data
 (:class:`DataChangeError`, unless ``allow_new_data``) and private <-> non-private
 (:class:`PrivacyModeChangeError`).
 """
@@ -36,7 +37,7 @@ from .lora import lora_text
 
 RECORD = "run.json"
 
-ALLOWED_CHANGES = ("lr", "clip_norm", "clipping", "method", "batch_size", "sample_rate", "noise_multiplier",
+ALLOWED_CHANGES = ("lr", "momentum", "clip_norm", "clipping", "method", "batch_size", "sample_rate", "noise_multiplier",
                    "target_epsilon", "epsilon_budget", "max_noise_multiplier", "delta", "accountant",
                    "accounting_interval", "steps", "seed", "ckpt_every", "ckpt_dir", "strategy", "tp",
                    "sequence_parallel", "pp", "schedule", "microbatches", "virtual_stages", "name", "out", "freeze",
@@ -52,6 +53,11 @@ class ResumeError(ValueError):
 
 class ModelChangeError(ResumeError):
     """The configured model's parameters do not have the checkpoint's shapes."""
+
+
+class OptimizerChangeError(ResumeError):
+    """The run's optimizer (``--optimizer``, ``--momentum`` zero or not) differs from the one
+    whose state the checkpoint holds."""
 
 
 class LoraChangeError(ResumeError):
@@ -122,7 +128,8 @@ def fingerprint(config: Any, params: Mapping[str, Tensor], digest: str, *, data:
     adapters (the offload and ``data``, the data's description, are recorded, not checked)."""
     return {"params": {k: list(v.shape) for k, v in params.items()}, "data": digest,
             "corpus_chars": config.data.corpus_chars, "data_source": data, "private": config.privacy.private,
-            "offload": config.offload.kind, "lora": config.model.lora}
+            "offload": config.offload.kind, "lora": config.model.lora, "optimizer": config.run.optimizer,
+            "momentum": config.run.momentum}
 
 
 def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any], *,
@@ -145,6 +152,7 @@ def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any],
         raise LoraChangeError(f"the checkpoint was trained with --lora {_lora_words(recorded.get('lora'))}, this run"
                               f" asks for --lora {_lora_words(new.get('lora'))}: the adapters cannot change on resume"
                               " (give the checkpoint's --lora, or none: a resume keeps it)")
+    check_optimizer(recorded, new, checkpoint_shapes)
     for name, shape in new["params"].items():
         got = checkpoint_shapes.get(f"params/{name}")
         if got is None or list(got) != list(shape):
@@ -164,6 +172,31 @@ def check_compatible(recorded: Mapping[str, Any] | None, new: Mapping[str, Any],
                                   " counts)")
         notes.append("training on new data (allowed by --allow-new-data)")
     return notes
+
+
+def check_optimizer(recorded: Mapping[str, Any] | None, new: Mapping[str, Any],
+                    checkpoint_shapes: Mapping[str, Sequence[int]]) -> None:
+    """Raise :class:`OptimizerChangeError` naming the flags when the run's optimizer is not the one
+    whose state the checkpoint holds: by its segment's record (records from before the setting:
+    AdamW), else by the checkpoint's own state tensors (AdamW's ``nu``, SGD's ``momentum``, or
+    no slot: SGD without momentum)
+    (``tests/test_train_optimizer.py::test_a_resume_keeps_the_optimizer_and_refuses_another``)."""
+    kind, momentum = new.get("optimizer", "adamw"), new.get("momentum", 0.0)
+    if recorded is not None:
+        was_kind, was_momentum = recorded.get("optimizer", "adamw"), recorded.get("momentum", 0.0)
+        was = _optimizer_words(was_kind, was_momentum)
+    else:  # the state tensors say which slots it kept, not a momentum's value
+        slots = {part for key in checkpoint_shapes if key.startswith("opt_state/") for part in key.split("/")[1:]}
+        was_kind, was_momentum = ("adamw", 0.0) if "nu" in slots else ("sgd", float("momentum" in slots))
+        was = "sgd --momentum (nonzero)" if was_momentum else was_kind
+    if (was_kind, bool(was_momentum)) != (kind, bool(momentum)):
+        raise OptimizerChangeError(f"--optimizer {_optimizer_words(kind, momentum)}: the checkpoint's steps used"
+                                   f" --optimizer {was}; the optimizer cannot change on resume (its state is in the"
+                                   " checkpoint)")
+
+
+def _optimizer_words(kind: str, momentum: float) -> str:
+    return f"{kind} --momentum {momentum:g}" if kind == "sgd" and momentum else kind
 
 
 def _lora_words(lora: Mapping[str, Any] | None) -> str:
