@@ -39,10 +39,11 @@ def submit(fn: Callable[..., Any], /, *args: Any, threads: int | None = None) ->
 
     ``threads``: the intra-op threads the job's torch operations use (``None``: the thread's
     count, torch's default). Set on the background thread alone, for the job's duration
-    (:func:`_on_threads`): the caller's count and other threads' are untouched. On a CPU
-    "device" the training loop's own intra-op threads fill the cores: ZenFlow's jobs then ask for
-    one, so that the background thread does not run a second OpenMP team (libgomp makes one per
-    calling thread) against the loop's. Elementwise results do not depend on the count.
+    (:func:`_on_threads`): the caller's count and other threads' are untouched
+    (``tests/test_offload_worker.py``). On a CPU "device" the training loop's own intra-op
+    threads fill the cores: ZenFlow's jobs then ask for one, so that the background thread does
+    not run a second OpenMP team (libgomp makes one per calling thread) against the loop's.
+    Elementwise results do not depend on the count.
     ``args`` must be owned by the job (nobody else writes them afterwards)."""
     global _executor
     with _executor_lock:
