@@ -89,11 +89,11 @@ job's ``Future`` under ``"window_sum_job"`` until it is waited for (``materializ
 On ``cpu`` the loop reads each gradient once: one pass over its rows gathers the selected
 columns for the device update and adds the unselected ones into the window sum
 (``offload.column_copy.split_columns_``), and the background thread runs its torch operations on
-one intra-op thread (the loop's own fill the cores; ``offload.worker.submit``). At a ``delay=1`` window end without
-reselection the loop writes only the landed window's counts and the parameters' columns; its
-master and slots are written into the host tensors by the background thread just before the
-next window's deferred gathers (``_merge_then``). A reselection or ``delay=0`` waits for the
-queued adds and merges on the loop.
+one intra-op thread (the loop's own fill the cores; ``offload.worker.submit``). At a ``delay=1``
+window end without reselection the loop writes only the landed window's counts and the
+parameters' columns; its master and slots are written into the host tensors by the background
+thread just before the next window's deferred gathers (``_merge_then``). A reselection or
+``delay=0`` waits for the queued adds and merges on the loop.
 
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
 the full-shape master, ``inner`` slots and per-column ``count`` (authoritative for unselected
