@@ -34,6 +34,21 @@ def _gather(src, cols, out, add):  # noqa: ANN001, ANN202
 
 
 @numba.njit(nogil=True, cache=True)
+def _split(src, sel, picked, uns, acc, add):  # noqa: ANN001, ANN202
+    for r in range(src.shape[0]):
+        row, dst = src[r], picked[r]
+        for j in range(sel.shape[0]):
+            dst[j] = row[sel[j]]
+        dst = acc[r]  # the row is in cache now: the second set of columns costs no second read of src
+        if add:
+            for j in range(uns.shape[0]):
+                dst[j] = dst[j] + row[uns[j]]
+        else:
+            for j in range(uns.shape[0]):
+                dst[j] = row[uns[j]]
+
+
+@numba.njit(nogil=True, cache=True)
 def _scatter(dst, cols, src):  # noqa: ANN001, ANN202
     for r in range(dst.shape[0]):
         row, values = dst[r], src[r]
@@ -87,6 +102,37 @@ def add_gathered_columns_(acc: Tensor, src: Tensor, cols: Tensor) -> Tensor:
     _check_range(cols, src.shape[1])
     _gather(_np(src), _np(cols), _np(acc), True)
     return acc
+
+
+def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: bool) -> Tensor:
+    """``src[:, sel]`` as a new tensor, and in the same pass over ``src``'s rows ``acc = src[:,
+    uns]`` (``add=False``) or ``acc += src[:, uns]`` (``add=True``), in place. ZenFlow's step
+    reads each gradient once this way: its selected columns for the device update, the others
+    into the window sum. Returns the gathered ``[out, len(sel)]`` tensor (``src``'s dtype).
+
+    Guarantee: the result equals ``gather_columns(src, sel)`` and ``acc`` equals
+    ``gather_columns(src, uns, out=acc)`` (``add=False``) or ``add_gathered_columns_(acc, src,
+    uns)`` (``add=True``) bit for bit (``tests/test_column_copy.py::
+    test_split_equals_a_gather_and_a_gather_and_add``). Edge cases: either index set may be empty;
+    an index outside ``[0, in)`` raises ``IndexError`` before anything is written; an ``acc`` not
+    ``[out, len(uns)]`` raises ``ValueError``. Tensors the compiled loop does not take (CUDA,
+    bfloat16, mixed dtypes) go through the two torch operations (and their errors)."""
+    _check("split_columns_", src, sel)
+    _check("split_columns_", src, uns)
+    if acc.shape != (src.shape[0], uns.numel()):
+        raise ValueError(f"acc must be {(src.shape[0], uns.numel())}, got {tuple(acc.shape)}")
+    if not _compiled(src, acc) or not sel.numel() or not uns.numel():
+        picked = gather_columns(src, sel)
+        if add:
+            add_gathered_columns_(acc, src, uns)
+        else:
+            gather_columns(src, uns, out=acc)
+        return picked
+    _check_range(sel, src.shape[1])
+    _check_range(uns, src.shape[1])
+    picked = torch.empty((src.shape[0], sel.numel()), dtype=src.dtype)
+    _split(_np(src), _np(sel), _np(picked), _np(uns), _np(acc), add)
+    return picked
 
 
 def scatter_columns_(dst: Tensor, cols: Tensor, src: Tensor) -> Tensor:

@@ -16,6 +16,8 @@ kernels instead of queueing them behind it; on any other device (and on this pro
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -33,15 +35,52 @@ _processes: dict[tuple[int, tuple[int, ...]], HostProcess] = {}
 _copy_streams: dict[int, Any] = {}  # CUDA device index -> its copy stream (``copy_stream``)
 
 
-def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
-    """Run ``fn(*args)`` on the process's background thread; returns its ``Future``.
+def submit(fn: Callable[..., Any], /, *args: Any, threads: int | None = None) -> Future:
+    """Run ``fn(*args)`` on the process's background thread; returns its ``Future``. Jobs run one
+    at a time, in submission order.
 
+    ``threads``: the intra-op threads the job's torch operations use (``None``: the thread's
+    count, torch's default). Set on the background thread alone, for the job's duration
+    (:func:`_on_threads`): the caller's count and other threads' are untouched
+    (``tests/test_offload_worker.py``). On a CPU "device" the training loop's own intra-op
+    threads fill the cores: ZenFlow's jobs then ask for one, so that the background thread does
+    not run a second OpenMP team (libgomp makes one per calling thread) against the loop's.
+    Elementwise results do not depend on the count.
     ``args`` must be owned by the job (nobody else writes them afterwards)."""
     global _executor
     with _executor_lock:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpx-offload")
-    return _executor.submit(fn, *args)
+    if threads is None:
+        return _executor.submit(fn, *args)
+    return _executor.submit(_on_threads, threads, fn, *args)
+
+
+def _on_threads(threads: int, fn: Callable[..., Any], /, *args: Any) -> Any:
+    """``fn(*args)`` with this thread's OpenMP thread count at ``threads``, put back afterwards.
+    Through ``omp_set_num_threads`` (per thread) rather than ``torch.set_num_threads``, which also
+    changes the count every thread started meanwhile would take. Where torch has no OpenMP (the
+    symbol is missing) ``fn`` runs as it is."""
+    set_threads = _omp_set_num_threads()
+    if set_threads is None:
+        return fn(*args)
+    before = torch.get_num_threads()  # also makes torch read its per-thread default now, not later
+    set_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        set_threads(before)
+
+
+@functools.lru_cache(maxsize=1)
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    """The process's ``omp_set_num_threads`` (torch's OpenMP runtime, loaded with torch), or None."""
+    try:
+        fn = ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = None, [ctypes.c_int]
+    return fn
 
 
 def process(threads: int, cores: tuple[int, ...] = ()) -> HostProcess:

@@ -86,11 +86,14 @@ copy into a pinned buffer; the background thread waits for the copy and adds it 
 sum (``_add_to_window_sum``), jobs in submission order, so the same adds happen in the same
 order and the window job, queued after them, sees them all. The state then carries the add
 job's ``Future`` under ``"window_sum_job"`` until it is waited for (``materialize`` drops it).
-On ``cpu`` the loop keeps its fused gather-and-add pass. At a ``delay=1`` window end without
-reselection the loop writes only the landed window's counts and the parameters' columns; its
-master and slots are written into the host tensors by the background thread just before the
-next window's deferred gathers (``_merge_then``). A reselection or ``delay=0`` waits for the
-queued adds and merges on the loop.
+On ``cpu`` the loop reads each gradient once: one pass over its rows gathers the selected
+columns for the device update and adds the unselected ones into the window sum
+(``offload.column_copy.split_columns_``), and the background thread runs its torch operations on
+one intra-op thread (the loop's own fill the cores; ``offload.worker.submit``). At a ``delay=1``
+window end without reselection the loop writes only the landed window's counts and the
+parameters' columns; its master and slots are written into the host tensors by the background
+thread just before the next window's deferred gathers (``_merge_then``). A reselection or
+``delay=0`` waits for the queued adds and merges on the loop.
 
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
 the full-shape master, ``inner`` slots and per-column ``count`` (authoritative for unselected
@@ -117,7 +120,8 @@ test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``).
 
 ``state["metrics"]`` describes the last step: ``host_wait_s`` (seconds the call spent blocked on
 host optimizer work), ``host_loop_s`` (seconds the call itself spent on host-side bookkeeping:
-gathering the unselected columns' gradient into the window sum, copying a window's inputs for
+gathering the unselected columns' gradient into the window sum (on ``cpu`` in the same pass as
+the selected columns' gather for the device update), copying a window's inputs for
 the host job, scattering a finished window into the host state and the parameters, handing
 state over at a reselection; with a GPU these are copies and small kernels, here they share the
 CPU with the model), ``d2h_bytes`` and ``h2d_bytes`` (bytes of gradients, states and
@@ -156,7 +160,7 @@ from torch import Tensor
 from fsdpx.optim import Optimizer, Params, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
-from offload.column_copy import add_gathered_columns_, gather_columns, scatter_columns_
+from offload.column_copy import gather_columns, scatter_columns_, split_columns_
 from offload.columns import column_scores, complement, num_selected, select_columns
 from offload.worker import HOST, nbytes, to_device, to_host
 
@@ -303,17 +307,17 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
     dev = d["master"].device
     kept_old, kept_new = (~leaving).nonzero().squeeze(1).to(dev), (~entering).nonzero().squeeze(1).to(dev)
     new_h, new_d = dict(h), {}
-    for f, t in d.items():
+    for f, t in d.items():  # column copies by offload.column_copy: the bits of index_select / index_copy
         if leaving.any():
-            v = to_host(t.index_select(1, leaving.nonzero().squeeze(1).to(dev)))
+            v = to_host(gather_columns(t, leaving.nonzero().squeeze(1).to(dev)))
             metrics["d2h_bytes"] += nbytes(v)
-            new_h[f] = h[f].index_copy_(1, old[leaving], v) if inplace else h[f].index_copy(1, old[leaving], v)
+            new_h[f] = scatter_columns_(h[f] if inplace else h[f].clone(), old[leaving], v)
         out = torch.empty((t.shape[0], new.numel()), dtype=t.dtype, device=dev)
-        out.index_copy_(1, kept_new, t.index_select(1, kept_old))
+        scatter_columns_(out, kept_new, gather_columns(t, kept_old))
         if entering.any():
-            v = to_device(h[f].index_select(1, new[entering]), dev)
+            v = to_device(gather_columns(h[f], new[entering]), dev)
             metrics["h2d_bytes"] += nbytes(v)
-            out.index_copy_(1, entering.nonzero().squeeze(1).to(dev), v)
+            scatter_columns_(out, entering.nonzero().squeeze(1).to(dev), v)
         new_d[f] = out
     return new_h, new_d
 
@@ -604,11 +608,13 @@ def zenflow(
     if host_process:
         check_host_process(inner, host_threads, host_cores)
 
-    def submit(fn: Callable[..., Any], /, *args: Any) -> Future:
-        """Hand a host job to the worker thread, or to the worker process."""
+    def submit(fn: Callable[..., Any], /, *args: Any, on_cpu: bool = False) -> Future:
+        """Hand a host job to the worker thread, or to the worker process. ``on_cpu``: the loop's
+        device is the CPU, whose cores its own intra-op threads fill: the worker thread runs its
+        torch operations on one thread (``offload.worker.submit``)."""
         if host_process:
             return worker.process(host_threads, tuple(host_cores)).submit(fn, *args)
-        return worker.submit(fn, *args)
+        return worker.submit(fn, *args, threads=1 if on_cpu else None)
 
     def as_matrices(tree: Params) -> Params:
         """``tree`` with every view in ``matrices`` reshaped to its weight's ``[rows, columns]``."""
@@ -679,6 +685,7 @@ def zenflow(
         metrics = {"host_wait_s": 0.0, _LOOP: 0.0, "d2h_bytes": 0, "h2d_bytes": 0}
         host, device, new_params = dict(state["host"]), dict(state["device"]), dict(params)
         since = state["since_selection"]
+        on_cpu = all(p.device.type == HOST.type for p in params.values())  # the same every step
         frozen = frozenset(params) - frozenset(grads)
         stale = dict(state.get(_STALE, {}))
         for k in [k for k in stale if k in grads]:  # trains again: the windows that landed while frozen
@@ -696,22 +703,6 @@ def zenflow(
                 host[k], device[k] = _handover(host[k], device[k], sel[:0], sel, metrics)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
 
-        # Device: the selected columns and every non-2-D parameter, with this step's gradient.
-        for k in params:
-            if k in frozen:
-                continue
-            p, d = new_params[k], device[k]  # new_params: a frozen weight's landed columns written above
-            if k not in host:
-                device[k], new_params[k] = _device_step(inner, slot_names, d, grads[k], p)
-            elif selected[k].numel():
-                sel, idx = selected[k], selected[k].to(p.device)
-                g = gather_columns(grads[k], idx).to(d["master"].dtype)
-                slots = {s: t for s, t in d.items() if s != "master"}
-                master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel], inplace)
-                device[k] = {"master": master, **slots}
-                host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
-                new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
-
         # Host: add the unselected columns' gradient to the window sum. A donated, overlapped,
         # fixed-window step only enqueues the copy; the background thread adds it (in order,
         # the same adds as inline), so the loop does not wait for the device here.
@@ -728,6 +719,7 @@ def zenflow(
         sum_job = state.get(_SUM_JOB)
         trained = {} if opening else dict(state.get(_TRAINED, {}))  # steps trained, where fewer than the window's
         adds = []
+        picked: dict[str, Tensor] = {}  # selected columns' gradients gathered in the window-sum pass
         local_stats: dict[str, Tensor] = {}
         for k in host:
             if k in frozen:
@@ -755,9 +747,9 @@ def zenflow(
             elif (in_place_sum or spare is not None) and grads[k].device.type == HOST.type:
                 sum_job = _resolve_window_sum(sum_job)  # one gather (into the spare) or gather-and-add pass
                 if first:
-                    acc[k] = gather_columns(grads[k], uns, out=spare)
-                else:
-                    add_gathered_columns_(acc[k], grads[k], uns)
+                    acc[k] = spare
+                # the same pass over the gradient's rows gathers the selected columns for the device
+                picked[k] = split_columns_(grads[k], selected[k], acc[k], uns, add=not first)
             else:
                 sum_job = _resolve_window_sum(sum_job)
                 # On a GPU the gathered columns come down through a pinned buffer (to_host) and are
@@ -776,9 +768,25 @@ def zenflow(
                 window_sq += g_sq
                 norm_sq_of_sum += s_sq
         if adds:
-            sum_job = submit(_add_to_window_sum, adds)
+            sum_job = submit(_add_to_window_sum, adds, on_cpu=on_cpu)
         window_steps, since = state["window_steps"] + 1, since + 1
         metrics[_LOOP] += time.perf_counter() - loop_start
+
+        # Device: the selected columns and every non-2-D parameter, with this step's gradient.
+        for k in params:
+            if k in frozen:
+                continue
+            p, d = new_params[k], device[k]  # new_params: a frozen weight's landed columns written above
+            if k not in host:
+                device[k], new_params[k] = _device_step(inner, slot_names, d, grads[k], p)
+            elif selected[k].numel():
+                sel, idx = selected[k], selected[k].to(p.device)
+                g = (picked.pop(k) if k in picked else gather_columns(grads[k], idx)).to(d["master"].dtype)
+                slots = {s: t for s, t in d.items() if s != "master"}
+                master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel], inplace)
+                device[k] = {"master": master, **slots}
+                host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
+                new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
 
         if update_interval == "auto":
             closing = host_update_due(window_steps, norm_sq_of_sum, window_sq, auto)
@@ -838,7 +846,7 @@ def zenflow(
                     job = partial(job, into=landed)
                 if overlap and host_process and inplace:
                     _timed(metrics, _share_written, later, landed if merged else {}, merged, key=_LOOP)
-                pending = {"result": submit(job) if overlap else _timed(metrics, job)}
+                pending = {"result": submit(job, on_cpu=on_cpu) if overlap else _timed(metrics, job)}
             sum_job = None  # the window job (or the resolve above) runs after every add
             for k, sel in reselect.items():
                 host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.column_copy import add_gathered_columns_, gather_columns, scatter_columns_
+from offload.column_copy import add_gathered_columns_, gather_columns, scatter_columns_, split_columns_
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]  # bfloat16 takes the torch fallback
 
@@ -82,3 +82,21 @@ def test_empty_columns_and_bad_input():
         gather_columns(torch.randn(4), torch.tensor([0]))
     with pytest.raises(ValueError, match="int64"):
         gather_columns(src, torch.tensor([0, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("add", [False, True])
+def test_split_equals_a_gather_and_a_gather_and_add(dtype, add):
+    src, sel = _problem(dtype, rows=9, n=31, k=6, seed=6)
+    uns = torch.tensor([c for c in range(31) if c not in set(sel.tolist())])
+    acc0 = torch.randn(9, uns.numel(), generator=torch.Generator().manual_seed(7)).to(dtype)
+    acc = acc0.clone()
+    picked = split_columns_(src, sel, acc, uns, add=add)
+    assert torch.equal(picked, src.index_select(1, sel))
+    expected = acc0.clone().add_(src.index_select(1, uns)) if add else src.index_select(1, uns)
+    assert torch.equal(acc, expected)
+    assert split_columns_(src, sel[:0], acc, uns, add=add).shape == (9, 0)
+    with pytest.raises(ValueError, match="acc must be"):
+        split_columns_(src, sel, acc[:, 1:], uns, add=add)
+    with pytest.raises(IndexError if dtype != torch.bfloat16 else RuntimeError):  # bfloat16: torch's own error
+        split_columns_(src, sel, acc, torch.cat([uns[:-1], torch.tensor([31])]), add=add)
