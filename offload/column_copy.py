@@ -22,30 +22,28 @@ from torch import Tensor
 
 
 @numba.njit(nogil=True, cache=True)
+def _take(row, cols, dst, add):  # noqa: ANN001, ANN202
+    """``dst[j] = row[cols[j]]``, or ``dst[j] += row[cols[j]]`` with ``add``, for every ``j``."""
+    if add:
+        for j in range(cols.shape[0]):
+            dst[j] = dst[j] + row[cols[j]]
+    else:
+        for j in range(cols.shape[0]):
+            dst[j] = row[cols[j]]
+
+
+@numba.njit(nogil=True, cache=True)
 def _gather(src, cols, out, add):  # noqa: ANN001, ANN202
     for r in range(src.shape[0]):
-        row, dst = src[r], out[r]
-        if add:
-            for j in range(cols.shape[0]):
-                dst[j] = dst[j] + row[cols[j]]
-        else:
-            for j in range(cols.shape[0]):
-                dst[j] = row[cols[j]]
+        _take(src[r], cols, out[r], add)
 
 
 @numba.njit(nogil=True, cache=True)
 def _split(src, sel, picked, uns, acc, add):  # noqa: ANN001, ANN202
     for r in range(src.shape[0]):
-        row, dst = src[r], picked[r]
-        for j in range(sel.shape[0]):
-            dst[j] = row[sel[j]]
-        dst = acc[r]  # the row is in cache now: the second set of columns costs no second read of src
-        if add:
-            for j in range(uns.shape[0]):
-                dst[j] = dst[j] + row[uns[j]]
-        else:
-            for j in range(uns.shape[0]):
-                dst[j] = row[uns[j]]
+        row = src[r]
+        _take(row, sel, picked[r], False)
+        _take(row, uns, acc[r], add)  # the row is in cache now: the second set of columns costs no second read of src
 
 
 @numba.njit(nogil=True, cache=True)
