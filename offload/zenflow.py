@@ -82,7 +82,8 @@ reselection reads the new column indices back to the host.
 
 What the loop thread does itself (``update_inplace``, ``overlap=True``, a fixed
 ``update_interval``): on CUDA it gathers the unselected columns on the device and enqueues their
-copy into a pinned buffer; the background thread waits for the copy and adds it to the window
+copy into a pinned buffer on a copy stream of its own (``offload.worker.copy_stream``: the loop's
+next kernels do not wait for it); the background thread waits for the copy and adds it to the window
 sum (``_add_to_window_sum``), jobs in submission order, so the same adds happen in the same
 order and the window job, queued after them, sees them all. The state then carries the add
 job's ``Future`` under ``"window_sum_job"`` until it is waited for (``materialize`` drops it).
