@@ -70,12 +70,20 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step}"
 
 
+def step_of(path: Path | str) -> int | None:
+    """The step ``N`` of a checkpoint directory named ``step_<N>`` (only the last path component
+    counts); ``None`` for any other name, e.g. ``step_x``, ``step_-1`` or ``steps_3``. The inverse
+    of :func:`step_dir` (``tests/test_ckpt_manager.py::test_step_of_inverts_step_dir``)."""
+    m = _STEP.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def committed_steps(root: Path) -> list[int]:
     """Steps of the ``step_<N>`` directories under ``root``, ascending (not verified)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
+    return sorted(s for p in root.iterdir() if (s := step_of(p)) is not None and p.is_dir())
 
 
 def new_run_id() -> str:
@@ -153,7 +161,7 @@ class CheckpointManager:
                 raise CheckpointExistsError(str(target))
 
     def _retain(self, saved: Path) -> None:
-        just_saved = int(_STEP.match(saved.name).group(1))
+        just_saved = step_of(saved)
         steps = [s for s in committed_steps(self.root) if self.wrote(step_dir(self.root, s))]
         if any(s > just_saved for s in steps):
             warnings.warn(f"{self.root} holds checkpoints newer than step {just_saved}; retention leaves them",

@@ -121,3 +121,12 @@ def test_a_failed_async_save_surfaces_at_the_next_save(tmp_path, monkeypatch):
     assert m.steps() == [1]  # step 3 was not started
     m.save(3, _state(3), blocking=False)  # raised once: the next save goes on
     assert m.wait() == tmp_path / "step_3" and m.steps() == [1, 3]
+
+
+def test_step_of_inverts_step_dir(tmp_path):
+    from ckpt.manager import step_dir, step_of
+    for step in (0, 7, 1200):
+        assert step_of(step_dir(tmp_path, step)) == step
+        assert step_of(str(step_dir(tmp_path, step))) == step
+    for name in ("step_x", "step_-1", "steps_3", "step_3.tmp", "run_3", "step_"):
+        assert step_of(tmp_path / name) is None, name

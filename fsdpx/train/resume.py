@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import ckpt
 from ckpt.format import MANIFEST
-from ckpt.manager import new_run_id
+from ckpt.manager import new_run_id, step_of
 from privacy.mechanisms import INDEPENDENT, Mechanism
 from privacy.step import DPConfig
 
@@ -217,7 +217,7 @@ def recorded_mechanism(config: RunConfig) -> Mechanism | None:
     if c.resume_from is not None:
         path = Path(c.resume_from)
         named = (path / MANIFEST).is_file()
-        root, step = (path.parent, _step_of(path.name)) if named else (path, None)
+        root, step = (path.parent, step_of(path)) if named else (path, None)
     elif (c.resume or c.resume_if_present) and c.ckpt_dir is not None:
         root, step = Path(c.ckpt_dir), None
     else:
@@ -229,11 +229,6 @@ def recorded_mechanism(config: RunConfig) -> Mechanism | None:
     wrote = owner(segments, step) if step is not None else (segments[-1] if segments else None)
     recorded = ((wrote or {}).get("derived") or {}).get("mechanism")
     return Mechanism.from_dict(recorded) if recorded else None
-
-
-def _step_of(name: str) -> int | None:
-    tail = name.rsplit("_", 1)[-1]
-    return int(tail) if tail.isdigit() else None
 
 
 def mechanism_words(m: Mechanism) -> str:
