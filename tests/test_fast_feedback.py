@@ -67,12 +67,16 @@ def test_help_and_argument_errors_import_nothing_heavy(tmp_path, argv, code, say
 
 
 def test_a_run_still_imports_what_it_needs(tmp_path):
-    """The check above sees imports: a command that trains does import torch (one step)."""
+    """The check above sees imports: a command that trains does import torch (one step). It
+    does not import ``scipy.stats`` (0.5-2 s, before every rank's first step), which only an
+    audit needs (``privacy.audit`` imports scipy where it uses it)."""
     done, names = imported_by(["train", "--steps", "1", "--n-layer", "1", "--n-embd", "8", "--n-head", "1",
                                "--corpus-chars", "4000", "--batch-size", "8", "--no-progress", "--non-private"],
                               tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert {"torch", "privacy"} <= names
+    modules = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "privacy.audit.bound" in modules and "scipy.stats" not in modules
 
 
 def test_the_light_names_are_the_algebras():

@@ -21,10 +21,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from scipy import optimize, special, stats
 
 from privacy.errors import PrivacyError
 
+# scipy is imported where it is used: scipy.stats takes 0.5-2 s to import, and a training
+# process imports this module (fsdpx.train.loop) whether or not its run audits.
 ROOT_TOLERANCE = 1e-9  # absolute tolerance of the epsilon root: far below any sampling error
 
 
@@ -44,6 +45,7 @@ def correct_guess_p_value(guesses: int, correct: int, *, canaries: int, epsilon:
     ``epsilon == inf`` -> 1 when ``correct <= guesses``; counts out of order
     (``0 <= correct <= guesses <= canaries``) or ``epsilon < 0`` or ``delta`` outside [0, 1]
     -> :class:`PrivacyError` naming them."""
+    from scipy import special, stats
     check_counts(guesses, correct, canaries)
     if not epsilon >= 0:
         raise PrivacyError(f"epsilon must be >= 0, got epsilon={epsilon}")
@@ -80,6 +82,7 @@ def epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta: flo
     every guess right -> finite (``r`` guesses cannot prove more than about
     ``log(r / log(1/(1-confidence)))``); ``confidence`` outside (0, 1), ``delta`` outside
     [0, 1), or ``2 * canaries * delta > 1`` -> :class:`PrivacyError` naming it."""
+    from scipy import optimize
     check_counts(guesses, correct, canaries)
     if not 0 < confidence < 1:
         raise PrivacyError(f"confidence must be in (0, 1), got confidence={confidence}")
