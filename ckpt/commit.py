@@ -27,12 +27,14 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from pathlib import Path
 
 from .errors import CheckpointExistsError
 from .format import MANIFEST
 
 _LEFTOVER = re.compile(r"^\..+\.(tmp|deleting)-[0-9a-f]+$")
+_PUBLISHING = threading.Lock()  # held while a commit publishes; held for good by hold_commits()
 
 
 def fsync_dir(path: Path) -> None:
@@ -72,11 +74,22 @@ def commit(tmp: Path, directory: Path, manifest: bytes) -> Path:
     directory = Path(directory)
     write_durably(tmp / MANIFEST, manifest)
     fsync_dir(tmp)
-    if directory.exists():  # os.rename would silently replace an EMPTY directory
-        raise CheckpointExistsError(str(directory))
-    os.rename(tmp, directory)
-    fsync_dir(directory.parent)
+    with _PUBLISHING:
+        if directory.exists():  # os.rename would silently replace an EMPTY directory
+            raise CheckpointExistsError(str(directory))
+        os.rename(tmp, directory)
+        fsync_dir(directory.parent)
     return directory
+
+
+def hold_commits() -> None:
+    """Publish no more checkpoints in this process, for good: returns once a commit under way
+    has published (its rename and fsync done); a later :func:`commit` blocks. For a process
+    about to exit (the grace-period watchdog of :mod:`fsdpx.train.interrupts`), so that the
+    newest checkpoint it names is the newest there will be: an async save committing between
+    that reading and the exit would otherwise leave a newer one than the run said
+    (``tests/test_ckpt_commit.py::test_no_commit_publishes_after_hold_commits``)."""
+    _PUBLISHING.acquire()
 
 
 def abort(tmp: Path | None) -> None:

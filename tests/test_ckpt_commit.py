@@ -2,6 +2,7 @@
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +102,30 @@ def test_stale_temporaries_are_the_dot_named_leftovers(tmp_path):
     for name in [".step_3.tmp-ab12", ".step_2.deleting-ff", "step_1", ".hidden", ".step_4.corrupt-aa"]:
         (tmp_path / name).mkdir()
     assert [p.name for p in commit.stale_temporaries(tmp_path)] == [".step_2.deleting-ff", ".step_3.tmp-ab12"]
+
+
+def test_no_commit_publishes_after_hold_commits(tmp_path):
+    """``hold_commits`` (the grace-period watchdog's, before it names the newest checkpoint and
+    exits): a commit that starts later never publishes; it holds the whole process, so it runs in
+    one of its own."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import threading, time
+        from pathlib import Path
+        from ckpt import commit
+        root = Path({str(tmp_path)!r})
+        commit.commit(commit.prepare(root / "step_1"), root / "step_1", b"{{}}")
+        commit.hold_commits()
+        late = threading.Thread(target=commit.commit, args=(commit.prepare(root / "step_2"), root / "step_2", b"{{}}"),
+                                daemon=True)
+        late.start()
+        late.join(1.0)
+        print(late.is_alive(), sorted(p.name for p in root.iterdir() if not p.name.startswith(".")))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "['step_1']"]

@@ -160,6 +160,9 @@ def where() -> tuple[int | None, str | None, str | None] | None:
 def _watchdog(seconds: float) -> None:
     if _over.wait(seconds):
         return
+    from ckpt.commit import hold_commits  # loaded by then (a run that saves imported ckpt)
+
+    hold_commits()  # the newest checkpoint named below stays the newest until the exit
     step, ckpt_dir, newest = where() or (None, None, None)
     note = f"grace period over: {GRACE}={seconds:g}"
     from .reports import announce  # the rank's report, or the line on stderr
