@@ -227,8 +227,8 @@ def test_a_zenflow_run_under_a_schedule_resumes_inside_a_window_bit_for_bit(tmp_
 @pytest.mark.slow
 def test_a_zero3_zenflow_run_under_a_schedule_follows_one_process_and_resumes_bit_for_bit(tmp_path):
     """``fsdpx train --strategy zero3 --nproc 2`` (gloo) with ZenFlow and the schedule above:
-    its losses follow the one-process run's, and a resume after step 5 (inside a window, fc's
-    landed columns held) equals the straight two-process run bit for bit."""
+    its losses follow the one-process run's, and a run resumed from its checkpoint at step 5 (inside
+    a window, fc's landed columns held) equals the straight two-process run bit for bit."""
     args = ["--n-layer", "1", "--n-embd", "8", "--n-head", "1", "--block-size", "8", "--corpus-chars", "4000",
             "--batch-size", "16", "--noise-multiplier", "1", "--seed", "2", "--no-progress", "--freeze", TINY["freeze"],
             "--offload", "zenflow", "--offload-interval", "2", "--offload-topk", "0.25", "--out", str(tmp_path)]
@@ -240,10 +240,8 @@ def test_a_zero3_zenflow_run_under_a_schedule_follows_one_process_and_resumes_bi
         assert done.returncode == 0, done.stderr[-3000:]
 
     fsdpx("--steps", "8", "--name", "one")
-    fsdpx("--steps", "8", "--name", "straight", *two)
-    ck = ["--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "5"]
-    fsdpx("--steps", "5", "--name", "resumed", *two, *ck)
-    fsdpx("--steps", "8", "--name", "resumed", *two, *ck, "--resume")
+    fsdpx("--steps", "8", "--name", "straight", *two, "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "5")
+    fsdpx("--steps", "8", "--name", "resumed", *two, "--resume-from", str(tmp_path / "ck" / "step_5"))
     one, a, b = (_records(tmp_path / n) for n in ("one", "straight", "resumed"))
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b] and len(a) == 8
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in one], rel=1e-5)

@@ -94,6 +94,11 @@ CHECKED = {
         "tests/test_train_elastic.py",
     "fsdpx train --config examples/run.toml --strategy zero2 --nproc 2 --name tiny-gpt2-zero2":
         "a 2-process run of the file: tests/test_train_config.py",
+    "fsdpx train --model transformers --model-path my-gpt2 --data-path docs/architecture.md --tokenizer bytes"
+    " --block-size 64 --batch-size 64 --steps 10 --name ft-gpt2-zero3 --strategy zero3 --nproc 2"
+    " --eval-data docs/performance.md --eval-every 5":
+        "a 2-process fine-tune of a saved GPT-2 with evaluation: tests/test_eval.py::"
+        "test_a_saved_transformers_model_is_evaluated_as_from_pretrained_computes[zero3]",
     "fsdpx jobs plan examples/jobs.toml": _PROFILES,
     "fsdpx jobs run examples/jobs_local.toml --devices 2 --techniques ddp ddp-private --profile-counts 1 2":
         _PROFILES + ", then trains 4 jobs",
