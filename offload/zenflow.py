@@ -338,13 +338,22 @@ def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer
 
 def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
     """``job`` with its deferred host columns gathered (see :func:`_job_inputs`), into the
-    buffers of ``into`` that have the right shape and dtype, else into new tensors."""
+    buffers of ``into`` that have the right shape and dtype, else into new tensors.
+
+    ``into`` is a landed window's result, already merged into the host tensors the job reads:
+    where it covers the job's very columns (a window end without reselection), its buffers hold
+    those columns' values already, bit for bit, and are taken without a pass over the host
+    tensors (``tests/test_zenflow.py::test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``)."""
     if "deferred" not in job:
         return job
     rest = {f: v for f, v in job.items() if f != "deferred"}
     cols = job["cols"]
-    return {**rest, **{f: gather_columns(t, cols, out=_fitting(into.get(f), (t.shape[0], cols.numel()), t.dtype))
-                       for f, t in job["deferred"].items()}}
+    same_cols = "cols" in into and torch.equal(into["cols"], cols)
+    out = {}
+    for f, t in job["deferred"].items():
+        buf = _fitting(into.get(f), (t.shape[0], cols.numel()), t.dtype)
+        out[f] = buf if same_cols and buf is not None and buf is into.get(f) else gather_columns(t, cols, out=buf)
+    return {**rest, **out}
 
 
 def _fitting(buf: Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> Tensor | None:
