@@ -161,7 +161,7 @@ from torch import Tensor
 from fsdpx.optim import Optimizer, Params, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
-from offload.column_copy import gather_columns, scatter_columns_, split_columns_
+from offload.column_copy import gather_columns, scatter_columns_, scatter_two_columns_, split_columns_
 from offload.columns import column_scores, complement, num_selected, select_columns
 from offload.worker import HOST, nbytes, to_device, to_host
 
@@ -268,12 +268,15 @@ def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = Fals
 
 def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict,
                        inplace: bool = False, part: str = "all", *, frozen: frozenset[str] = frozenset(),
-                       stale: dict[str, Tensor] | None = None) -> None:
+                       stale: dict[str, Tensor] | None = None, held: dict[str, tuple[Tensor, Tensor]] | None = None
+                       ) -> None:
     """Write a finished host window into the host state (``part`` of it, as in
     :func:`_merge_host_result`) and the parameters: rebinding entries of the caller's fresh
     ``host`` / ``params`` dicts, or with ``inplace`` (donated state and parameters) writing into
     their tensors. A weight in ``frozen`` keeps its parameter: its columns are added to
-    ``stale[k]``, written from the master when it trains again (:func:`_write_stale`)."""
+    ``stale[k]``, written from the master when it trains again (:func:`_write_stale`).
+    ``held[k]``: ``(columns, values)`` of weight ``k`` not written yet (its selected columns'
+    step, disjoint from the window's), written in the same pass and removed from ``held``."""
     _merge_host_result(result, host, inplace, part)
     for k, r in result.items():
         cols = r["cols"]
@@ -283,7 +286,12 @@ def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metr
         p = params[k]
         value = r["master"].to(p.dtype)
         metrics["h2d_bytes"] += nbytes(value)
-        params[k] = scatter_columns_(p if inplace else p.clone(), cols.to(p.device), to_device(value, p.device))
+        p = p if inplace else p.clone()
+        if held and k in held:
+            idx, step_value = held.pop(k)
+            params[k] = scatter_two_columns_(p, cols.to(p.device), to_device(value, p.device), idx, step_value)
+        else:
+            params[k] = scatter_columns_(p, cols.to(p.device), to_device(value, p.device))
 
 
 def _write_stale(k: str, cols: Tensor, h: dict, params: Params, metrics: dict, inplace: bool) -> None:
@@ -783,6 +791,11 @@ def zenflow(
         metrics[_LOOP] += time.perf_counter() - loop_start
 
         # Device: the selected columns and every non-2-D parameter, with this step's gradient.
+        # At a donated window end where a host window lands, a weight's selected columns are
+        # written into it in the same pass as the landed columns (_apply_host_result).
+        lands = (inplace and update_interval != "auto" and window_steps == update_interval
+                 and state["pending"] is not None)
+        held: dict[str, tuple[Tensor, Tensor]] = {}
         for k in params:
             if k in frozen:
                 continue
@@ -796,7 +809,10 @@ def zenflow(
                 master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel], inplace)
                 device[k] = {"master": master, **slots}
                 host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
-                new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
+                if lands:
+                    held[k] = (idx, master.to(p.dtype))
+                else:
+                    new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
 
         if update_interval == "auto":
             closing = host_update_due(window_steps, norm_sq_of_sum, window_sq, auto)
@@ -820,9 +836,12 @@ def zenflow(
             if pending is not None:  # delay=1: the previous window lands now
                 landed = _timed(metrics, worker.resolve, pending["result"])
                 part = "count" if defer_merge else "all"
-                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale), landed, host, new_params,
-                       metrics, inplace, part, key=_LOOP)
+                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale, held=held), landed, host,
+                       new_params, metrics, inplace, part, key=_LOOP)
                 pending = None
+            for k, (idx, value) in held.items():  # weights the landed window does not write
+                new_params[k] = scatter_columns_(new_params[k], idx, value)
+            held = {}
             divisor = window_steps if reduce == "mean" else 1
             if trained and reduce == "mean":  # a weight frozen for part of the window: its own steps
                 divisor = {k: trained.get(k, window_steps) for k in acc}
