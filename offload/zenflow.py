@@ -92,8 +92,11 @@ columns for the device update and adds the unselected ones into the window sum
 (``offload.column_copy.split_columns_``), and the background thread runs its torch operations on
 one intra-op thread (the loop's own fill the cores; ``offload.worker.submit``). At a ``delay=1``
 window end without reselection the loop writes only the landed window's counts and the
-parameters' columns; its master and slots are written into the host tensors by the background
-thread just before the next window's deferred gathers (``_merge_then``). A reselection or
+parameters' columns (in the same pass over each parameter as this step's selected columns:
+``offload.column_copy.scatter_two_columns_``); its master and slots are written into the host
+tensors by the background thread just before the next window's deferred gathers
+(``_merge_then``), which it skips where the next window updates the landed window's very
+columns (no reselection at the window end before): the merged buffers hold its inputs already. A reselection or
 ``delay=0`` waits for the queued adds and merges on the loop.
 
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
@@ -113,7 +116,8 @@ A donated fixed-window state also reuses its host buffers instead of allocating 
 two window sums per weight (a window opens into the one of the window before last, whose job
 the last window end resolved; the state keeps them under ``"window_sum_buffers"``, which
 ``materialize`` drops); the background job divides its window sum in place, gathers its
-columns into the landed window's tensors (free once merged) and updates them in place with
+columns into the landed window's tensors (free once merged; taken as they are where they
+hold its columns) and updates them in place with
 ``inner.update_inplace`` where its columns share one count (mixed counts take
 ``inner.update_columns(..., inplace=True)``, in place too for AdamW); a reselection writes the leaving columns
 into the host tensors (``tests/test_zenflow.py::
