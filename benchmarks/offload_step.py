@@ -48,6 +48,13 @@ Modes, all AdamW with the same hyper-parameters, fp32, one process, the CPU as "
   its host bytes are not observable from outside and are given by its design (fp32 gradients
   down, fp32 parameters up: 2x the model).
 
+Page faults per step depend on glibc's malloc as much as on the step: with its defaults, whether a
+freed block's pages go back to the kernel (and fault in again next step) follows its dynamic mmap
+and trim thresholds, which move with the allocation history (no offload's own count moved between
+124 and 2851 a step from run to run). ``--host-pages keep`` gives every mode's process the settings
+``privacy/host_pages.py`` gives a private step (freed pages stay mapped), so the count is what a
+step newly needs.
+
 Caveat of a CPU-only machine: "device" and "host" are the same cores, so copies cost a memory
 copy, not a PCIe transfer, and ZenFlow's background host update competes with the forward and
 backward for the same 2 cores. Wait times and bytes are what the library measures either way.
@@ -374,6 +381,21 @@ def skip_reason(mode: str, device: str) -> str | None:
     return None
 
 
+def host_page_env(env: dict) -> dict:
+    """``--host-pages keep``: glibc's malloc settings of ``privacy/host_pages.py`` (mmap threshold
+    32 MiB, trim threshold 1 GiB, no block mapped on its own) as environment variables, for every
+    mode's process alike: freed host pages stay mapped for the next step, so page faults count
+    what a step newly needs rather than the state of glibc's dynamic thresholds. Empty where the
+    environment configures malloc already (its settings win)."""
+    sys.path.insert(0, str(ROOT))
+    from privacy.host_pages import MMAP_MAX, MMAP_THRESHOLD, TRIM_THRESHOLD, user_configured
+
+    if user_configured(env):
+        return {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD),
+            "MALLOC_MMAP_MAX_": str(MMAP_MAX)}
+
+
 def run_mode(mode: str, cfg: dict, log: Path) -> dict | str:
     """One worker process; its result, or the reason it failed (the tail of its log)."""
     env = dict(os.environ)
@@ -390,6 +412,8 @@ def run_mode(mode: str, cfg: dict, log: Path) -> dict | str:
                    RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1")
     else:
         python = Path(sys.executable)
+    if cfg.get("host_pages") == "keep":
+        env.update(host_page_env(env))
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", mode, "--config", json.dumps(cfg)]
     with open(log, "a") as f:
         f.write(f"\n=== {mode} {json.dumps(cfg)}\n")
@@ -411,6 +435,8 @@ def timing(args, modes: list[str], log: Path) -> dict:
            "n_head": args.n_head, "n_embd": args.n_embd, "warmup": args.warmup, "steps": args.steps,
            "threads": args.threads, "host_threads": args.host_threads,
            "host_cores": [int(c) for c in args.host_cores.split(",") if c]}
+    if args.host_pages != "default":  # the default's config (and so its JSON) stays as it was
+        cfg["host_pages"] = args.host_pages
     if args.device != "cpu":  # the CPU's config (and so its JSON) stays as it was
         cfg["device"] = args.device
     skipped = {m: r for m in modes if (r := skip_reason(m, args.device))}
@@ -645,6 +671,9 @@ def main() -> None:
                     help="host threads per worker; default torch's (cpu), the host's cores minus one (cuda)")
     ap.add_argument("--host-threads", type=int, default=1, help="zenflow_proc: its worker process's threads")
     ap.add_argument("--host-cores", default="", help="zenflow_proc: pin its worker process to these CPUs (0,1)")
+    ap.add_argument("--host-pages", choices=["default", "keep"], default="default",
+                    help="keep: every mode's process keeps the host pages it frees (glibc settings of "
+                         "privacy/host_pages.py); default: glibc's own dynamic thresholds")
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "offload_step.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)

@@ -54,6 +54,16 @@ def _scatter(dst, cols, src):  # noqa: ANN001, ANN202
             row[cols[j]] = values[j]
 
 
+@numba.njit(nogil=True, cache=True)
+def _scatter_two(dst, cols_a, src_a, cols_b, src_b):  # noqa: ANN001, ANN202
+    for r in range(dst.shape[0]):
+        row, a, b = dst[r], src_a[r], src_b[r]
+        for j in range(cols_a.shape[0]):
+            row[cols_a[j]] = a[j]
+        for j in range(cols_b.shape[0]):  # the row is in cache now: the second set costs no second pass
+            row[cols_b[j]] = b[j]
+
+
 def _compiled(*tensors: Tensor) -> bool:
     """True when the compiled loop applies: CPU, one float32/float64 dtype, row-major 2-D."""
     dtype = tensors[0].dtype
@@ -145,6 +155,30 @@ def scatter_columns_(dst: Tensor, cols: Tensor, src: Tensor) -> Tensor:
         return dst.index_copy_(1, cols.to(dst.device), src.to(dst.device))
     _check_range(cols, dst.shape[1])
     _scatter(_np(dst), _np(cols), _np(src))
+    return dst
+
+
+def scatter_two_columns_(dst: Tensor, cols_a: Tensor, src_a: Tensor, cols_b: Tensor, src_b: Tensor) -> Tensor:
+    """``dst[:, cols_a] = src_a`` and ``dst[:, cols_b] = src_b`` in place, in one pass over
+    ``dst``'s rows; returns ``dst``. ZenFlow writes a landed host window's columns and the
+    selected columns' new values into a parameter this way at a window end.
+
+    Guarantee: for disjoint ``cols_a`` and ``cols_b`` (each without repeats) equals
+    ``scatter_columns_(scatter_columns_(dst, cols_a, src_a), cols_b, src_b)`` bit for bit, in
+    either order (``tests/test_column_copy.py::test_scatter_two_equals_two_scatters``). Edge
+    cases: either set may be empty; an index outside ``[0, in)`` raises ``IndexError`` (before
+    anything is written in the compiled loop); a ``src`` not ``[out, len(cols)]`` raises ``ValueError``. Tensors the
+    compiled loop does not take (CUDA, bfloat16, mixed dtypes) take the two scatters."""
+    _check("scatter_two_columns_", dst, cols_a)
+    _check("scatter_two_columns_", dst, cols_b)
+    for cols, src in ((cols_a, src_a), (cols_b, src_b)):
+        if src.shape != (dst.shape[0], cols.numel()):
+            raise ValueError(f"src must be {(dst.shape[0], cols.numel())}, got {tuple(src.shape)}")
+    if not _compiled(dst, src_a, src_b) or not cols_a.numel() or not cols_b.numel():
+        return scatter_columns_(scatter_columns_(dst, cols_a, src_a), cols_b, src_b)
+    _check_range(cols_a, dst.shape[1])
+    _check_range(cols_b, dst.shape[1])
+    _scatter_two(_np(dst), _np(cols_a), _np(src_a), _np(cols_b), _np(src_b))
     return dst
 
 

@@ -92,8 +92,11 @@ columns for the device update and adds the unselected ones into the window sum
 (``offload.column_copy.split_columns_``), and the background thread runs its torch operations on
 one intra-op thread (the loop's own fill the cores; ``offload.worker.submit``). At a ``delay=1``
 window end without reselection the loop writes only the landed window's counts and the
-parameters' columns; its master and slots are written into the host tensors by the background
-thread just before the next window's deferred gathers (``_merge_then``). A reselection or
+parameters' columns (in the same pass over each parameter as this step's selected columns:
+``offload.column_copy.scatter_two_columns_``); its master and slots are written into the host
+tensors by the background thread just before the next window's deferred gathers
+(``_merge_then``), which it skips where the next window updates the landed window's very
+columns (no reselection at the window end before): the merged buffers hold its inputs already. A reselection or
 ``delay=0`` waits for the queued adds and merges on the loop.
 
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
@@ -113,7 +116,8 @@ A donated fixed-window state also reuses its host buffers instead of allocating 
 two window sums per weight (a window opens into the one of the window before last, whose job
 the last window end resolved; the state keeps them under ``"window_sum_buffers"``, which
 ``materialize`` drops); the background job divides its window sum in place, gathers its
-columns into the landed window's tensors (free once merged) and updates them in place with
+columns into the landed window's tensors (free once merged; taken as they are where they
+hold its columns) and updates them in place with
 ``inner.update_inplace`` where its columns share one count (mixed counts take
 ``inner.update_columns(..., inplace=True)``, in place too for AdamW); a reselection writes the leaving columns
 into the host tensors (``tests/test_zenflow.py::
@@ -161,7 +165,7 @@ from torch import Tensor
 from fsdpx.optim import Optimizer, Params, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
-from offload.column_copy import gather_columns, scatter_columns_, split_columns_
+from offload.column_copy import gather_columns, scatter_columns_, scatter_two_columns_, split_columns_
 from offload.columns import column_scores, complement, num_selected, select_columns
 from offload.worker import HOST, nbytes, to_device, to_host
 
@@ -268,12 +272,15 @@ def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = Fals
 
 def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict,
                        inplace: bool = False, part: str = "all", *, frozen: frozenset[str] = frozenset(),
-                       stale: dict[str, Tensor] | None = None) -> None:
+                       stale: dict[str, Tensor] | None = None, held: dict[str, tuple[Tensor, Tensor]] | None = None
+                       ) -> None:
     """Write a finished host window into the host state (``part`` of it, as in
     :func:`_merge_host_result`) and the parameters: rebinding entries of the caller's fresh
     ``host`` / ``params`` dicts, or with ``inplace`` (donated state and parameters) writing into
     their tensors. A weight in ``frozen`` keeps its parameter: its columns are added to
-    ``stale[k]``, written from the master when it trains again (:func:`_write_stale`)."""
+    ``stale[k]``, written from the master when it trains again (:func:`_write_stale`).
+    ``held[k]``: ``(columns, values)`` of weight ``k`` not written yet (its selected columns'
+    step, disjoint from the window's), written in the same pass and removed from ``held``."""
     _merge_host_result(result, host, inplace, part)
     for k, r in result.items():
         cols = r["cols"]
@@ -283,7 +290,12 @@ def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metr
         p = params[k]
         value = r["master"].to(p.dtype)
         metrics["h2d_bytes"] += nbytes(value)
-        params[k] = scatter_columns_(p if inplace else p.clone(), cols.to(p.device), to_device(value, p.device))
+        p = p if inplace else p.clone()
+        if held and k in held:
+            idx, step_value = held.pop(k)
+            params[k] = scatter_two_columns_(p, cols.to(p.device), to_device(value, p.device), idx, step_value)
+        else:
+            params[k] = scatter_columns_(p, cols.to(p.device), to_device(value, p.device))
 
 
 def _write_stale(k: str, cols: Tensor, h: dict, params: Params, metrics: dict, inplace: bool) -> None:
@@ -338,13 +350,22 @@ def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer
 
 def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
     """``job`` with its deferred host columns gathered (see :func:`_job_inputs`), into the
-    buffers of ``into`` that have the right shape and dtype, else into new tensors."""
+    buffers of ``into`` that have the right shape and dtype, else into new tensors.
+
+    ``into`` is a landed window's result, already merged into the host tensors the job reads:
+    where it covers the job's very columns (a window end without reselection), its buffers hold
+    those columns' values already, bit for bit, and are taken without a pass over the host
+    tensors (``tests/test_zenflow.py::test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``)."""
     if "deferred" not in job:
         return job
     rest = {f: v for f, v in job.items() if f != "deferred"}
     cols = job["cols"]
-    return {**rest, **{f: gather_columns(t, cols, out=_fitting(into.get(f), (t.shape[0], cols.numel()), t.dtype))
-                       for f, t in job["deferred"].items()}}
+    same_cols = "cols" in into and torch.equal(into["cols"], cols)
+    out = {}
+    for f, t in job["deferred"].items():
+        buf = _fitting(into.get(f), (t.shape[0], cols.numel()), t.dtype)
+        out[f] = buf if same_cols and buf is not None and buf is into.get(f) else gather_columns(t, cols, out=buf)
+    return {**rest, **out}
 
 
 def _fitting(buf: Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> Tensor | None:
@@ -774,6 +795,11 @@ def zenflow(
         metrics[_LOOP] += time.perf_counter() - loop_start
 
         # Device: the selected columns and every non-2-D parameter, with this step's gradient.
+        # At a donated window end where a host window lands, a weight's selected columns are
+        # written into it in the same pass as the landed columns (_apply_host_result).
+        lands = (inplace and update_interval != "auto" and window_steps == update_interval
+                 and state["pending"] is not None)
+        held: dict[str, tuple[Tensor, Tensor]] = {}
         for k in params:
             if k in frozen:
                 continue
@@ -787,7 +813,10 @@ def zenflow(
                 master, slots = _update_columns(inner, slot_names, d["master"], g, slots, host[k]["count"][sel], inplace)
                 device[k] = {"master": master, **slots}
                 host[k] = {**host[k], "count": host[k]["count"].index_add(0, sel, torch.ones_like(sel))}
-                new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
+                if lands:
+                    held[k] = (idx, master.to(p.dtype))
+                else:
+                    new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
 
         if update_interval == "auto":
             closing = host_update_due(window_steps, norm_sq_of_sum, window_sq, auto)
@@ -811,9 +840,12 @@ def zenflow(
             if pending is not None:  # delay=1: the previous window lands now
                 landed = _timed(metrics, worker.resolve, pending["result"])
                 part = "count" if defer_merge else "all"
-                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale), landed, host, new_params,
-                       metrics, inplace, part, key=_LOOP)
+                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale, held=held), landed, host,
+                       new_params, metrics, inplace, part, key=_LOOP)
                 pending = None
+            for k, (idx, value) in held.items():  # weights the landed window does not write
+                new_params[k] = scatter_columns_(new_params[k], idx, value)
+            held = {}
             divisor = window_steps if reduce == "mean" else 1
             if trained and reduce == "mean":  # a weight frozen for part of the window: its own steps
                 divisor = {k: trained.get(k, window_steps) for k in acc}

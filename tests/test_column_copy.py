@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.column_copy import add_gathered_columns_, gather_columns, scatter_columns_, split_columns_
+from offload.column_copy import (add_gathered_columns_, gather_columns, scatter_columns_, scatter_two_columns_,
+                                 split_columns_)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]  # bfloat16 takes the torch fallback
 
@@ -52,6 +53,29 @@ def test_scatter_equals_index_copy(dtype):
     expected = dst.clone().index_copy_(1, cols, values)
     out = scatter_columns_(dst, cols, values)
     assert out is dst and torch.equal(dst, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [0, 1, 5, 13])
+def test_scatter_two_equals_two_scatters(dtype, k):
+    """Two disjoint column sets (a split of a shuffled range: any sizes, one of them empty, or
+    all columns) written in one pass equal two scatters, in either order."""
+    dst, _ = _problem(dtype, k=0)
+    n = dst.shape[1]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(k))
+    a, b = torch.sort(perm[:k]).values, torch.sort(perm[k:]).values
+    gen = torch.Generator().manual_seed(3)
+    src_a = torch.randn(dst.shape[0], a.numel(), generator=gen).to(dtype)
+    src_b = torch.randn(dst.shape[0], b.numel(), generator=gen).to(dtype)
+    expected = scatter_columns_(scatter_columns_(dst.clone(), a, src_a), b, src_b)
+    assert torch.equal(scatter_columns_(scatter_columns_(dst.clone(), b, src_b), a, src_a), expected)
+    out = scatter_two_columns_(dst, a, src_a, b, src_b)
+    assert out is dst and torch.equal(dst, expected)
+    with pytest.raises(ValueError, match="src must be"):
+        scatter_two_columns_(dst, a, src_a, b, src_b[:1])
+    with pytest.raises(IndexError, match="out of (range|bounds)"):  # torch's words in the fallback
+        scatter_two_columns_(dst, a, src_a, torch.cat([b, torch.tensor([n])]).sort().values,
+                             torch.zeros(dst.shape[0], b.numel() + 1, dtype=dtype))
 
 
 def test_non_contiguous_rows_and_parameters_work():

@@ -340,6 +340,36 @@ def test_donated_window_end_merges_the_landed_window_before_the_next_job():
         _assert_same_tree(p, pure_p)
 
 
+def test_a_window_on_the_landed_windows_columns_reads_no_host_column(monkeypatch):
+    """A donated ``delay=1`` window end without reselection hands the job the landed window's
+    buffers, merged into the host state and holding the job's columns already: after the first
+    window's job (which has no landed window) no column of the host master or slots is gathered, and every step still equals ``update`` bit for bit."""
+    zf = importlib.import_module("offload.zenflow")
+    read: list[int] = []
+
+    def gather_columns(src, cols, out=None):  # the real gather, its source noted
+        read.append(id(src))
+        return offload.column_copy.gather_columns(src, cols, out=out)
+
+    monkeypatch.setattr(zf, "gather_columns", gather_columns)
+    gen = torch.Generator().manual_seed(41)
+    params = {"w": torch.randn(5, 8, dtype=F64, generator=gen)}
+    grads = [{"w": torch.randn(5, 8, dtype=F64, generator=gen)} for _ in range(10)]
+    opt = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=100, delay=1, overlap=True)
+    pure_state, pure_p, state, p = _twins(opt, params)
+    host = {id(t) for f, t in state["host"]["w"].items() if f != "count"}
+    for t, g in enumerate(grads, start=1):
+        pure_p, pure_state = opt.update(g, pure_state, pure_p)
+        p, state = opt.update_inplace(g, state, p)
+        offload.materialize(state)  # the window job has run
+        if t == 2:
+            assert host & set(read)  # the first window gathered its inputs from the host tensors
+            read.clear()
+        _assert_same_tree(p, pure_p)
+    assert not host & set(read)
+    _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
+
+
 @pytest.mark.parametrize("delay, overlap", [(1, True), (1, False), (0, True)])
 def test_materialized_state_resumes_bit_for_bit(delay, overlap):
     gen = torch.Generator().manual_seed(19)
