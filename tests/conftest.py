@@ -24,7 +24,7 @@ def counting():
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``alone`` assert a timing that other tests on the same cores would falsify.
-    With ``FSDPX_TESTS=alone`` only they run (``make test``'s second command, one process); on
+    With ``FSDPX_TESTS=alone`` only they run (``make test``'s first command, one process); on
     pytest-xdist workers (``-n N``, N > 0) they are left out for that phase; a plain ``pytest``
     runs everything."""
     alone = [item for item in items if item.get_closest_marker("alone") is not None]
