@@ -82,14 +82,16 @@ def commit(tmp: Path, directory: Path, manifest: bytes) -> Path:
     return directory
 
 
-def hold_commits() -> None:
-    """Publish no more checkpoints in this process, for good: returns once a commit under way
-    has published (its rename and fsync done); a later :func:`commit` blocks. For a process
+def hold_commits(timeout_s: float = 5.0) -> bool:
+    """Publish no more checkpoints in this process, for good: returns ``True`` once a commit
+    under way has published (its rename and fsync done), and a later :func:`commit` blocks;
+    ``False`` if that commit did not finish within ``timeout_s`` (a hung filesystem: the caller
+    is not held up longer, and the commit may still publish). For a process
     about to exit (the grace-period watchdog of :mod:`fsdpx.train.interrupts`), so that the
     newest checkpoint it names is the newest there will be: an async save committing between
     that reading and the exit would otherwise leave a newer one than the run said
     (``tests/test_ckpt_commit.py::test_no_commit_publishes_after_hold_commits``)."""
-    _PUBLISHING.acquire()
+    return _PUBLISHING.acquire(timeout=timeout_s)
 
 
 def abort(tmp: Path | None) -> None:

@@ -355,7 +355,8 @@ def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
     ``into`` is a landed window's result, already merged into the host tensors the job reads:
     where it covers the job's very columns (a window end without reselection), its buffers hold
     those columns' values already, bit for bit, and are taken without a pass over the host
-    tensors (``tests/test_zenflow.py::test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``)."""
+    tensors (``tests/test_zenflow.py::test_a_window_on_the_landed_windows_columns_reads_no_host_column``;
+    never written while a held job reads them: ``test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``)."""
     if "deferred" not in job:
         return job
     rest = {f: v for f, v in job.items() if f != "deferred"}

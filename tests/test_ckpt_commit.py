@@ -118,7 +118,7 @@ def test_no_commit_publishes_after_hold_commits(tmp_path):
         from ckpt import commit
         root = Path({str(tmp_path)!r})
         commit.commit(commit.prepare(root / "step_1"), root / "step_1", b"{{}}")
-        commit.hold_commits()
+        assert commit.hold_commits()
         late = threading.Thread(target=commit.commit, args=(commit.prepare(root / "step_2"), root / "step_2", b"{{}}"),
                                 daemon=True)
         late.start()

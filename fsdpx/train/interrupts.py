@@ -162,7 +162,7 @@ def _watchdog(seconds: float) -> None:
         return
     from ckpt.commit import hold_commits  # loaded by then (a run that saves imported ckpt)
 
-    hold_commits()  # the newest checkpoint named below stays the newest until the exit
+    hold_commits()  # the newest checkpoint named below stays the newest until the exit (waits <= 5 s)
     step, ckpt_dir, newest = where() or (None, None, None)
     note = f"grace period over: {GRACE}={seconds:g}"
     from .reports import announce  # the rank's report, or the line on stderr

@@ -46,6 +46,7 @@ def correct_guess_p_value(guesses: int, correct: int, *, canaries: int, epsilon:
     (``0 <= correct <= guesses <= canaries``) or ``epsilon < 0`` or ``delta`` outside [0, 1]
     -> :class:`PrivacyError` naming them."""
     from scipy import special, stats
+
     check_counts(guesses, correct, canaries)
     if not epsilon >= 0:
         raise PrivacyError(f"epsilon must be >= 0, got epsilon={epsilon}")
@@ -83,6 +84,7 @@ def epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta: flo
     ``log(r / log(1/(1-confidence)))``); ``confidence`` outside (0, 1), ``delta`` outside
     [0, 1), or ``2 * canaries * delta > 1`` -> :class:`PrivacyError` naming it."""
     from scipy import optimize
+
     check_counts(guesses, correct, canaries)
     if not 0 < confidence < 1:
         raise PrivacyError(f"confidence must be in (0, 1), got confidence={confidence}")

@@ -38,6 +38,7 @@ def gaussian_mu(epsilon: float, delta: float) -> float:
     (``tests/test_audit_fdp.py::test_gaussian_mu_is_the_gaussian_mechanisms``).
     Edge cases: ``epsilon < 0`` or ``delta`` outside (0, 1) -> :class:`PrivacyError`."""
     from scipy import optimize, stats
+
     if not epsilon >= 0 or math.isinf(epsilon):
         raise PrivacyError(f"epsilon must be finite and >= 0, got epsilon={epsilon}")
     if not 0 < delta < 1:
@@ -72,6 +73,7 @@ def gdp_claim_rejected(guesses: int, correct: int, *, canaries: int, mu: float, 
     (``test_a_gdp_mechanisms_bound_stays_below_its_epsilon``).
     Edge cases: ``correct == 0`` -> never rejected; counts out of order -> :class:`PrivacyError`."""
     from scipy import stats
+
     check_counts(guesses, correct, canaries)
     right, wrong = level * correct / canaries, level * (guesses - correct) / canaries
     for i in range(correct - 1, -1, -1):
@@ -97,6 +99,7 @@ def fdp_epsilon_lower_bound(guesses: int, correct: int, *, canaries: int, delta:
     Edge cases: ``correct <= guesses / 2`` -> 0.0; every guess right -> finite; ``delta``
     outside (0, 1) or ``confidence`` outside (0, 1) -> :class:`PrivacyError`."""
     from scipy import optimize
+
     check_counts(guesses, correct, canaries)
     if not 0 < confidence < 1:
         raise PrivacyError(f"confidence must be in (0, 1), got confidence={confidence}")
