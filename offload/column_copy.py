@@ -11,7 +11,10 @@ each row, read the source columns in increasing order and write the destination 
 
 They are copies and one float addition per element, so every element's bits are those of the
 torch operations they replace (``tests/test_column_copy.py``). CPU float32/float64 tensors take
-the compiled loop; anything else (CUDA, bfloat16) takes the torch operation.
+the compiled loop; anything else (CUDA, bfloat16) takes the torch operation. A compiled loop's
+rows are split over the calling thread's intra-op threads (``offload.row_team``): one thread
+reaches about half the memory bandwidth of two. :class:`ColumnCopies` queues a step's copies (every
+weight's) and runs them with one hand-off to the helper threads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from __future__ import annotations
 import numba
 import torch
 from torch import Tensor
+
+from offload.row_team import RowJob, run_rows
 
 
 @numba.njit(nogil=True, cache=True)
@@ -32,36 +37,71 @@ def _take(row, cols, dst, add):  # noqa: ANN001, ANN202
             dst[j] = row[cols[j]]
 
 
+# Every loop below processes rows r0 <= r < r1 and touches only row r of each tensor
+# (offload.row_team.RowJob): rows are split over threads by offload.row_team.run_rows.
+
+
 @numba.njit(nogil=True, cache=True)
-def _gather(src, cols, out, add):  # noqa: ANN001, ANN202
-    for r in range(src.shape[0]):
+def _gather(src, cols, out, add, r0, r1):  # noqa: ANN001, ANN202
+    for r in range(r0, r1):
         _take(src[r], cols, out[r], add)
 
 
 @numba.njit(nogil=True, cache=True)
-def _split(src, sel, picked, uns, acc, add):  # noqa: ANN001, ANN202
-    for r in range(src.shape[0]):
+def _split(src, sel, picked, uns, acc, add, r0, r1):  # noqa: ANN001, ANN202
+    for r in range(r0, r1):
         row = src[r]
         _take(row, sel, picked[r], False)
         _take(row, uns, acc[r], add)  # the row is in cache now: the second set of columns costs no second read of src
 
 
 @numba.njit(nogil=True, cache=True)
-def _scatter(dst, cols, src):  # noqa: ANN001, ANN202
-    for r in range(dst.shape[0]):
+def _scatter(dst, cols, src, r0, r1):  # noqa: ANN001, ANN202
+    for r in range(r0, r1):
         row, values = dst[r], src[r]
         for j in range(cols.shape[0]):
             row[cols[j]] = values[j]
 
 
 @numba.njit(nogil=True, cache=True)
-def _scatter_two(dst, cols_a, src_a, cols_b, src_b):  # noqa: ANN001, ANN202
-    for r in range(dst.shape[0]):
+def _scatter_two(dst, cols_a, src_a, cols_b, src_b, r0, r1):  # noqa: ANN001, ANN202
+    for r in range(r0, r1):
         row, a, b = dst[r], src_a[r], src_b[r]
         for j in range(cols_a.shape[0]):
             row[cols_a[j]] = a[j]
         for j in range(cols_b.shape[0]):  # the row is in cache now: the second set costs no second pass
             row[cols_b[j]] = b[j]
+
+
+class ColumnCopies:
+    """A queue of compiled column copies, run together by :meth:`run`: every copy's rows split over
+    the calling thread's intra-op threads (``offload.row_team.run_rows``), one hand-off to the
+    helper threads for the whole batch rather than one per copy.
+
+    Pass it as ``queue=`` to the functions below: they check their arguments at once (an error
+    writes nothing), do a copy the compiled loop does not take (CUDA, bfloat16) at once with the
+    torch operation, and queue the others; a returned tensor is written when :meth:`run` returns.
+    The queued copies must write distinct tensors that none of them reads (ZenFlow's step: each
+    weight's gradient split into its own window sum, each parameter's own columns written), so
+    their order does not matter and the bits are those of running each at once
+    (``tests/test_column_copy.py::test_a_queue_gives_the_bits_of_copies_run_at_once``)."""
+
+    def __init__(self) -> None:
+        self.jobs: list[RowJob] = []
+
+    def run(self, threads: int | None = None) -> None:
+        """Run and empty the queue (``threads``: as :func:`offload.row_team.run_rows`)."""
+        jobs, self.jobs = self.jobs, []
+        run_rows(jobs, threads)
+
+
+def _launch(queue: ColumnCopies | None, kernel, args: tuple, rows: int) -> None:  # noqa: ANN001
+    """Run ``kernel`` over ``rows`` rows now (split over the caller's threads), or queue it."""
+    job = RowJob(kernel, args, rows)
+    if queue is None:
+        run_rows([job])
+    else:
+        queue.jobs.append(job)
 
 
 def _compiled(*tensors: Tensor) -> bool:
@@ -77,14 +117,14 @@ def _check(name: str, t: Tensor, cols: Tensor) -> None:
         raise ValueError(f"{name} needs a 2-D tensor and 1-D column indices, got {tuple(t.shape)} and {tuple(cols.shape)}")
 
 
-def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None) -> Tensor:
+def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None, *, queue: ColumnCopies | None = None) -> Tensor:
     """``src[:, cols]`` as a new ``[out, len(cols)]`` tensor on ``src``'s device, or written into
     ``out`` (a buffer the caller reuses; any dtype and device, converted as ``copy_`` does).
 
     Guarantee: equals ``src.index_select(1, cols)`` bit for bit (any ``cols``, sorted or not);
     with ``out``, ``out.copy_(src.index_select(1, cols))``. Edge cases: empty ``cols`` gives
     ``[out, 0]``; an index outside ``[0, in)`` raises ``IndexError`` (checked before any copy); an
-    ``out`` not shaped ``[out, len(cols)]`` raises ``ValueError``."""
+    ``out`` not shaped ``[out, len(cols)]`` raises ``ValueError``. ``queue``: see :class:`ColumnCopies`."""
     _check("gather_columns", src, cols)
     if out is not None and out.shape != (src.shape[0], cols.numel()):
         raise ValueError(f"out must be {(src.shape[0], cols.numel())}, got {tuple(out.shape)}")
@@ -93,26 +133,27 @@ def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None) -> Tens
         return picked if out is None else out.copy_(picked)
     _check_range(cols, src.shape[1])
     out = torch.empty((src.shape[0], cols.numel()), dtype=src.dtype) if out is None else out
-    _gather(_np(src), _np(cols), _np(out), False)
+    _launch(queue, _gather, (_np(src), _np(cols), _np(out), False), src.shape[0])
     return out
 
 
-def add_gathered_columns_(acc: Tensor, src: Tensor, cols: Tensor) -> Tensor:
+def add_gathered_columns_(acc: Tensor, src: Tensor, cols: Tensor, *, queue: ColumnCopies | None = None) -> Tensor:
     """``acc += src[:, cols]`` in place (one rounding per element, as torch's ``add_``); returns ``acc``.
 
     Guarantee: equals ``acc.add_(src.index_select(1, cols))`` bit for bit. Raises ``ValueError``
-    if ``acc`` is not ``[out, len(cols)]``."""
+    if ``acc`` is not ``[out, len(cols)]``. ``queue``: see :class:`ColumnCopies`."""
     _check("add_gathered_columns_", src, cols)
     if acc.shape != (src.shape[0], cols.numel()):
         raise ValueError(f"acc must be {(src.shape[0], cols.numel())}, got {tuple(acc.shape)}")
     if not _compiled(acc, src) or not cols.numel():
         return acc.add_(src.index_select(1, cols.to(src.device)).to(device=acc.device, dtype=acc.dtype))
     _check_range(cols, src.shape[1])
-    _gather(_np(src), _np(cols), _np(acc), True)
+    _launch(queue, _gather, (_np(src), _np(cols), _np(acc), True), src.shape[0])
     return acc
 
 
-def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: bool) -> Tensor:
+def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: bool,
+                   queue: ColumnCopies | None = None) -> Tensor:
     """``src[:, sel]`` as a new tensor, and in the same pass over ``src``'s rows ``acc = src[:,
     uns]`` (``add=False``) or ``acc += src[:, uns]`` (``add=True``), in place. ZenFlow's step
     reads each gradient once this way: its selected columns for the device update, the others
@@ -124,7 +165,7 @@ def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: b
     test_split_equals_a_gather_and_a_gather_and_add``). Edge cases: either index set may be empty;
     an index outside ``[0, in)`` raises ``IndexError`` before anything is written; an ``acc`` not
     ``[out, len(uns)]`` raises ``ValueError``. Tensors the compiled loop does not take (CUDA,
-    bfloat16, mixed dtypes) go through the two torch operations (and their errors)."""
+    bfloat16, mixed dtypes) go through the two torch operations (and their errors). ``queue``: see :class:`ColumnCopies`."""
     _check("split_columns_", src, sel)
     _check("split_columns_", src, uns)
     if acc.shape != (src.shape[0], uns.numel()):
@@ -139,26 +180,27 @@ def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: b
     _check_range(sel, src.shape[1])
     _check_range(uns, src.shape[1])
     picked = torch.empty((src.shape[0], sel.numel()), dtype=src.dtype)
-    _split(_np(src), _np(sel), _np(picked), _np(uns), _np(acc), add)
+    _launch(queue, _split, (_np(src), _np(sel), _np(picked), _np(uns), _np(acc), add), src.shape[0])
     return picked
 
 
-def scatter_columns_(dst: Tensor, cols: Tensor, src: Tensor) -> Tensor:
+def scatter_columns_(dst: Tensor, cols: Tensor, src: Tensor, *, queue: ColumnCopies | None = None) -> Tensor:
     """``dst[:, cols] = src`` in place; returns ``dst``.
 
     Guarantee: equals ``dst.index_copy_(1, cols, src)`` bit for bit for distinct ``cols``.
-    Raises ``ValueError`` if ``src`` is not ``[out, len(cols)]``."""
+    Raises ``ValueError`` if ``src`` is not ``[out, len(cols)]``. ``queue``: see :class:`ColumnCopies`."""
     _check("scatter_columns_", dst, cols)
     if src.shape != (dst.shape[0], cols.numel()):
         raise ValueError(f"src must be {(dst.shape[0], cols.numel())}, got {tuple(src.shape)}")
     if not _compiled(dst, src) or not cols.numel():
         return dst.index_copy_(1, cols.to(dst.device), src.to(dst.device))
     _check_range(cols, dst.shape[1])
-    _scatter(_np(dst), _np(cols), _np(src))
+    _launch(queue, _scatter, (_np(dst), _np(cols), _np(src)), dst.shape[0])
     return dst
 
 
-def scatter_two_columns_(dst: Tensor, cols_a: Tensor, src_a: Tensor, cols_b: Tensor, src_b: Tensor) -> Tensor:
+def scatter_two_columns_(dst: Tensor, cols_a: Tensor, src_a: Tensor, cols_b: Tensor, src_b: Tensor, *,
+                         queue: ColumnCopies | None = None) -> Tensor:
     """``dst[:, cols_a] = src_a`` and ``dst[:, cols_b] = src_b`` in place, in one pass over
     ``dst``'s rows; returns ``dst``. ZenFlow writes a landed host window's columns and the
     selected columns' new values into a parameter this way at a window end.
@@ -168,17 +210,17 @@ def scatter_two_columns_(dst: Tensor, cols_a: Tensor, src_a: Tensor, cols_b: Ten
     either order (``tests/test_column_copy.py::test_scatter_two_equals_two_scatters``). Edge
     cases: either set may be empty; an index outside ``[0, in)`` raises ``IndexError`` (before
     anything is written in the compiled loop); a ``src`` not ``[out, len(cols)]`` raises ``ValueError``. Tensors the
-    compiled loop does not take (CUDA, bfloat16, mixed dtypes) take the two scatters."""
+    compiled loop does not take (CUDA, bfloat16, mixed dtypes) take the two scatters. ``queue``: see :class:`ColumnCopies`."""
     _check("scatter_two_columns_", dst, cols_a)
     _check("scatter_two_columns_", dst, cols_b)
     for cols, src in ((cols_a, src_a), (cols_b, src_b)):
         if src.shape != (dst.shape[0], cols.numel()):
             raise ValueError(f"src must be {(dst.shape[0], cols.numel())}, got {tuple(src.shape)}")
     if not _compiled(dst, src_a, src_b) or not cols_a.numel() or not cols_b.numel():
-        return scatter_columns_(scatter_columns_(dst, cols_a, src_a), cols_b, src_b)
+        return scatter_columns_(scatter_columns_(dst, cols_a, src_a, queue=queue), cols_b, src_b, queue=queue)
     _check_range(cols_a, dst.shape[1])
     _check_range(cols_b, dst.shape[1])
-    _scatter_two(_np(dst), _np(cols_a), _np(src_a), _np(cols_b), _np(src_b))
+    _launch(queue, _scatter_two, (_np(dst), _np(cols_a), _np(src_a), _np(cols_b), _np(src_b)), dst.shape[0])
     return dst
 
 

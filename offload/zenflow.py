@@ -89,8 +89,11 @@ order and the window job, queued after them, sees them all. The state then carri
 job's ``Future`` under ``"window_sum_job"`` until it is waited for (``materialize`` drops it).
 On ``cpu`` the loop reads each gradient once: one pass over its rows gathers the selected
 columns for the device update and adds the unselected ones into the window sum
-(``offload.column_copy.split_columns_``), and the background thread runs its torch operations on
-one intra-op thread (the loop's own fill the cores; ``offload.worker.submit``). At a ``delay=1``
+(``offload.column_copy.split_columns_``); every weight's pass is queued and run together, each
+weight's rows split over the loop's intra-op threads (``offload.column_copy.ColumnCopies``), as
+are the writes of the selected columns into the parameters. The background thread runs its torch
+operations and column copies on one thread (the loop's own fill the cores;
+``offload.worker.submit``). At a ``delay=1``
 window end without reselection the loop writes only the landed window's counts and the
 parameters' columns (in the same pass over each parameter as this step's selected columns:
 ``offload.column_copy.scatter_two_columns_``); its master and slots are written into the host
@@ -165,7 +168,7 @@ from torch import Tensor
 from fsdpx.optim import Optimizer, Params, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
-from offload.column_copy import gather_columns, scatter_columns_, scatter_two_columns_, split_columns_
+from offload.column_copy import ColumnCopies, gather_columns, scatter_columns_, scatter_two_columns_, split_columns_
 from offload.columns import column_scores, complement, num_selected, select_columns
 from offload.worker import HOST, nbytes, to_device, to_host
 
@@ -258,6 +261,7 @@ def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = Fals
     """Scatter a finished host window into ``host``: rebinding its entries to new tensors, or,
     with ``inplace`` (a donated state), writing into the host tensors themselves. ``part``:
     ``"all"``, ``"count"`` (the per-column counts only) or ``"state"`` (master and slots only)."""
+    copies = ColumnCopies()
     for k, r in result.items():
         h = dict(host[k])
         for f, v in r.items():
@@ -266,8 +270,9 @@ def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = Fals
             if f == "count":
                 h[f] = h[f].index_copy_(0, r["cols"], v) if inplace else h[f].index_copy(0, r["cols"], v)
             elif f != "cols":
-                h[f] = scatter_columns_(h[f] if inplace else h[f].clone(), r["cols"], v)
+                h[f] = scatter_columns_(h[f] if inplace else h[f].clone(), r["cols"], v, queue=copies)
         host[k] = h
+    copies.run()
 
 
 def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict,
@@ -282,6 +287,7 @@ def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metr
     ``held[k]``: ``(columns, values)`` of weight ``k`` not written yet (its selected columns'
     step, disjoint from the window's), written in the same pass and removed from ``held``."""
     _merge_host_result(result, host, inplace, part)
+    copies = ColumnCopies()
     for k, r in result.items():
         cols = r["cols"]
         if k in frozen:
@@ -293,9 +299,11 @@ def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metr
         p = p if inplace else p.clone()
         if held and k in held:
             idx, step_value = held.pop(k)
-            params[k] = scatter_two_columns_(p, cols.to(p.device), to_device(value, p.device), idx, step_value)
+            params[k] = scatter_two_columns_(p, cols.to(p.device), to_device(value, p.device), idx, step_value,
+                                             queue=copies)
         else:
-            params[k] = scatter_columns_(p, cols.to(p.device), to_device(value, p.device))
+            params[k] = scatter_columns_(p, cols.to(p.device), to_device(value, p.device), queue=copies)
+    copies.run()
 
 
 def _write_stale(k: str, cols: Tensor, h: dict, params: Params, metrics: dict, inplace: bool) -> None:
@@ -743,6 +751,7 @@ def zenflow(
         trained = {} if opening else dict(state.get(_TRAINED, {}))  # steps trained, where fewer than the window's
         adds = []
         picked: dict[str, Tensor] = {}  # selected columns' gradients gathered in the window-sum pass
+        copies = ColumnCopies()  # every weight's pass, run together on the loop's threads
         local_stats: dict[str, Tensor] = {}
         for k in host:
             if k in frozen:
@@ -772,7 +781,7 @@ def zenflow(
                 if first:
                     acc[k] = spare
                 # the same pass over the gradient's rows gathers the selected columns for the device
-                picked[k] = split_columns_(grads[k], selected[k], acc[k], uns, add=not first)
+                picked[k] = split_columns_(grads[k], selected[k], acc[k], uns, add=not first, queue=copies)
             else:
                 sum_job = _resolve_window_sum(sum_job)
                 # On a GPU the gathered columns come down through a pinned buffer (to_host) and are
@@ -790,6 +799,7 @@ def zenflow(
                 g_sq, s_sq = v.tolist()
                 window_sq += g_sq
                 norm_sq_of_sum += s_sq
+        copies.run()
         if adds:
             sum_job = submit(_add_to_window_sum, adds, on_cpu=on_cpu)
         window_steps, since = state["window_steps"] + 1, since + 1
@@ -817,7 +827,8 @@ def zenflow(
                 if lands:
                     held[k] = (idx, master.to(p.dtype))
                 else:
-                    new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype))
+                    new_params[k] = scatter_columns_(p if inplace else p.clone(), idx, master.to(p.dtype), queue=copies)
+        copies.run()
 
         if update_interval == "auto":
             closing = host_update_due(window_steps, norm_sq_of_sum, window_sq, auto)
@@ -845,7 +856,8 @@ def zenflow(
                        new_params, metrics, inplace, part, key=_LOOP)
                 pending = None
             for k, (idx, value) in held.items():  # weights the landed window does not write
-                new_params[k] = scatter_columns_(new_params[k], idx, value)
+                new_params[k] = scatter_columns_(new_params[k], idx, value, queue=copies)
+            copies.run()
             held = {}
             divisor = window_steps if reduce == "mean" else 1
             if trained and reduce == "mean":  # a weight frozen for part of the window: its own steps

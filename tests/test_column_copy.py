@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.column_copy import (add_gathered_columns_, gather_columns, scatter_columns_, scatter_two_columns_,
-                                 split_columns_)
+from offload.column_copy import (ColumnCopies, add_gathered_columns_, gather_columns, scatter_columns_,
+                                 scatter_two_columns_, split_columns_)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]  # bfloat16 takes the torch fallback
 
@@ -124,3 +124,31 @@ def test_split_equals_a_gather_and_a_gather_and_add(dtype, add):
         split_columns_(src, sel, acc[:, 1:], uns, add=add)
     with pytest.raises(IndexError if dtype != torch.bfloat16 else RuntimeError):  # bfloat16: torch's own error
         split_columns_(src, sel, acc, torch.cat([uns[:-1], torch.tensor([31])]), add=add)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_queue_gives_the_bits_of_copies_run_at_once(dtype, threads):
+    """A step's copies queued in one ColumnCopies (a split per gradient, a scatter and a
+    two-set scatter per parameter) and run on ``threads`` threads equal the torch operations."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(1, 9), (5, 13), (33, 8)]
+    queue = ColumnCopies()
+    expected, got = [], []
+    for rows, n in shapes:
+        src = torch.randn(rows, n, generator=gen).to(dtype)
+        perm = torch.randperm(n, generator=gen)
+        sel, uns = torch.sort(perm[:3]).values, torch.sort(perm[3:]).values
+        acc = torch.randn(rows, uns.numel(), generator=gen).to(dtype)
+        dst = torch.randn(rows, n, generator=gen).to(dtype)
+        dst2, val_a, val_b = dst.clone(), src[:, :3].clone(), src[:, 3:].clone()
+        expected += [src.index_select(1, sel), acc + src.index_select(1, uns),
+                     dst.clone().index_copy_(1, sel, val_a),
+                     dst.clone().index_copy_(1, sel, val_a).index_copy_(1, uns, val_b)]
+        picked = split_columns_(src, sel, acc, uns, add=True, queue=queue)
+        got += [picked, acc, scatter_columns_(dst, sel, val_a, queue=queue),
+                scatter_two_columns_(dst2, sel, val_a, uns, val_b, queue=queue)]
+    queue.run(threads)
+    assert not queue.jobs
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
