@@ -96,22 +96,26 @@ operations and column copies on one thread (the loop's own fill the cores;
 ``offload.worker.submit``). At a ``delay=1``
 window end without reselection the loop writes only the landed window's counts and the
 parameters' columns (in the same pass over each parameter as this step's selected columns:
-``offload.column_copy.scatter_two_columns_``); its master and slots are written into the host
-tensors by the background thread just before the next window's deferred gathers
-(``_merge_then``), which it skips where the next window updates the landed window's very
-columns (no reselection at the window end before): the merged buffers hold its inputs already. A reselection or
-``delay=0`` waits for the queued adds and merges on the loop.
+``offload.column_copy.scatter_two_columns_``). Where the next window updates the landed
+window's very columns (no reselection since), it takes the landed master and slots as its
+inputs and updates them in place: they are never written into the host tensors, nor gathered
+from them (*carried*, ``_carried``). Other weights' landed master and slots are written into
+the host tensors by the background thread just before the next window's deferred gathers
+(``_merge_then``). A reselection or ``delay=0`` waits for the queued adds and merges on the
+loop.
 
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
 the full-shape master, ``inner`` slots and per-column ``count`` (authoritative for unselected
-columns), ``device[name]`` the ``[out, n_selected]`` master and slots of the selected columns,
+columns, but for the master and slots of columns an in-flight window carries on from the
+landed one: its result replaces them when it lands, and nothing reads them before), ``device[name]`` the ``[out, n_selected]`` master and slots of the selected columns,
 ``selected``/``unselected`` the sorted column indices and ``acc`` the open window's gradient
 sum; other parameters have their full state in ``device[name]``. Read it merged with
 ``element_state``. It may hold one ``Future``, the in-flight host window of ``delay=1,
 overlap=True``: ``materialize(state)`` waits for it and returns a plain-data state that continues
 bit for bit like the original (so it can be saved, in-flight window included). ``update`` is
 pure: the same inputs give the same outputs bit for bit, except the clock reading
-``state["metrics"]["host_wait_s"]``; its background job only reads copies it owns.
+``state["metrics"]["host_wait_s"]``; its background job only reads copies it owns and finished
+host results (which nothing writes).
 ``update_inplace`` (a donated state) gives the same bits, writing the window sum, the host state
 and the parameters' columns in place; its background job gathers the columns it updates from the
 host tensors themselves, which nothing writes until the next window end has resolved the job.
@@ -257,15 +261,20 @@ def _host_window(inner: Optimizer, slot_names: list[str], divisor: int | dict[st
 # --- state plumbing (out of place; in place on a donated state) ------------------------------
 
 
-def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = False, part: str = "all") -> None:
+def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = False, part: str = "all",
+                       counts_only: frozenset[str] = frozenset()) -> None:
     """Scatter a finished host window into ``host``: rebinding its entries to new tensors, or,
     with ``inplace`` (a donated state), writing into the host tensors themselves. ``part``:
-    ``"all"``, ``"count"`` (the per-column counts only) or ``"state"`` (master and slots only)."""
+    ``"all"``, ``"count"`` (the per-column counts only) or ``"state"`` (master and slots only);
+    a weight in ``counts_only`` gets its counts at most."""
     copies = ColumnCopies()
     for k, r in result.items():
+        this = part if k not in counts_only else {"all": "count", "count": "count", "state": None}[part]
+        if this is None:
+            continue
         h = dict(host[k])
         for f, v in r.items():
-            if (part == "count") != (f == "count") and part != "all":
+            if (this == "count") != (f == "count") and this != "all":
                 continue
             if f == "count":
                 h[f] = h[f].index_copy_(0, r["cols"], v) if inplace else h[f].index_copy(0, r["cols"], v)
@@ -277,16 +286,18 @@ def _merge_host_result(result: dict[str, dict], host: dict, inplace: bool = Fals
 
 def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metrics: dict,
                        inplace: bool = False, part: str = "all", *, frozen: frozenset[str] = frozenset(),
-                       stale: dict[str, Tensor] | None = None, held: dict[str, tuple[Tensor, Tensor]] | None = None
-                       ) -> None:
+                       stale: dict[str, Tensor] | None = None, held: dict[str, tuple[Tensor, Tensor]] | None = None,
+                       carried: Mapping[str, dict] | None = None) -> None:
     """Write a finished host window into the host state (``part`` of it, as in
     :func:`_merge_host_result`) and the parameters: rebinding entries of the caller's fresh
     ``host`` / ``params`` dicts, or with ``inplace`` (donated state and parameters) writing into
     their tensors. A weight in ``frozen`` keeps its parameter: its columns are added to
     ``stale[k]``, written from the master when it trains again (:func:`_write_stale`).
     ``held[k]``: ``(columns, values)`` of weight ``k`` not written yet (its selected columns'
-    step, disjoint from the window's), written in the same pass and removed from ``held``."""
-    _merge_host_result(result, host, inplace, part)
+    step, disjoint from the window's), written in the same pass and removed from ``held``.
+    ``carried``: weights whose landed master and slots the next window takes as its inputs
+    (:func:`_carried`): only their counts go into ``host``."""
+    _merge_host_result(result, host, inplace, part, counts_only=frozenset(carried or ()))
     copies = ColumnCopies()
     for k, r in result.items():
         cols = r["cols"]
@@ -343,13 +354,34 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
     return new_h, new_d
 
 
-def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer: bool = False) -> dict:
+def _carried(landed: dict[str, dict] | None, later_cols: Mapping[str, Tensor], frozen: frozenset[str]) -> dict[str, dict]:
+    """The weights whose landed window result the next window takes as its inputs instead of
+    the host tensors: a weight that trains at this window end and whose next window updates
+    exactly the landed window's columns (``delay=1``, no reselection of it since). Their master
+    and slots are never written into the host tensors, whose copy of those columns is then
+    older than the in-flight window's result and read by nobody: the result replaces it when
+    it lands (``tests/test_zenflow.py::test_a_carried_window_writes_no_host_column``). A frozen
+    weight's landed result is merged as usual: it waits in the master for the weight to train
+    again (:func:`_write_stale`)."""
+    if not landed:
+        return {}
+    return {k: r for k, r in landed.items()
+            if k not in frozen and k in later_cols and torch.equal(r["cols"], later_cols[k])}
+
+
+def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer: bool = False,
+                carry: dict | None = None) -> dict:
     """What the host update of ``cols`` reads: copies owned by the job, or with ``defer`` the
     host tensors themselves under ``"deferred"``, for the job to gather its columns from when it
     runs (the donated path: nothing writes those columns of those tensors until the job is
-    resolved, so the gathers move off the training loop onto the host worker)."""
+    resolved, so the gathers move off the training loop onto the host worker). ``carry``: the
+    landed window's result on these very columns (:func:`_carried`): its master and slots are
+    the inputs, taken as they are (a donated, overlapped job updates them in place)."""
     grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols))
     count = h["count"][cols]
+    if carry is not None:
+        return {"cols": cols, "grad": grad, **{f: t for f, t in carry.items() if f not in ("cols", "count")},
+                "count": count}
     if defer:
         return {"cols": cols, "grad": grad, "count": count, "deferred": {f: t for f, t in h.items() if f != "count"}}
     job = {f: gather_columns(t, cols) for f, t in h.items() if f != "count"}
@@ -421,13 +453,17 @@ def _add_to_window_sum(adds: list[tuple[Tensor, Tensor, Callable[[], None], bool
 def _share_written(later: dict[str, dict], landed: dict[str, dict], merged: dict[str, dict]) -> None:
     """Move to shared memory (once: a no-op for a tensor already there) the host tensors a donated
     window job writes or reads in bulk, so the worker process works on them in place: the window
-    sums, the host master and slots its gathers read, those its merge writes (``merged``: every
-    weight of the landed window, a frozen one too, which has no new window), and the landed
-    window's result buffers it gathers into. Its column indices and counts go by value."""
+    sums, the host master and slots its gathers read (or the landed result it carries on:
+    :func:`_carried`), those its merge writes (``merged``: every weight of the landed window
+    but the carried ones, a frozen one too, which has no new window), and the landed window's
+    result buffers it gathers into. Its column indices and counts go by value."""
     for job in later.values():
-        job["grad"].share_memory_()
-        for t in job.get("deferred", {}).values():
-            t.share_memory_()
+        for f, t in job.items():
+            if f == "deferred":
+                for d in t.values():
+                    d.share_memory_()
+            elif f not in ("cols", "count"):
+                t.share_memory_()
     for trees, skip in ((landed, ("cols", "count")), (merged, ("count",))):
         for r in trees.values():
             for f, t in r.items():
@@ -844,54 +880,59 @@ def zenflow(
             # A donated, overlapped delay=1 window end without reselection reads no host column on
             # the loop: the landed window's master and slots are written into the host state by the
             # background thread, just before it gathers the next window's inputs (materialize waits
-            # for both). The loop writes only the counts and the parameters' columns.
+            # for both), or not at all where the next window carries them on (below). The loop
+            # writes only the counts and the parameters' columns.
             defer_merge = inplace and overlap and delay == 1 and not reselect
             if not defer_merge:
                 sum_job = _timed(metrics, _resolve_window_sum, sum_job)
-            landed = None
-            if pending is not None:  # delay=1: the previous window lands now
-                landed = _timed(metrics, worker.resolve, pending["result"])
-                part = "count" if defer_merge else "all"
-                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale, held=held), landed, host,
-                       new_params, metrics, inplace, part, key=_LOOP)
-                pending = None
-            for k, (idx, value) in held.items():  # weights the landed window does not write
-                new_params[k] = scatter_columns_(new_params[k], idx, value, queue=copies)
-            copies.run()
-            held = {}
+            landed = _timed(metrics, worker.resolve, pending["result"]) if pending is not None else None
             divisor = window_steps if reduce == "mean" else 1
             if trained and reduce == "mean":  # a weight frozen for part of the window: its own steps
                 divisor = {k: trained.get(k, window_steps) for k in acc}
             # delay=0 needs every result now. delay=1 defers all but the entering columns, whose
             # result must land before the device owns them (the one synchronous exception).
-            now, later = {}, {}
+            now_cols, later_cols = {}, {}
             for k in host:
                 if k not in acc:  # every column selected, or frozen for the whole window
                     continue
                 uns = unselected[k]
                 entering = uns[torch.isin(uns, reselect[k])] if k in reselect else uns[:0]
-                now_cols = uns if delay == 0 else entering
-                later_cols = uns[~torch.isin(uns, now_cols)]
-                if now_cols.numel():
-                    now[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, now_cols, key=_LOOP)
-                if later_cols.numel():
-                    later[k] = _timed(metrics, partial(_job_inputs, defer=inplace and overlap), host[k], acc[k],
-                                      uns, later_cols, key=_LOOP)
+                now_cols[k] = uns if delay == 0 else entering
+                later_cols[k] = uns[~torch.isin(uns, now_cols[k])]
+            carried = _carried(landed, later_cols, frozen)
+            if landed is not None:  # delay=1: the previous window lands now
+                part = "count" if defer_merge else "all"
+                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale, held=held, carried=carried),
+                       landed, host, new_params, metrics, inplace, part, key=_LOOP)
+                pending = None
+            for k, (idx, value) in held.items():  # weights the landed window does not write
+                new_params[k] = scatter_columns_(new_params[k], idx, value, queue=copies)
+            copies.run()
+            held = {}
+            now, later = {}, {}
+            for k in now_cols:
+                uns = unselected[k]
+                if now_cols[k].numel():
+                    now[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, now_cols[k], key=_LOOP)
+                if later_cols[k].numel():
+                    later[k] = _timed(metrics, partial(_job_inputs, defer=inplace and overlap, carry=carried.get(k)),
+                                      host[k], acc[k], uns, later_cols[k], key=_LOOP)
             if now:
                 result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
                 _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale), result, host, new_params,
                        metrics, inplace, key=_LOOP)
-            if defer_merge and landed and not later:  # nothing to hand the merge to: write it here
-                _timed(metrics, _merge_host_result, landed, host, True, "state", key=_LOOP)
+            merging = {k: r for k, r in (landed or {}).items() if k not in carried} if defer_merge else {}
+            if merging and not later:  # nothing to hand the merge to: write it here
+                _timed(metrics, _merge_host_result, merging, host, True, "state", key=_LOOP)
             if later:
                 job = partial(_host_window, inner, slot_names, divisor, later, owned=inplace and overlap)
-                merged = {k: host[k] for k in landed} if defer_merge and landed else {}
+                merged = {k: host[k] for k in merging}
                 if merged:
-                    job = partial(_merge_then, landed, merged, job)
+                    job = partial(_merge_then, merging, merged, job)
                 elif landed and inplace and overlap:  # merged above: its tensors are free to gather into
-                    job = partial(job, into=landed)
+                    job = partial(job, into={k: r for k, r in landed.items() if k not in carried})
                 if overlap and host_process and inplace:
-                    _timed(metrics, _share_written, later, landed if merged else {}, merged, key=_LOOP)
+                    _timed(metrics, _share_written, later, merging, merged, key=_LOOP)
                 pending = {"result": submit(job, on_cpu=on_cpu) if overlap else _timed(metrics, job)}
             sum_job = None  # the window job (or the resolve above) runs after every add
             for k, sel in reselect.items():

@@ -245,3 +245,21 @@ def test_a_zero3_zenflow_run_under_a_schedule_follows_one_process_and_resumes_bi
     one, a, b = (_records(tmp_path / n) for n in ("one", "straight", "resumed"))
     assert [(r["step"], r["loss"]) for r in a] == [(r["step"], r["loss"]) for r in b] and len(a) == 8
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_weight_frozen_at_a_window_end_then_training_again_gets_the_window_that_landed(donate):
+    """No column selected (topk 0), delay=1, windows of 2: w trains at steps 0-4, is frozen at
+    step 5 (the end of window 3, where window 2 lands) and trains again at step 6, while window
+    3 (its step 4) is still in flight. Step 6 writes window 2's result into w: its master holds
+    it, though window 3 goes on from it (ZenFlow carries a landed window into the next one only
+    for a weight that trains at that window end: ``offload.zenflow._carried``)."""
+    params, grads = _problem(7, F64)
+    frozen = lambda t: {"w"} if t == 5 else set()  # noqa: E731
+    opt = offload.zenflow(INNER, topk_ratio=0.0, update_interval=2, select_interval=2, delay=1, overlap=True)
+    history, _ = _run(opt, params, grads, frozen, donate=donate)
+    state = INNER.init({"w": params["w"]})
+    p1, state = INNER.update({"w": (grads[0]["w"] + grads[1]["w"]) / 2}, state, {"w": params["w"]})  # window 1
+    p2, _ = INNER.update({"w": (grads[2]["w"] + grads[3]["w"]) / 2}, state, p1)  # window 2
+    assert all(torch.equal(history[t]["w"], p1["w"]) for t in (3, 4, 5))  # window 1 landed at step 3
+    assert torch.equal(history[6]["w"], p2["w"])

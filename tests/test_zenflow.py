@@ -322,10 +322,10 @@ def test_reused_window_buffers_are_never_written_while_a_held_job_reads_them(mon
     assert len(seen) < 2 * len(grads) // 3  # window sums were reused, not allocated per window
 
 
-def test_donated_window_end_merges_the_landed_window_before_the_next_job():
+def test_donated_window_end_leaves_the_landed_window_to_the_next_job():
     """A donated ``delay=1`` window end without reselection leaves the landed window's master
     and slots to the background thread; ``materialize`` (and so ``element_state``) shows them
-    merged, exactly as ``update`` does on the loop."""
+    as ``update`` does on the loop."""
     gen = torch.Generator().manual_seed(31)
     params = {"w": torch.randn(5, 8, dtype=F64, generator=gen)}
     grads = [{"w": torch.randn(5, 8, dtype=F64, generator=gen)} for _ in range(6)]
@@ -342,8 +342,9 @@ def test_donated_window_end_merges_the_landed_window_before_the_next_job():
 
 def test_a_window_on_the_landed_windows_columns_reads_no_host_column(monkeypatch):
     """A donated ``delay=1`` window end without reselection hands the job the landed window's
-    buffers, merged into the host state and holding the job's columns already: after the first
-    window's job (which has no landed window) no column of the host master or slots is gathered, and every step still equals ``update`` bit for bit."""
+    buffers, holding the job's columns already: after the first window's job (which has no
+    landed window) no column of the host master or slots is gathered, and every step still
+    equals ``update`` bit for bit."""
     zf = importlib.import_module("offload.zenflow")
     read: list[int] = []
 
@@ -367,6 +368,36 @@ def test_a_window_on_the_landed_windows_columns_reads_no_host_column(monkeypatch
             read.clear()
         _assert_same_tree(p, pure_p)
     assert not host & set(read)
+    _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_carried_window_writes_no_host_column(donate, overlap):
+    """``delay=1``, no reselection: from the second window end on, each window takes the landed
+    window's master and slots as its inputs (carried), so the host tensors' master and slots are
+    never written again (they still hold the initial values), while every step, the merged
+    element state and the checkpoint form equal those of the same run without donation and
+    overlap."""
+    gen = torch.Generator().manual_seed(43)
+    params = {"w": torch.randn(5, 8, dtype=F64, generator=gen)}
+    grads = [{"w": torch.randn(5, 8, dtype=F64, generator=gen)} for _ in range(10)]
+    opt = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=100, delay=1, overlap=overlap)
+    plain = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=100, delay=1, overlap=False)
+    pure_state, pure_p, state, p = _twins(plain, params)
+    update = opt.update_inplace if donate else opt.update
+    for t, g in enumerate(grads, start=1):
+        pure_p, pure_state = plain.update(g, pure_state, pure_p)
+        p, state = update(g, state, p)
+        state = offload.materialize(state) if t % 3 == 0 else state  # a state saved now and then
+        if t == 2:
+            first = {f: v.clone() for f, v in state["host"]["w"].items() if f != "count"}
+        uns = state["unselected"]["w"]
+        if t >= 2:
+            assert all(torch.equal(state["host"]["w"][f][:, uns], first[f][:, uns]) for f in first), t
+        _assert_same_tree(p, pure_p)
+        _assert_same_tree(offload.element_state(state), offload.element_state(pure_state))
+    assert torch.equal(first["master"], params["w"])
     _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
 
 
