@@ -333,7 +333,10 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
     the device. ``old`` and ``new`` are sorted host index tensors. Returns ``(host, device)``.
     ``inplace`` (a donated state): the leaving columns are written into the host tensors
     themselves, not into copies of them (a window job in flight reads only unselected columns,
-    never these)."""
+    never these), and a selection of the same size is laid out in the device tensors themselves
+    (after the step's writes of them into the parameters), so that a reselection allocates no
+    lasting memory (a new ``[rows, n_selected]`` tensor per slot each time grew the host heap
+    now and then: page faults)."""
     leaving = ~torch.isin(old, new)
     entering = ~torch.isin(new, old)
     dev = d["master"].device
@@ -344,8 +347,9 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
             v = to_host(gather_columns(t, leaving.nonzero().squeeze(1).to(dev)))
             metrics["d2h_bytes"] += nbytes(v)
             new_h[f] = scatter_columns_(h[f] if inplace else h[f].clone(), old[leaving], v)
-        out = torch.empty((t.shape[0], new.numel()), dtype=t.dtype, device=dev)
-        scatter_columns_(out, kept_new, gather_columns(t, kept_old))
+        same_size = inplace and t.shape[1] == new.numel()
+        out = t if same_size else torch.empty((t.shape[0], new.numel()), dtype=t.dtype, device=dev)
+        scatter_columns_(out, kept_new, gather_columns(t, kept_old))  # the kept columns read before any write
         if entering.any():
             v = to_device(gather_columns(h[f], new[entering]), dev)
             metrics["h2d_bytes"] += nbytes(v)

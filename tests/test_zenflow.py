@@ -371,6 +371,27 @@ def test_a_window_on_the_landed_windows_columns_reads_no_host_column(monkeypatch
     _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
 
 
+def test_a_donated_reselection_lays_the_new_selection_out_in_the_device_tensors_themselves():
+    """Reselections every window (the column scores cycle, so the selection changes) keep the
+    device master and slots in the same storage, and every step equals ``update``."""
+    params, grads = _weights_and_grads(47, F64, rows=4, cols=9, out=3, steps=12, period=3)
+    opt = offload.zenflow(INNER, topk_ratio=0.34, update_interval=2, select_interval=2, delay=1, overlap=True)
+    pure_state, pure_p, state, p = _twins(opt, params)
+    storage = None
+    changed = 0
+    for t, g in enumerate(grads, start=1):
+        pure_p, pure_state = opt.update(g, pure_state, pure_p)
+        before = state["selected"]
+        p, state = opt.update_inplace(g, state, p)
+        ptrs = {(k, f): v.data_ptr() for k, d in state["device"].items() if k in state["host"] for f, v in d.items()}
+        storage = storage or ptrs
+        assert ptrs == storage, t
+        changed += before is not None and not torch.equal(before["w"], state["selected"]["w"])
+        _assert_same_tree(p, pure_p)
+    assert changed >= 2
+    _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
+
+
 @pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_carried_window_writes_no_host_column(donate, overlap):
