@@ -53,7 +53,9 @@ freed block's pages go back to the kernel (and fault in again next step) follows
 and trim thresholds, which move with the allocation history (no offload's own count moved between
 124 and 2851 a step from run to run). ``--host-pages keep`` gives every mode's process the settings
 ``privacy/host_pages.py`` gives a private step (freed pages stay mapped), so the count is what a
-step newly needs.
+step newly needs. ZenFlow's first reselection (step 16 of its process) grows the heap once
+(thousands of faults at steps 16-17); ``--warmup 20`` times a steady selection period (steps
+21-36, the reselection of step 32 included).
 
 Caveat of a CPU-only machine: "device" and "host" are the same cores, so copies cost a memory
 copy, not a PCIe transfer, and ZenFlow's background host update competes with the forward and

@@ -95,9 +95,10 @@ class ColumnCopies:
         run_rows(jobs, threads)
 
 
-def _launch(queue: ColumnCopies | None, kernel, args: tuple, rows: int) -> None:  # noqa: ANN001
-    """Run ``kernel`` over ``rows`` rows now (split over the caller's threads), or queue it."""
-    job = RowJob(kernel, args, rows)
+def _launch(queue: ColumnCopies | None, kernel, args: tuple, rows: int, size: int) -> None:  # noqa: ANN001
+    """Run ``kernel`` over ``rows`` rows now (split over the caller's threads), or queue it;
+    ``size``: the elements it copies."""
+    job = RowJob(kernel, args, rows, size)
     if queue is None:
         run_rows([job])
     else:
@@ -117,14 +118,16 @@ def _check(name: str, t: Tensor, cols: Tensor) -> None:
         raise ValueError(f"{name} needs a 2-D tensor and 1-D column indices, got {tuple(t.shape)} and {tuple(cols.shape)}")
 
 
-def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None, *, queue: ColumnCopies | None = None) -> Tensor:
+def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None, *,
+                   queue: ColumnCopies | None = None) -> Tensor:
     """``src[:, cols]`` as a new ``[out, len(cols)]`` tensor on ``src``'s device, or written into
     ``out`` (a buffer the caller reuses; any dtype and device, converted as ``copy_`` does).
 
     Guarantee: equals ``src.index_select(1, cols)`` bit for bit (any ``cols``, sorted or not);
     with ``out``, ``out.copy_(src.index_select(1, cols))``. Edge cases: empty ``cols`` gives
     ``[out, 0]``; an index outside ``[0, in)`` raises ``IndexError`` (checked before any copy); an
-    ``out`` not shaped ``[out, len(cols)]`` raises ``ValueError``. ``queue``: see :class:`ColumnCopies`."""
+    ``out`` not shaped ``[out, len(cols)]`` raises ``ValueError``. ``queue``: see
+    :class:`ColumnCopies`."""
     _check("gather_columns", src, cols)
     if out is not None and out.shape != (src.shape[0], cols.numel()):
         raise ValueError(f"out must be {(src.shape[0], cols.numel())}, got {tuple(out.shape)}")
@@ -133,7 +136,7 @@ def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None, *, queu
         return picked if out is None else out.copy_(picked)
     _check_range(cols, src.shape[1])
     out = torch.empty((src.shape[0], cols.numel()), dtype=src.dtype) if out is None else out
-    _launch(queue, _gather, (_np(src), _np(cols), _np(out), False), src.shape[0])
+    _launch(queue, _gather, (_np(src), _np(cols), _np(out), False), src.shape[0], out.numel())
     return out
 
 
@@ -148,7 +151,7 @@ def add_gathered_columns_(acc: Tensor, src: Tensor, cols: Tensor, *, queue: Colu
     if not _compiled(acc, src) or not cols.numel():
         return acc.add_(src.index_select(1, cols.to(src.device)).to(device=acc.device, dtype=acc.dtype))
     _check_range(cols, src.shape[1])
-    _launch(queue, _gather, (_np(src), _np(cols), _np(acc), True), src.shape[0])
+    _launch(queue, _gather, (_np(src), _np(cols), _np(acc), True), src.shape[0], acc.numel())
     return acc
 
 
@@ -165,7 +168,8 @@ def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: b
     test_split_equals_a_gather_and_a_gather_and_add``). Edge cases: either index set may be empty;
     an index outside ``[0, in)`` raises ``IndexError`` before anything is written; an ``acc`` not
     ``[out, len(uns)]`` raises ``ValueError``. Tensors the compiled loop does not take (CUDA,
-    bfloat16, mixed dtypes) go through the two torch operations (and their errors). ``queue``: see :class:`ColumnCopies`."""
+    bfloat16, mixed dtypes) go through the two torch operations (and their errors). ``queue``:
+    see :class:`ColumnCopies`."""
     _check("split_columns_", src, sel)
     _check("split_columns_", src, uns)
     if acc.shape != (src.shape[0], uns.numel()):
@@ -180,7 +184,7 @@ def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: b
     _check_range(sel, src.shape[1])
     _check_range(uns, src.shape[1])
     picked = torch.empty((src.shape[0], sel.numel()), dtype=src.dtype)
-    _launch(queue, _split, (_np(src), _np(sel), _np(picked), _np(uns), _np(acc), add), src.shape[0])
+    _launch(queue, _split, (_np(src), _np(sel), _np(picked), _np(uns), _np(acc), add), src.shape[0], src.numel())
     return picked
 
 
@@ -195,7 +199,7 @@ def scatter_columns_(dst: Tensor, cols: Tensor, src: Tensor, *, queue: ColumnCop
     if not _compiled(dst, src) or not cols.numel():
         return dst.index_copy_(1, cols.to(dst.device), src.to(dst.device))
     _check_range(cols, dst.shape[1])
-    _launch(queue, _scatter, (_np(dst), _np(cols), _np(src)), dst.shape[0])
+    _launch(queue, _scatter, (_np(dst), _np(cols), _np(src)), dst.shape[0], src.numel())
     return dst
 
 
@@ -210,7 +214,8 @@ def scatter_two_columns_(dst: Tensor, cols_a: Tensor, src_a: Tensor, cols_b: Ten
     either order (``tests/test_column_copy.py::test_scatter_two_equals_two_scatters``). Edge
     cases: either set may be empty; an index outside ``[0, in)`` raises ``IndexError`` (before
     anything is written in the compiled loop); a ``src`` not ``[out, len(cols)]`` raises ``ValueError``. Tensors the
-    compiled loop does not take (CUDA, bfloat16, mixed dtypes) take the two scatters. ``queue``: see :class:`ColumnCopies`."""
+    compiled loop does not take (CUDA, bfloat16, mixed dtypes) take the two scatters. ``queue``:
+    see :class:`ColumnCopies`."""
     _check("scatter_two_columns_", dst, cols_a)
     _check("scatter_two_columns_", dst, cols_b)
     for cols, src in ((cols_a, src_a), (cols_b, src_b)):
@@ -220,7 +225,8 @@ def scatter_two_columns_(dst: Tensor, cols_a: Tensor, src_a: Tensor, cols_b: Ten
         return scatter_columns_(scatter_columns_(dst, cols_a, src_a, queue=queue), cols_b, src_b, queue=queue)
     _check_range(cols_a, dst.shape[1])
     _check_range(cols_b, dst.shape[1])
-    _launch(queue, _scatter_two, (_np(dst), _np(cols_a), _np(src_a), _np(cols_b), _np(src_b)), dst.shape[0])
+    _launch(queue, _scatter_two, (_np(dst), _np(cols_a), _np(src_a), _np(cols_b), _np(src_b)), dst.shape[0],
+            src_a.numel() + src_b.numel())
     return dst
 
 

@@ -13,15 +13,24 @@ from __future__ import annotations
 
 import math
 
+import numba
+import numpy as np
 import torch
 from torch import Tensor
+
+from offload.row_team import RowJob, run_rows
 
 
 def column_scores(grad: Tensor) -> Tensor:
     """Squared L2 norm of each column of a 2-D gradient ``[out, in]``, as a float64 ``Tensor[in]``.
 
     Guarantees:
-      - ``scores[j] == sum_i grad[i, j] ** 2``, accumulated in float64 on ``grad``'s device.
+      - ``scores[j] == sum_i grad[i, j] ** 2``, accumulated in float64 on ``grad``'s device. On
+        the CPU (float32 and float64) one compiled pass adds the rows in order, ``i = 0, 1, ...``,
+        with no float64 copy of the gradient, its columns split over the caller's intra-op
+        threads (each column summed by one thread: the bits do not depend on the count;
+        ``tests/test_offload_columns.py::test_cpu_scores_add_the_rows_in_order``); elsewhere
+        torch's ``sum``.
       - Row-shard decomposable: for row shards ``grad = cat(shards, 0)``, the scores of the shards
         summed in rank order equal ``column_scores(grad)``; bit for bit whenever the sums are exact
         in float64 (every float32/bf16 square is exact in float64; integer-valued or few-bit
@@ -34,7 +43,26 @@ def column_scores(grad: Tensor) -> Tensor:
     not 2-D."""
     if grad.dim() != 2:
         raise ValueError(f"column_scores needs a 2-D [out, in] gradient, got shape {tuple(grad.shape)}")
-    return grad.to(torch.float64).square().sum(dim=0)
+    if grad.device.type != "cpu" or grad.dtype not in (torch.float32, torch.float64):
+        return grad.to(torch.float64).square().sum(dim=0)
+    scores = torch.zeros(grad.shape[1], dtype=torch.float64)
+    if grad.shape[0]:
+        run_rows([RowJob(_column_squares, (grad.detach().numpy(), scores.numpy()), grad.shape[1], grad.numel())])
+    return scores
+
+
+@numba.njit(nogil=True, cache=True)
+def _column_squares(g, out, c0, c1):  # noqa: ANN001, ANN202
+    """``out[j] = sum_i g[i, j] ** 2`` in float64 for columns ``c0 <= j < c1``, rows in order (an
+    ``offload.row_team.RowJob`` whose ranges are columns: each touches only its own ``out[j]``).
+    The sums live in an array of the loop's own until the end, which the compiler can vectorise
+    (it cannot prove ``out`` apart from ``g``)."""
+    acc = np.zeros(c1 - c0, np.float64)
+    for i in range(g.shape[0]):
+        row = g[i, c0:c1]
+        for j in range(c1 - c0):
+            acc[j] = acc[j] + np.float64(row[j]) * np.float64(row[j])
+    out[c0:c1] = acc
 
 
 def num_selected(n_columns: int, topk_ratio: float) -> int:

@@ -107,7 +107,8 @@ loop.
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
 the full-shape master, ``inner`` slots and per-column ``count`` (authoritative for unselected
 columns, but for the master and slots of columns an in-flight window carries on from the
-landed one: its result replaces them when it lands, and nothing reads them before), ``device[name]`` the ``[out, n_selected]`` master and slots of the selected columns,
+landed one: its result replaces them when it lands, and nothing reads them before),
+``device[name]`` the ``[out, n_selected]`` master and slots of the selected columns,
 ``selected``/``unselected`` the sorted column indices and ``acc`` the open window's gradient
 sum; other parameters have their full state in ``device[name]``. Read it merged with
 ``element_state``. It may hold one ``Future``, the in-flight host window of ``delay=1,
@@ -358,7 +359,8 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
     return new_h, new_d
 
 
-def _carried(landed: dict[str, dict] | None, later_cols: Mapping[str, Tensor], frozen: frozenset[str]) -> dict[str, dict]:
+def _carried(landed: dict[str, dict] | None, later_cols: Mapping[str, Tensor],
+             frozen: frozenset[str]) -> dict[str, dict]:
     """The weights whose landed window result the next window takes as its inputs instead of
     the host tensors: a weight that trains at this window end and whose next window updates
     exactly the landed window's columns (``delay=1``, no reselection of it since). Their master

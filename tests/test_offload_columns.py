@@ -102,3 +102,22 @@ def test_float_row_shards_select_the_same_columns_and_scores_agree_to_rounding()
             summed = summed + p
         torch.testing.assert_close(summed, full, rtol=37 * 2**-52, atol=0)
         assert torch.equal(select_columns(summed, 0.1), select_columns(full, 0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_scores_add_the_rows_in_order(dtype, threads):
+    """Each column's float64 sum of squares adds the rows in order, bit for bit, on any number
+    of threads, for row-major and transposed storage alike."""
+    gen = torch.Generator().manual_seed(5)
+    g = (torch.randn(67, 13, generator=gen, dtype=torch.float64) * torch.logspace(-8, 8, 13, dtype=torch.float64)).to(dtype)
+    want = torch.zeros(13, dtype=torch.float64)
+    for row in g.to(torch.float64):
+        want = want + row * row
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.equal(column_scores(g), want)
+        assert torch.equal(column_scores(g.t().contiguous().t()), want)
+    finally:
+        torch.set_num_threads(before)

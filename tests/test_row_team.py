@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numba
 import numpy as np
@@ -48,17 +49,27 @@ def test_any_thread_count_gives_the_sequential_bits(threads):
 
 
 def test_ranges_run_on_the_caller_and_helper_threads():
-    """With 3 threads a job's rows run as three ranges, the first on the caller, the others on
-    helper threads: the split is real, not one loop on the caller."""
-    seen: dict[int, int] = {}
+    """With 3 threads a job's rows are cut into ranges that cover them once, taken by the caller
+    and by helper threads: the split is real, not one loop on the caller."""
+    seen: list[tuple[int, int, int]] = []
 
     def record(r0, r1):  # noqa: ANN001, ANN202
-        seen[r0] = threading.get_ident()
+        seen.append((r0, r1, threading.get_ident()))
+        time.sleep(0.02)  # releases the GIL, as a compiled nogil loop does
 
-    run_rows([RowJob(record, (), 9)], threads=3)
-    assert sorted(seen) == [0, 3, 6]
-    assert seen[0] == threading.get_ident()
-    assert threading.get_ident() not in (seen[3], seen[6])
+    run_rows([RowJob(record, (), 12)], threads=3)
+    ranges = sorted((r0, r1) for r0, r1, _ in seen)
+    assert [r for r0, r1 in ranges for r in range(r0, r1)] == list(range(12))
+    caller = threading.get_ident()
+    assert any(t == caller for *_, t in seen) and any(t != caller for *_, t in seen)
+
+
+def test_a_small_batch_runs_on_the_caller_alone():
+    """Jobs that say they touch few elements (a column copy of a narrow slice) are not handed to
+    helper threads: the hand-off would cost more than it saves."""
+    seen: list[int] = []
+    run_rows([RowJob(lambda r0, r1: seen.append(threading.get_ident()), (), 12, size=100)] * 2, threads=3)
+    assert seen == [threading.get_ident()] * 2
 
 
 def test_a_failing_range_is_raised_after_every_range_ran():
@@ -66,12 +77,13 @@ def test_a_failing_range_is_raised_after_every_range_ran():
 
     def kernel(r0, r1):  # noqa: ANN001, ANN202
         ran.append(r0)
-        if r0 > 0:
+        time.sleep(0.01)
+        if r0 >= 6:
             raise ValueError(f"rows from {r0}")
 
     with pytest.raises(ValueError, match="rows from"):
-        run_rows([RowJob(kernel, (), 4)], threads=2)
-    assert sorted(ran) == [0, 2]
+        run_rows([RowJob(kernel, (), 12)], threads=2)
+    assert sorted(ran) == [0, 3, 6, 9]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -84,7 +96,7 @@ def test_a_forked_child_makes_its_own_helpers():
         try:
             ran = []
             run_rows([RowJob(lambda r0, r1: ran.append(r0), (), 4)], threads=2)
-            os._exit(0 if sorted(ran) == [0, 2] else 1)
+            os._exit(0 if sorted(ran) == [0, 1, 2, 3] else 1)
         except BaseException:
             os._exit(1)
     _, status = os.waitpid(pid, 0)
