@@ -81,9 +81,10 @@ class ColumnCopies:
     Pass it as ``queue=`` to the functions below: they check their arguments at once (an error
     writes nothing), do a copy the compiled loop does not take (CUDA, bfloat16) at once with the
     torch operation, and queue the others; a returned tensor is written when :meth:`run` returns.
-    The queued copies must write distinct tensors that none of them reads (ZenFlow's step: each
-    weight's gradient split into its own window sum, each parameter's own columns written), so
-    their order does not matter and the bits are those of running each at once
+    The queued copies must write distinct elements that none of them reads (ZenFlow's step: each
+    weight's gradient split into its own window sum, each parameter's own columns written; two
+    scatters into disjoint columns of one tensor are fine), so their order does not matter and
+    the bits are those of running each at once
     (``tests/test_column_copy.py::test_a_queue_gives_the_bits_of_copies_run_at_once``)."""
 
     def __init__(self) -> None:
