@@ -120,15 +120,17 @@ class TimedTechnique:
                 now = time.perf_counter()
                 f.write(json.dumps({"step": s, "step_seconds": now - last, "elapsed_seconds": now - t0}) + "\n")
                 last = now
-        (self.log / f"{task.name}.json").write_text(json.dumps(
+        (self.log / f"{task.name}-{steps}.json").write_text(json.dumps(
             {"cores": sorted(os.sched_getaffinity(0)), "began": began, "ended": time.time()}))
         return Ran(str(run), time.perf_counter() - t0 + 0.5, (100,))
 
 
 def test_profiles_run_side_by_side_on_disjoint_cores(tmp_path):
     """Four 1-device profiles on a 2-device cluster run two at a time, each pinned to a core of
-    its own; their measurements are ``profile``'s; a cached one is not run again; a failure
-    names its job, stops the others and caches nothing of them."""
+    its own, after one untimed step of the smallest job (the technique's warm-up: a fresh
+    install's first run compiles what later runs reuse); their measurements are ``profile``'s;
+    a cached one is not run again; a failure names its job, stops the others and caches nothing
+    of them."""
     cores = sorted(os.sched_getaffinity(0))
     log = tmp_path / "log"
     log.mkdir()
@@ -142,6 +144,9 @@ def test_profiles_run_side_by_side_on_disjoint_cores(tmp_path):
             assert m.step_seconds == pytest.approx(0.1, abs=0.05) and m.startup_seconds == pytest.approx(0.5, abs=0.2)
         assert len(list((tmp_path / "p").glob("*.json"))) == 4
         runs = {p.stem: json.loads(p.read_text()) for p in log.glob("*.json")}
+        assert sorted(runs) == ["j0-1", "j0-4", "j1-4", "j2-4", "j3-4"]  # the warm-up: j0 has the fewest parameters
+        warm = runs.pop("j0-1")
+        assert all(warm["ended"] <= r["began"] for r in runs.values())  # ended before anything was timed
         for p in log.glob("*.json"):
             p.unlink()
         assert profile_side_by_side([(t, "timed", 1) for t in tasks], cluster, root=tmp_path / "p") == got
@@ -150,7 +155,8 @@ def test_profiles_run_side_by_side_on_disjoint_cores(tmp_path):
         with pytest.raises(RuntimeError, match="'j5'.*j5 breaks"):
             profile_side_by_side([(small("j4", steps=50), "timed", 1), (small("j5", n_embd=64), "timed", 1)], cluster,
                                  root=tmp_path / "f", steps=50)
-        assert not list(log.glob("*.json")) and not list(tmp_path.glob("f/*.json"))  # j4 was stopped, not cached
+        assert [p.name for p in log.glob("*.json")] == ["j4-1.json"]  # the warm-up ended; j4's profile was stopped
+        assert not list(tmp_path.glob("f/*.json"))  # and nothing cached
     finally:
         jobs.techniques.unregister("timed")
     assert all(len(r["cores"]) == 1 and r["cores"][0] in cores[:2] for r in runs.values())
