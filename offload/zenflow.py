@@ -174,6 +174,7 @@ from fsdpx.optim import Optimizer, Params, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
 from offload.column_copy import ColumnCopies, gather_columns, scatter_columns_, scatter_two_columns_, split_columns_
+from offload.column_moves import compact_columns_, handover_columns_
 from offload.columns import column_scores, complement, num_selected, select_columns
 from offload.worker import HOST, nbytes, to_device, to_host
 
@@ -329,7 +330,7 @@ def _write_stale(k: str, cols: Tensor, h: dict, params: Params, metrics: dict, i
 
 
 def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
-              inplace: bool = False) -> tuple[dict, dict]:
+              inplace: bool = False, queue: ColumnCopies | None = None) -> tuple[dict, dict]:
     """Move the state of columns leaving the selection to the host and of columns entering it to
     the device. ``old`` and ``new`` are sorted host index tensors. Returns ``(host, device)``.
     ``inplace`` (a donated state): the leaving columns are written into the host tensors
@@ -337,10 +338,19 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
     never these), and a selection of the same size is laid out in the device tensors themselves
     (after the step's writes of them into the parameters), so that a reselection allocates no
     lasting memory (a new ``[rows, n_selected]`` tensor per slot each time grew the host heap
-    now and then: page faults)."""
+    now and then: page faults). With the device the host itself, that same-size handover is one
+    pass over each row of both tensors (``offload.column_moves.handover_columns_``, queued on
+    ``queue`` when given: written when it runs)."""
     leaving = ~torch.isin(old, new)
     entering = ~torch.isin(new, old)
     dev = d["master"].device
+    if inplace and dev.type == HOST.type and old.numel() == new.numel() == d["master"].shape[1]:
+        for f, t in d.items():
+            width = t.shape[0] * t.element_size()
+            metrics["d2h_bytes"] += int(leaving.sum()) * width
+            metrics["h2d_bytes"] += int(entering.sum()) * width
+            handover_columns_(h[f], t, old, new, queue=queue)
+        return dict(h), dict(d)
     kept_old, kept_new = (~leaving).nonzero().squeeze(1).to(dev), (~entering).nonzero().squeeze(1).to(dev)
     new_h, new_d = dict(h), {}
     for f, t in d.items():  # column copies by offload.column_copy: the bits of index_select / index_copy
@@ -359,20 +369,25 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
     return new_h, new_d
 
 
-def _carried(landed: dict[str, dict] | None, later_cols: Mapping[str, Tensor],
+def _carried(landed: dict[str, dict] | None, later_cols: Mapping[str, Tensor], unselected: Mapping[str, Tensor],
              frozen: frozenset[str]) -> dict[str, dict]:
-    """The weights whose landed window result the next window takes as its inputs instead of
+    """The weights whose landed window result the next windows take as their inputs instead of
     the host tensors: a weight that trains at this window end and whose next window updates
-    exactly the landed window's columns (``delay=1``, no reselection of it since). Their master
-    and slots are never written into the host tensors, whose copy of those columns is then
-    older than the in-flight window's result and read by nobody: the result replaces it when
-    it lands (``tests/test_zenflow.py::test_a_carried_window_writes_no_host_column``). A frozen
-    weight's landed result is merged as usual: it waits in the master for the weight to train
-    again (:func:`_write_stale`)."""
+    exactly the landed window's columns (``delay=1``, no reselection of it since), or, at a
+    reselection, whose landed window covered every unselected column: the columns entering the
+    selection take theirs for their update now, the rest carry on in the next window (its
+    inputs are the landed tensors compacted in place: :func:`_job_inputs`). Their master and
+    slots are never written into the host tensors, whose copy of those columns is then older
+    than the in-flight window's result and read by nobody: the result replaces it when it lands
+    (``tests/test_zenflow.py::test_a_carried_window_writes_no_host_column``,
+    ``::test_a_reselection_carries_the_landed_window_on_without_writing_a_host_column``). A
+    frozen weight's landed result is merged as usual: it waits in the master for the weight to
+    train again (:func:`_write_stale`)."""
     if not landed:
         return {}
     return {k: r for k, r in landed.items()
-            if k not in frozen and k in later_cols and torch.equal(r["cols"], later_cols[k])}
+            if k not in frozen and k in later_cols and (torch.equal(r["cols"], later_cols[k]) or (
+                later_cols[k].numel() and torch.equal(r["cols"], unselected[k])))}
 
 
 def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer: bool = False,
@@ -381,10 +396,21 @@ def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer
     host tensors themselves under ``"deferred"``, for the job to gather its columns from when it
     runs (the donated path: nothing writes those columns of those tensors until the job is
     resolved, so the gathers move off the training loop onto the host worker). ``carry``: the
-    landed window's result on these very columns (:func:`_carried`): its master and slots are
-    the inputs, taken as they are (a donated, overlapped job updates them in place)."""
-    grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols))
+    landed window's result on these columns or more (:func:`_carried`): its master and slots
+    are the inputs, taken as they are (a donated, overlapped job updates them in place) where
+    they hold exactly ``cols``, else ``cols``' share of them: gathered, or with ``defer`` (and
+    the landed window on every unselected column) the landed tensors and the window sum
+    themselves with the positions to keep under ``"compact"``, for the job to compact in place
+    (:func:`_gather_deferred`: no copy on the loop, no new memory)."""
     count = h["count"][cols]
+    if carry is not None and not torch.equal(carry["cols"], cols):
+        state = {f: t for f, t in carry.items() if f not in ("cols", "count")}
+        pos = torch.searchsorted(carry["cols"], cols)
+        if defer and torch.equal(carry["cols"], unselected):
+            return {"cols": cols, "grad": acc, **state, "count": count, "compact": pos}
+        return {"cols": cols, "grad": gather_columns(acc, torch.searchsorted(unselected, cols)),
+                **{f: gather_columns(t, pos) for f, t in state.items()}, "count": count}
+    grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols))
     if carry is not None:
         return {"cols": cols, "grad": grad, **{f: t for f, t in carry.items() if f not in ("cols", "count")},
                 "count": count}
@@ -403,6 +429,10 @@ def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
     those columns' values already, bit for bit, and are taken without a pass over the host
     tensors (``tests/test_zenflow.py::test_a_window_on_the_landed_windows_columns_reads_no_host_column``;
     never written while a held job reads them: ``test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``)."""
+    if "compact" in job:  # the landed window's tensors and the window sum, this job's to compact
+        pos = job["compact"]
+        return {f: v if f in ("cols", "count") else compact_columns_(v, pos) if v.is_contiguous()
+                else gather_columns(v, pos) for f, v in job.items() if f != "compact"}
     if "deferred" not in job:
         return job
     rest = {f: v for f, v in job.items() if f != "deferred"}
@@ -468,7 +498,7 @@ def _share_written(later: dict[str, dict], landed: dict[str, dict], merged: dict
             if f == "deferred":
                 for d in t.values():
                     d.share_memory_()
-            elif f not in ("cols", "count"):
+            elif f not in ("cols", "count", "compact"):
                 t.share_memory_()
     for trees, skip in ((landed, ("cols", "count")), (merged, ("count",))):
         for r in trees.values():
@@ -905,7 +935,7 @@ def zenflow(
                 entering = uns[torch.isin(uns, reselect[k])] if k in reselect else uns[:0]
                 now_cols[k] = uns if delay == 0 else entering
                 later_cols[k] = uns[~torch.isin(uns, now_cols[k])]
-            carried = _carried(landed, later_cols, frozen)
+            carried = _carried(landed, later_cols, unselected, frozen)
             if landed is not None:  # delay=1: the previous window lands now
                 part = "count" if defer_merge else "all"
                 _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale, held=held, carried=carried),
@@ -918,8 +948,10 @@ def zenflow(
             now, later = {}, {}
             for k in now_cols:
                 uns = unselected[k]
-                if now_cols[k].numel():
-                    now[k] = _timed(metrics, _job_inputs, host[k], acc[k], uns, now_cols[k], key=_LOOP)
+                if now_cols[k].numel():  # from the landed window where it covered them, else from the host
+                    covered = k in carried and torch.equal(carried[k]["cols"], uns)
+                    now[k] = _timed(metrics, partial(_job_inputs, carry=carried[k] if covered else None), host[k],
+                                    acc[k], uns, now_cols[k], key=_LOOP)
                 if later_cols[k].numel():
                     later[k] = _timed(metrics, partial(_job_inputs, defer=inplace and overlap, carry=carried.get(k)),
                                       host[k], acc[k], uns, later_cols[k], key=_LOOP)
@@ -941,10 +973,12 @@ def zenflow(
                     _timed(metrics, _share_written, later, merging, merged, key=_LOOP)
                 pending = {"result": submit(job, on_cpu=on_cpu) if overlap else _timed(metrics, job)}
             sum_job = None  # the window job (or the resolve above) runs after every add
+            handovers = ColumnCopies()  # every weight's, run together
             for k, sel in reselect.items():
                 host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics,
-                                            inplace, key=_LOOP)
+                                            inplace, handovers, key=_LOOP)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
+            _timed(metrics, handovers.run, key=_LOOP)
             if reuse:  # the resolved job's sums are free; the job just handed over reads this window's
                 in_flight = bool(later) and overlap
                 free, busy = {**free, **busy, **({} if in_flight else acc)}, (acc if in_flight else {})

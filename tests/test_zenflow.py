@@ -422,6 +422,39 @@ def test_a_carried_window_writes_no_host_column(donate, overlap):
     _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
 
 
+@pytest.mark.parametrize("donate", [False, True])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_reselection_carries_the_landed_window_on_without_writing_a_host_column(donate, overlap):
+    """``delay=1``, a reselection every other window: at a reselection the landed window covers
+    every unselected column, so the columns entering the selection take their update from it and
+    the rest carry it on into the next window: the host tensors' master and slots of those
+    columns are not written then (before, the whole landed window was merged into them on the
+    loop), while every step, the merged element state and the checkpoint form equal those of
+    the same run without donation and overlap."""
+    gen = torch.Generator().manual_seed(44)
+    params = {"w": torch.randn(5, 12, dtype=F64, generator=gen)}
+    grads = [{"w": torch.randn(5, 12, dtype=F64, generator=gen) * (1 + t % 3)} for t in range(12)]
+    opt = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=4, delay=1, overlap=overlap)
+    plain = offload.zenflow(INNER, topk_ratio=0.25, update_interval=2, select_interval=4, delay=1, overlap=False)
+    pure_state, pure_p, state, p = _twins(plain, params)
+    update = opt.update_inplace if donate else opt.update
+    carried_on = 0
+    for t, g in enumerate(grads, start=1):
+        pure_p, pure_state = plain.update(g, pure_state, pure_p)
+        before = {f: v.clone() for f, v in state["host"]["w"].items() if f != "count"}
+        old_uns = state["unselected"]["w"] if state["unselected"] else None
+        p, state = update(g, state, p)
+        if t % 4 == 0:  # a reselection; the window landing now (from step t - 2) covered every unselected column
+            later = old_uns[~torch.isin(old_uns, state["selected"]["w"])]
+            assert 0 < later.numel() < old_uns.numel(), t  # some columns entered the selection
+            assert all(torch.equal(state["host"]["w"][f][:, later], before[f][:, later]) for f in before), t
+            carried_on += 1
+        _assert_same_tree(p, pure_p)
+        _assert_same_tree(offload.element_state(state), offload.element_state(pure_state))
+    assert carried_on == 3
+    _assert_same_tree(offload.materialize(state), offload.materialize(pure_state))
+
+
 @pytest.mark.parametrize("delay, overlap", [(1, True), (1, False), (0, True)])
 def test_materialized_state_resumes_bit_for_bit(delay, overlap):
     gen = torch.Generator().manual_seed(19)

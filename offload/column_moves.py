@@ -1,0 +1,122 @@
+"""Column moves inside a tensor's own memory: compaction, and a selection's handover.
+
+ZenFlow's reselection changes which columns of a weight live where. Two moves do it without a
+new tensor or a second pass over the full-width host tensors:
+
+* :func:`compact_columns_` keeps a sorted subset of a ``[rows, n]`` tensor's columns, laid out
+  as a ``[rows, k]`` tensor at the start of the same memory (the window that carries on from
+  the landed one, minus the columns entering the selection: its master, slots and window sum).
+* :func:`handover_columns_` moves a selection of the same size in one pass over the rows: the
+  leaving columns' values from the ``[rows, s]`` selected tensor into the full-width tensor, the
+  entering ones from the full-width tensor into it, the kept ones to their new places.
+
+Both are copies, so every element's bits are those of the ``index_select`` / ``index_copy_``
+they replace (``tests/test_column_moves.py``). CPU float32/float64 tensors take a compiled loop;
+anything else takes the torch operations.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from offload.column_copy import ColumnCopies, _check_range, _compiled, _launch, _np
+
+
+@numba.njit(nogil=True, cache=True)
+def _compact(flat, rows, n, pos):  # noqa: ANN001, ANN202
+    # In increasing order of the destination: element (r, j) moves from r*n + pos[j] to
+    # r*k + j, never past a source not yet read (pos[j] >= j and n >= k), so one thread, in order.
+    k = pos.shape[0]
+    for r in range(rows):
+        for j in range(k):
+            flat[r * k + j] = flat[r * n + pos[j]]
+
+
+def compact_columns_(t: Tensor, positions: Tensor) -> Tensor:
+    """``t[:, positions]`` as a ``[rows, len(positions)]`` tensor laid out at the start of
+    ``t``'s own memory (``t`` must be contiguous); ``t``'s contents are then undefined.
+
+    Guarantee: the result equals ``t.index_select(1, positions)`` as it was, bit for bit, and
+    shares ``t``'s storage (``tests/test_column_moves.py::test_compaction_keeps_the_columns_in_place``).
+    Runs on the calling thread alone (the move is in place, in order). Edge cases: ``positions``
+    must be strictly increasing CPU int64 indices in ``[0, n)`` (``ValueError`` /
+    ``IndexError`` before anything moves); empty ``positions`` give ``[rows, 0]``; a
+    non-contiguous ``t`` raises ``ValueError``. Tensors the compiled loop does not take (CUDA,
+    bfloat16) are gathered with torch and copied into place."""
+    if t.dim() != 2 or positions.dim() != 1:
+        raise ValueError(f"compact_columns_ needs a 2-D tensor and 1-D positions, got {tuple(t.shape)}"
+                         f" and {tuple(positions.shape)}")
+    if not t.is_contiguous():
+        raise ValueError("compact_columns_ needs a contiguous tensor: it moves columns within its memory")
+    rows, n, k = t.shape[0], t.shape[1], positions.numel()
+    if k:
+        _check_range(positions, n)
+        if k > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError("compact_columns_ needs strictly increasing positions")
+    view = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (rows, k))
+    if k == n:
+        return view
+    if not _compiled(t) or not k:
+        return view.copy_(t.index_select(1, positions.to(t.device))) if k else view
+    _compact(_np(t).reshape(-1), rows, n, _np(positions))
+    return view
+
+
+@numba.njit(nogil=True, cache=True)
+def _handover(full, sel, leave_pos, leave_cols, src, enter_cols, r0, r1):  # noqa: ANN001, ANN202
+    s = sel.shape[1]
+    old = np.empty(s, sel.dtype)
+    for r in range(r0, r1):
+        row, srow = full[r], sel[r]
+        for q in range(s):
+            old[q] = srow[q]
+        for i in range(leave_pos.shape[0]):
+            row[leave_cols[i]] = old[leave_pos[i]]
+        e = 0
+        for q in range(s):
+            if src[q] >= 0:
+                srow[q] = old[src[q]]
+            else:
+                srow[q] = row[enter_cols[e]]
+                e += 1
+
+
+def handover_columns_(full: Tensor, sel: Tensor, old: Tensor, new: Tensor, *,
+                      queue: ColumnCopies | None = None) -> None:
+    """Move the selection of ``sel``'s columns from ``old`` to ``new`` (sorted, distinct column
+    indices of ``full``, the same number as ``sel``'s columns), in place: ``full[:, c] =
+    sel[:, i]`` for each leaving column ``c = old[i]`` (not in ``new``), then ``sel[:, q]`` = the
+    old ``sel`` column of ``new[q]`` where it was selected, else ``full[:, new[q]]``.
+
+    Guarantee: ``full`` and ``sel`` end bit for bit as ``offload.zenflow``'s gather and scatter
+    handover leaves them (``tests/test_column_moves.py::test_a_handover_equals_its_gathers_and_scatters``),
+    with one pass over each row of both. Raises ``ValueError`` for mismatched shapes. Tensors the
+    compiled loop does not take go through ``index_select`` / ``index_copy_`` at once.
+    ``queue``: see ``offload.column_copy.ColumnCopies`` (the queued moves must touch distinct
+    tensors)."""
+    if sel.dim() != 2 or full.dim() != 2 or sel.shape[0] != full.shape[0] or sel.shape[1] != old.numel() \
+            or old.numel() != new.numel():
+        raise ValueError(f"handover_columns_: full {tuple(full.shape)}, sel {tuple(sel.shape)}, "
+                         f"{old.numel()} old and {new.numel()} new columns")
+    if not old.numel():
+        return
+    leaving = ~torch.isin(old, new)
+    src = torch.searchsorted(old, new).clamp_(max=old.numel() - 1)  # where new[q] would be in old
+    kept = old[src] == new
+    src = torch.where(kept, src, torch.full_like(src, -1))
+    enter_cols = new[~kept]
+    leave_pos = leaving.nonzero().squeeze(1)
+    if not _compiled(full, sel):
+        dev = sel.device
+        before = sel.clone()
+        full.index_copy_(1, old[leaving].to(full.device), before[:, leave_pos.to(dev)].to(full.device))
+        sel.index_copy_(1, kept.nonzero().squeeze(1).to(dev), before.index_select(1, src[kept].to(dev)))
+        sel.index_copy_(1, (~kept).nonzero().squeeze(1).to(dev), full.index_select(1, enter_cols.to(full.device)).to(dev))
+        return
+    _check_range(old, full.shape[1])
+    _check_range(new, full.shape[1])
+    _launch(queue, _handover, (_np(full), _np(sel), _np(leave_pos), _np(old[leaving]), _np(src), _np(enter_cols)),
+            full.shape[0], sel.numel() * 2)
