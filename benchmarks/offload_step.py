@@ -483,6 +483,7 @@ def timing(args, modes: list[str], log: Path) -> dict:
             "wait_s": statistics.fmean(x["wait_s"] for x in timed),
             "loop_s": statistics.fmean(x.get("loop_s", 0.0) for x in timed),
             "step_median_s": median([x["step_s"] for x in timed]),
+            "round_step_s": [statistics.fmean(x["step_s"] for x in res["rows"][args.warmup:]) for res in results],
             "cpu_s": statistics.fmean(x["user_s"] + x["sys_s"] for x in timed),
             "sys_s": statistics.fmean(x["sys_s"] for x in timed),
             "faults": statistics.fmean(x["faults"] for x in timed),
@@ -522,6 +523,10 @@ def summary(t: dict) -> dict:
         "faults_over_none": {m: ratio(r["faults"], t["none"]["faults"]) for m, r in t.items()} if "none" in t else {},
         "zenflow_over_zero_offload": ratio(step.get("zenflow"), step.get("zero_offload")),
         "zenflow_over_none": ratio(step.get("zenflow"), step.get("none")),
+        # each round runs every mode once, one after the other: a round's ratio compares runs minutes
+        # apart at most, so a machine whose speed drifts (other tenants) moves it less than the means'
+        "zenflow_over_none_by_round": [z / n for z, n in zip(t.get("zenflow", {}).get("round_step_s", []),
+                                                              t.get("none", {}).get("round_step_s", []))],
         "zenflow_wait_s": zf.get("wait_s"), "zero_offload_wait_s": zo.get("wait_s"),
         "zenflow_wait_over_zero_offload": ratio(zf.get("wait_s"), zo.get("wait_s")),
         "host_bytes_over_model": {m: ratio(r["bytes_per_step"], r["model_bytes"]) for m, r in t.items()
@@ -542,6 +547,10 @@ def summary_lines(s: dict, device: str) -> list[str]:
     lines = [f"summary ({device}): step {steps}",
              f"  zenflow step / zero_offload step {x(s['zenflow_over_zero_offload'])}, "
              f"zenflow step / none step {x(s['zenflow_over_none'])}"]
+    if len(s.get("zenflow_over_none_by_round", [])) > 1:
+        rounds = s["zenflow_over_none_by_round"]
+        lines.append(f"  zenflow step / none step by round: {', '.join(x(v) for v in rounds)}"
+                     f" (median {x(statistics.median(rounds))})")
     if s["zenflow_wait_s"] is not None and s["zero_offload_wait_s"] is not None:
         lines.append(f"  loop wait: zenflow {s['zenflow_wait_s']:.3f} s vs zero_offload {s['zero_offload_wait_s']:.3f} s "
                      f"({x(s['zenflow_wait_over_zero_offload'])})")

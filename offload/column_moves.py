@@ -66,7 +66,7 @@ def compact_columns_(t: Tensor, positions: Tensor) -> Tensor:
 
 
 @numba.njit(nogil=True, cache=True)
-def _handover(full, sel, leave_pos, leave_cols, src, enter_cols, r0, r1):  # noqa: ANN001, ANN202
+def _handover(full, sel, leave_pos, leave_cols, src, enter_cols, entering, given, r0, r1):  # noqa: ANN001, ANN202
     s = sel.shape[1]
     old = np.empty(s, sel.dtype)
     for r in range(r0, r1):
@@ -80,16 +80,17 @@ def _handover(full, sel, leave_pos, leave_cols, src, enter_cols, r0, r1):  # noq
             if src[q] >= 0:
                 srow[q] = old[src[q]]
             else:
-                srow[q] = row[enter_cols[e]]
+                srow[q] = entering[r, e] if given else row[enter_cols[e]]
                 e += 1
 
 
-def handover_columns_(full: Tensor, sel: Tensor, old: Tensor, new: Tensor, *,
+def handover_columns_(full: Tensor, sel: Tensor, old: Tensor, new: Tensor, entering: Tensor | None = None, *,
                       queue: ColumnCopies | None = None) -> None:
     """Move the selection of ``sel``'s columns from ``old`` to ``new`` (sorted, distinct column
     indices of ``full``, the same number as ``sel``'s columns), in place: ``full[:, c] =
     sel[:, i]`` for each leaving column ``c = old[i]`` (not in ``new``), then ``sel[:, q]`` = the
-    old ``sel`` column of ``new[q]`` where it was selected, else ``full[:, new[q]]``.
+    old ``sel`` column of ``new[q]`` where it was selected, else ``full[:, new[q]]``, or with
+    ``entering`` (``[rows, number entering]``, the entering columns in order) its column.
 
     Guarantee: ``full`` and ``sel`` end bit for bit as ``offload.zenflow``'s gather and scatter
     handover leaves them (``tests/test_column_moves.py::test_a_handover_equals_its_gathers_and_scatters``),
@@ -109,14 +110,20 @@ def handover_columns_(full: Tensor, sel: Tensor, old: Tensor, new: Tensor, *,
     src = torch.where(kept, src, torch.full_like(src, -1))
     enter_cols = new[~kept]
     leave_pos = leaving.nonzero().squeeze(1)
-    if not _compiled(full, sel):
+    if entering is not None and tuple(entering.shape) != (full.shape[0], enter_cols.numel()):
+        raise ValueError(f"handover_columns_: entering must be {(full.shape[0], enter_cols.numel())},"
+                         f" got {tuple(entering.shape)}")
+    if not _compiled(full, sel, *([] if entering is None else [entering])):
         dev = sel.device
         before = sel.clone()
         full.index_copy_(1, old[leaving].to(full.device), before[:, leave_pos.to(dev)].to(full.device))
         sel.index_copy_(1, kept.nonzero().squeeze(1).to(dev), before.index_select(1, src[kept].to(dev)))
-        sel.index_copy_(1, (~kept).nonzero().squeeze(1).to(dev), full.index_select(1, enter_cols.to(full.device)).to(dev))
+        values = full.index_select(1, enter_cols.to(full.device)) if entering is None else entering
+        sel.index_copy_(1, (~kept).nonzero().squeeze(1).to(dev), values.to(dev))
         return
     _check_range(old, full.shape[1])
     _check_range(new, full.shape[1])
-    _launch(queue, _handover, (_np(full), _np(sel), _np(leave_pos), _np(old[leaving]), _np(src), _np(enter_cols)),
-            full.shape[0], sel.numel() * 2)
+    given = entering is not None
+    values = _np(entering) if given else _np(sel[:, :0])  # an unused array of the right type when not given
+    _launch(queue, _handover, (_np(full), _np(sel), _np(leave_pos), _np(old[leaving]), _np(src), _np(enter_cols),
+                               values, given), full.shape[0], sel.numel() * 2)

@@ -101,8 +101,12 @@ window's very columns (no reselection since), it takes the landed master and slo
 inputs and updates them in place: they are never written into the host tensors, nor gathered
 from them (*carried*, ``_carried``). Other weights' landed master and slots are written into
 the host tensors by the background thread just before the next window's deferred gathers
-(``_merge_then``). A reselection or ``delay=0`` waits for the queued adds and merges on the
-loop.
+(``_merge_then``). A reselection waits for the queued adds; where the landed window covered
+every unselected column, the entering columns' update reads the landed tensors and the rest
+carry on (the next window's job compacts the landed tensors and the window sum in place:
+``offload.column_moves.compact_columns_``); a same-size selection is handed over in one pass
+over each row (``offload.column_moves.handover_columns_``). Any other reselection, and
+``delay=0``, merges on the loop.
 
 State is plain data (dicts, lists, ints, floats, tensors): per 2-D weight, ``host[name]`` holds
 the full-shape master, ``inner`` slots and per-column ``count`` (authoritative for unselected
@@ -297,8 +301,9 @@ def _apply_host_result(result: dict[str, dict], host: dict, params: Params, metr
     ``stale[k]``, written from the master when it trains again (:func:`_write_stale`).
     ``held[k]``: ``(columns, values)`` of weight ``k`` not written yet (its selected columns'
     step, disjoint from the window's), written in the same pass and removed from ``held``.
-    ``carried``: weights whose landed master and slots the next window takes as its inputs
-    (:func:`_carried`): only their counts go into ``host``."""
+    ``carried``: weights whose master and slots go on elsewhere (a landed window the next
+    window takes as its inputs: :func:`_carried`; the entering columns' update, which the
+    handover takes to the device): only their counts go into ``host``."""
     _merge_host_result(result, host, inplace, part, counts_only=frozenset(carried or ()))
     copies = ColumnCopies()
     for k, r in result.items():
@@ -330,9 +335,12 @@ def _write_stale(k: str, cols: Tensor, h: dict, params: Params, metrics: dict, i
 
 
 def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
-              inplace: bool = False, queue: ColumnCopies | None = None) -> tuple[dict, dict]:
+              inplace: bool = False, queue: ColumnCopies | None = None,
+              entering: dict[str, Tensor] | None = None) -> tuple[dict, dict]:
     """Move the state of columns leaving the selection to the host and of columns entering it to
     the device. ``old`` and ``new`` are sorted host index tensors. Returns ``(host, device)``.
+    ``entering``: the entering columns' master and slots (in order), where they come from their
+    closing window's update rather than the host tensors (``delay=1``: not written there).
     ``inplace`` (a donated state): the leaving columns are written into the host tensors
     themselves, not into copies of them (a window job in flight reads only unselected columns,
     never these), and a selection of the same size is laid out in the device tensors themselves
@@ -341,15 +349,14 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
     now and then: page faults). With the device the host itself, that same-size handover is one
     pass over each row of both tensors (``offload.column_moves.handover_columns_``, queued on
     ``queue`` when given: written when it runs)."""
-    leaving = ~torch.isin(old, new)
-    entering = ~torch.isin(new, old)
+    given, leaving, entering = entering, ~torch.isin(old, new), ~torch.isin(new, old)
     dev = d["master"].device
     if inplace and dev.type == HOST.type and old.numel() == new.numel() == d["master"].shape[1]:
         for f, t in d.items():
             width = t.shape[0] * t.element_size()
             metrics["d2h_bytes"] += int(leaving.sum()) * width
             metrics["h2d_bytes"] += int(entering.sum()) * width
-            handover_columns_(h[f], t, old, new, queue=queue)
+            handover_columns_(h[f], t, old, new, None if given is None else given[f], queue=queue)
         return dict(h), dict(d)
     kept_old, kept_new = (~leaving).nonzero().squeeze(1).to(dev), (~entering).nonzero().squeeze(1).to(dev)
     new_h, new_d = dict(h), {}
@@ -362,7 +369,7 @@ def _handover(h: dict, d: dict, old: Tensor, new: Tensor, metrics: dict,
         out = t if same_size else torch.empty((t.shape[0], new.numel()), dtype=t.dtype, device=dev)
         scatter_columns_(out, kept_new, gather_columns(t, kept_old))  # the kept columns read before any write
         if entering.any():
-            v = to_device(gather_columns(h[f], new[entering]), dev)
+            v = to_device(gather_columns(h[f], new[entering]) if given is None else given[f], dev)
             metrics["h2d_bytes"] += nbytes(v)
             scatter_columns_(out, entering.nonzero().squeeze(1).to(dev), v)
         new_d[f] = out
@@ -391,7 +398,7 @@ def _carried(landed: dict[str, dict] | None, later_cols: Mapping[str, Tensor], u
 
 
 def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer: bool = False,
-                carry: dict | None = None) -> dict:
+                carry: dict | None = None, queue: ColumnCopies | None = None) -> dict:
     """What the host update of ``cols`` reads: copies owned by the job, or with ``defer`` the
     host tensors themselves under ``"deferred"``, for the job to gather its columns from when it
     runs (the donated path: nothing writes those columns of those tensors until the job is
@@ -401,22 +408,25 @@ def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer
     they hold exactly ``cols``, else ``cols``' share of them: gathered, or with ``defer`` (and
     the landed window on every unselected column) the landed tensors and the window sum
     themselves with the positions to keep under ``"compact"``, for the job to compact in place
-    (:func:`_gather_deferred`: no copy on the loop, no new memory)."""
+    (:func:`_gather_deferred`: no copy on the loop, no new memory). ``queue``: the gathers are
+    queued on it (``offload.column_copy.ColumnCopies``): the inputs hold their values once it
+    has run."""
     count = h["count"][cols]
     if carry is not None and not torch.equal(carry["cols"], cols):
         state = {f: t for f, t in carry.items() if f not in ("cols", "count")}
         pos = torch.searchsorted(carry["cols"], cols)
         if defer and torch.equal(carry["cols"], unselected):
             return {"cols": cols, "grad": acc, **state, "count": count, "compact": pos}
-        return {"cols": cols, "grad": gather_columns(acc, torch.searchsorted(unselected, cols)),
-                **{f: gather_columns(t, pos) for f, t in state.items()}, "count": count}
-    grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols))
+        return {"cols": cols, "grad": gather_columns(acc, torch.searchsorted(unselected, cols), queue=queue),
+                **{f: gather_columns(t, pos, queue=queue) for f, t in state.items()}, "count": count}
+    grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols),
+                                                                         queue=queue)
     if carry is not None:
         return {"cols": cols, "grad": grad, **{f: t for f, t in carry.items() if f not in ("cols", "count")},
                 "count": count}
     if defer:
         return {"cols": cols, "grad": grad, "count": count, "deferred": {f: t for f, t in h.items() if f != "count"}}
-    job = {f: gather_columns(t, cols) for f, t in h.items() if f != "count"}
+    job = {f: gather_columns(t, cols, queue=queue) for f, t in h.items() if f != "count"}
     return {"cols": cols, "grad": grad, **job, "count": count}
 
 
@@ -946,19 +956,23 @@ def zenflow(
             copies.run()
             held = {}
             now, later = {}, {}
+            gathers = ColumnCopies()  # every input gather of both jobs, run together
             for k in now_cols:
                 uns = unselected[k]
                 if now_cols[k].numel():  # from the landed window where it covered them, else from the host
                     covered = k in carried and torch.equal(carried[k]["cols"], uns)
-                    now[k] = _timed(metrics, partial(_job_inputs, carry=carried[k] if covered else None), host[k],
-                                    acc[k], uns, now_cols[k], key=_LOOP)
+                    now[k] = _timed(metrics, partial(_job_inputs, carry=carried[k] if covered else None,
+                                                     queue=gathers), host[k], acc[k], uns, now_cols[k], key=_LOOP)
                 if later_cols[k].numel():
-                    later[k] = _timed(metrics, partial(_job_inputs, defer=inplace and overlap, carry=carried.get(k)),
-                                      host[k], acc[k], uns, later_cols[k], key=_LOOP)
+                    later[k] = _timed(metrics, partial(_job_inputs, defer=inplace and overlap, carry=carried.get(k),
+                                                       queue=gathers), host[k], acc[k], uns, later_cols[k], key=_LOOP)
+            _timed(metrics, gathers.run, key=_LOOP)
+            handed: dict[str, dict] = {}  # delay=1: the entering columns' update, for the device alone
             if now:
                 result = _timed(metrics, _host_window, inner, slot_names, divisor, now)
-                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale), result, host, new_params,
-                       metrics, inplace, key=_LOOP)
+                handed = result if delay == 1 else {}
+                _timed(metrics, partial(_apply_host_result, frozen=frozen, stale=stale, carried=handed), result, host,
+                       new_params, metrics, inplace, key=_LOOP)
             merging = {k: r for k, r in (landed or {}).items() if k not in carried} if defer_merge else {}
             if merging and not later:  # nothing to hand the merge to: write it here
                 _timed(metrics, _merge_host_result, merging, host, True, "state", key=_LOOP)
@@ -976,7 +990,7 @@ def zenflow(
             handovers = ColumnCopies()  # every weight's, run together
             for k, sel in reselect.items():
                 host[k], device[k] = _timed(metrics, _handover, host[k], device[k], selected[k], sel, metrics,
-                                            inplace, handovers, key=_LOOP)
+                                            inplace, handovers, handed.get(k), key=_LOOP)
                 selected[k], unselected[k] = sel, complement(sel, host[k]["count"].numel())
             _timed(metrics, handovers.run, key=_LOOP)
             if reuse:  # the resolved job's sums are free; the job just handed over reads this window's

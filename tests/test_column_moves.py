@@ -61,6 +61,25 @@ def test_a_handover_equals_its_gathers_and_scatters(dtype, seed):
     assert torch.equal(full, want_full) and torch.equal(sel, want_sel)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_handover_takes_the_entering_columns_given(dtype):
+    """``entering`` given: the entering columns come from it, in order, and ``full``'s own
+    copy of them is neither read nor written."""
+    gen = torch.Generator().manual_seed(9)
+    full = torch.randn(6, 15, generator=gen).to(dtype)
+    old, new = torch.tensor([1, 4, 7, 9, 12]), torch.tensor([0, 4, 9, 10, 14])
+    sel = torch.randn(6, 5, generator=gen).to(dtype)
+    given = torch.randn(6, 3, generator=gen).to(dtype)  # columns 0, 10, 14
+    expected_source = full.clone()
+    expected_source[:, [0, 10, 14]] = given
+    want_full, want_sel = _reference(expected_source, sel, old, new)
+    want_full[:, [0, 10, 14]] = full[:, [0, 10, 14]]  # untouched
+    handover_columns_(full, sel, old, new, given)
+    assert torch.equal(full, want_full) and torch.equal(sel, want_sel)
+    with pytest.raises(ValueError, match="entering must be"):
+        handover_columns_(full, sel, new, old, given[:, :2])
+
+
 def test_a_handover_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="handover_columns_"):
         handover_columns_(torch.zeros(3, 8), torch.zeros(3, 2), torch.tensor([0, 1]), torch.tensor([1, 2, 3]))

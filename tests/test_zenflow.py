@@ -348,9 +348,9 @@ def test_a_window_on_the_landed_windows_columns_reads_no_host_column(monkeypatch
     zf = importlib.import_module("offload.zenflow")
     read: list[int] = []
 
-    def gather_columns(src, cols, out=None):  # the real gather, its source noted
+    def gather_columns(src, cols, out=None, queue=None):  # the real gather, its source noted
         read.append(id(src))
-        return offload.column_copy.gather_columns(src, cols, out=out)
+        return offload.column_copy.gather_columns(src, cols, out=out, queue=queue)
 
     monkeypatch.setattr(zf, "gather_columns", gather_columns)
     gen = torch.Generator().manual_seed(41)
