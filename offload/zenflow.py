@@ -177,7 +177,8 @@ from torch import Tensor
 from fsdpx.optim import Optimizer, Params, adamw
 from offload import worker
 from offload.auto import AutoConfig, check_config, host_update_due, reselect_due
-from offload.column_copy import ColumnCopies, gather_columns, scatter_columns_, scatter_two_columns_, split_columns_
+from offload.column_copy import (ColumnCopies, gather_columns, scatter_columns_, scatter_two_columns_,
+                                 split_columns_, split_wide_)
 from offload.column_moves import compact_columns_, handover_columns_
 from offload.columns import column_scores, complement, num_selected, select_columns
 from offload.worker import HOST, nbytes, to_device, to_host
@@ -406,28 +407,38 @@ def _job_inputs(h: dict, acc: Tensor, unselected: Tensor, cols: Tensor, *, defer
     landed window's result on these columns or more (:func:`_carried`): its master and slots
     are the inputs, taken as they are (a donated, overlapped job updates them in place) where
     they hold exactly ``cols``, else ``cols``' share of them: gathered, or with ``defer`` (and
-    the landed window on every unselected column) the landed tensors and the window sum
-    themselves with the positions to keep under ``"compact"``, for the job to compact in place
-    (:func:`_gather_deferred`: no copy on the loop, no new memory). ``queue``: the gathers are
-    queued on it (``offload.column_copy.ColumnCopies``): the inputs hold their values once it
-    has run."""
+    the landed window on every unselected column) the landed tensors themselves with the
+    positions to keep under ``"compact"``, for the job to compact in place
+    (:func:`_gather_deferred`: no copy on the loop, no new memory). The window sum ``acc``
+    (``[rows, unselected]``, or ``[rows, columns]`` from ``split_wide_``) is taken as it is
+    where it holds exactly ``cols``, else with ``defer`` as it is with the positions to keep
+    under ``"grad_compact"`` (the job owns it), else gathered. ``queue``: the gathers are queued
+    on it (``offload.column_copy.ColumnCopies``): the inputs hold their values once it has run."""
     count = h["count"][cols]
+    wide = acc.shape[1] != unselected.numel()
+    pos = cols if wide else torch.searchsorted(unselected, cols)
+    if not wide and cols.numel() == unselected.numel():
+        grad = {"grad": acc}
+    elif defer:
+        grad = {"grad": acc, "grad_compact": pos}
+    else:
+        grad = {"grad": gather_columns(acc, pos, queue=queue)}
     if carry is not None and not torch.equal(carry["cols"], cols):
         state = {f: t for f, t in carry.items() if f not in ("cols", "count")}
-        pos = torch.searchsorted(carry["cols"], cols)
+        at = torch.searchsorted(carry["cols"], cols)
         if defer and torch.equal(carry["cols"], unselected):
-            return {"cols": cols, "grad": acc, **state, "count": count, "compact": pos}
-        return {"cols": cols, "grad": gather_columns(acc, torch.searchsorted(unselected, cols), queue=queue),
-                **{f: gather_columns(t, pos, queue=queue) for f, t in state.items()}, "count": count}
-    grad = acc if cols.numel() == unselected.numel() else gather_columns(acc, torch.searchsorted(unselected, cols),
-                                                                         queue=queue)
+            return {"cols": cols, **grad, **state, "count": count, "compact": at}
+        if "grad_compact" in grad:
+            grad = {"grad": gather_columns(acc, pos, queue=queue)}
+        return {"cols": cols, **grad, **{f: gather_columns(t, at, queue=queue) for f, t in state.items()},
+                "count": count}
     if carry is not None:
-        return {"cols": cols, "grad": grad, **{f: t for f, t in carry.items() if f not in ("cols", "count")},
+        return {"cols": cols, **grad, **{f: t for f, t in carry.items() if f not in ("cols", "count")},
                 "count": count}
     if defer:
-        return {"cols": cols, "grad": grad, "count": count, "deferred": {f: t for f, t in h.items() if f != "count"}}
+        return {"cols": cols, **grad, "count": count, "deferred": {f: t for f, t in h.items() if f != "count"}}
     job = {f: gather_columns(t, cols, queue=queue) for f, t in h.items() if f != "count"}
-    return {"cols": cols, "grad": grad, **job, "count": count}
+    return {"cols": cols, **grad, **job, "count": count}
 
 
 def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
@@ -439,10 +450,13 @@ def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
     those columns' values already, bit for bit, and are taken without a pass over the host
     tensors (``tests/test_zenflow.py::test_a_window_on_the_landed_windows_columns_reads_no_host_column``;
     never written while a held job reads them: ``test_reused_window_buffers_are_never_written_while_a_held_job_reads_them``)."""
-    if "compact" in job:  # the landed window's tensors and the window sum, this job's to compact
+    if "grad_compact" in job:  # the window sum, this job's to compact
+        job = {**{f: v for f, v in job.items() if f != "grad_compact"},
+               "grad": _kept_columns(job["grad"], job["grad_compact"])}
+    if "compact" in job:  # the landed window's tensors, this job's to compact
         pos = job["compact"]
-        return {f: v if f in ("cols", "count") else compact_columns_(v, pos) if v.is_contiguous()
-                else gather_columns(v, pos) for f, v in job.items() if f != "compact"}
+        return {f: v if f in ("cols", "count", "grad") else _kept_columns(v, pos) for f, v in job.items()
+                if f != "compact"}
     if "deferred" not in job:
         return job
     rest = {f: v for f, v in job.items() if f != "deferred"}
@@ -453,6 +467,12 @@ def _gather_deferred(job: dict, into: dict[str, Tensor]) -> dict:
         buf = _fitting(into.get(f), (t.shape[0], cols.numel()), t.dtype)
         out[f] = buf if same_cols and buf is not None and buf is into.get(f) else gather_columns(t, cols, out=buf)
     return {**rest, **out}
+
+
+def _kept_columns(t: Tensor, pos: Tensor) -> Tensor:
+    """``t[:, pos]``, compacted into ``t``'s own memory where it is contiguous (``t`` is the
+    job's to overwrite), else gathered."""
+    return compact_columns_(t, pos) if t.is_contiguous() else gather_columns(t, pos)
 
 
 def _fitting(buf: Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> Tensor | None:
@@ -508,7 +528,7 @@ def _share_written(later: dict[str, dict], landed: dict[str, dict], merged: dict
             if f == "deferred":
                 for d in t.values():
                     d.share_memory_()
-            elif f not in ("cols", "count", "compact"):
+            elif f not in ("cols", "count", "compact", "grad_compact"):
                 t.share_memory_()
     for trees, skip in ((landed, ("cols", "count")), (merged, ("count",))):
         for r in trees.values():
@@ -851,8 +871,21 @@ def zenflow(
             metrics["d2h_bytes"] += uns.numel() * grads[k].shape[0] * grads[k].element_size()
             in_place_sum = reuse and not first  # the window sum is ours to write
             dtype = host[k]["master"].dtype
-            spare = _fitting(free.pop(k, None), (grads[k].shape[0], uns.numel()), dtype) if first else None
-            if reuse and overlap and not host_process and _async_window_sum(grads[k].device):
+            # A donated state's window sum on the CPU spans every column (split_wide_: a streaming
+            # pass); only its unselected columns are read. One continued from another path stays narrow.
+            async_sum = reuse and overlap and not host_process and _async_window_sum(grads[k].device)
+            wide = (reuse and not async_sum and grads[k].device.type == HOST.type and grads[k].dtype == dtype
+                    and dtype in (torch.float32, torch.float64) and (first or acc[k].shape[1] == grads[k].shape[1]))
+            if not first and not wide and acc[k].shape[1] != uns.numel():  # a wide sum another path continues
+                acc[k] = gather_columns(acc[k], uns)
+            width = grads[k].shape[1] if wide else uns.numel()
+            spare = _fitting(free.pop(k, None), (grads[k].shape[0], width), dtype) if first else None
+            if wide:
+                sum_job = _resolve_window_sum(sum_job)
+                if first:
+                    acc[k] = spare if spare is not None else torch.empty(grads[k].shape, dtype=dtype)
+                picked[k] = split_wide_(grads[k], selected[k], acc[k], add=not first, queue=copies)
+            elif async_sum:
                 g, ready = worker.to_host_async(gather_columns(grads[k], uns.to(grads[k].device)))
                 if first:  # a spare buffer, or an owned CPU gather of the master's dtype as the sum itself
                     fresh = g if g.dtype == dtype and not g.is_pinned() else torch.empty(g.shape, dtype=dtype)
@@ -1080,6 +1113,10 @@ def materialize(state: State) -> State:
     if state.get(_SUM_JOB) is not None:
         _resolve_window_sum(state[_SUM_JOB])
     state = {f: v for f, v in state.items() if f not in (_SUM_JOB, _BUFFERS)}
+    unselected = state.get("unselected") or {}
+    if any(a.shape[1] != unselected[k].numel() for k, a in (state.get("acc") or {}).items() if k in unselected):
+        state["acc"] = {k: gather_columns(a, unselected[k]) if k in unselected and a.shape[1] != unselected[k].numel()
+                        else a for k, a in state["acc"].items()}  # a split_wide_ sum: its unselected columns
     pending = state.get("pending")
     if pending is None or not isinstance(pending["result"], Future):
         return state

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload.column_copy import (ColumnCopies, add_gathered_columns_, gather_columns, scatter_columns_,
-                                 scatter_two_columns_, split_columns_)
+                                 scatter_two_columns_, split_columns_, split_wide_)
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]  # bfloat16 takes the torch fallback
 
@@ -124,6 +124,27 @@ def test_split_equals_a_gather_and_a_gather_and_add(dtype, add):
         split_columns_(src, sel, acc[:, 1:], uns, add=add)
     with pytest.raises(IndexError if dtype != torch.bfloat16 else RuntimeError):  # bfloat16: torch's own error
         split_columns_(src, sel, acc, torch.cat([uns[:-1], torch.tensor([31])]), add=add)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("add", [False, True])
+def test_a_wide_split_holds_the_split_in_its_columns(dtype, add):
+    """``split_wide_`` keeps the whole row: its unselected columns are ``split_columns_``'s sum."""
+    src, sel = _problem(dtype, rows=9, n=31, k=6, seed=8)
+    uns = torch.tensor([c for c in range(31) if c not in set(sel.tolist())])
+    wide0 = torch.randn(9, 31, generator=torch.Generator().manual_seed(9)).to(dtype)
+    narrow, wide = wide0.index_select(1, uns), wide0.clone()
+    want = split_columns_(src, sel, narrow, uns, add=add)
+    queue = ColumnCopies()
+    picked = split_wide_(src, sel, wide, add=add, queue=queue)
+    queue.run()
+    assert torch.equal(picked, want) and torch.equal(wide.index_select(1, uns), narrow)
+    assert torch.equal(wide, wide0 + src if add else src)
+    with pytest.raises(ValueError, match="acc must be"):
+        split_wide_(src, sel, wide[:, 1:], add=add)
+    if dtype != torch.bfloat16:
+        with pytest.raises(IndexError):
+            split_wide_(src, torch.tensor([0, 31]), wide, add=add)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
