@@ -89,7 +89,10 @@ order and the window job, queued after them, sees them all. The state then carri
 job's ``Future`` under ``"window_sum_job"`` until it is waited for (``materialize`` drops it).
 On ``cpu`` the loop reads each gradient once: one pass over its rows gathers the selected
 columns for the device update and adds the unselected ones into the window sum
-(``offload.column_copy.split_columns_``); every weight's pass is queued and run together, each
+(``offload.column_copy.split_columns_``), or, in a donated state, the whole row into a window
+sum of the weight's full width, a streaming loop about twice as fast, of which only the
+unselected columns are ever read (``split_wide_``: the window's job compacts them in place,
+``materialize`` hands out those columns alone); every weight's pass is queued and run together, each
 weight's rows split over the loop's intra-op threads (``offload.column_copy.ColumnCopies``), as
 are the writes of the selected columns into the parameters. The background thread runs its torch
 operations and column copies on one thread (the loop's own fill the cores;
@@ -114,7 +117,8 @@ columns, but for the master and slots of columns an in-flight window carries on 
 landed one: its result replaces them when it lands, and nothing reads them before),
 ``device[name]`` the ``[out, n_selected]`` master and slots of the selected columns,
 ``selected``/``unselected`` the sorted column indices and ``acc`` the open window's gradient
-sum; other parameters have their full state in ``device[name]``. Read it merged with
+sum (``[out, n_unselected]``; a donated CPU state's is ``[out, in]``, its unselected columns
+the sum); other parameters have their full state in ``device[name]``. Read it merged with
 ``element_state``. It may hold one ``Future``, the in-flight host window of ``delay=1,
 overlap=True``: ``materialize(state)`` waits for it and returns a plain-data state that continues
 bit for bit like the original (so it can be saved, in-flight window included). ``update`` is
