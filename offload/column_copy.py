@@ -109,9 +109,10 @@ class ColumnCopies:
         run_rows(jobs, threads)
 
 
-def _launch(queue: ColumnCopies | None, kernel, args: tuple, rows: int, size: int) -> None:  # noqa: ANN001
-    """Run ``kernel`` over ``rows`` rows now (split over the caller's threads), or queue it;
-    ``size``: the elements it copies."""
+def launch_rows(queue: ColumnCopies | None, kernel, args: tuple, rows: int, size: int) -> None:  # noqa: ANN001
+    """Run ``kernel`` (a compiled loop over rows ``r0 <= r < r1``, its last two arguments) over
+    ``rows`` rows now (split over the caller's threads), or queue it on ``queue``; ``size``: the
+    elements it copies (``offload.row_team.RowJob``)."""
     job = RowJob(kernel, args, rows, size)
     if queue is None:
         run_rows([job])
@@ -119,7 +120,7 @@ def _launch(queue: ColumnCopies | None, kernel, args: tuple, rows: int, size: in
         queue.jobs.append(job)
 
 
-def _compiled(*tensors: Tensor) -> bool:
+def compiled_loop_applies(*tensors: Tensor) -> bool:
     """True when the compiled loop applies: CPU, one float32/float64 dtype, row-major 2-D."""
     dtype = tensors[0].dtype
     return dtype in (torch.float32, torch.float64) and all(
@@ -145,12 +146,12 @@ def gather_columns(src: Tensor, cols: Tensor, out: Tensor | None = None, *,
     _check("gather_columns", src, cols)
     if out is not None and out.shape != (src.shape[0], cols.numel()):
         raise ValueError(f"out must be {(src.shape[0], cols.numel())}, got {tuple(out.shape)}")
-    if not _compiled(src, *([] if out is None else [out])) or not cols.numel():
+    if not compiled_loop_applies(src, *([] if out is None else [out])) or not cols.numel():
         picked = src.index_select(1, cols.to(src.device))
         return picked if out is None else out.copy_(picked)
-    _check_range(cols, src.shape[1])
+    check_column_range(cols, src.shape[1])
     out = torch.empty((src.shape[0], cols.numel()), dtype=src.dtype) if out is None else out
-    _launch(queue, _gather, (_np(src), _np(cols), _np(out), False), src.shape[0], out.numel())
+    launch_rows(queue, _gather, (numpy_view(src), numpy_view(cols), numpy_view(out), False), src.shape[0], out.numel())
     return out
 
 
@@ -162,10 +163,10 @@ def add_gathered_columns_(acc: Tensor, src: Tensor, cols: Tensor, *, queue: Colu
     _check("add_gathered_columns_", src, cols)
     if acc.shape != (src.shape[0], cols.numel()):
         raise ValueError(f"acc must be {(src.shape[0], cols.numel())}, got {tuple(acc.shape)}")
-    if not _compiled(acc, src) or not cols.numel():
+    if not compiled_loop_applies(acc, src) or not cols.numel():
         return acc.add_(src.index_select(1, cols.to(src.device)).to(device=acc.device, dtype=acc.dtype))
-    _check_range(cols, src.shape[1])
-    _launch(queue, _gather, (_np(src), _np(cols), _np(acc), True), src.shape[0], acc.numel())
+    check_column_range(cols, src.shape[1])
+    launch_rows(queue, _gather, (numpy_view(src), numpy_view(cols), numpy_view(acc), True), src.shape[0], acc.numel())
     return acc
 
 
@@ -188,17 +189,17 @@ def split_columns_(src: Tensor, sel: Tensor, acc: Tensor, uns: Tensor, *, add: b
     _check("split_columns_", src, uns)
     if acc.shape != (src.shape[0], uns.numel()):
         raise ValueError(f"acc must be {(src.shape[0], uns.numel())}, got {tuple(acc.shape)}")
-    if not _compiled(src, acc) or not sel.numel() or not uns.numel():
+    if not compiled_loop_applies(src, acc) or not sel.numel() or not uns.numel():
         picked = gather_columns(src, sel)
         if add:
             add_gathered_columns_(acc, src, uns)
         else:
             gather_columns(src, uns, out=acc)
         return picked
-    _check_range(sel, src.shape[1])
-    _check_range(uns, src.shape[1])
+    check_column_range(sel, src.shape[1])
+    check_column_range(uns, src.shape[1])
     picked = torch.empty((src.shape[0], sel.numel()), dtype=src.dtype)
-    _launch(queue, _split, (_np(src), _np(sel), _np(picked), _np(uns), _np(acc), add), src.shape[0], src.numel())
+    launch_rows(queue, _split, (numpy_view(src), numpy_view(sel), numpy_view(picked), numpy_view(uns), numpy_view(acc), add), src.shape[0], src.numel())
     return picked
 
 
@@ -220,13 +221,13 @@ def split_wide_(src: Tensor, sel: Tensor, acc: Tensor, *, add: bool, queue: Colu
     _check("split_wide_", src, sel)
     if acc.shape != src.shape:
         raise ValueError(f"acc must be {tuple(src.shape)}, got {tuple(acc.shape)}")
-    if not _compiled(src, acc) or not sel.numel():
+    if not compiled_loop_applies(src, acc) or not sel.numel():
         picked = gather_columns(src, sel)
         acc.add_(src.to(acc.dtype)) if add else acc.copy_(src)
         return picked
-    _check_range(sel, src.shape[1])
+    check_column_range(sel, src.shape[1])
     picked = torch.empty((src.shape[0], sel.numel()), dtype=src.dtype)
-    _launch(queue, _split_wide, (_np(src), _np(sel), _np(picked), _np(acc), add), src.shape[0], src.numel())
+    launch_rows(queue, _split_wide, (numpy_view(src), numpy_view(sel), numpy_view(picked), numpy_view(acc), add), src.shape[0], src.numel())
     return picked
 
 
@@ -238,10 +239,10 @@ def scatter_columns_(dst: Tensor, cols: Tensor, src: Tensor, *, queue: ColumnCop
     _check("scatter_columns_", dst, cols)
     if src.shape != (dst.shape[0], cols.numel()):
         raise ValueError(f"src must be {(dst.shape[0], cols.numel())}, got {tuple(src.shape)}")
-    if not _compiled(dst, src) or not cols.numel():
+    if not compiled_loop_applies(dst, src) or not cols.numel():
         return dst.index_copy_(1, cols.to(dst.device), src.to(dst.device))
-    _check_range(cols, dst.shape[1])
-    _launch(queue, _scatter, (_np(dst), _np(cols), _np(src)), dst.shape[0], src.numel())
+    check_column_range(cols, dst.shape[1])
+    launch_rows(queue, _scatter, (numpy_view(dst), numpy_view(cols), numpy_view(src)), dst.shape[0], src.numel())
     return dst
 
 
@@ -263,21 +264,23 @@ def scatter_two_columns_(dst: Tensor, cols_a: Tensor, src_a: Tensor, cols_b: Ten
     for cols, src in ((cols_a, src_a), (cols_b, src_b)):
         if src.shape != (dst.shape[0], cols.numel()):
             raise ValueError(f"src must be {(dst.shape[0], cols.numel())}, got {tuple(src.shape)}")
-    if not _compiled(dst, src_a, src_b) or not cols_a.numel() or not cols_b.numel():
+    if not compiled_loop_applies(dst, src_a, src_b) or not cols_a.numel() or not cols_b.numel():
         return scatter_columns_(scatter_columns_(dst, cols_a, src_a, queue=queue), cols_b, src_b, queue=queue)
-    _check_range(cols_a, dst.shape[1])
-    _check_range(cols_b, dst.shape[1])
-    _launch(queue, _scatter_two, (_np(dst), _np(cols_a), _np(src_a), _np(cols_b), _np(src_b)), dst.shape[0],
+    check_column_range(cols_a, dst.shape[1])
+    check_column_range(cols_b, dst.shape[1])
+    launch_rows(queue, _scatter_two, (numpy_view(dst), numpy_view(cols_a), numpy_view(src_a), numpy_view(cols_b), numpy_view(src_b)), dst.shape[0],
             src_a.numel() + src_b.numel())
     return dst
 
 
-def _np(t: Tensor):  # noqa: ANN202
+def numpy_view(t: Tensor):  # noqa: ANN202
     """A numpy view of ``t``'s memory (writes through); ``detach`` so that parameters work too."""
     return t.detach().numpy()
 
 
-def _check_range(cols: Tensor, n: int) -> None:
+def check_column_range(cols: Tensor, n: int) -> None:
+    """Raises ``ValueError`` unless ``cols`` is a CPU int64 tensor, ``IndexError`` unless every
+    index is in ``[0, n)`` (``cols`` non-empty): what a compiled loop checks before it writes."""
     if cols.dtype != torch.int64 or cols.device.type != "cpu":
         raise ValueError(f"column indices must be a CPU int64 tensor, got {cols.dtype} on {cols.device}")
     lo, hi = int(cols.min()), int(cols.max())

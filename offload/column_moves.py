@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from offload.column_copy import ColumnCopies, _check_range, _compiled, _launch, _np
+from offload.column_copy import ColumnCopies, check_column_range, compiled_loop_applies, launch_rows, numpy_view
 
 
 @numba.njit(nogil=True, cache=True)
@@ -53,15 +53,15 @@ def compact_columns_(t: Tensor, positions: Tensor) -> Tensor:
         raise ValueError("compact_columns_ needs a contiguous tensor: it moves columns within its memory")
     rows, n, k = t.shape[0], t.shape[1], positions.numel()
     if k:
-        _check_range(positions, n)
+        check_column_range(positions, n)
         if k > 1 and not bool((positions[1:] > positions[:-1]).all()):
             raise ValueError("compact_columns_ needs strictly increasing positions")
     view = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), (rows, k))
     if k == n:
         return view
-    if not _compiled(t) or not k:
+    if not compiled_loop_applies(t) or not k:
         return view.copy_(t.index_select(1, positions.to(t.device))) if k else view
-    _compact(_np(t).reshape(-1), rows, n, _np(positions))
+    _compact(numpy_view(t).reshape(-1), rows, n, numpy_view(positions))
     return view
 
 
@@ -113,7 +113,7 @@ def handover_columns_(full: Tensor, sel: Tensor, old: Tensor, new: Tensor, enter
     if entering is not None and tuple(entering.shape) != (full.shape[0], enter_cols.numel()):
         raise ValueError(f"handover_columns_: entering must be {(full.shape[0], enter_cols.numel())},"
                          f" got {tuple(entering.shape)}")
-    if not _compiled(full, sel, *([] if entering is None else [entering])):
+    if not compiled_loop_applies(full, sel, *([] if entering is None else [entering])):
         dev = sel.device
         before = sel.clone()
         full.index_copy_(1, old[leaving].to(full.device), before[:, leave_pos.to(dev)].to(full.device))
@@ -121,9 +121,9 @@ def handover_columns_(full: Tensor, sel: Tensor, old: Tensor, new: Tensor, enter
         values = full.index_select(1, enter_cols.to(full.device)) if entering is None else entering
         sel.index_copy_(1, (~kept).nonzero().squeeze(1).to(dev), values.to(dev))
         return
-    _check_range(old, full.shape[1])
-    _check_range(new, full.shape[1])
+    check_column_range(old, full.shape[1])
+    check_column_range(new, full.shape[1])
     given = entering is not None
-    values = _np(entering) if given else _np(sel[:, :0])  # an unused array of the right type when not given
-    _launch(queue, _handover, (_np(full), _np(sel), _np(leave_pos), _np(old[leaving]), _np(src), _np(enter_cols),
+    values = numpy_view(entering) if given else numpy_view(sel[:, :0])  # an unused array of the right type when not given
+    launch_rows(queue, _handover, (numpy_view(full), numpy_view(sel), numpy_view(leave_pos), numpy_view(old[leaving]), numpy_view(src), numpy_view(enter_cols),
                                values, given), full.shape[0], sel.numel() * 2)
